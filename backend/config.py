@@ -1,0 +1,243 @@
+"""Engine and sampling configuration: validating dataclasses with vLLM's parameter names.
+
+Both raise ``ValueError`` with a message a user can act on; ``assert`` would vanish under ``python -O``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+SchedulingPolicy = Literal["continuous", "static"]
+_DTYPES = ("bfloat16", "float16", "float32")
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+# Default KV pool on a CPU when neither a block count nor a byte budget is given (vLLM's CPU backend uses 4 GiB).
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean, got {value!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to know before it loads a model.
+
+    ``max_model_len=None`` means "the model's own ``max_position_embeddings``"; it is resolved by
+    :meth:`resolve` once the model's config is known. The KV pool is sized from ``num_kv_blocks`` if given,
+    else from ``kv_cache_memory_bytes``, else (on CUDA) from ``gpu_memory_utilization`` of free memory.
+    """
+
+    model: str = ""
+    dtype: str = "bfloat16"
+    device: str = "cpu"  # "cpu", "cuda", or "auto" (CUDA when present)
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    scheduling_policy: SchedulingPolicy = "continuous"
+    num_threads: int | None = None  # torch intra-op threads; None = all cores
+    max_queue_size: int = 1024  # waiting requests beyond this are refused ("overloaded")
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda", "auto") and not str(self.device).startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto'; got {self.device!r}")
+        _positive("block_size", self.block_size)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two (e.g. 16 or 32); got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory_bytes is not None:
+            _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running sequence needs one token of budget per decode step"
+            )
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+            self._check_prefill_budget()
+        if self.scheduling_policy not in ("continuous", "static"):
+            raise ValueError(f"scheduling_policy must be 'continuous' or 'static'; got {self.scheduling_policy!r}")
+        if self.num_threads is not None:
+            _positive("num_threads", self.num_threads)
+        _positive("max_queue_size", self.max_queue_size)
+
+    def _check_prefill_budget(self) -> None:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with chunked prefill off, so a long prompt could never be scheduled; "
+                "raise max_num_batched_tokens, lower max_model_len, or set enable_chunked_prefill=true"
+            )
+
+    def resolve(self, model_max_len: int) -> None:
+        """Fill in ``max_model_len`` from the model and check it against what the model supports."""
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+            if not self.enable_chunked_prefill:
+                self.max_model_len = min(self.max_model_len, self.max_num_batched_tokens)
+        elif self.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings ({model_max_len})"
+            )
+        self._check_prefill_budget()
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+    def kv_block_bytes(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """Bytes of one KV block across all layers (K and V)."""
+        return 2 * num_layers * self.block_size * num_kv_heads * head_dim * self.dtype_bytes
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
+        """Build from string-valued settings (Triton ``parameters``, environment, CLI). Unknown keys are refused."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"unknown engine parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        kwargs: dict[str, Any] = {}
+        for name, raw in values.items():
+            kind = str(known[name].type)
+            if raw is None or (isinstance(raw, str) and raw.strip() == "" and "None" in kind):
+                kwargs[name] = None
+            elif kind.startswith("bool"):
+                kwargs[name] = _parse_bool(raw)
+            elif kind.startswith("int"):
+                kwargs[name] = _parse_int(name, raw)
+            elif kind.startswith("float"):
+                kwargs[name] = float(raw)
+            else:
+                kwargs[name] = str(raw)
+        if kwargs.get("model"):
+            kwargs["model"] = os.path.expanduser(kwargs["model"])
+        return cls(**kwargs)
+
+
+def _parse_int(name: str, raw: Any) -> int:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be an integer; got {raw!r}") from None
+    if not value.is_integer():
+        raise ValueError(f"{name} must be an integer; got {raw!r}")
+    return int(value)
+
+
+def _positive(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+
+
+# Limits that protect the server from a single request (see the README's "Limits" section).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings, named as in vLLM.
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``max_tokens=None`` means "until the model's length limit".
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens is not None:
+            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be a positive integer; got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled); got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer; got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed; got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings; got {s!r}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters; got {len(s)}")
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @classmethod
+    def from_json(cls, text: str, base: dict[str, Any] | None = None) -> SamplingParams:
+        """Parse vllm_backend's ``sampling_parameters`` JSON; numbers may arrive as strings (genai-perf does this)."""
+        try:
+            raw = json.loads(text) if text else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"sampling_parameters is not valid JSON: {exc.msg} at position {exc.pos}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("sampling_parameters must be a JSON object")
+        return cls.from_dict({**(base or {}), **raw})
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        kw: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key in ("max_tokens", "top_k", "seed") and value is not None:
+                kw[key] = _parse_int(key, value)
+            elif key in ("temperature", "top_p"):
+                try:
+                    kw[key] = float(value)
+                except (TypeError, ValueError):
+                    raise ValueError(f"{key} must be a number; got {value!r}") from None
+            elif key == "ignore_eos":
+                kw[key] = _parse_bool(value)
+            elif key == "stop":
+                kw[key] = [value] if isinstance(value, str) else list(value or [])
+            elif key == "stop_token_ids":
+                kw[key] = [_parse_int(key, v) for v in (value or [])]
+            else:
+                kw[key] = value
+        return cls(**kw)

@@ -1,0 +1,174 @@
+"""The engine: one step = schedule → run the model → sample → update → emit outputs.
+
+``LLMEngine`` is single-threaded and synchronous (offline ``generate`` and the dynamic-batcher model use it as is);
+``backend.engine_loop.EngineLoop`` runs it on a thread for the continuous model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from backend.block_manager import BlockManager
+from backend.config import EngineConfig, SamplingParams
+from backend.detokenizer import IncrementalDetokenizer
+from backend.model_runner import ModelRunner
+from backend.request import FinishReason, Request, RequestTimings
+from backend.sampler import Sampler
+from backend.scheduler import Scheduler
+from backend.stats import EngineStats, StepTimes
+from backend.tokenizer import load_tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: a text delta and the new token ids; the last one is ``finished``."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    timings: RequestTimings | None = None
+    num_preemptions: int = 0
+    error: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """A whole generation, as returned by :meth:`LLMEngine.generate`."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int
+    timings: RequestTimings
+    num_preemptions: int = 0
+    deltas: list[str] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model)
+        self.runner = ModelRunner(config)  # resolves config.max_model_len from the model
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.stats = EngineStats()
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Tokenize and queue a request. Raises ``ValueError`` (for this request only) when it cannot be served."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        params = params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty: it encodes to zero tokens")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
+                "which must also leave room for at least one generated token"
+            )
+        request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
+        self.scheduler.add_request(request)  # may refuse: queue full, or the prompt can never fit in the KV pool
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer.hf, token_ids, params.stop)
+        return request
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks; returns its final output, or None if it is unknown."""
+        request = self.scheduler.finish(request_id, reason)
+        if request is None:
+            return None
+        return self._output(request, "", [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if not sched.scheduled:
+            return []
+        inputs = self.runner.prepare([(s.request, s.num_new_tokens) for s in sched.scheduled])
+        t2 = time.perf_counter()
+        logits = self.runner.run(inputs)  # (S, V): one row per request that reached the end of its tokens
+        t3 = time.perf_counter()
+        sampled = inputs.sampled_requests
+        token_ids = self.sampler(logits, [r.request_id for r in sampled], [r.sampling_params for r in sampled])
+        t4 = time.perf_counter()
+        updated = self.scheduler.update(sched, {r.request_id: t for r, t in zip(sampled, token_ids)})
+        outputs = [self._on_new_token(r) for r in updated]
+        t5 = time.perf_counter()
+        self.stats.record_step(
+            sched, StepTimes(schedule=t1 - t0, prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3, update=t5 - t4),
+            self.block_manager,
+        )
+        return outputs
+
+    def _on_new_token(self, request: Request) -> RequestOutput:
+        token_id = request.token_ids[-1]
+        detok = self._detokenizers[request.request_id]
+        delta, hit_stop = detok.add_token(token_id)
+        if hit_stop and not request.is_finished:
+            self.scheduler.finish(request.request_id, FinishReason.STOP)
+        return self._output(request, delta, [token_id])
+
+    def _output(self, request: Request, delta: str, new_token_ids: list[int]) -> RequestOutput:
+        finished = request.is_finished
+        if finished:
+            detok = self._detokenizers.pop(request.request_id, None)
+            delta += detok.flush() if detok is not None else ""
+            self.sampler.forget(request.request_id)
+            self.stats.record_finish(request)
+        return RequestOutput(
+            request_id=request.request_id,
+            text=delta,
+            token_ids=new_token_ids,
+            finished=finished,
+            finish_reason=request.finish_reason.value if finished and request.finish_reason else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            timings=request.timings,
+            num_preemptions=request.num_preemptions,
+        )
+
+    # ---- offline API ----------------------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[CompletionOutput]:
+        """Run prompts to completion (all submitted at once) and return them in order."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        order = [self.add_request(None, p, sp).request_id for p, sp in zip(prompts, params_list)]
+        results: dict[str, CompletionOutput] = {}
+        pending: dict[str, list] = {rid: [[], []] for rid in order}  # deltas, token ids
+        while self.has_unfinished():
+            for out in self.step():
+                deltas, tokens = pending[out.request_id]
+                deltas.append(out.text)
+                tokens += out.token_ids
+                if out.finished:
+                    results[out.request_id] = CompletionOutput(
+                        out.request_id, "".join(deltas), tokens, out.finish_reason or "", out.num_prompt_tokens,
+                        out.timings, out.num_preemptions, deltas,
+                    )
+        return [results[rid] for rid in order]

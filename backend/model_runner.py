@@ -1,0 +1,153 @@
+"""Turns a scheduler decision into tensors, runs the model over the paged KV cache, and returns logits.
+
+The runner owns the device-side state: the weights and the KV pool (one K and one V tensor per layer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from backend.attention import AttentionMetadata, PrefillChunk, decode_gather_indices
+from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from backend.model import LlamaModel, ModelShape
+from backend.request import Request
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but no CUDA device is available; use device=auto or device=cpu")
+    return torch.device(device)
+
+
+def read_model_shape(model_dir: str | Path) -> ModelShape:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model folder {model_dir} has no config.json (prepare one with `make model`)")
+    return ModelShape.from_hf_config(json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S]
+    sampled_requests: list[Request]  # row i of the logits belongs to sampled_requests[i]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.dtype = _TORCH_DTYPES[config.dtype]
+        self.shape = read_model_shape(config.model)
+        config.resolve(self.shape.max_position_embeddings)
+        self.model = LlamaModel(config.model, self.dtype, self.device, config.max_model_len)
+        if self.device.type == "cuda":
+            from backend.kernels import cuda_decode_attention  # OpenAI Triton kernel; CPU keeps the torch path
+
+            self.model.decode_fn = cuda_decode_attention
+        self.block_size = config.block_size
+        self.num_kv_blocks = self._num_kv_blocks()
+        s = self.shape
+        cache_shape = (self.num_kv_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        self.kv_caches = [
+            (torch.zeros(cache_shape, dtype=self.dtype, device=self.device),
+             torch.zeros(cache_shape, dtype=self.dtype, device=self.device))
+            for _ in range(s.num_layers)
+        ]
+
+    def _num_kv_blocks(self) -> int:
+        c, s = self.config, self.shape
+        block_bytes = c.kv_block_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        if c.kv_cache_memory_bytes is not None:
+            budget = c.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - (1 - c.gpu_memory_utilization) * total)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"the KV-cache budget ({budget} bytes) holds no block of {block_bytes} bytes")
+        return num_blocks
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        s = self.shape
+        return self.num_kv_blocks * self.config.kv_block_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+
+    def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
+        """Flatten the step into one token stream: single-token decodes first, then prefill chunks."""
+        bs = self.block_size
+        decodes = [(r, n) for r, n in scheduled if n == 1]
+        chunks = [(r, n) for r, n in scheduled if n > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        logits_indices: list[int] = []
+        sampled: list[Request] = []
+        for r, n in decodes + chunks:
+            start = r.num_computed_tokens
+            input_ids += r.token_ids[start : start + n]
+            positions += range(start, start + n)
+            slot_mapping += [r.block_ids[p // bs] * bs + p % bs for p in range(start, start + n)]
+            if start + n == r.num_tokens:  # the chunk reaches the end: its last position is sampled
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(r)
+
+        num_decodes = len(decodes)
+        to = dict(device=self.device)
+        context_lens = torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes], dtype=torch.int32)
+        max_blocks = max((len(r.block_ids) for r, _ in decodes), default=0)
+        block_tables = torch.tensor(
+            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in decodes], dtype=torch.int32
+        ).view(num_decodes, max_blocks)
+        decode_slots = decode_mask = None
+        if num_decodes and self.device.type == "cpu":
+            decode_slots, decode_mask = decode_gather_indices(block_tables, context_lens, bs)
+        prefills = []
+        token_start = num_decodes
+        for r, n in chunks:
+            cached = r.num_computed_tokens
+            slots = None
+            if cached:
+                table = torch.tensor(r.block_ids, dtype=torch.long)
+                slots = (table[:, None] * bs + torch.arange(bs)).flatten()[: cached + n].to(**to)
+            prefills.append(PrefillChunk(token_start, n, cached, slots))
+            token_start += n
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, **to),
+            num_decode_tokens=num_decodes,
+            block_tables=block_tables.to(**to),
+            context_lens=context_lens.to(**to),
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
+            prefills=tuple(prefills),
+            scale=self.model.scale,
+        )
+        return ModelInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, **to),
+            positions=torch.tensor(positions, dtype=torch.long, **to),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, **to),
+            sampled_requests=sampled,
+        )
+
+    def run(self, inputs: ModelInput) -> torch.Tensor:  # [S, V] float32
+        if not inputs.sampled_requests and inputs.input_ids.numel() == 0:
+            return torch.empty(0, self.shape.vocab_size)
+        return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)

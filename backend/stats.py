@@ -1,0 +1,78 @@
+"""Engine statistics: per-step timings and batch sizes, KV usage, and per-request counters.
+
+Recorded by the engine thread only; readers (metrics, benchmarks) take snapshots.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    schedule: float
+    prepare: float
+    forward: float
+    sample: float
+    update: float
+
+    @property
+    def total(self) -> float:
+        return self.schedule + self.prepare + self.forward + self.sample + self.update
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    num_seqs: int  # sequences in this forward (the batch size the seed document talks about)
+    num_tokens: int  # tokens scheduled this step (prefill chunks + decodes)
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_preempted: int
+    times: StepTimes
+
+
+@dataclass
+class EngineStats:
+    history: int = 4096
+    steps: collections.deque = field(default_factory=collections.deque)
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    finished_by_reason: collections.Counter = field(default_factory=collections.Counter)
+    sum_times: dict = field(default_factory=lambda: collections.defaultdict(float))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.steps = collections.deque(maxlen=self.history)
+
+    def record_step(self, sched, times: StepTimes, block_manager) -> None:
+        record = StepRecord(
+            num_seqs=len(sched.scheduled),
+            num_tokens=sched.num_batched_tokens,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
+            num_kv_blocks_used=block_manager.num_used_blocks,
+            num_preempted=len(sched.preempted_ids),
+            times=times,
+        )
+        with self._lock:
+            self.steps.append(record)
+            self.num_steps += 1
+            self.num_preemptions += record.num_preempted
+            for name in ("schedule", "prepare", "forward", "sample", "update"):
+                self.sum_times[name] += getattr(times, name)
+
+    def record_finish(self, request) -> None:
+        with self._lock:
+            self.num_prompt_tokens += request.num_prompt_tokens
+            self.num_generation_tokens += request.num_output_tokens
+            reason = request.finish_reason.value if request.finish_reason else "unknown"
+            self.finished_by_reason[reason] += 1
+
+    def recent_steps(self) -> list[StepRecord]:
+        with self._lock:
+            return list(self.steps)
