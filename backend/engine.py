@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from backend.block_manager import BlockManager
@@ -19,6 +21,8 @@ from backend.sampler import Sampler
 from backend.scheduler import Scheduler
 from backend.stats import EngineStats, StepTimes
 from backend.tokenizer import load_tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,6 +68,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        # Test-only: called with the step's requests before the forward; raising simulates a failing step.
+        self.fault_hook: Callable[[list[Request]], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -100,6 +106,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def unfinished_request_ids(self) -> list[str]:
+        return [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
+
+    def _fail(self, request: Request, exc: Exception) -> RequestOutput:
+        self.scheduler.finish(request.request_id, FinishReason.ERROR)
+        output = self._output(request, "", [])
+        output.error = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
+        return output
+
     # ---- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -108,13 +123,19 @@ class LLMEngine:
         t1 = time.perf_counter()
         if not sched.scheduled:
             return []
-        inputs = self.runner.prepare([(s.request, s.num_new_tokens) for s in sched.scheduled])
-        t2 = time.perf_counter()
-        logits = self.runner.run(inputs)  # (S, V): one row per request that reached the end of its tokens
-        t3 = time.perf_counter()
-        sampled = inputs.sampled_requests
-        token_ids = self.sampler(logits, [r.request_id for r in sampled], [r.sampling_params for r in sampled])
-        t4 = time.perf_counter()
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook([s.request for s in sched.scheduled])
+            inputs = self.runner.prepare([(s.request, s.num_new_tokens) for s in sched.scheduled])
+            t2 = time.perf_counter()
+            logits = self.runner.run(inputs)  # (S, V): one row per request that reached the end of its tokens
+            t3 = time.perf_counter()
+            sampled = inputs.sampled_requests
+            token_ids = self.sampler(logits, [r.request_id for r in sampled], [r.sampling_params for r in sampled])
+            t4 = time.perf_counter()
+        except Exception as exc:  # the model or sampler failed: fail this step's requests only, keep serving
+            log.exception("engine step failed; failing its %d requests", len(sched.scheduled))
+            return [self._fail(s.request, exc) for s in sched.scheduled if not s.request.is_finished]
         updated = self.scheduler.update(sched, {r.request_id: t for r, t in zip(sampled, token_ids)})
         outputs = [self._on_new_token(r) for r in updated]
         t5 = time.perf_counter()
