@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from backend.config import SamplingParams
 from backend.engine import LLMEngine, RequestOutput
@@ -47,10 +47,11 @@ class EngineLoop:
         self,
         engine: LLMEngine,
         sink: OutputSink | None = None,
-        before_step: Callable[[], None] | None = None,
+        before_step: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         """``sink`` receives every output (default: per-request :class:`RequestStream` objects).
-        ``before_step`` runs on the loop thread before each step (the server checks cancellations there)."""
+        ``before_step`` runs on the loop thread before each step and returns the ids of requests to abort
+        (the server checks its clients' cancellations there, so an abort takes effect within one step)."""
         self.engine = engine
         self._sink = sink or self._to_stream
         self._before_step = before_step
@@ -114,12 +115,12 @@ class EngineLoop:
                         engine.add_request(request_id, prompt, params, arrival)
                     except ValueError as exc:  # a bad request fails alone
                         self._emit(RequestOutput(request_id, "", [], finished=True, finish_reason="error", error=str(exc)))
+                if self._before_step is not None:
+                    aborts += self._before_step() or ()
                 for request_id in aborts:
                     output = engine.abort(request_id)
                     if output is not None:
                         self._emit(output)
-                if self._before_step is not None:
-                    self._before_step()
                 if engine.has_unfinished():
                     for output in engine.step():
                         self._emit(output)
