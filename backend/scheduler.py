@@ -1,0 +1,291 @@
+"""Decides, every step, how many tokens each request runs: vLLM v1's rule without prefill or decode phases.
+
+Each request has ``num_computed_tokens`` (K/V in the cache) and ``num_tokens``; scheduling brings the first up to
+the second within a token budget. A prompt, a prompt chunk, a decode and a resume after preemption are all that
+rule. Pure Python: the model runner reads the returned :class:`SchedulerOutput` and never the queues.
+
+The two policies compared by this project differ only in who may join the running batch:
+
+* ``continuous`` (in-flight batching): waiting requests are admitted every step, as soon as a slot, budget and KV
+  blocks allow.
+* ``static``: when nothing is in flight, up to ``max_num_seqs`` requests at the head of the queue become the batch,
+  and no newcomer joins until every member has finished (members that miss the budget or the KV cache join over
+  the next steps; a preempted member goes back in). This is what Triton's dynamic batcher gives a generation model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import islice
+
+from backend.block_manager import BlockManager
+from backend.config import EngineConfig
+from backend.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """Run ``request.token_ids[c : c + num_new_tokens]`` at positions ``c..`` where ``c = num_computed_tokens``.
+
+    ``samples`` is true when this step reaches the end of the sequence, so the runner must sample a token.
+    """
+
+    request: Request
+    num_new_tokens: int
+    samples: bool
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # running requests first, then admitted ones
+    num_batched_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+    num_running: int = 0
+    num_waiting: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    kv_cache_usage: float
+    num_preemptions: int
+
+
+class Scheduler:
+    """Owns the waiting and running queues; the engine calls ``schedule()``, runs the model, then ``update()``."""
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
+        if max_model_len <= 1:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one); got {max_model_len}")
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({max_model_len}) with chunked prefill off, so a long sequence could never be scheduled; "
+                "raise max_num_batched_tokens, lower max_model_len, or set enable_chunked_prefill=true"
+            )
+        self.config = config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.current_batch_ids: set[str] = set()  # static policy: unfinished members of the batch in flight
+        self.num_preemptions = 0
+
+    # ---- queues ---------------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ``ValueError`` if it could never run (the engine reports that to this request only)."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
+            raise ValueError(f"request {request.request_id!r} is not a new request")
+        self._check_fits(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def _check_fits(self, request: Request) -> None:
+        num_prompt = request.num_prompt_tokens
+        if num_prompt >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens but max_model_len is {self.max_model_len}, "
+                "which leaves no room for a generated token; shorten the prompt"
+            )
+        pool = self.block_manager
+        if pool.num_blocks_for(num_prompt) > pool.num_blocks:
+            raise ValueError(
+                f"the prompt has {num_prompt} tokens, more than the whole KV cache holds "
+                f"({pool.num_blocks} blocks of {pool.block_size} tokens); shorten the prompt"
+            )
+        # NOTE: a request alone in the pool must be able to reach its end, or it would preempt itself forever.
+        # The last sampled token needs no K/V, hence the -1.
+        max_tokens = request.sampling_params.max_tokens
+        max_len = self.max_model_len if max_tokens is None else min(num_prompt + max_tokens, self.max_model_len)
+        if pool.num_blocks_for(max_len - 1) > pool.num_blocks:
+            raise ValueError(
+                f"the request may grow to {max_len} tokens (prompt + max_tokens, capped by max_model_len), more "
+                f"than the whole KV cache holds ({pool.num_blocks} blocks of {pool.block_size} tokens); "
+                "lower max_tokens"
+            )
+
+    def abort(self, request_id: str) -> Request | None:
+        """Cancel a waiting or running request and free its blocks now; ``None`` if it is unknown or done."""
+        return self.finish(request_id, FinishReason.ABORT)
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """Finish a request from outside the step (abort, stop string); ``None`` if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, reason)
+        return request
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        """Mark finished and release everything; the caller removes it from its queue."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.timings.finished = time.perf_counter()
+        self.block_manager.free(request)
+        del self.requests[request.request_id]
+        self.current_batch_ids.discard(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # ---- the step -------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens: running requests first (oldest first), then admissions from the queue.
+
+        ``request.num_computed_tokens`` stays where it was until :meth:`update`, so the runner reads it as the
+        first position to run.
+        """
+        output = SchedulerOutput()
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        # A step that had to preempt is out of blocks: admitting now would only preempt again.
+        if not output.preempted_ids:
+            self._schedule_waiting(output, budget)
+        output.num_batched_tokens = sum(s.num_new_tokens for s in output.scheduled)
+        output.num_running = len(self.running)
+        output.num_waiting = len(self.waiting)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        """Decodes and unfinished prompt chunks, oldest first; preempts the newest when blocks run out."""
+        chunked = self.config.enable_chunked_prefill
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget:
+                if not chunked:  # the rest of a prompt runs whole or waits; later decodes may still fit
+                    i += 1
+                    continue
+                num_new = budget
+            while self.block_manager.allocate_slots(request, num_new) is None:
+                victim = self.running.pop()  # never an already-scheduled one: those sit before index i
+                self._preempt(victim)
+                output.preempted_ids.append(victim.request_id)
+                if victim is request:
+                    return budget
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        """Admit from the head of the queue (FCFS, never skipping it) while seats, budget and blocks allow."""
+        static = self.config.scheduling_policy == "static"
+        if static and not self.current_batch_ids:
+            # Nothing in flight: the next batch is the head of the queue, fixed until all of it finishes.
+            self.current_batch_ids = {r.request_id for r in islice(self.waiting, self.config.max_num_seqs)}
+        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
+            request = self.waiting[0]
+            if static and request.request_id not in self.current_batch_ids:
+                break  # members (incl. preempted ones) sit at the front, so the rest are newcomers
+            num_cached = self.block_manager.get_computed_blocks(request)
+            request.num_computed_tokens = num_cached
+            num_new = request.num_tokens - num_cached
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    self._undo_admission(request)
+                    break
+                num_new = budget
+            if self.block_manager.allocate_slots(request, num_new) is None:
+                self._undo_admission(request)
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_cached_tokens = num_cached
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = time.perf_counter()
+            output.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    def _undo_admission(self, request: Request) -> None:
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+
+    def _preempt(self, request: Request) -> None:
+        """Preempt by recompute: drop its K/V; it resumes from the front of the queue with its tokens intact."""
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    @staticmethod
+    def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(request, num_new, request.num_computed_tokens + num_new == request.num_tokens)
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Apply a finished step; returns the requests that got a token (finished ones included).
+
+        ``sampled_token_ids`` maps the id of every scheduled request with ``samples`` to its new token.
+        """
+        outputs = []
+        any_finished = False
+        for scheduled in output.scheduled:
+            request = scheduled.request
+            if request.is_finished:  # aborted after schedule(): its blocks are gone already
+                continue
+            request.num_computed_tokens += scheduled.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
+            if not scheduled.samples:
+                continue
+            request.append_token(sampled_token_ids[request.request_id])
+            if request.timings.first_token is None:
+                request.timings.first_token = time.perf_counter()
+            reason = request.check_stop(self.max_model_len)
+            if reason is not None:
+                self._finish(request, reason)
+                any_finished = True
+            outputs.append(request)
+        if any_finished:  # one pass instead of list.remove per finished request
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    # ---- statistics -----------------------------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        pool = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_kv_blocks_used=pool.num_used_blocks,
+            num_kv_blocks_total=pool.num_blocks,
+            kv_cache_usage=pool.usage,
+            num_preemptions=self.num_preemptions,
+        )
+
+    def max_concurrency_by_kv(self, tokens_per_seq: int) -> int:
+        """How many sequences of ``tokens_per_seq`` tokens the KV pool holds at once (before max_num_seqs)."""
+        if tokens_per_seq <= 0:
+            raise ValueError(f"tokens_per_seq must be positive; got {tokens_per_seq}")
+        return self.block_manager.num_blocks // self.block_manager.num_blocks_for(tokens_per_seq)
