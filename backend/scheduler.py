@@ -89,6 +89,11 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
             raise ValueError(f"request {request.request_id!r} is not a new request")
+        if len(self.waiting) >= self.config.max_queue_size:
+            raise ValueError(
+                f"the server is overloaded: {len(self.waiting)} requests are already waiting "
+                f"(max_queue_size={self.config.max_queue_size}); retry later"
+            )
         self._check_fits(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)

@@ -281,6 +281,17 @@ def test_a_request_that_can_never_fit_is_refused():
     assert scheduler.num_waiting == 1
 
 
+def test_a_full_queue_refuses_new_requests():
+    scheduler = make_scheduler()
+    scheduler.config.max_queue_size = 2
+    scheduler.add_request(make_request("a", 3))
+    scheduler.add_request(make_request("b", 3))
+    with pytest.raises(ValueError, match="overloaded"):
+        scheduler.add_request(make_request("c", 3))
+    step(scheduler)  # a and b start running, so the queue has room again
+    scheduler.add_request(make_request("c", 3))
+
+
 def test_without_chunked_prefill_the_budget_must_cover_max_model_len():
     with pytest.raises(ValueError, match="enable_chunked_prefill"):
         make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False, max_model_len=32)
