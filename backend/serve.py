@@ -1,0 +1,571 @@
+"""Launch a real Triton Inference Server on a model repository, without Docker.
+
+    python -m backend.serve --model-repository model_repository --model models/smollm2-135m-instruct \\
+        --http-port 8000 --grpc-port 8001 --metrics-port 8002 [-- extra tritonserver args]
+
+The ``tritonserver`` binary comes from the nvidia-pytriton wheel (only the binary; PyTriton's Python API is not
+used). It is laid out once in ``.triton/tritonserver-<wheel version>-py<XY>/`` with the Python-backend stub for
+the running interpreter, then started with the environment the stub needs. The model folder reaches the
+models as the environment variable ``LLM_MODEL``; the model repository does not depend on this launcher.
+
+:class:`TritonServer` is the same code path as a small API (the tests use it)::
+
+    with TritonServer("model_repository", http_port=18000, grpc_port=18001, metrics_port=18002) as server:
+        requests.get(f"{server.http_url}/v2/health/ready")
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_LAYOUT_ROOT = REPO_ROOT / ".triton"
+DEFAULT_MODEL = "models/smollm2-135m-instruct"
+MODEL_ENV_VAR = "LLM_MODEL"
+LAYOUT_MARKER = ".complete"
+STUB_NAME = "triton_python_backend_stub"
+
+# Lines a CPU-only machine always prints; they are not the reason a start failed.
+_NOISE = re.compile(r"CudaDriverHelper|NVML|DCGM|CUDA driver version is insufficient|pinned memory", re.I)
+_ERROR = re.compile(r"^E\d{4} |error|failed|unavailable|unrecognized option|address already in use", re.I)
+
+
+class LauncherError(Exception):
+    """Something the user must fix before the server can start (bad path, busy port, no stub)."""
+
+
+class PortInUse(LauncherError):
+    """A port the server needs is taken (callers that picked the port themselves may retry with another)."""
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not become ready; the message carries the server's own error lines."""
+
+
+# ---------------------------------------------------------------------------------------------- the binary
+
+
+def _pytriton_dir() -> Path:
+    # NOTE: find_spec on the top-level package locates it without importing PyTriton's Python API.
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise LauncherError("nvidia-pytriton is not installed (it ships the tritonserver binary); run `make venv`")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def server_distribution() -> tuple[Path, Path, str]:
+    """``(tritonserver tree, shared-library folder, wheel version)`` of the installed nvidia-pytriton wheel."""
+    package_dir = _pytriton_dir()
+    tree = package_dir / "tritonserver"
+    libs = package_dir.parent / "nvidia_pytriton.libs"
+    if not (tree / "bin" / "tritonserver").is_file():
+        raise LauncherError(f"no tritonserver binary in {tree}; reinstall nvidia-pytriton")
+    return tree, libs, importlib.metadata.version("nvidia-pytriton")
+
+
+def python_version() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def stub_versions(tree: Path) -> list[str]:
+    """Python versions that have a Python-backend stub in the wheel, oldest first."""
+    stubs = tree / "python_backend_stubs"
+    found = [p.parent.name for p in stubs.glob(f"*/{STUB_NAME}")]
+    return sorted(found, key=lambda v: tuple(int(part) for part in v.split(".") if part.isdigit()))
+
+
+def find_stub(tree: Path, version: str) -> Path:
+    stub = tree / "python_backend_stubs" / version / STUB_NAME
+    if not stub.is_file():
+        raise LauncherError(
+            f"the Triton Python backend has no stub for Python {version}; "
+            f"stubs exist for Python {', '.join(stub_versions(tree)) or '(none)'}. "
+            "Recreate the virtual environment with one of those (`make clean venv PYTHON=python3.X`)."
+        )
+    return stub
+
+
+def prepare_server_home(version: str | None = None, layout_root: Path = DEFAULT_LAYOUT_ROOT) -> Path:
+    """Lay the wheel's tritonserver tree out once, with the stub for ``version``; return that folder.
+
+    The tree is copied into a temporary sibling and renamed into place with its marker already written, so a
+    folder without the marker is a leftover of an interrupted copy and is redone. Site-packages is never written.
+    """
+    version = version or python_version()
+    tree, _, wheel_version = server_distribution()
+    stub = find_stub(tree, version)
+    home = layout_root / f"tritonserver-{wheel_version}-py{version.replace('.', '')}"
+    wanted = {"source": str(tree), "nvidia_pytriton": wheel_version, "python": version}
+    if _read_json(home / LAYOUT_MARKER) == wanted:
+        return home
+
+    t0 = time.perf_counter()
+    if home.exists():
+        shutil.rmtree(home)
+    layout_root.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_copies(layout_root, home.name)
+    tmp = layout_root / f".{home.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(tree, tmp, ignore=shutil.ignore_patterns("python_backend_stubs", "__pycache__"))
+        shutil.copy2(stub, tmp / "backends" / "python" / STUB_NAME)
+        (tmp / LAYOUT_MARKER).write_text(json.dumps(wanted, indent=2) + "\n")
+        try:
+            tmp.rename(home)
+        except OSError:
+            if _read_json(home / LAYOUT_MARKER) != wanted:  # not just another launcher finishing first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"[serve] laid out tritonserver in {home} ({time.perf_counter() - t0:.2f} s)", flush=True)
+    return home
+
+
+def _remove_abandoned_copies(layout_root: Path, name: str) -> None:
+    """Remove half-made copies left by launchers that were killed mid-copy."""
+    for leftover in layout_root.glob(f".{name}.tmp-*"):
+        pid = leftover.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def check_model_repository(path: str | os.PathLike) -> Path:
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise LauncherError(f"model repository {path} does not exist (or is not a folder)")
+    return path
+
+
+def check_model_folder(path: str | os.PathLike) -> Path:
+    path = Path(path).absolute()
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise LauncherError(
+            f"model folder {path} {what}; prepare it with `make model` "
+            f"(python -m backend.prepare_model --out {DEFAULT_MODEL})"
+        )
+    return path
+
+
+def port_is_free(port: int, address: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR: a port left in TIME_WAIT by a server that just stopped is free; a listener is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def check_ports(ports: Mapping[str, int], address: str) -> None:
+    """Refuse duplicate or busy ports. ``ports`` maps a protocol name ("HTTP") to its port."""
+    seen: dict[int, str] = {}
+    for name, port in ports.items():
+        if not 0 < port < 65536:
+            raise LauncherError(f"{name} port {port} is not a valid port number")
+        if port in seen:
+            raise LauncherError(f"{name} and {seen[port]} were both given port {port}; each needs its own")
+        seen[port] = name
+        if not port_is_free(port, address):
+            raise PortInUse(
+                f"{name} port {port} on {address} is already in use (another server?); "
+                f"free it or pick another with --{name.lower()}-port / {name.upper()}_PORT"
+            )
+
+
+def option_value(args: Sequence[str], name: str) -> str | None:
+    """Last value of ``--name X`` or ``--name=X`` in a tritonserver argument list (the server keeps the last)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- the server
+
+
+def _die_with_parent() -> None:
+    # NOTE: PR_SET_PDEATHSIG stops an orphaned server if the launcher (or a test run) is killed outright.
+    # Linux sends it when the *thread* that started the server exits, so start servers from a long-lived thread.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # 1 == PR_SET_PDEATHSIG
+
+
+class TritonServer:
+    """One tritonserver process started the launcher's way.
+
+    ``start()`` validates, lays out the binary and starts the process; ``wait_ready()`` polls
+    ``/v2/health/ready``; ``stop()`` sends SIGTERM and escalates to SIGKILL. Output goes to ``log_path``
+    (a temporary file if not given), or with ``echo=True`` to this process's stdout. As a context manager it
+    starts, waits until ready, and always stops.
+    """
+
+    def __init__(
+        self,
+        model_repository: str | os.PathLike,
+        *,
+        http_port: int = 8000,
+        grpc_port: int = 8001,
+        metrics_port: int = 8002,
+        address: str = "127.0.0.1",
+        model: str | os.PathLike | None = None,
+        extra_args: Iterable[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+        echo: bool = False,
+        python_version: str | None = None,
+        layout_root: Path = DEFAULT_LAYOUT_ROOT,
+    ) -> None:
+        self.model_repository = Path(model_repository).absolute()
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.address = address
+        self.model = None if model is None else Path(model).absolute()
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        self.log_path = None if log_path is None else Path(log_path)
+        self.echo = echo
+        self.python_version = python_version
+        self.layout_root = layout_root
+        self.started_at: float | None = None
+        self.stopped_at: float | None = None
+        self._process: subprocess.Popen | None = None
+        self._recent_lines: collections.deque[str] = collections.deque(maxlen=2000)
+        self._reader: threading.Thread | None = None
+
+    # -- addresses
+
+    @property
+    def _client_host(self) -> str:
+        http_address = option_value(self.extra_args, "--http-address") or self.address
+        return "127.0.0.1" if http_address == "0.0.0.0" else http_address
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self._client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        """``host:port`` as tritonclient.grpc expects it."""
+        return f"{self._client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._client_host}:{self.metrics_port}/metrics"
+
+    # -- process
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._process is None else self._process.poll()
+
+    @property
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def command(self, home: Path) -> list[str]:
+        args = [
+            str(home / "bin" / "tritonserver"),
+            "--model-repository", str(self.model_repository),
+            "--backend-directory", str(home / "backends"),
+            "--http-address", self.address,
+            "--grpc-address", self.address,
+            "--http-port", str(self.http_port),
+            "--grpc-port", str(self.grpc_port),
+            "--metrics-port", str(self.metrics_port),
+        ]  # fmt: skip
+        if option_value(self.extra_args, "--cache-directory") is None:
+            args += ["--cache-directory", str(home / "caches")]
+        return args + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        _, libs, _ = server_distribution()
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libs), env.get("LD_LIBRARY_PATH")]))
+        # NOTE: the stub finds site-packages through the `python3` first on PATH, so the venv's bin/ goes first.
+        # sys.executable is not resolved: resolving a venv's python leads to the system interpreter.
+        env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
+        if self.model is not None:
+            env[MODEL_ENV_VAR] = str(self.model)
+        env.update(self.env)
+        return env
+
+    def start(self) -> "TritonServer":
+        """Validate, lay out the binary, check the ports and start the process (does not wait for readiness)."""
+        if self._process is not None:
+            raise RuntimeError("this TritonServer was already started")
+        check_model_repository(self.model_repository)
+        if self.model is not None:
+            check_model_folder(self.model)
+        home = prepare_server_home(self.python_version, self.layout_root)
+        check_ports({"HTTP": self.http_port, "gRPC": self.grpc_port, "metrics": self.metrics_port}, self.address)
+
+        if self.echo:
+            stdout = subprocess.PIPE
+        else:
+            if self.log_path is None:
+                fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
+                os.close(fd)
+                self.log_path = Path(name)
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            stdout = open(self.log_path, "ab")
+        try:
+            self._process = subprocess.Popen(
+                self.command(home),
+                env=self.environment(),
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # signals reach it only through us, never twice
+                preexec_fn=_die_with_parent,
+            )
+        finally:
+            if stdout is not subprocess.PIPE:
+                stdout.close()
+        self.started_at = time.monotonic()
+        if self.echo:
+            self._reader = threading.Thread(target=self._echo_output, name="tritonserver-output", daemon=True)
+            self._reader.start()
+        return self
+
+    def _echo_output(self) -> None:
+        assert self._process is not None and self._process.stdout is not None
+        for raw in self._process.stdout:
+            line = raw.decode(errors="replace")
+            self._recent_lines.append(line.rstrip("\n"))
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = 300.0) -> float:
+        """Block until ``/v2/health/ready`` answers 200; return seconds since start.
+
+        Raises :class:`ServerError` with the server's own error lines if it exits first or times out.
+        """
+        if self._process is None or self.started_at is None:
+            raise RuntimeError("call start() first")
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._process.poll() is not None:
+                self._drain_output()
+                raise ServerError(self._failure(f"tritonserver exited with status {self._process.returncode}"))
+            if self.is_ready():
+                return time.monotonic() - self.started_at
+            if time.monotonic() > deadline:
+                raise ServerError(self._failure(f"tritonserver was not ready after {timeout:.0f} s"))
+            time.sleep(0.1)
+
+    def _failure(self, headline: str) -> str:
+        lines = self.error_lines()
+        where = f"; full log: {self.log_path}" if self.log_path else ""
+        if not lines:
+            return f"{headline} before it was ready{where}. Last output:\n{self.output_tail(20)}"
+        return f"{headline} before it was ready{where}. Server errors:\n" + "\n".join(lines)
+
+    def _drain_output(self) -> None:
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+
+    def output_lines(self) -> list[str]:
+        if self.log_path is not None and not self.echo:
+            try:
+                return self.log_path.read_text(errors="replace").splitlines()
+            except OSError:
+                return []
+        return list(self._recent_lines)
+
+    def output_tail(self, num_lines: int = 80) -> str:
+        return "\n".join(self.output_lines()[-num_lines:])
+
+    def error_lines(self, limit: int = 30) -> list[str]:
+        """The server's own error lines (``E1129 ...``, "failed to load", ...), CPU-only noise left out."""
+        found = [ln for ln in self.output_lines() if _ERROR.search(ln) and not _NOISE.search(ln)]
+        return found[-limit:]
+
+    def send_signal(self, sig: int) -> None:
+        if self.is_running:
+            self._process.send_signal(sig)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for the process to exit; return its status (negative: killed by that signal)."""
+        if self._process is None:
+            raise RuntimeError("call start() first")
+        code = self._process.wait(timeout)
+        self._drain_output()
+        if self.stopped_at is None:
+            self.stopped_at = time.monotonic()
+        return code
+
+    def stop(self, timeout: float = 45.0) -> int | None:
+        """SIGTERM, wait up to ``timeout`` s (the server drains in-flight work), then SIGKILL. Idempotent."""
+        if self._process is None:
+            return None
+        if self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+        return self.wait()
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.is_running else f"exited {self.returncode}" if self._process else "not started"
+        return f"TritonServer({self.model_repository}, http={self.http_port}, grpc={self.grpc_port}, {state})"
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip() else default
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Our options, plus everything else (unknown options, and all after ``--``) for tritonserver."""
+    argv = list(argv)
+    after_dashes: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, after_dashes = argv[:split], argv[split + 1 :]
+    parser = argparse.ArgumentParser(
+        prog="python -m backend.serve",
+        description="Serve a model repository on a real Triton Inference Server. "
+        "Options it does not know (and anything after --) go to tritonserver unchanged.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--model-repository", default="model_repository", help="default: %(default)s")
+    parser.add_argument(
+        "--model",
+        default=os.environ.get("MODEL") or DEFAULT_MODEL,
+        help=f"HF model folder, exported to the models as {MODEL_ENV_VAR} (default: $MODEL or %(default)s)",
+    )
+    parser.add_argument("--http-port", type=int, default=_env_int("HTTP_PORT", 8000))
+    parser.add_argument("--grpc-port", type=int, default=_env_int("GRPC_PORT", 8001))
+    parser.add_argument("--metrics-port", type=int, default=_env_int("METRICS_PORT", 8002))
+    parser.add_argument("--address", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds (default: %(default)s)")
+    # Which stub to look up; only for testing the "no stub for this Python" path.
+    parser.add_argument("--python-version", default=None, help=argparse.SUPPRESS)
+    args, unknown = parser.parse_known_args(argv)
+    return args, unknown + after_dashes
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, extra_args = parse_args(sys.argv[1:] if argv is None else argv)
+    server = TritonServer(
+        args.model_repository,
+        http_port=args.http_port,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        address=args.address,
+        model=args.model,
+        extra_args=extra_args,
+        echo=True,
+        python_version=args.python_version,
+    )
+    try:
+        server.start()
+    except LauncherError as exc:
+        print(f"serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    signals_received: list[int] = []
+
+    def forward(signum: int, _frame) -> None:
+        # First signal: let the server shut down cleanly. Second: stop waiting for it.
+        signals_received.append(signum)
+        server.send_signal(signum if len(signals_received) == 1 else signal.SIGKILL)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+
+    try:
+        seconds = server.wait_ready(args.ready_timeout)
+    except ServerError as exc:
+        if signals_received:
+            print("[serve] stopped before the server was ready", file=sys.stderr)
+            return _exit_status(server.wait())
+        print(f"serve: error: {exc}", file=sys.stderr)
+        server.stop()
+        return _exit_status(server.wait()) or 1
+    print(
+        f"[serve] ready in {seconds:.1f} s: HTTP {server.http_url}  gRPC {server.grpc_url}  "
+        f"metrics {server.metrics_url}  (model {server.model}; Ctrl+C stops)",
+        flush=True,
+    )
+    status = _exit_status(server.wait())
+    print(f"[serve] tritonserver exited with status {status}", file=sys.stderr)
+    return status
+
+
+def _exit_status(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
