@@ -61,6 +61,12 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         self.runner = ModelRunner(config)  # resolves config.max_model_len from the model
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        capacity = self.runner.num_kv_blocks * config.block_size
+        if capacity < self.max_model_len:
+            raise ValueError(
+                f"the KV pool holds {capacity} tokens, fewer than max_model_len ({self.max_model_len}): one long "
+                "sequence could never finish; give the KV cache more memory or lower max_model_len"
+            )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.sampler = Sampler(config.seed)
