@@ -1,0 +1,506 @@
+"""A small client for the two LLM models served on Triton (``llm_dynamic``, ``llm_continuous``).
+
+One request type, one result type, two protocols:
+
+    client = LLMClient()                                   # gRPC at 127.0.0.1:8001
+    generation = client.stream("llm_continuous", GenerationRequest("Tell me a story", max_tokens=32))
+    for chunk in generation:                               # Chunk: text delta, token ids, counts
+        print(chunk.text, end="", flush=True)
+    result = generation.result()                           # GenerationResult: text, ttft_s, tpot_s, e2e_s, ...
+
+gRPC uses Triton's bidirectional stream (one stream per request, final response flagged by
+``triton_final_response``); HTTP uses ``/v2/models/<m>/generate_stream`` (SSE) when ``stream`` is true and
+``/v2/models/<m>/generate`` otherwise. Timings are measured with ``time.perf_counter`` from the moment the request
+is sent. An ``LLMClient`` may be shared by threads: each generation has its own stream or HTTP response.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import numpy as np
+import requests
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+DEFAULT_GRPC_URL = "127.0.0.1:8001"
+DEFAULT_HTTP_URL = "127.0.0.1:8000"
+
+# Input name -> (Triton datatype, numpy dtype), as declared by both models' config.pbtxt.
+INPUT_TYPES: dict[str, tuple[str, Any]] = {
+    "text_input": ("BYTES", np.object_),
+    "max_tokens": ("INT32", np.int32),
+    "temperature": ("FP32", np.float32),
+    "top_p": ("FP32", np.float32),
+    "top_k": ("INT32", np.int32),
+    "seed": ("INT64", np.int64),
+    "stop": ("BYTES", np.object_),
+    "ignore_eos": ("BOOL", np.bool_),
+    "stream": ("BOOL", np.bool_),
+    "sampling_parameters": ("BYTES", np.object_),
+    "exclude_input_in_output": ("BOOL", np.bool_),
+}
+
+
+# ---------------------------------------------------------------------------------------------- errors
+
+
+class ClientError(Exception):
+    """Base of this client's errors; the message is meant for a user and fits on one line."""
+
+
+class ServerUnavailable(ClientError):
+    """No Triton server answers at the URL."""
+
+
+class ModelNotServed(ClientError):
+    """The server does not serve (or has not loaded) the model."""
+
+
+class GenerationError(ClientError):
+    """The server answered this request with an error; the message is the server's."""
+
+
+# ---------------------------------------------------------------------------------------------- types
+
+
+@dataclass
+class GenerationRequest:
+    """One generation request, named as the models' inputs; ``None`` leaves an input out (model default)."""
+
+    text_input: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    ignore_eos: bool | None = None
+    stream: bool = True
+    sampling_parameters: Mapping[str, Any] | None = None
+    exclude_input_in_output: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.text_input, str):
+            raise ValueError(f"text_input must be a str, not {type(self.text_input).__name__}")
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def input_values(self) -> dict[str, list]:
+        """The inputs to send, each as a flat list of values (``stop`` may hold several; the others hold one)."""
+        values: dict[str, list] = {}
+        for name in INPUT_TYPES:
+            value = getattr(self, name)
+            if value is None or (name == "stop" and not value):
+                continue
+            if name == "sampling_parameters":
+                value = json.dumps(dict(value))
+            values[name] = list(value) if name == "stop" else [value]
+        return values
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One response of a generation: the new text and token ids, and when it arrived."""
+
+    text: str
+    output_ids: tuple[int, ...]
+    finish_reason: str | None  # "stop", "length" or "abort" on the last response; None before
+    num_input_tokens: int | None
+    num_output_tokens: int | None  # generated so far, as the server counts
+    time_s: float  # seconds since the request was sent
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this response carries (a response with text but no ids counts as one)."""
+        return len(self.output_ids) or (1 if self.text else 0)
+
+
+@dataclass
+class GenerationResult:
+    """A finished generation with its client-side timings (seconds, ``time.perf_counter``).
+
+    ``ttft_s``: request sent -> first response carrying a token. ``itl_s``: gaps between successive responses that
+    carry tokens. ``tpot_s``: time per output token after the first response, i.e. the mean of ``itl_s`` when each
+    response carries one token (``None`` when every token came in the first response). ``e2e_s``: request sent ->
+    final response.
+    """
+
+    text: str
+    output_ids: list[int]
+    finish_reason: str | None
+    num_input_tokens: int | None
+    num_output_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float
+    itl_s: list[float] = field(default_factory=list)
+    num_responses: int = 0
+    cancelled: bool = False
+
+    @classmethod
+    def from_chunks(cls, chunks: Sequence[Chunk], e2e_s: float, cancelled: bool = False) -> "GenerationResult":
+        """Assemble the text and timings of a generation from its chunks, in arrival order."""
+        token_chunks = [c for c in chunks if c.num_tokens]
+        times = [c.time_s for c in token_chunks]
+        num_tokens = sum(c.num_tokens for c in token_chunks)
+        num_after_first = num_tokens - (token_chunks[0].num_tokens if token_chunks else 0)
+        counted = [c.num_output_tokens for c in chunks if c.num_output_tokens is not None]
+        inputs = [c.num_input_tokens for c in chunks if c.num_input_tokens is not None]
+        reasons = [c.finish_reason for c in chunks if c.finish_reason]
+        return cls(
+            text="".join(c.text for c in chunks),
+            output_ids=[i for c in chunks for i in c.output_ids],
+            finish_reason=reasons[-1] if reasons else None,
+            num_input_tokens=inputs[-1] if inputs else None,
+            num_output_tokens=counted[-1] if counted else num_tokens,
+            ttft_s=times[0] if times else None,
+            tpot_s=(times[-1] - times[0]) / num_after_first if num_after_first > 0 else None,
+            e2e_s=e2e_s,
+            itl_s=[b - a for a, b in zip(times, times[1:])],
+            num_responses=len(chunks),
+            cancelled=cancelled,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model in the server's repository index, with its batching mode read from its config."""
+
+    name: str
+    version: str
+    state: str
+    reason: str = ""
+    batching: str = ""
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state == "READY"
+
+
+def describe_batching(config: Mapping[str, Any]) -> str:
+    """Who forms the batch, from a model config (HTTP or gRPC JSON form)."""
+    max_batch_size = int(config.get("max_batch_size", 0))
+    decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
+    policy = config.get("parameters", {}).get("scheduling_policy", {}).get("string_value")
+    if "dynamic_batching" in config:
+        delay_us = int(config["dynamic_batching"].get("max_queue_delay_microseconds", 0))
+        return f"dynamic batcher (max_batch_size {max_batch_size}, max_queue_delay {delay_us} µs)"
+    if policy:
+        return f"{'decoupled, ' if decoupled else ''}engine-side {policy} batching"
+    return f"no batching (max_batch_size {max_batch_size})"
+
+
+def build_inputs(request: GenerationRequest, max_batch_size: int) -> list[grpcclient.InferInput]:
+    """The gRPC inputs for ``request``: shape ``[n]``, or ``[1, n]`` for a model with ``max_batch_size > 0``."""
+    batch_dims = (1,) if max_batch_size > 0 else ()
+    inputs = []
+    for name, values in request.input_values().items():
+        datatype, dtype = INPUT_TYPES[name]
+        if dtype is np.object_:
+            values = [v.encode("utf-8") for v in values]
+        array = np.array(values, dtype=dtype).reshape(batch_dims + (len(values),))
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+# ---------------------------------------------------------------------------------------------- a generation
+
+
+class Generation:
+    """A request in flight. Iterate it for :class:`Chunk` s; ``result()`` waits for the end; ``cancel()`` aborts.
+
+    Iterating (and ``result()``) raises :class:`GenerationError` if the server answers with an error.
+    ``ended_at`` is the ``perf_counter`` time of the final response: the transport sets it when it sees the final
+    flag, so closing the stream afterwards does not count; otherwise it is when iteration ends.
+    """
+
+    def __init__(self, chunks: Iterator[Chunk], cancel: Callable[[], None], started: float) -> None:
+        self._source = chunks
+        self._cancel = cancel
+        self._started = started
+        self._chunks: list[Chunk] = []
+        self._result: GenerationResult | None = None
+        self._error: GenerationError | None = None
+        self.ended_at: float | None = None
+        self.cancelled = False
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> Chunk:
+        if self._error is not None:
+            raise self._error
+        if self._result is not None:
+            raise StopIteration
+        try:
+            chunk = next(self._source)
+        except GenerationError as exc:
+            self._error = exc
+            raise
+        except StopIteration:
+            e2e_s = (self.ended_at or time.perf_counter()) - self._started
+            self._result = GenerationResult.from_chunks(self._chunks, e2e_s, self.cancelled)
+            raise
+        self._chunks.append(chunk)
+        return chunk
+
+    def cancel(self) -> None:
+        """Ask the server to stop this request; iteration then ends (``result().cancelled`` is true)."""
+        self.cancelled = True
+        self._cancel()
+
+    def result(self) -> GenerationResult:
+        """Consume what is left and return the finished :class:`GenerationResult`."""
+        for _ in self:
+            pass
+        assert self._result is not None
+        return self._result
+
+
+def _flat(value: Any) -> list:
+    """HTTP JSON carries a one-element output as a plain value and others as (possibly nested) lists."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [x for item in value for x in _flat(item)]
+    return [value]
+
+
+def _chunk(get: Callable[[str], Any], time_s: float) -> Chunk:
+    """A Chunk from one response, ``get(name)`` giving an output's values (or None when absent)."""
+
+    def first(name: str) -> Any:
+        values = _flat(get(name))
+        return values[0] if values else None
+
+    def text(value: Any) -> str:
+        return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else (value or "")
+
+    num_input, num_output = first("num_input_tokens"), first("num_output_tokens")
+    return Chunk(
+        text="".join(text(v) for v in _flat(get("text_output"))),
+        output_ids=tuple(int(i) for i in _flat(get("output_ids"))),
+        finish_reason=text(first("finish_reason")) or None,
+        num_input_tokens=None if num_input is None else int(num_input),
+        num_output_tokens=None if num_output is None else int(num_output),
+        time_s=time_s,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- the client
+
+
+class LLMClient:
+    """Talks to one Triton server over gRPC (default) or HTTP; caches each model's config.
+
+    ``timeout``: seconds to wait for any one response before the request is cancelled and fails.
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_GRPC_URL,
+        http_url: str = DEFAULT_HTTP_URL,
+        protocol: str = "grpc",
+        timeout: float = 600.0,
+    ) -> None:
+        if protocol not in ("grpc", "http"):
+            raise ValueError(f"protocol must be 'grpc' or 'http', not {protocol!r}")
+        self.url = url
+        self.http_url = http_url if "://" in http_url else f"http://{http_url}"
+        self.protocol = protocol
+        self.timeout = timeout
+        self._grpc: grpcclient.InferenceServerClient | None = None
+        self._session = requests.Session()
+        self._configs: dict[str, dict] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        """The server address this client's protocol uses, as a user would type it."""
+        return self.url if self.protocol == "grpc" else self.http_url.split("://", 1)[1]
+
+    def close(self) -> None:
+        if self._grpc is not None:
+            self._grpc.close()
+        self._session.close()
+
+    def __enter__(self) -> "LLMClient":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- server and models
+
+    def _server_down(self) -> ServerUnavailable:
+        return ServerUnavailable(f"no Triton server at {self.address} — start one with `make serve`")
+
+    def _grpc_call(self, method: str, *args, **kwargs) -> Any:
+        with self._lock:
+            if self._grpc is None:
+                self._grpc = grpcclient.InferenceServerClient(self.url)
+        try:
+            return getattr(self._grpc, method)(*args, client_timeout=30.0, **kwargs)
+        except InferenceServerException as exc:
+            if exc.status() in ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED"):
+                raise self._server_down() from None
+            raise
+
+    def _http_call(self, method: str, path: str) -> requests.Response:
+        try:
+            return self._session.request(method, f"{self.http_url}{path}", timeout=30.0)
+        except requests.ConnectionError:
+            raise self._server_down() from None
+
+    def models(self) -> list[ModelInfo]:
+        """Every model in the server's repository index, with its state and (when ready) batching mode."""
+        if self.protocol == "grpc":
+            index = self._grpc_call("get_model_repository_index", as_json=True).get("models", [])
+        else:
+            index = self._http_call("POST", "/v2/repository/index").json()
+        infos = []
+        for entry in index:
+            info = ModelInfo(entry["name"], entry.get("version", ""), entry.get("state", ""), entry.get("reason", ""))
+            if info.is_ready:
+                info = ModelInfo(**{**asdict(info), "batching": describe_batching(self.model_config(info.name))})
+            infos.append(info)
+        return infos
+
+    def _not_served(self, model: str) -> ModelNotServed:
+        infos = self.models()
+        for info in infos:
+            if info.name == model:
+                why = f": {info.reason}" if info.reason else ""
+                return ModelNotServed(f"model '{model}' is not ready (state {info.state or 'unknown'}{why})")
+        served = ", ".join(i.name for i in infos if i.is_ready) or "(none)"
+        return ModelNotServed(f"model '{model}' is not served; served models: {served}")
+
+    def model_config(self, model: str) -> dict:
+        """The model's config (fetched once per client, then cached); raises ModelNotServed if unknown."""
+        with self._lock:
+            if model in self._configs:
+                return self._configs[model]
+        if self.protocol == "grpc":
+            try:
+                config = self._grpc_call("get_model_config", model, as_json=True)["config"]
+            except InferenceServerException:
+                raise self._not_served(model) from None
+        else:
+            response = self._http_call("GET", f"/v2/models/{model}/config")
+            if response.status_code != 200:
+                raise self._not_served(model)
+            config = response.json()
+        with self._lock:
+            self._configs[model] = config
+        return config
+
+    # -- generation
+
+    def stream(self, model: str, request: GenerationRequest) -> Generation:
+        """Send ``request`` to ``model`` and return the :class:`Generation` in flight."""
+        config = self.model_config(model)
+        if self.protocol == "grpc":
+            return self._grpc_stream(model, build_inputs(request, int(config.get("max_batch_size", 0))))
+        return self._http_stream(model, request)
+
+    def generate(self, model: str, request: GenerationRequest) -> GenerationResult:
+        """Send ``request`` and wait for the whole :class:`GenerationResult`."""
+        return self.stream(model, request).result()
+
+    def _grpc_stream(self, model: str, inputs: list[grpcclient.InferInput]) -> Generation:
+        # NOTE: a tritonclient InferenceServerClient holds at most one stream, so each generation gets its own.
+        client = grpcclient.InferenceServerClient(self.url)
+        responses: queue.Queue = queue.Queue()
+        client.start_stream(lambda result, error: responses.put((time.perf_counter(), result, error)))
+        state = {"cancelled": False, "done": False}
+
+        def cancel() -> None:
+            state["cancelled"] = True
+            client.stop_stream(cancel_requests=True)
+
+        def chunks() -> Iterator[Chunk]:
+            try:
+                while True:
+                    try:
+                        arrived, result, error = responses.get(timeout=self.timeout)
+                    except queue.Empty:
+                        raise GenerationError(f"no response from '{model}' within {self.timeout:g} s") from None
+                    if error is not None:
+                        if state["cancelled"]:
+                            return
+                        raise GenerationError(f"'{model}': {error.message()}")
+                    chunk = _chunk(result.as_numpy, arrived - started)
+                    if chunk.num_tokens or chunk.finish_reason:
+                        yield chunk
+                    if result.get_response().parameters["triton_final_response"].bool_param:
+                        generation.ended_at = arrived
+                        state["done"] = True
+                        return
+            finally:
+                client.stop_stream(cancel_requests=not state["done"])
+                client.close()
+
+        started = time.perf_counter()
+        client.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True)
+        generation = Generation(chunks(), cancel, started)
+        return generation
+
+    def _http_stream(self, model: str, request: GenerationRequest) -> Generation:
+        endpoint = "generate_stream" if request.stream else "generate"
+        payload = {k: (v if k == "stop" else v[0]) for k, v in request.input_values().items()}
+        started = time.perf_counter()
+        try:
+            response = self._session.post(
+                f"{self.http_url}/v2/models/{model}/{endpoint}", json=payload, stream=True, timeout=(30.0, self.timeout)
+            )
+        except requests.ConnectionError:
+            raise self._server_down() from None
+        except requests.RequestException as exc:
+            raise GenerationError(f"'{model}': {exc}") from None
+
+        def answer(body: dict) -> dict:
+            if response.status_code >= 400 or "error" in body:
+                raise GenerationError(f"'{model}': {body.get('error') or f'HTTP {response.status_code}'}")
+            return body
+
+        def chunks() -> Iterator[Chunk]:
+            with response:
+                try:
+                    if endpoint == "generate":
+                        yield _chunk(answer(_json(response.content)).get, time.perf_counter() - started)
+                        return
+                    for line in response.iter_lines(chunk_size=None):
+                        if line.startswith(b"data:"):
+                            yield _chunk(answer(_json(line[5:])).get, time.perf_counter() - started)
+                        elif line.strip() and response.status_code >= 400:  # an error answered as plain JSON
+                            answer(_json(line))
+                except Exception as exc:
+                    if generation.cancelled:  # reading a closed response fails in several ways
+                        return
+                    if isinstance(exc, requests.RequestException):
+                        raise GenerationError(f"'{model}': connection lost: {exc}") from None
+                    raise
+                if response.status_code >= 400:
+                    answer({})
+
+        generation = Generation(chunks(), response.close, started)
+        return generation
+
+
+def _json(text: bytes) -> dict:
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return {"error": text.decode("utf-8", errors="replace").strip() or "empty answer"}
+    return body if isinstance(body, dict) else {"error": f"unexpected answer: {body!r}"}

@@ -1,0 +1,426 @@
+"""The client library and CLI (client/), against a stand-in model on a real tritonserver, then the real models.
+
+The stand-in implements the models' I/O schema trivially: it "generates" the prompt's words again, one word per
+token (id 100 + position in the prompt), honours max_tokens, stop, ignore_eos and stream, answers an empty prompt
+with an error response, and stops when the client cancels. It is served twice, like the real models: batched by
+Triton's dynamic batcher (``max_batch_size: 8``) and unbatched (``max_batch_size: 0``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from client.core import (
+    Chunk,
+    GenerationError,
+    GenerationRequest,
+    GenerationResult,
+    LLMClient,
+    ModelNotServed,
+    ServerUnavailable,
+    build_inputs,
+    describe_batching,
+)
+from tests.server_harness import REPO_ROOT, free_port
+
+STAND_IN_MODEL = '''
+import json
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        self.batched = config.get("max_batch_size", 0) > 0
+        self.delay_s = float(config["parameters"]["token_delay_s"]["string_value"])
+
+    def _tensor(self, name, values, dtype):
+        array = np.array(values, dtype=dtype)
+        return pb_utils.Tensor(name, array[None] if self.batched else array)
+
+    def _response(self, text, ids, finish_reason, num_input, num_output):
+        return pb_utils.InferenceResponse(output_tensors=[
+            self._tensor("text_output", [text.encode()], np.object_),
+            self._tensor("output_ids", ids, np.int32),
+            self._tensor("finish_reason", [finish_reason.encode()], np.object_),
+            self._tensor("num_input_tokens", [num_input], np.int32),
+            self._tensor("num_output_tokens", [num_output], np.int32),
+        ])
+
+    @staticmethod
+    def _input(request, name, default):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return default if tensor is None else list(tensor.as_numpy().reshape(-1))
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            words = self._input(request, "text_input", [b""])[0].decode().split()
+            if not words:
+                error = pb_utils.TritonError("text_input is empty")
+                sender.send(pb_utils.InferenceResponse(error=error), flags=FINAL)
+                continue
+            max_tokens = int(self._input(request, "max_tokens", [16])[0])
+            stream = bool(self._input(request, "stream", [False])[0])
+            ignore_eos = bool(self._input(request, "ignore_eos", [False])[0])
+            stop = {s.decode() for s in self._input(request, "stop", [])}
+            limit = max_tokens if ignore_eos else min(max_tokens, len(words))
+            out_words = [words[i % len(words)] for i in range(limit)]
+            out_words = out_words[:next((i for i, w in enumerate(out_words) if w in stop), None)]
+            ids = [100 + i % len(words) for i in range(len(out_words))]
+            finish = "length" if len(out_words) == max_tokens else "stop"
+            if not stream:
+                time.sleep(self.delay_s * len(out_words))
+                sender.send(self._response(" ".join(out_words), ids, finish, len(words), len(ids)), flags=FINAL)
+                continue
+            if not out_words:
+                sender.send(self._response("", [], finish, len(words), 0), flags=FINAL)
+            for i, word in enumerate(out_words):
+                if sender.is_cancelled():
+                    sender.send(flags=FINAL)  # a final flag without a response
+                    break
+                time.sleep(self.delay_s)
+                last = i == len(out_words) - 1
+                text = word if i == 0 else " " + word
+                response = self._response(text, [ids[i]], finish if last else "", len(words), i + 1)
+                sender.send(response, flags=FINAL if last else 0)
+        return None
+'''
+
+STAND_IN_CONFIG = """
+backend: "python"
+max_batch_size: {max_batch_size}
+model_transaction_policy {{ decoupled: true }}
+{batching}
+input [
+  {{ name: "text_input", data_type: TYPE_STRING, dims: [ 1 ] }},
+  {{ name: "max_tokens", data_type: TYPE_INT32, dims: [ 1 ], optional: true }},
+  {{ name: "temperature", data_type: TYPE_FP32, dims: [ 1 ], optional: true }},
+  {{ name: "top_p", data_type: TYPE_FP32, dims: [ 1 ], optional: true }},
+  {{ name: "top_k", data_type: TYPE_INT32, dims: [ 1 ], optional: true }},
+  {{ name: "seed", data_type: TYPE_INT64, dims: [ 1 ], optional: true }},
+  {{ name: "stop", data_type: TYPE_STRING, dims: [ -1 ], optional: true }},
+  {{ name: "ignore_eos", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }},
+  {{ name: "stream", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }},
+  {{ name: "sampling_parameters", data_type: TYPE_STRING, dims: [ 1 ], optional: true }},
+  {{ name: "exclude_input_in_output", data_type: TYPE_BOOL, dims: [ 1 ], optional: true }}
+]
+output [
+  {{ name: "text_output", data_type: TYPE_STRING, dims: [ 1 ] }},
+  {{ name: "output_ids", data_type: TYPE_INT32, dims: [ -1 ] }},
+  {{ name: "finish_reason", data_type: TYPE_STRING, dims: [ 1 ] }},
+  {{ name: "num_input_tokens", data_type: TYPE_INT32, dims: [ 1 ] }},
+  {{ name: "num_output_tokens", data_type: TYPE_INT32, dims: [ 1 ] }}
+]
+instance_group [ {{ count: 1, kind: KIND_CPU }} ]
+parameters: {{ key: "token_delay_s", value: {{ string_value: "0.01" }} }}
+{parameters}
+"""
+
+STAND_INS = {
+    "echo_dynamic": dict(max_batch_size=8, batching="dynamic_batching { max_queue_delay_microseconds: 1000 }"),
+    "echo_continuous": dict(
+        max_batch_size=0,
+        batching="",
+        parameters='parameters: { key: "scheduling_policy", value: { string_value: "continuous" } }',
+    ),
+}
+BOTH = pytest.mark.parametrize("model", sorted(STAND_INS))
+BOTH_PROTOCOLS = pytest.mark.parametrize("protocol", ["grpc", "http"])
+
+
+@pytest.fixture(scope="module")
+def stand_in_server(triton_server_factory, tmp_path_factory):
+    repository = tmp_path_factory.mktemp("stand-in-repository")
+    for name, settings in STAND_INS.items():
+        (repository / name / "1").mkdir(parents=True)
+        (repository / name / "1" / "model.py").write_text(STAND_IN_MODEL)
+        (repository / name / "config.pbtxt").write_text(STAND_IN_CONFIG.format(**{"parameters": "", **settings}))
+    server = triton_server_factory.start(repository, ready_timeout=120)
+    yield server
+    server.stop()
+
+
+def make_client(server, protocol: str = "grpc") -> LLMClient:
+    return LLMClient(server.grpc_url, server.http_url, protocol=protocol, timeout=60)
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "client", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def server_flags(server) -> list[str]:
+    return ["--url", server.grpc_url, "--http-url", server.http_url]
+
+
+def check_timings(result: GenerationResult) -> None:
+    """Timings exist and are ordered: 0 < ttft <= first gap sums <= e2e."""
+    assert result.ttft_s is not None and 0 < result.ttft_s <= result.e2e_s
+    assert len(result.itl_s) == result.num_output_tokens - 1
+    assert all(gap >= 0 for gap in result.itl_s)
+    assert result.ttft_s + sum(result.itl_s) <= result.e2e_s + 1e-6
+    if result.itl_s:
+        assert result.tpot_s == pytest.approx(sum(result.itl_s) / len(result.itl_s))
+
+
+# ---------------------------------------------------------------------------------------------- no server
+
+
+@pytest.mark.parametrize("max_batch_size, batch_dims", [(0, ()), (8, (1,))])
+def test_build_inputs_shapes_and_types(max_batch_size, batch_dims):
+    request = GenerationRequest(
+        "hi", max_tokens=4, temperature=0.0, seed=7, stop=["a", "bc"], ignore_eos=True, sampling_parameters={"top_k": 2}
+    )
+    inputs = {tensor.name(): tensor for tensor in build_inputs(request, max_batch_size)}
+    assert sorted(inputs) == ["ignore_eos", "max_tokens", "sampling_parameters", "seed", "stop", "stream", "temperature", "text_input"]
+    expected = {
+        "text_input": ("BYTES", [1]),
+        "max_tokens": ("INT32", [1]),
+        "temperature": ("FP32", [1]),
+        "seed": ("INT64", [1]),
+        "stop": ("BYTES", [2]),
+        "ignore_eos": ("BOOL", [1]),
+        "stream": ("BOOL", [1]),
+        "sampling_parameters": ("BYTES", [1]),
+    }
+    for name, (datatype, shape) in expected.items():
+        assert inputs[name].datatype() == datatype, name
+        assert inputs[name].shape() == [*batch_dims, *shape], name
+
+
+def test_request_values_leave_unset_inputs_out():
+    assert GenerationRequest("x").input_values() == {"text_input": ["x"], "stream": [True]}
+    values = GenerationRequest("x", stop="END", stream=False, sampling_parameters={"max_tokens": "3"}).input_values()
+    assert values["stop"] == ["END"] and values["stream"] == [False]
+    assert json.loads(values["sampling_parameters"][0]) == {"max_tokens": "3"}
+    with pytest.raises(ValueError, match="text_input must be a str"):
+        GenerationRequest(b"x")
+
+
+def test_result_timings_from_chunks():
+    def chunk(time_s, ids, text="t", finish=None, count=None):
+        return Chunk(text, tuple(ids), finish, 3, count, time_s)
+
+    result = GenerationResult.from_chunks(
+        [chunk(0.5, [1], "a", count=1), chunk(0.75, [2], " b", count=2), chunk(1.25, [3, 4], " cd", "length", 4)],
+        e2e_s=1.5,
+    )
+    assert result.text == "a b cd" and result.output_ids == [1, 2, 3, 4]
+    assert (result.finish_reason, result.num_input_tokens, result.num_output_tokens) == ("length", 3, 4)
+    assert result.ttft_s == 0.5 and result.itl_s == [0.25, 0.5] and result.e2e_s == 1.5
+    assert result.tpot_s == pytest.approx((1.25 - 0.5) / 3)  # three tokens came after the first response
+    # An empty final response carries no token: it changes neither the first token time nor the gaps.
+    only = GenerationResult.from_chunks([chunk(0.2, [9], count=1), chunk(0.3, [], "", "stop")], e2e_s=0.3)
+    assert (only.ttft_s, only.tpot_s, only.itl_s, only.finish_reason) == (0.2, None, [], "stop")
+
+
+def test_describe_batching_tells_the_two_modes_apart():
+    dynamic = {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_microseconds": "2000"}}  # gRPC JSON: str
+    continuous = {
+        "model_transaction_policy": {"decoupled": True},
+        "parameters": {"scheduling_policy": {"string_value": "continuous"}},
+    }
+    assert describe_batching(dynamic) == "dynamic batcher (max_batch_size 8, max_queue_delay 2000 µs)"
+    assert describe_batching(continuous) == "decoupled, engine-side continuous batching"
+    assert describe_batching({}) == "no batching (max_batch_size 0)"
+
+
+@BOTH_PROTOCOLS
+@pytest.mark.timeout(30)
+def test_server_down_message(protocol):
+    port = free_port()
+    client = LLMClient(f"127.0.0.1:{port}", f"127.0.0.1:{port}", protocol=protocol)
+    with pytest.raises(ServerUnavailable, match=rf"no Triton server at 127\.0\.0\.1:{port} — start one with `make serve`"):
+        client.generate("llm_continuous", GenerationRequest("hi"))
+    with pytest.raises(ServerUnavailable):
+        client.models()
+
+
+@pytest.mark.timeout(60)
+def test_cli_server_down_exits_with_one_line():
+    port = free_port()
+    done = run_cli("generate", "--url", f"127.0.0.1:{port}", "hello")
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"client: error: no Triton server at 127.0.0.1:{port} — start one with `make serve`"
+
+
+# ---------------------------------------------------------------------------------------------- stand-in model
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+@BOTH
+def test_grpc_stream_chunks_final_and_timings(stand_in_server, model):
+    with make_client(stand_in_server) as client:
+        generation = client.stream(model, GenerationRequest("one two three four five six", max_tokens=4))
+        chunks = list(generation)
+        result = generation.result()
+    assert [c.text for c in chunks] == ["one", " two", " three", " four"]
+    assert [c.output_ids for c in chunks] == [(100,), (101,), (102,), (103,)]
+    assert [c.finish_reason for c in chunks] == [None, None, None, "length"]
+    assert [c.num_output_tokens for c in chunks] == [1, 2, 3, 4]
+    assert all(a.time_s <= b.time_s for a, b in zip(chunks, chunks[1:]))
+    assert (result.text, result.finish_reason, result.num_input_tokens, result.num_output_tokens) == (
+        "one two three four", "length", 6, 4
+    )  # fmt: skip
+    assert not result.cancelled and result.num_responses == 4
+    check_timings(result)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+@BOTH
+@BOTH_PROTOCOLS
+def test_stream_false_gives_one_response(stand_in_server, model, protocol):
+    """gRPC sends stream=false on the stream; HTTP uses /generate (one JSON answer)."""
+    with make_client(stand_in_server, protocol) as client:
+        result = client.generate(model, GenerationRequest("a b c", max_tokens=8, stream=False, temperature=0.0))
+    assert (result.text, result.output_ids, result.finish_reason) == ("a b c", [100, 101, 102], "stop")
+    assert result.num_responses == 1 and result.num_output_tokens == 3
+    assert result.tpot_s is None and result.itl_s == [] and 0 < result.ttft_s <= result.e2e_s
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+@BOTH
+def test_http_generate_stream_sse(stand_in_server, model):
+    with make_client(stand_in_server, "http") as client:
+        generation = client.stream(model, GenerationRequest("x y z w", max_tokens=3, stop=["nope"], seed=1))
+        texts = [chunk.text for chunk in generation]
+        result = generation.result()
+    assert texts == ["x", " y", " z"]
+    assert (result.text, result.output_ids, result.finish_reason) == ("x y z", [100, 101, 102], "length")
+    check_timings(result)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+@BOTH_PROTOCOLS
+def test_stop_string_ends_generation(stand_in_server, protocol):
+    with make_client(stand_in_server, protocol) as client:
+        result = client.generate("echo_continuous", GenerationRequest("a b STOP c", stop=["STOP", "zz"]))
+    assert (result.text, result.finish_reason) == ("a b", "stop")
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+@BOTH
+@BOTH_PROTOCOLS
+@pytest.mark.parametrize("stream", [True, False])
+def test_server_error_becomes_generation_error(stand_in_server, model, protocol, stream):
+    with make_client(stand_in_server, protocol) as client:
+        with pytest.raises(GenerationError, match=f"'{model}': text_input is empty"):
+            client.generate(model, GenerationRequest("", stream=stream))
+        generation = client.stream(model, GenerationRequest("", stream=stream))
+        for attempt in range(2):  # the error stays the generation's answer
+            with pytest.raises(GenerationError, match="text_input is empty"):
+                generation.result()
+        # The error was this request's only: the next one is served.
+        assert client.generate(model, GenerationRequest("still here", stream=stream)).text == "still here"
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+@BOTH_PROTOCOLS
+def test_unknown_model_names_the_served_ones(stand_in_server, protocol):
+    with make_client(stand_in_server, protocol) as client:
+        with pytest.raises(ModelNotServed, match="model 'nope' is not served; served models: echo_continuous, echo_dynamic"):
+            client.generate("nope", GenerationRequest("hi"))
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+@BOTH
+def test_grpc_cancel_stops_the_request(stand_in_server, model):
+    with make_client(stand_in_server) as client:
+        generation = client.stream(model, GenerationRequest("a b c", max_tokens=500, ignore_eos=True))
+        for i, _ in enumerate(generation):
+            if i == 2:
+                generation.cancel()
+        result = generation.result()
+        assert result.cancelled and 3 <= result.num_output_tokens < 500
+        # The stand-in saw the cancellation and is free again (500 tokens would take 5 s).
+        assert client.generate(model, GenerationRequest("next", max_tokens=1)).text == "next"
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_http_cancel_closes_the_stream(stand_in_server):
+    with make_client(stand_in_server, "http") as client:
+        generation = client.stream("echo_continuous", GenerationRequest("a b c", max_tokens=30, ignore_eos=True))
+        next(generation)
+        generation.cancel()
+        result = generation.result()
+        assert result.cancelled and 1 <= result.num_output_tokens < 30
+        assert client.generate("echo_continuous", GenerationRequest("next", max_tokens=1)).text == "next"
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+@BOTH_PROTOCOLS
+def test_models_lists_batching_and_readiness(stand_in_server, protocol):
+    with make_client(stand_in_server, protocol) as client:
+        infos = {info.name: info for info in client.models()}
+    assert sorted(infos) == ["echo_continuous", "echo_dynamic"]
+    assert all(info.is_ready for info in infos.values())
+    assert infos["echo_dynamic"].batching == "dynamic batcher (max_batch_size 8, max_queue_delay 1000 µs)"
+    assert infos["echo_continuous"].batching == "decoupled, engine-side continuous batching"
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_cli_generate_streams_text(stand_in_server):
+    done = run_cli("generate", *server_flags(stand_in_server), "--model", "echo_dynamic", "--max-tokens", "3", "Tell me a story")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "Tell me a\n"
+    assert done.stderr.startswith("[length] 4 prompt + 3 generated tokens; ttft ")
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra", [[], ["--protocol", "http"], ["--protocol", "http", "--no-stream"], ["--no-stream"]])
+def test_cli_generate_json(stand_in_server, extra):
+    done = run_cli(
+        "generate", *server_flags(stand_in_server), *extra, "--json", "--model", "echo_continuous",
+        "--stop", "x", "--stop", "story", "--temperature", "0", "--top-p", "0.9", "--top-k", "5", "--seed", "3",
+        "Tell me a story",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert sorted(result) == sorted(["ttft_s", "tpot_s", "e2e_s", "num_input_tokens", "num_output_tokens", "finish_reason", "text"])
+    assert (result["text"], result["finish_reason"], result["num_input_tokens"], result["num_output_tokens"]) == (
+        "Tell me a", "stop", 4, 3
+    )  # fmt: skip
+    assert 0 < result["ttft_s"] <= result["e2e_s"]
+    assert (result["tpot_s"] is None) == ("--no-stream" in extra)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_cli_models_and_errors(stand_in_server):
+    done = run_cli("models", *server_flags(stand_in_server))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["MODEL", "STATE", "BATCHING"]
+    assert lines[1].split(None, 2) == ["echo_continuous", "READY", "decoupled, engine-side continuous batching"]
+    assert lines[2].split(None, 2) == ["echo_dynamic", "READY", "dynamic batcher (max_batch_size 8, max_queue_delay 1000 µs)"]
+
+    done = run_cli("generate", *server_flags(stand_in_server), "--model", "nope", "hi")
+    assert done.returncode == 1
+    assert done.stderr == "client: error: model 'nope' is not served; served models: echo_continuous, echo_dynamic\n"
+    done = run_cli("generate", *server_flags(stand_in_server), "--protocol", "http", "--model", "echo_dynamic", "")
+    assert done.returncode == 1
+    assert done.stderr == "client: error: 'echo_dynamic': text_input is empty\n"
