@@ -12,7 +12,7 @@ import json
 import sys
 from typing import Sequence
 
-from client.core import DEFAULT_GRPC_URL, DEFAULT_HTTP_URL, ClientError, GenerationRequest, LLMClient
+from client import DEFAULT_GRPC_URL, DEFAULT_HTTP_URL, ClientError, GenerationRequest, LLMClient
 
 RESULT_KEYS = ("ttft_s", "tpot_s", "e2e_s", "num_input_tokens", "num_output_tokens", "finish_reason", "text")
 

@@ -21,31 +21,25 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any, Callable, Iterator
 
-import numpy as np
 import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from client.schema import (
+    Chunk,
+    GenerationRequest,
+    GenerationResult,
+    ModelInfo,
+    build_inputs,
+    describe_batching,
+    parse_chunk,
+)
+
 DEFAULT_GRPC_URL = "127.0.0.1:8001"
 DEFAULT_HTTP_URL = "127.0.0.1:8000"
-
-# Input name -> (Triton datatype, numpy dtype), as declared by both models' config.pbtxt.
-INPUT_TYPES: dict[str, tuple[str, Any]] = {
-    "text_input": ("BYTES", np.object_),
-    "max_tokens": ("INT32", np.int32),
-    "temperature": ("FP32", np.float32),
-    "top_p": ("FP32", np.float32),
-    "top_k": ("INT32", np.int32),
-    "seed": ("INT64", np.int64),
-    "stop": ("BYTES", np.object_),
-    "ignore_eos": ("BOOL", np.bool_),
-    "stream": ("BOOL", np.bool_),
-    "sampling_parameters": ("BYTES", np.object_),
-    "exclude_input_in_output": ("BOOL", np.bool_),
-}
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -65,153 +59,6 @@ class ModelNotServed(ClientError):
 
 class GenerationError(ClientError):
     """The server answered this request with an error; the message is the server's."""
-
-
-# ---------------------------------------------------------------------------------------------- types
-
-
-@dataclass
-class GenerationRequest:
-    """One generation request, named as the models' inputs; ``None`` leaves an input out (model default)."""
-
-    text_input: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: Sequence[str] = ()
-    ignore_eos: bool | None = None
-    stream: bool = True
-    sampling_parameters: Mapping[str, Any] | None = None
-    exclude_input_in_output: bool | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.text_input, str):
-            raise ValueError(f"text_input must be a str, not {type(self.text_input).__name__}")
-        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-    def input_values(self) -> dict[str, list]:
-        """The inputs to send, each as a flat list of values (``stop`` may hold several; the others hold one)."""
-        values: dict[str, list] = {}
-        for name in INPUT_TYPES:
-            value = getattr(self, name)
-            if value is None or (name == "stop" and not value):
-                continue
-            if name == "sampling_parameters":
-                value = json.dumps(dict(value))
-            values[name] = list(value) if name == "stop" else [value]
-        return values
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One response of a generation: the new text and token ids, and when it arrived."""
-
-    text: str
-    output_ids: tuple[int, ...]
-    finish_reason: str | None  # "stop", "length" or "abort" on the last response; None before
-    num_input_tokens: int | None
-    num_output_tokens: int | None  # generated so far, as the server counts
-    time_s: float  # seconds since the request was sent
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens this response carries (a response with text but no ids counts as one)."""
-        return len(self.output_ids) or (1 if self.text else 0)
-
-
-@dataclass
-class GenerationResult:
-    """A finished generation with its client-side timings (seconds, ``time.perf_counter``).
-
-    ``ttft_s``: request sent -> first response carrying a token. ``itl_s``: gaps between successive responses that
-    carry tokens. ``tpot_s``: time per output token after the first response, i.e. the mean of ``itl_s`` when each
-    response carries one token (``None`` when every token came in the first response). ``e2e_s``: request sent ->
-    final response.
-    """
-
-    text: str
-    output_ids: list[int]
-    finish_reason: str | None
-    num_input_tokens: int | None
-    num_output_tokens: int
-    ttft_s: float | None
-    tpot_s: float | None
-    e2e_s: float
-    itl_s: list[float] = field(default_factory=list)
-    num_responses: int = 0
-    cancelled: bool = False
-
-    @classmethod
-    def from_chunks(cls, chunks: Sequence[Chunk], e2e_s: float, cancelled: bool = False) -> "GenerationResult":
-        """Assemble the text and timings of a generation from its chunks, in arrival order."""
-        token_chunks = [c for c in chunks if c.num_tokens]
-        times = [c.time_s for c in token_chunks]
-        num_tokens = sum(c.num_tokens for c in token_chunks)
-        num_after_first = num_tokens - (token_chunks[0].num_tokens if token_chunks else 0)
-        counted = [c.num_output_tokens for c in chunks if c.num_output_tokens is not None]
-        inputs = [c.num_input_tokens for c in chunks if c.num_input_tokens is not None]
-        reasons = [c.finish_reason for c in chunks if c.finish_reason]
-        return cls(
-            text="".join(c.text for c in chunks),
-            output_ids=[i for c in chunks for i in c.output_ids],
-            finish_reason=reasons[-1] if reasons else None,
-            num_input_tokens=inputs[-1] if inputs else None,
-            num_output_tokens=counted[-1] if counted else num_tokens,
-            ttft_s=times[0] if times else None,
-            tpot_s=(times[-1] - times[0]) / num_after_first if num_after_first > 0 else None,
-            e2e_s=e2e_s,
-            itl_s=[b - a for a, b in zip(times, times[1:])],
-            num_responses=len(chunks),
-            cancelled=cancelled,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """A model in the server's repository index, with its batching mode read from its config."""
-
-    name: str
-    version: str
-    state: str
-    reason: str = ""
-    batching: str = ""
-
-    @property
-    def is_ready(self) -> bool:
-        return self.state == "READY"
-
-
-def describe_batching(config: Mapping[str, Any]) -> str:
-    """Who forms the batch, from a model config (HTTP or gRPC JSON form)."""
-    max_batch_size = int(config.get("max_batch_size", 0))
-    decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
-    policy = config.get("parameters", {}).get("scheduling_policy", {}).get("string_value")
-    if "dynamic_batching" in config:
-        delay_us = int(config["dynamic_batching"].get("max_queue_delay_microseconds", 0))
-        return f"dynamic batcher (max_batch_size {max_batch_size}, max_queue_delay {delay_us} µs)"
-    if policy:
-        return f"{'decoupled, ' if decoupled else ''}engine-side {policy} batching"
-    return f"no batching (max_batch_size {max_batch_size})"
-
-
-def build_inputs(request: GenerationRequest, max_batch_size: int) -> list[grpcclient.InferInput]:
-    """The gRPC inputs for ``request``: shape ``[n]``, or ``[1, n]`` for a model with ``max_batch_size > 0``."""
-    batch_dims = (1,) if max_batch_size > 0 else ()
-    inputs = []
-    for name, values in request.input_values().items():
-        datatype, dtype = INPUT_TYPES[name]
-        if dtype is np.object_:
-            values = [v.encode("utf-8") for v in values]
-        array = np.array(values, dtype=dtype).reshape(batch_dims + (len(values),))
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
 
 
 # ---------------------------------------------------------------------------------------------- a generation
@@ -257,6 +104,8 @@ class Generation:
 
     def cancel(self) -> None:
         """Ask the server to stop this request; iteration then ends (``result().cancelled`` is true)."""
+        if self._result is not None or self._error is not None:
+            return
         self.cancelled = True
         self._cancel()
 
@@ -266,36 +115,6 @@ class Generation:
             pass
         assert self._result is not None
         return self._result
-
-
-def _flat(value: Any) -> list:
-    """HTTP JSON carries a one-element output as a plain value and others as (possibly nested) lists."""
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple, np.ndarray)):
-        return [x for item in value for x in _flat(item)]
-    return [value]
-
-
-def _chunk(get: Callable[[str], Any], time_s: float) -> Chunk:
-    """A Chunk from one response, ``get(name)`` giving an output's values (or None when absent)."""
-
-    def first(name: str) -> Any:
-        values = _flat(get(name))
-        return values[0] if values else None
-
-    def text(value: Any) -> str:
-        return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else (value or "")
-
-    num_input, num_output = first("num_input_tokens"), first("num_output_tokens")
-    return Chunk(
-        text="".join(text(v) for v in _flat(get("text_output"))),
-        output_ids=tuple(int(i) for i in _flat(get("output_ids"))),
-        finish_reason=text(first("finish_reason")) or None,
-        num_input_tokens=None if num_input is None else int(num_input),
-        num_output_tokens=None if num_output is None else int(num_output),
-        time_s=time_s,
-    )
 
 
 # ---------------------------------------------------------------------------------------------- the client
@@ -440,7 +259,7 @@ class LLMClient:
                         if state["cancelled"]:
                             return
                         raise GenerationError(f"'{model}': {error.message()}")
-                    chunk = _chunk(result.as_numpy, arrived - started)
+                    chunk = parse_chunk(result.as_numpy, arrived - started)
                     if chunk.num_tokens or chunk.finish_reason:
                         yield chunk
                     if result.get_response().parameters["triton_final_response"].bool_param:
@@ -478,11 +297,11 @@ class LLMClient:
             with response:
                 try:
                     if endpoint == "generate":
-                        yield _chunk(answer(_json(response.content)).get, time.perf_counter() - started)
+                        yield parse_chunk(answer(_json(response.content)).get, time.perf_counter() - started)
                         return
                     for line in response.iter_lines(chunk_size=None):
                         if line.startswith(b"data:"):
-                            yield _chunk(answer(_json(line[5:])).get, time.perf_counter() - started)
+                            yield parse_chunk(answer(_json(line[5:])).get, time.perf_counter() - started)
                         elif line.strip() and response.status_code >= 400:  # an error answered as plain JSON
                             answer(_json(line))
                 except Exception as exc:

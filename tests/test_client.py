@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from client.core import (
+from client import (
     Chunk,
     GenerationError,
     GenerationRequest,
@@ -424,3 +424,46 @@ def test_cli_models_and_errors(stand_in_server):
     done = run_cli("generate", *server_flags(stand_in_server), "--protocol", "http", "--model", "echo_dynamic", "")
     assert done.returncode == 1
     assert done.stderr == "client: error: 'echo_dynamic': text_input is empty\n"
+
+
+# ---------------------------------------------------------------------------------------------- the real models
+
+
+@pytest.fixture(scope="module")
+def llm_server(triton_server_factory, smollm2_dir):
+    """model_repository/ (llm_dynamic, llm_continuous) serving the real SmolLM2."""
+    server = triton_server_factory.start(REPO_ROOT / "model_repository", model=smollm2_dir)
+    yield server
+    server.stop()
+
+
+@pytest.mark.server
+@pytest.mark.smollm2
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", ["llm_dynamic", "llm_continuous"])
+def test_cli_generate_on_the_real_models(llm_server, model):
+    """Greedy, 8 tokens: streamed over gRPC and answered whole by HTTP /generate, the same text."""
+    greedy = ["--model", model, "--max-tokens", "8", "--temperature", "0", "--json", "The capital of France is"]
+    streamed = run_cli("generate", *server_flags(llm_server), *greedy, timeout=300)
+    assert streamed.returncode == 0, streamed.stderr
+    result = json.loads(streamed.stdout)
+    assert result["text"] and result["finish_reason"] in ("length", "stop")
+    assert result["num_input_tokens"] > 0 and 1 <= result["num_output_tokens"] <= 8
+    assert 0 < result["ttft_s"] <= result["e2e_s"]
+
+    whole = run_cli("generate", *server_flags(llm_server), "--protocol", "http", "--no-stream", *greedy, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    assert json.loads(whole.stdout)["text"] == result["text"]
+
+
+@pytest.mark.server
+@pytest.mark.smollm2
+@pytest.mark.timeout(600)
+def test_cli_models_on_the_real_models(llm_server):
+    done = run_cli("models", *server_flags(llm_server))
+    assert done.returncode == 0, done.stderr
+    rows = [line.split(None, 2) for line in done.stdout.splitlines()[1:]]
+    assert rows == [
+        ["llm_continuous", "READY", "decoupled, engine-side continuous batching"],
+        ["llm_dynamic", "READY", "dynamic batcher (max_batch_size 8, max_queue_delay 2000 µs)"],
+    ]
