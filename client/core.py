@@ -242,11 +242,6 @@ class LLMClient:
         client = grpcclient.InferenceServerClient(self.url)
         responses: queue.Queue = queue.Queue()
         client.start_stream(lambda result, error: responses.put((time.perf_counter(), result, error)))
-        state = {"cancelled": False, "done": False}
-
-        def cancel() -> None:
-            state["cancelled"] = True
-            client.stop_stream(cancel_requests=True)
 
         def chunks() -> Iterator[Chunk]:
             try:
@@ -256,7 +251,7 @@ class LLMClient:
                     except queue.Empty:
                         raise GenerationError(f"no response from '{model}' within {self.timeout:g} s") from None
                     if error is not None:
-                        if state["cancelled"]:
+                        if generation.cancelled:  # the stream ends with "Locally cancelled by application!"
                             return
                         raise GenerationError(f"'{model}': {error.message()}")
                     chunk = parse_chunk(result.as_numpy, arrived - started)
@@ -264,15 +259,15 @@ class LLMClient:
                         yield chunk
                     if result.get_response().parameters["triton_final_response"].bool_param:
                         generation.ended_at = arrived
-                        state["done"] = True
                         return
             finally:
-                client.stop_stream(cancel_requests=not state["done"])
+                # Cancels the request unless its final response came (timeout, error, abandoned iteration).
+                client.stop_stream(cancel_requests=generation.ended_at is None)
                 client.close()
 
         started = time.perf_counter()
         client.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True)
-        generation = Generation(chunks(), cancel, started)
+        generation = Generation(chunks(), lambda: client.stop_stream(cancel_requests=True), started)
         return generation
 
     def _http_stream(self, model: str, request: GenerationRequest) -> Generation:
