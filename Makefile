@@ -3,6 +3,7 @@
 #   make test      the whole test suite (starts and stops its own servers on free ports)
 #   make compare   serve both models and compare them under the same Locust load (report in reports/)
 #   make bench     offline engine benchmark (reports/bench.json)
+#   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
 # Overrides (also as environment variables): HTTP_PORT GRPC_PORT METRICS_PORT MODEL ARGS PYTEST_ARGS
 
 SHELL := /bin/bash
@@ -46,6 +47,11 @@ compare: model
 
 bench: model
 	$(PY) -m backend.bench --model "$(MODEL)" $(ARGS)
+
+# On a machine with a CUDA GPU, under 5 minutes: kernel tests compiled on CUDA, engine greedy tokens vs HF generate,
+# decode-kernel bandwidth vs the device's copy bandwidth, engine tok/s vs HF at batch 1/32/128/256.
+gpu-check: model
+	$(PY) -m tests.gpu.gpu_check --model "$(MODEL)" --out reports/gpu_check.json $(ARGS)
 
 clean:
 	rm -rf $(VENV) .triton .pytest_cache .hypothesis
