@@ -1,0 +1,221 @@
+"""Drive the same Locust workload against each model at a sweep of loads, and write the comparison report.
+
+    python -m loadtest.compare                       # ~10 min: long-tailed workload at 1, 4, 8, 16 users
+    python -m loadtest.compare --quick               # ~2-3 min: 2 and 8 users, shorter outputs
+    python -m loadtest.compare --smoke               # ~1 min: one load point, tiny outputs (CI)
+    python -m loadtest.compare --url http://127.0.0.1:8000 --models llm_dynamic,llm_continuous --users 4,8
+
+Without ``--url`` it starts its own tritonserver on ``model_repository/`` (free 127.0.0.1 ports) through the
+launcher. For each model and load point it runs headless Locust (a subprocess; its CPU use is measured), samples
+the metrics port every 0.5 s, and writes ``reports/<timestamp>/``: ``results.json`` (everything measured),
+``report.md``, a self-contained ``report.html``, PNG plots, and Locust's own CSVs and logs in ``locust/``.
+
+SLOs (for goodput): TTFT p99 <= --slo-ttft-ms (default 2000) and TPOT p99 <= --slo-tpot-ms (default 100).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, report
+from loadtest.runner import (
+    REPO_ROOT,
+    LoadPoint,
+    Plan,
+    Target,
+    check_models,
+    max_num_seqs,
+    open_target,
+    run_load_point,
+    warm_up,
+)
+from loadtest.stats import summarize
+from loadtest.workloads import WORKLOADS, get_workload
+
+# Per mode: the sweep and how long each point runs. Output lengths are scaled down for the shorter modes so that a
+# long request still fits in a point several times over.
+MODES = {
+    "default": {"users": [1, 4, 8, 16], "plan": Plan(run_s=40, ramp_s=5, max_requests=2000, stop_timeout_s=90)},
+    "quick": {"users": [2, 8], "plan": Plan(output_scale=0.5, run_s=16, ramp_s=3, max_requests=600, stop_timeout_s=45)},
+    "smoke": {"users": [4], "plan": Plan(output_scale=0.125, run_s=8, ramp_s=1, max_requests=200, stop_timeout_s=20)},
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.compare",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_const", dest="mode", const="quick", help="~2-3 minutes")
+    mode.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="~1 minute, for CI")
+    p.add_argument("--url", default=None, help="use this running server (HTTP URL) instead of starting one")
+    p.add_argument("--grpc-url", default=None, help="host:port (default: --url's host, port 8001)")
+    p.add_argument("--metrics-url", default=None, help="default: http://<--url's host>:8002/metrics")
+    p.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    p.add_argument(
+        "--model",
+        default=os.environ.get("MODEL") or None,
+        help="HF model folder for a server started here (default: $MODEL, else the repository's own)",
+    )
+    p.add_argument(
+        "--models",
+        default="llm_dynamic,llm_continuous",
+        help="Triton models to compare, in order (llm_static too if served)",
+    )
+    p.add_argument("--users", default=None, help="comma-separated concurrencies (closed loop); default per mode")
+    p.add_argument(
+        "--rates", default=None, help="comma-separated Poisson arrival rates (req/s) instead of --users: open loop"
+    )
+    p.add_argument(
+        "--max-users", type=int, default=64, help="users that carry the arrivals with --rates (default: %(default)s)"
+    )
+    p.add_argument("--workload", default="long_tailed", choices=sorted(WORKLOADS))
+    p.add_argument(
+        "--output-scale", type=float, default=None, help="multiply output lengths (default per mode: 1, 0.5, 0.125)"
+    )
+    p.add_argument(
+        "--duration", type=float, default=None, help="seconds of load per point (default per mode: 40, 16, 8)"
+    )
+    p.add_argument("--max-requests", type=int, default=None, help="at most this many requests per point")
+    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc", help="GrpcStreamUser or HttpStreamUser")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS)
+    p.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO_TPOT_MS)
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "reports", help="reports go in OUT/<timestamp>/")
+    args = p.parse_args(argv)
+    args.mode = args.mode or "default"
+    return args
+
+
+def make_plan(args) -> tuple[Plan, list[LoadPoint]]:
+    mode = MODES[args.mode]
+    plan = dataclasses.replace(
+        mode["plan"],
+        workload=args.workload,
+        protocol=args.protocol,
+        seed=args.seed,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+    )
+    if args.output_scale is not None:
+        plan.output_scale = args.output_scale
+    if args.duration is not None:
+        plan.run_s = args.duration
+        plan.ramp_s = min(plan.ramp_s, args.duration / 4)
+    if args.max_requests is not None:
+        plan.max_requests = args.max_requests
+    if args.rates:
+        points = [LoadPoint(args.max_users, float(r)) for r in args.rates.split(",")]
+    else:
+        users = [int(u) for u in args.users.split(",")] if args.users else mode["users"]
+        points = [LoadPoint(u) for u in users]
+    return plan, points
+
+
+def machine() -> str:
+    system = f"{platform.system()} {platform.release()}"
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, {system}, Python {platform.python_version()}"
+
+
+def log(message: str) -> None:
+    print(f"[compare {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def sweep(
+    target: Target, models: list[str], points: list[LoadPoint], plan: Plan, out_dir: Path, meta: dict
+) -> list[dict]:
+    configs = check_models(target, models)
+    meta["max_num_seqs"] = next((n for n in map(max_num_seqs, configs.values()) if n), None)
+    for model in models:
+        log(f"warming up {model} ({warm_up(target, model, concurrency=meta['max_num_seqs'] or 8):.1f} s)")
+    runs, total = [], len(models) * len(points)
+    # NOTE: models alternate at each load point (not one whole sweep after the other), so that anything else
+    # happening on the machine meanwhile affects both about equally.
+    for point in points:
+        for model in models:
+            log(f"[{len(runs) + 1}/{total}] {model} at {point.label}: {plan.run_s:g} s of load, then the drain ...")
+            t0 = time.perf_counter()
+            run = run_load_point(target, model, point, plan, out_dir)
+            runs.append(run)
+            row = summarize(run, plan.slo_ttft_ms, plan.slo_tpot_ms)
+            log(
+                f"    {row['num_requests']} requests, {row['req_per_s']:.2f} req/s, "
+                f"{row['output_tok_per_s']:.0f} tok/s, "
+                f"TTFT p99 {report.fmt(row['ttft_p99_ms'], 'ms')}, TPOT p99 {report.fmt(row['tpot_p99_ms'], 'ms')}, "
+                f"failures {row['num_failed']}, loadgen CPU {report.fmt(row['loadgen_cpu_mean'], '{:.0f}%')} "
+                f"({time.perf_counter() - t0:.0f} s)"
+            )
+    return runs
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    plan, points = make_plan(args)
+    models = [m for m in args.models.split(",") if m]
+    out_dir = args.out / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workload = get_workload(plan.workload, plan.output_scale)
+    meta = {
+        "started": dt.datetime.now().isoformat(timespec="seconds"),
+        "argv": sys.argv[1:] if argv is None else list(argv),
+        "mode": args.mode,
+        "workload": workload.describe(),
+        "output_scale": plan.output_scale,
+        "protocol": plan.protocol,
+        "seed": plan.seed,
+        "run_s": plan.run_s,
+        "ramp_s": plan.ramp_s,
+        "max_requests": plan.max_requests,
+        "rates": args.rates,
+        "users_for_rates": args.max_users if args.rates else None,
+        "slo": {"ttft_ms": plan.slo_ttft_ms, "tpot_ms": plan.slo_tpot_ms},
+        "machine": machine(),
+        "cpus": os.cpu_count(),
+        "models": models,
+    }
+    loads = ", ".join(p.label for p in points)
+    log(f"{args.mode} run: {', '.join(models)} at {loads}; {workload.describe()}; report in {out_dir}")
+    started = time.perf_counter()
+    try:
+        with open_target(
+            args.url,
+            args.grpc_url,
+            args.metrics_url,
+            args.model_repository,
+            args.model,
+            out_dir / "tritonserver.log",
+            say=log,
+        ) as target:
+            meta["server"] = {
+                "url": target.http_url,
+                "started_here": target.server is not None,
+                "model_folder": target.model_folder or "(the server's own)",
+            }
+            runs = sweep(target, models, points, plan, out_dir, meta)
+    except Exception as exc:  # a clear message, not a traceback: the cause is almost always the server or a model
+        print(f"compare: error: {exc}", file=sys.stderr)
+        return 1
+    meta["duration_s"] = round(time.perf_counter() - started, 1)
+    (out_dir / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}))
+    built = report.build({"meta": meta, "runs": runs}, out_dir)
+    print()
+    print(Path(built["md"]).read_text().split("## Every load point")[0].strip())
+    print()
+    log(f"done in {meta['duration_s']:.0f} s. Report: {built['html']}")
+    print(built["headline"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

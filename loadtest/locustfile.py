@@ -1,0 +1,343 @@
+"""Locust users that stream generations from a Triton LLM model and report per-token latencies.
+
+    locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --model llm_continuous      # web UI on :8089
+    locust --config loadtest/locust.conf --headless -u 8 -t 60s GrpcStreamUser               # headless
+
+Two users, the same measurements: ``GrpcStreamUser`` (tritonclient gRPC bidirectional streaming) and
+``HttpStreamUser`` (Triton's HTTP ``/v2/models/<model>/generate_stream``, server-sent events). Each request is
+timed with ``perf_counter`` and reported as Locust events, so they appear in Locust's stats, CSV and web UI:
+
+    ttft     time to first token                      (response_length: prompt tokens)
+    tpot     time per output token after the first    (response_length: output tokens)
+    itl_max  the longest gap between two tokens       (a stall: e.g. a batch-mate's prefill)
+    e2e      whole request; failures are reported here (response_length: output tokens)
+    slo_met  only requests within both SLOs: its req/s is the goodput
+
+Errors and truncated streams (no final response, no finish_reason, fewer tokens than ``max_tokens`` although
+``ignore_eos`` is set) are Locust failures, never exceptions. ``--arrival-rate R`` turns the closed loop (each
+user sends its next request as soon as the last finished) into an open loop: Poisson arrivals at R req/s spread
+over the users, so there must be more users than requests in flight. ``--records-file`` writes one JSON line per
+request (with its token arrival times) for ``loadtest.compare``.
+"""
+
+from __future__ import annotations
+
+# NOTE: locust has already monkey-patched the standard library; gRPC needs its own gevent integration before any
+# channel exists, or its threads block the whole process.
+import grpc.experimental.gevent as grpc_gevent
+
+grpc_gevent.init_gevent()
+
+import itertools  # noqa: E402
+import json  # noqa: E402
+import queue  # noqa: E402
+import random  # noqa: E402
+import time  # noqa: E402
+from urllib.parse import urlparse  # noqa: E402
+
+import gevent  # noqa: E402
+import requests  # noqa: E402
+import tritonclient.grpc as grpcclient  # noqa: E402
+from locust import User, events, task  # noqa: E402
+from locust.exception import StopUser  # noqa: E402
+from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
+
+from client.schema import GenerationRequest, build_inputs, parse_chunk  # noqa: E402
+from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS  # noqa: E402
+from loadtest.measure import Measurement, StreamError  # noqa: E402
+from loadtest.workloads import WORKLOADS, get_workload, make_request  # noqa: E402
+
+
+@events.init_command_line_parser.add_listener
+def _add_options(parser) -> None:
+    group = parser.add_argument_group("LLM streaming (loadtest/locustfile.py)")
+    group.add_argument("--model", default="llm_continuous", help="Triton model to load (default: %(default)s)")
+    group.add_argument(
+        "--grpc-url", default="", help="host:port of Triton's gRPC endpoint (default: --host's host, port 8001)"
+    )
+    group.add_argument("--workload", default="long_tailed", choices=sorted(WORKLOADS), help="default: %(default)s")
+    group.add_argument("--output-scale", type=float, default=1.0, help="multiply output lengths (default: %(default)s)")
+    group.add_argument("--seed", type=int, default=0, help="workload seed: request i is the same on every run")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    group.add_argument(
+        "--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, help="TTFT limit for goodput (default: %(default)s)"
+    )
+    group.add_argument(
+        "--slo-tpot-ms", type=float, default=DEFAULT_SLO_TPOT_MS, help="TPOT limit for goodput (default: %(default)s)"
+    )
+    group.add_argument(
+        "--arrival-rate",
+        type=float,
+        default=0.0,
+        help="open loop: Poisson arrivals per second over all users; 0 = closed loop",
+    )
+    group.add_argument(
+        "--max-requests", type=int, default=0, help="stop after issuing this many requests (0: no limit)"
+    )
+    group.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts as failed")
+    group.add_argument(
+        "--records-file", default="", help="append one JSON line per request here (for loadtest.compare)"
+    )
+
+
+# ---- the run: request numbering, the request budget, the records file ---------------------------------------
+
+
+class Run:
+    """What all users of this process share: the next request index, the budget, the records file."""
+
+    def __init__(self, environment) -> None:
+        options = environment.parsed_options
+        self.environment = environment
+        self.workload = get_workload(options.workload, options.output_scale)
+        self.seed = options.seed
+        self.max_requests = options.max_requests
+        self._next_index = itertools.count()
+        self.in_flight = 0
+        self.issuing = True
+        self._records = open(options.records_file, "a", buffering=1) if options.records_file else None
+
+    def next_request(self):
+        """The next request to send, or None once the budget is spent (then the run ends when in-flight ones do)."""
+        index = next(self._next_index)
+        if self.max_requests and index >= self.max_requests:
+            if self.issuing:
+                self.issuing = False
+                self.write({"event": "stop_issuing", "t": time.time(), "reason": "max_requests"})
+            return None
+        self.in_flight += 1
+        return make_request(self.workload, index, self.seed)
+
+    def done(self, record: dict) -> None:
+        self.in_flight -= 1
+        self.write(record)
+        runner = self.environment.runner
+        if not self.issuing and self.in_flight == 0 and runner is not None:
+            # Headless: end the run now. Web UI: stop the test and keep the UI up.
+            gevent.spawn(runner.quit if self.environment.parsed_options.headless else runner.stop)
+
+    def write(self, record: dict) -> None:
+        if self._records is not None:
+            self._records.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self._records is not None:
+            self._records.close()
+            self._records = None
+
+
+_run: Run | None = None
+
+
+@events.test_start.add_listener
+def _on_test_start(environment, **_kwargs) -> None:
+    global _run
+    if environment.parsed_options is None:
+        return
+    _run = Run(environment)
+    o = environment.parsed_options
+    _run.write(
+        {
+            "event": "test_start",
+            "t": time.time(),
+            "model": o.model,
+            "workload": _run.workload.describe(),
+            "arrival_rate": o.arrival_rate,
+            "max_requests": o.max_requests,
+        }
+    )
+
+
+@events.test_stopping.add_listener
+def _on_test_stopping(environment, **_kwargs) -> None:
+    if _run is not None:
+        _run.write({"event": "stop_issuing", "t": time.time(), "reason": "stopping"})
+
+
+@events.test_stop.add_listener
+def _on_test_stop(environment, **_kwargs) -> None:
+    if _run is not None:
+        _run.write({"event": "test_stop", "t": time.time()})
+        _run.close()
+    # NOTE: Locust writes its CSV once a second and not again at exit; requests that ended during the drain would
+    # be missing from it without one more tick of the writer.
+    if environment.parsed_options is not None and environment.parsed_options.csv_prefix:
+        gevent.sleep(CSV_STATS_INTERVAL_SEC + 0.2)
+
+
+# ---- the users ----------------------------------------------------------------------------------------------
+
+
+class StreamingLLMUser(User):
+    """Sends the workload's requests one after another and reports what each stream measured."""
+
+    abstract = True
+    protocol = "?"
+
+    def __init__(self, environment) -> None:
+        super().__init__(environment)
+        self.options = environment.parsed_options
+        self.model = self.options.model
+        self._rng = random.Random(f"arrivals:{self.options.seed}:{id(self)}")
+        self._next_arrival = None
+
+    def wait_time(self) -> float:
+        """Closed loop: no wait. Open loop: this user's share of a Poisson process at --arrival-rate."""
+        rate = self.options.arrival_rate
+        if rate <= 0:
+            return 0.0
+        users = max(1, self.environment.runner.target_user_count or 1) if self.environment.runner else 1
+        now = time.perf_counter()
+        if self._next_arrival is None:
+            self._next_arrival = now
+        self._next_arrival += self._rng.expovariate(rate / users)
+        return max(0.0, self._next_arrival - now)
+
+    def on_start(self) -> None:
+        if self.options.arrival_rate > 0:
+            gevent.sleep(self.wait_time())
+
+    @task
+    def generate(self) -> None:
+        spec = _run.next_request() if _run is not None else None
+        if spec is None:
+            raise StopUser()
+        request = GenerationRequest(
+            spec.prompt,
+            max_tokens=spec.max_tokens,
+            ignore_eos=True,
+            stream=True,
+            temperature=self.options.temperature,
+            seed=spec.index,
+        )
+        m = Measurement(spec.index, spec.max_tokens, time.time())
+        t0 = time.perf_counter()
+        try:
+            for chunk in self.stream(request, t0):
+                m.add(chunk)
+            m.e2e_s = time.perf_counter() - t0
+            m.check_complete()
+        except StreamError as exc:
+            m.error = str(exc)
+        except Exception as exc:  # a client-library surprise is this request's failure, not the user's death
+            m.error = f"{type(exc).__name__}: {exc}"
+        m.e2e_s = m.e2e_s or time.perf_counter() - t0
+        self.report(m)
+        _run.done(m.record())
+
+    def stream(self, request: GenerationRequest, t0: float):
+        """Send ``request`` at ``t0``; yield a ``client.schema.Chunk`` per response (``time_s`` since ``t0``).
+
+        Raise :class:`StreamError` on an error response, a broken stream, or after --request-timeout.
+        """
+        raise NotImplementedError
+
+    def report(self, m: Measurement) -> None:
+        """Locust events: the request's latencies in ms; a failed request is one failed ``e2e``."""
+        kind = self.protocol
+
+        def fire(name: str, seconds: float, length: int, exception=None) -> None:
+            self.environment.events.request.fire(
+                request_type=kind,
+                name=name,
+                response_time=1000 * seconds,
+                response_length=length,
+                exception=exception,
+                context={},
+            )
+
+        if m.error is not None:
+            fire("e2e", m.e2e_s, m.num_output_tokens, StreamError(m.error))
+            return
+        fire("ttft", m.ttft_s, m.num_input_tokens)
+        if m.tpot_s is not None:
+            fire("tpot", m.tpot_s, m.num_output_tokens)
+            fire("itl_max", m.itl_max_s, 0)
+        fire("e2e", m.e2e_s, m.num_output_tokens)
+        if m.meets(self.options.slo_ttft_ms, self.options.slo_tpot_ms):
+            fire("slo_met", m.e2e_s, m.num_output_tokens)
+
+
+class GrpcStreamUser(StreamingLLMUser):
+    """tritonclient gRPC: one bidirectional stream per request; Triton flags the final response."""
+
+    protocol = "grpc"
+
+    def on_start(self) -> None:
+        self.client = grpcclient.InferenceServerClient(self.options.grpc_url or _default_grpc_url(self.host))
+        config = self.client.get_model_config(self.model, as_json=True)["config"]
+        # NOTE: a model with max_batch_size > 0 (llm_dynamic) takes every input with a leading batch dimension.
+        self.max_batch_size = int(config.get("max_batch_size", 0))
+        super().on_start()
+
+    def on_stop(self) -> None:
+        self.client.close()
+
+    def stream(self, request: GenerationRequest, t0: float):
+        responses = queue.Queue()
+        self.client.start_stream(callback=lambda result, error: responses.put((time.perf_counter(), result, error)))
+        deadline = t0 + self.options.request_timeout
+        try:
+            self.client.async_stream_infer(
+                self.model, build_inputs(request, self.max_batch_size), enable_empty_final_response=True
+            )
+            while True:
+                try:
+                    t, result, error = responses.get(timeout=max(0.0, deadline - time.perf_counter()))
+                except queue.Empty:
+                    raise StreamError("timeout: no final response within --request-timeout") from None
+                if error is not None:
+                    raise StreamError(f"error: {error}")
+                yield parse_chunk(result.as_numpy, t - t0)
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    return
+        finally:
+            self.client.stop_stream(cancel_requests=True)
+
+
+class HttpStreamUser(StreamingLLMUser):
+    """Triton's HTTP generate extension: POST /v2/models/<model>/generate_stream, one SSE event per response."""
+
+    protocol = "http"
+
+    def on_start(self) -> None:
+        self.session = requests.Session()
+        super().on_start()
+
+    def on_stop(self) -> None:
+        self.session.close()
+
+    def stream(self, request: GenerationRequest, t0: float):
+        url = f"{self.host.rstrip('/')}/v2/models/{self.model}/generate_stream"
+        body = {name: values[0] for name, values in request.input_values().items()}
+        deadline = t0 + self.options.request_timeout
+        try:
+            with self.session.post(url, json=body, stream=True, timeout=(5, self.options.request_timeout)) as r:
+                if r.status_code != 200:
+                    raise StreamError(f"error: HTTP {r.status_code}: {_error_text(r.text)}")
+                # chunk_size=None: each chunk as the server flushed it, so arrival times are the events' own.
+                for line in r.iter_lines(chunk_size=None):
+                    if not line.startswith(b"data:"):
+                        continue
+                    t = time.perf_counter()
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        raise StreamError(f"error: {event['error']}")
+                    yield parse_chunk(event.get, t - t0)
+                    if t > deadline:
+                        raise StreamError("timeout: stream still running after --request-timeout")
+        except requests.RequestException as exc:
+            raise StreamError(f"{type(exc).__name__}: {exc}") from None
+
+
+def _error_text(body: str) -> str:
+    """Triton answers a refused generate_stream with ``data: {"error": "..."}``; keep just the message."""
+    text = body.strip().removeprefix("data:").strip()
+    try:
+        return json.loads(text)["error"]
+    except (ValueError, KeyError, TypeError):
+        return text[:300]
+
+
+def _default_grpc_url(host: str | None) -> str:
+    return f"{urlparse(host or 'http://127.0.0.1').hostname or '127.0.0.1'}:8001"

@@ -1,0 +1,315 @@
+"""Turn a comparison's raw results (``results.json``) into report.md, a self-contained report.html and PNG plots.
+
+    python -m loadtest.report reports/<timestamp>/results.json [--out DIR]     # rebuild a report
+
+``results.json`` holds everything measured: ``meta`` (options, SLOs, machine) and ``runs`` (one per model and load
+point: the per-request records, the metrics samples, the measurement window). The tables are computed here
+(loadtest/stats.py), so a report can always be rebuilt from the raw data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+from pathlib import Path
+
+from loadtest import plots
+from loadtest.stats import headline, headline_point, ratio, summarize
+
+BASELINE, CANDIDATE = "llm_dynamic", "llm_continuous"
+
+# (heading, row key, format) for the per-load-point table.
+COLUMNS = [
+    ("model", "model", "{}"),
+    ("load", "load", "{}"),
+    ("req/s", "req_per_s", "{:.2f}"),
+    ("output tok/s", "output_tok_per_s", "{:.1f}"),
+    ("TTFT p50", "ttft_p50_ms", "ms"),
+    ("TTFT p90", "ttft_p90_ms", "ms"),
+    ("TTFT p99", "ttft_p99_ms", "ms"),
+    ("TPOT p50", "tpot_p50_ms", "ms"),
+    ("TPOT p99", "tpot_p99_ms", "ms"),
+    ("E2E p50", "e2e_p50_ms", "ms"),
+    ("E2E p99", "e2e_p99_ms", "ms"),
+    ("requests", "num_requests", "{}"),
+    ("failures", "num_failed", "{}"),
+    ("goodput req/s", "goodput_req_per_s", "{:.2f}"),
+    ("within SLO", "goodput_fraction", "{:.0%}"),
+    ("mean batch", "mean_batch_size", "{:.2f}"),
+    ("mean waiting", "mean_waiting_total", "{:.1f}"),
+    ("loadgen CPU", "loadgen_cpu_mean", "{:.0f}%"),
+]
+
+
+def fmt(value, spec: str) -> str:
+    if value is None:
+        return "–"
+    if spec == "ms":
+        return f"{value / 1000:.2f} s" if value >= 1000 else f"{value:.0f} ms"
+    return spec.format(value)
+
+
+def table_rows(rows: list[dict]) -> list[list[str]]:
+    return [[fmt(row.get(key), spec) for _, key, spec in COLUMNS] for row in rows]
+
+
+def comparison_rows(rows: list[dict], baseline: str = BASELINE, candidate: str = CANDIDATE) -> list[list[str]]:
+    """Per load point, the candidate beside the baseline: ratios of throughput and latency."""
+    out = []
+    loads = sorted({(r["arrival_rate"], r["users"]) for r in rows})
+    for load in loads:
+        pair = headline_point([r for r in rows if (r["arrival_rate"], r["users"]) == load], baseline, candidate)
+        if pair is None:
+            continue
+        base, cand = pair
+        out.append([
+            cand["load"],
+            fmt(ratio(cand["output_tok_per_s"], base["output_tok_per_s"]), "{:.2f}x"),
+            fmt(ratio(cand["req_per_s"], base["req_per_s"]), "{:.2f}x"),
+            fmt(ratio(base["ttft_p50_ms"], cand["ttft_p50_ms"]), "{:.1f}x"),
+            fmt(ratio(base["ttft_p99_ms"], cand["ttft_p99_ms"]), "{:.1f}x"),
+            fmt(ratio(base["tpot_p99_ms"], cand["tpot_p99_ms"]), "{:.2f}x"),
+            fmt(ratio(base["e2e_p99_ms"], cand["e2e_p99_ms"]), "{:.1f}x"),
+            f"{fmt(cand['goodput_req_per_s'], '{:.2f}')} vs {fmt(base['goodput_req_per_s'], '{:.2f}')}",
+        ])  # fmt: skip
+    return out
+
+
+COMPARISON_HEADER = [
+    "load",
+    "output tok/s",
+    "req/s",
+    "TTFT p50 lower by",
+    "TTFT p99 lower by",
+    "TPOT p99 lower by",
+    "E2E p99 lower by",
+    "goodput req/s (cont. vs dyn.)",
+]
+
+
+def build(results: dict, out_dir: Path) -> dict:
+    """Write the plots, report.md and report.html into ``out_dir``; return the rows, the headline and the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = results["meta"]
+    slo_ttft, slo_tpot = meta["slo"]["ttft_ms"], meta["slo"]["tpot_ms"]
+    runs = sorted(results["runs"], key=lambda r: (r["model"], r.get("arrival_rate") or 0.0, r["users"]))
+    rows = [summarize(run, slo_ttft, slo_tpot) for run in runs]
+    for row in rows:
+        parts = [row.get("mean_waiting"), row.get("mean_queued_in_triton")]
+        row["mean_waiting_total"] = (
+            sum(p for p in parts if p is not None) if any(p is not None for p in parts) else None
+        )
+    line = headline(rows, BASELINE, CANDIDATE)
+
+    timeline_runs = _timeline_runs(runs, rows)
+    images = {
+        "throughput": plots.throughput_vs_load(rows, out_dir / "throughput_vs_load.png"),
+        "latency": plots.latency_vs_load(rows, out_dir / "latency_vs_load.png", slo_ttft, slo_tpot),
+        "e2e": plots.e2e_distribution(runs, out_dir / "e2e_latency_cdf.png"),
+    }
+    if timeline_runs:
+        images["batch"] = plots.batch_size_over_time(
+            timeline_runs, out_dir / "batch_size_over_time.png", meta.get("max_num_seqs")
+        )
+        images["kv"] = plots.kv_blocks_over_time(timeline_runs, out_dir / "kv_blocks_over_time.png")
+        images["batch_hist"] = plots.batch_size_histogram(timeline_runs, out_dir / "batch_size_histogram.png")
+
+    sections = _sections(meta, runs, rows, line, images, timeline_runs)
+    (out_dir / "report.md").write_text(_markdown(sections))
+    (out_dir / "report.html").write_text(_html(sections))
+    (out_dir / "summary.json").write_text(json.dumps({"headline": line, "rows": rows}, indent=1))
+    return {
+        "rows": rows,
+        "headline": line,
+        "images": images,
+        "md": out_dir / "report.md",
+        "html": out_dir / "report.html",
+    }
+
+
+def _timeline_runs(runs: list[dict], rows: list[dict]) -> list[dict]:
+    """The runs at the headline load point (highest load both models ran), one per model, for the time plots."""
+    pair = headline_point(rows, BASELINE, CANDIDATE)
+    if pair is not None:
+        key = (pair[0]["arrival_rate"], pair[0]["users"])
+    elif rows:
+        key = max((r["arrival_rate"], r["users"]) for r in rows)
+    else:
+        return []
+    chosen = [run for run in runs if ((run.get("arrival_rate") or 0.0), run["users"]) == key]
+    order = {model: i for i, model in enumerate([BASELINE, CANDIDATE])}
+    return sorted(chosen, key=lambda run: (order.get(run["model"], -1), run["model"]))
+
+
+# ---- sections, written once, rendered as Markdown and as HTML ------------------------------------------------
+
+
+def _sections(
+    meta: dict, runs: list[dict], rows: list[dict], line: str, images: dict, timeline_runs: list[dict]
+) -> list[tuple]:
+    """A list of ``(kind, content)``: ("h1"|"h2"|"p"|"pre", text), ("table", (header, rows)), ("img", (path, alt))."""
+    slo = meta["slo"]
+    s = [("h1", "Continuous vs dynamic batching on Triton: measured"), ("p", f"**Headline:** {line}")]
+    s.append(("p", _setup_text(meta, runs)))
+    comparison = comparison_rows(rows)
+    if comparison:
+        s += [("h2", "Continuous beside dynamic, per load point"), ("table", (COMPARISON_HEADER, comparison))]
+    s += [
+        ("h2", "Every load point"),
+        ("table", ([c[0] for c in COLUMNS], table_rows(rows))),
+        (
+            "p",
+            f"Goodput: requests (started in the measured window) with TTFT ≤ {slo['ttft_ms']:.0f} ms and TPOT ≤ "
+            f"{slo['tpot_ms']:.0f} ms, per second. TTFT/TPOT/E2E are client-side (perf_counter in the Locust user). "
+            "'mean batch' is sequences per forward step from the server's llm_batch_size histogram; 'mean waiting' "
+            "adds the engine's queue and Triton's own queue in front of the model; 'loadgen CPU' is the Locust "
+            "process (100% = one core).",
+        ),
+        ("h2", "Throughput and latency against load"),
+        ("img", (images["throughput"], "output tokens/s and requests/s against load")),
+        ("img", (images["latency"], "TTFT and TPOT p50/p99 against load")),
+        ("img", (images["e2e"], "end-to-end latency distribution")),
+    ]
+    if "batch" in images:
+        load = timeline_runs[0]["load"]
+        s += [
+            ("h2", f"Why: batch size over time at {load}"),
+            (
+                "p",
+                "The seed document's pictures, measured. Dynamic batching: Triton forms a batch, the batch runs to "
+                "its longest member, and it shrinks as short answers finish; requests that arrive meanwhile wait in "
+                "Triton's queue. Continuous batching: finished sequences leave and waiting ones join at every step, so "
+                "the batch stays full while there is work.",
+            ),
+            ("img", (images["batch"], "sequences per forward step over time")),
+            ("img", (images["batch_hist"], "forward steps by batch size")),
+            (
+                "p",
+                "KV-cache blocks: a dynamic batch holds its members' blocks until the whole batch returns; the "
+                "continuous engine frees a sequence's blocks the step it finishes and hands them to the next request.",
+            ),
+            ("img", (images["kv"], "KV-cache blocks in use over time")),
+        ]
+    s += [("h2", "The load generator"), ("p", _loadgen_text(rows))]
+    errors = sorted({e for r in rows for e in r["errors"]})
+    if errors:
+        s += [("h2", "Failures seen"), ("pre", "\n".join(errors[:20]))]
+    return s
+
+
+def _setup_text(meta: dict, runs: list[dict]) -> str:
+    server = meta.get("server", {})
+    parts = [
+        f"Workload {meta['workload']} (max_tokens with ignore_eos, so both models generate exactly the same tokens; "
+        f"seed {meta.get('seed', 0)}).",
+        f"Closed loop: N users each send the next request when the last one ends; "
+        f"{meta.get('run_s', '?')} s per load point, the first {meta.get('ramp_s', '?')} s left out, "
+        f"at most {meta.get('max_requests', '?')} requests each."
+        if not meta.get("rates")
+        else f"Open loop: Poisson arrivals at the given rate over {meta.get('users_for_rates')} users.",
+        f"Protocol: {meta.get('protocol', 'grpc')}. Server: {server.get('url', '?')} "
+        f"({'started by this run' if server.get('started_here') else 'already running'}), model folder "
+        f"{server.get('model_folder', '?')}. Machine: {meta.get('machine', '?')}. Mode: {meta.get('mode', '?')}; "
+        f"started {meta.get('started', '?')}.",
+    ]
+    loads = [run["loadavg_before"][0] for run in runs if run.get("loadavg_before")]
+    if loads:
+        parts.append(f"Load average (1 min) before each point: {min(loads):.1f}–{max(loads):.1f}.")
+        cpus = meta.get("cpus") or 0
+        if cpus and max(loads) > 0.75 * cpus:
+            parts.append(
+                f"**Warning:** other work was running on this {cpus}-CPU machine; absolute numbers are lower "
+                "than on an idle one, and both models were measured under the same conditions only roughly."
+            )
+    return " ".join(parts)
+
+
+def _loadgen_text(rows: list[dict]) -> str:
+    cpu = [r["loadgen_cpu_mean"] for r in rows if r.get("loadgen_cpu_mean") is not None]
+    peak = [r["loadgen_cpu_max"] for r in rows if r.get("loadgen_cpu_max") is not None]
+    server = [r["server_cpu_mean"] for r in rows if r.get("server_cpu_mean") is not None]
+    if not cpu:
+        return "The load generator's CPU use was not measured."
+    text = (
+        f"Locust used {min(cpu):.0f}–{max(cpu):.0f}% of one core on average per load point (peak {max(peak):.0f}%), "
+        "measured with psutil on its process every 0.5 s."
+    )
+    if server:
+        text += f" The server (tritonserver and its Python-backend stubs) used {min(server):.0f}–{max(server):.0f}%."
+    text += (
+        " Locust's gevent loop is single-threaded: while it stays well below 100% of a core it is not what limits"
+        " the measured throughput."
+    )
+    return text
+
+
+def _markdown(sections: list[tuple]) -> str:
+    out = []
+    for kind, content in sections:
+        if kind == "h1":
+            out.append(f"# {content}\n")
+        elif kind == "h2":
+            out.append(f"## {content}\n")
+        elif kind == "p":
+            out.append(f"{content}\n")
+        elif kind == "pre":
+            out.append(f"```\n{content}\n```\n")
+        elif kind == "table":
+            header, rows = content
+            lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            lines += ["| " + " | ".join(row) + " |" for row in rows]
+            out.append("\n".join(lines) + "\n")
+        elif kind == "img":
+            path, alt = content
+            out.append(f"![{alt}]({Path(path).name})\n")
+    return "\n".join(out)
+
+
+def _html(sections: list[tuple]) -> str:
+    body = []
+    for kind, content in sections:
+        if kind in ("h1", "h2"):
+            body.append(f"<{kind}>{html.escape(content)}</{kind}>")
+        elif kind == "p":
+            text = html.escape(content)
+            while "**" in text:  # the one bit of Markdown the sections use
+                text = text.replace("**", "<b>", 1).replace("**", "</b>", 1)
+            body.append(f"<p>{text}</p>")
+        elif kind == "pre":
+            body.append(f"<pre>{html.escape(content)}</pre>")
+        elif kind == "table":
+            header, rows = content
+            head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+            cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table>")
+        elif kind == "img":
+            path, alt = content
+            data = base64.b64encode(Path(path).read_bytes()).decode()
+            body.append(f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">')
+    style = (
+        "body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;line-height:1.45}"
+        "table{border-collapse:collapse;font-size:13px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 7px;"
+        "text-align:right}td:first-child,th:first-child{text-align:left}th{background:#f3f3f3}img{max-width:100%}"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>Continuous vs dynamic batching</title>"
+        f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtest.report", description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, help="results.json written by loadtest.compare")
+    parser.add_argument("--out", type=Path, default=None, help="folder for the report (default: next to results.json)")
+    args = parser.parse_args(argv)
+    built = build(json.loads(args.results.read_text()), args.out or args.results.parent)
+    print(built["headline"])
+    print(f"report: {built['html']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,269 @@
+"""Run one load point: a headless Locust subprocess against one model, with the metrics port sampled meanwhile.
+
+Shared by ``loadtest.compare`` (a sweep per model) and ``loadtest.slo`` (step up until an SLO breaks). The server
+is either started here through the launcher (``backend.serve.TritonServer``, on free 127.0.0.1 ports) or an
+already-running one given by URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
+from loadtest.metrics import MetricsSampler
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
+USER_CLASSES = {"grpc": "GrpcStreamUser", "http": "HttpStreamUser"}
+
+
+@dataclass
+class Target:
+    """Where the server answers. ``server`` is the TritonServer this process started, if any."""
+
+    http_url: str
+    grpc_url: str
+    metrics_url: str
+    server: object = None
+    model_folder: str = ""
+
+    @property
+    def server_pid(self) -> int | None:
+        return getattr(self.server, "pid", None)
+
+    @classmethod
+    def from_url(cls, url: str, grpc_url: str | None = None, metrics_url: str | None = None) -> "Target":
+        host = urlparse(url).hostname or "127.0.0.1"
+        return cls(url.rstrip("/"), grpc_url or f"{host}:8001", metrics_url or f"http://{host}:8002/metrics")
+
+
+@dataclass
+class LoadPoint:
+    """``users`` concurrent users; with ``arrival_rate`` > 0 they send Poisson arrivals at that rate (open loop)."""
+
+    users: int
+    arrival_rate: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return f"{self.arrival_rate:g} req/s" if self.arrival_rate else f"{self.users} users"
+
+    @property
+    def slug(self) -> str:
+        return f"r{self.arrival_rate:g}" if self.arrival_rate else f"u{self.users}"
+
+
+@dataclass
+class Plan:
+    """How each load point runs (all bounded: time, requests, and the drain at the end)."""
+
+    workload: str = "long_tailed"
+    output_scale: float = 1.0
+    run_s: float = 40.0
+    ramp_s: float = 5.0
+    max_requests: int = 2000
+    stop_timeout_s: float = 60.0
+    protocol: str = "grpc"
+    seed: int = 0
+    slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
+    slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
+    extra_locust_args: list = field(default_factory=list)
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+@contextlib.contextmanager
+def serve(model_repository: Path, model_folder: str | None, log_path: Path, ready_timeout: float = 600.0):
+    """Start tritonserver through the launcher on free 127.0.0.1 ports; stop it on exit."""
+    from backend.serve import TritonServer
+
+    http_port, grpc_port, metrics_port = _free_ports(3)
+    server = TritonServer(
+        model_repository,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        metrics_port=metrics_port,
+        address="127.0.0.1",
+        model=model_folder,
+        extra_args=["--exit-timeout-secs", "10"],
+        log_path=log_path,
+    )
+    server.start()
+    try:
+        server.wait_ready(ready_timeout)
+        yield Target(server.http_url, server.grpc_url, server.metrics_url, server, str(server.model or ""))
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def open_target(
+    url: str | None,
+    grpc_url: str | None,
+    metrics_url: str | None,
+    model_repository: Path,
+    model_folder: str | None,
+    log_path: Path,
+    say=print,
+):
+    """The running server at ``url``, or one started here (and stopped on exit) when ``url`` is None."""
+    if url:
+        yield Target.from_url(url, grpc_url, metrics_url)
+        return
+    say(f"starting tritonserver on {model_repository} (log: {log_path}) ...")
+    with serve(model_repository, model_folder, log_path) as target:
+        say(f"server ready: {target.http_url}")
+        yield target
+
+
+# ---- talking to the server outside Locust ------------------------------------------------------------------
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 30.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read() or b"{}")
+
+
+def check_models(target: Target, models: list[str]) -> dict[str, dict]:
+    """Each model's config; raises RuntimeError naming what the server does serve when one is missing."""
+    configs = {}
+    for model in models:
+        try:
+            configs[model] = http_json(f"{target.http_url}/v2/models/{model}/config")
+        except (urllib.error.URLError, OSError) as exc:
+            try:
+                index = http_json(f"{target.http_url}/v2/repository/index", {})
+                served = ", ".join(m["name"] for m in index if m.get("state") == "READY") or "none"
+            except (urllib.error.URLError, OSError, ValueError):
+                served = "unknown: the server does not answer"
+            raise RuntimeError(f"model {model!r} is not ready at {target.http_url} ({exc}); served: {served}") from None
+    return configs
+
+
+def warm_up(target: Target, model: str, concurrency: int = 8, max_tokens: int = 8, timeout: float = 120.0) -> float:
+    """Two rounds of ``concurrency`` short requests, so lazy initialisation is not measured; return seconds taken."""
+    url = f"{target.http_url}/v2/models/{model}/generate"
+    t0 = time.perf_counter()
+
+    def one(i: int) -> None:
+        http_json(
+            url, {"text_input": f"warm up request number {i}", "max_tokens": max_tokens, "ignore_eos": True}, timeout
+        )
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for _ in range(2):
+            list(pool.map(one, range(concurrency)))
+    return time.perf_counter() - t0
+
+
+def max_num_seqs(config: dict) -> int | None:
+    value = config.get("parameters", {}).get("max_num_seqs", {}).get("string_value")
+    return int(value) if value and value.isdigit() else None
+
+
+# ---- one load point -----------------------------------------------------------------------------------------
+
+
+def locust_command(
+    target: Target, model: str, point: LoadPoint, plan: Plan, records: Path, csv_prefix: Path
+) -> list[str]:
+    return [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+        "-u", str(point.users), "-r", str(point.users),
+        "--run-time", f"{plan.run_s:g}s", "--stop-timeout", f"{plan.stop_timeout_s:g}",
+        "--csv", str(csv_prefix), "--exit-code-on-error", "0",
+        "--host", target.http_url, "--grpc-url", target.grpc_url, "--model", model,
+        "--workload", plan.workload, "--output-scale", f"{plan.output_scale:g}", "--seed", str(plan.seed),
+        "--slo-ttft-ms", f"{plan.slo_ttft_ms:g}", "--slo-tpot-ms", f"{plan.slo_tpot_ms:g}",
+        "--arrival-rate", f"{point.arrival_rate:g}", "--max-requests", str(plan.max_requests),
+        "--records-file", str(records), *plan.extra_locust_args, USER_CLASSES[plan.protocol],
+    ]  # fmt: skip
+
+
+def run_load_point(target: Target, model: str, point: LoadPoint, plan: Plan, out_dir: Path) -> dict:
+    """Drive ``model`` at ``point`` with headless Locust; return the raw run (records, metrics, window)."""
+    name = f"{model}_{point.slug}"
+    (out_dir / "locust").mkdir(parents=True, exist_ok=True)
+    records_path = out_dir / "locust" / f"{name}_requests.jsonl"
+    records_path.unlink(missing_ok=True)
+    log_path = out_dir / "locust" / f"{name}.log"
+    command = locust_command(target, model, point, plan, records_path, out_dir / "locust" / name)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+
+    load_before = os.getloadavg()
+    sampler = MetricsSampler(target.metrics_url, model, interval=0.5, pids={"server": target.server_pid}).start()
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
+        sampler.watch("loadgen", process.pid)
+        try:
+            returncode = process.wait(timeout=plan.run_s + plan.stop_timeout_s + 60)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            returncode = process.wait(timeout=30)
+    samples = sampler.stop()
+
+    requests, events = read_records(records_path)
+    run = {
+        "model": model,
+        "users": point.users,
+        "arrival_rate": point.arrival_rate,
+        "load": point.label,
+        "requests": requests,
+        "events": events,
+        "metrics": samples,
+        "metrics_errors": sampler.errors,
+        "locust_returncode": returncode,
+        "locust_log": str(log_path.relative_to(out_dir)),
+        "locust_csv": str((out_dir / "locust" / name).relative_to(out_dir)) + "_stats.csv",
+        "loadavg_before": load_before,
+        "window": measurement_window(events, plan.ramp_s),
+    }
+    if run["window"] is None:
+        tail = log_path.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"Locust did not run {name} (exit {returncode}); its log ends:\n{tail}")
+    return run
+
+
+def read_records(path: Path) -> tuple[list[dict], list[dict]]:
+    requests, events = [], []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                (events if "event" in record else requests).append(record)
+    return requests, events
+
+
+def measurement_window(events: list[dict], ramp_s: float) -> tuple[float, float] | None:
+    """From ``ramp_s`` after the test started to when it stopped issuing requests."""
+    starts = [e["t"] for e in events if e["event"] == "test_start"]
+    stops = [e["t"] for e in events if e["event"] in ("stop_issuing", "test_stop")]
+    if not starts or not stops:
+        return None
+    start, end = starts[0], min(stops)
+    return (min(start + ramp_s, end), end)

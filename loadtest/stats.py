@@ -1,0 +1,163 @@
+"""From one load point's raw measurements to the numbers in the report's tables.
+
+A run (one model at one load) holds the per-request records the Locust users wrote, the metrics samples scraped
+while it ran, and its measurement window ``[start, end)``: from the end of the ramp-up to the moment the load
+generator stopped issuing requests. Latencies are taken over the requests that *started* in the window (each one
+followed to its end, even after the window closed); throughput counts the tokens and completions that *arrived*
+in the window, divided by its length. So a long request cut by the end of the run still counts fully in the
+latency percentiles, and the load generator's start-up burst is left out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from loadtest import metrics
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(values, q: float) -> float | None:
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def started_in_window(run: dict) -> list[dict]:
+    start, end = run["window"]
+    return [r for r in run["requests"] if start <= r["t_start"] < end]
+
+
+def summarize(run: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
+    """One table row: throughput, latency percentiles, failures, goodput, and what the server's metrics said."""
+    start, end = run["window"]
+    span = max(end - start, 1e-9)
+    measured = started_in_window(run)
+    ok = [r for r in measured if r["ok"]]
+    ttft = [r["ttft_ms"] for r in ok]
+    tpot = [r["tpot_ms"] for r in ok if r["tpot_ms"] is not None]
+    e2e = [r["e2e_ms"] for r in ok]
+    within_slo = [r for r in ok if r["ttft_ms"] <= slo_ttft_ms and (r["tpot_ms"] or 0.0) <= slo_tpot_ms]
+
+    tokens_in_window = completed_in_window = 0
+    for r in run["requests"]:
+        times = r["t_start"] + np.asarray(r["token_ms"], dtype=float) / 1000.0
+        tokens_in_window += int(np.count_nonzero((times >= start) & (times < end)))
+        if r["ok"] and start <= r["t_start"] + r["e2e_ms"] / 1000.0 < end:
+            completed_in_window += 1
+
+    row = {
+        "model": run["model"],
+        "load": run["load"],
+        "users": run["users"],
+        "arrival_rate": run.get("arrival_rate") or 0.0,
+        "window_s": span,
+        "num_requests": len(measured),
+        "num_failed": len(measured) - len(ok),
+        "num_failed_total": sum(1 for r in run["requests"] if not r["ok"]),
+        "req_per_s": completed_in_window / span,
+        "output_tok_per_s": tokens_in_window / span,
+        "goodput_req_per_s": len(within_slo) / span,
+        "goodput_fraction": len(within_slo) / len(measured) if measured else None,
+        "mean_output_tokens": float(np.mean([r["num_output_tokens"] for r in ok])) if ok else None,
+        "errors": sorted({r["error"] for r in measured if r["error"]})[:5],
+    }
+    for q in PERCENTILES:
+        row[f"ttft_p{q}_ms"] = percentile(ttft, q)
+        row[f"tpot_p{q}_ms"] = percentile(tpot, q)
+        row[f"e2e_p{q}_ms"] = percentile(e2e, q)
+    row.update(server_view(run["metrics"], start, end))
+    row.update(cpu_view(run["metrics"], start, end))
+    return row
+
+
+def server_view(samples: list[dict], start: float, end: float) -> dict:
+    """Means over the window of what the server exported: batch size per step, running/waiting, KV blocks."""
+    inside = [s for s in samples if start <= s["t"] <= end]
+    steps = metrics.histogram_rate(inside, "llm_batch_size")
+    num_steps = sum(rate for _, rate, _ in steps)  # weights: steps per second in each interval
+    view = {
+        "mean_batch_size": sum(rate * mean for _, rate, mean in steps) / num_steps if num_steps else None,
+        "steps_per_s": float(np.mean([rate for _, rate, _ in steps])) if steps else None,
+    }
+    for key, name in (
+        ("mean_running", "llm_num_requests_running"),
+        ("mean_waiting", "llm_num_requests_waiting"),
+        ("mean_queued_in_triton", "nv_inference_pending_request_count"),
+        ("mean_kv_blocks_used", "llm_kv_blocks_used"),
+    ):
+        values = [v for _, v in metrics.gauge(inside, name)]
+        view[key] = float(np.mean(values)) if values else None
+    used = [v for _, v in metrics.gauge(inside, "llm_kv_blocks_used")]
+    total = [v for _, v in metrics.gauge(samples, "llm_kv_blocks_total")]
+    view["max_kv_blocks_used"] = max(used) if used else None
+    view["kv_blocks_total"] = total[-1] if total else None
+    preempted = metrics.counter_delta(inside, "llm_preemptions_total")
+    view["preemptions"] = preempted
+    return view
+
+
+def cpu_view(samples: list[dict], start: float, end: float) -> dict:
+    """CPU use (percent of one core) of the load generator and the server during the window."""
+    view = {}
+    for who in ("loadgen", "server"):
+        values = [s["cpu"][who] for s in samples if start <= s["t"] <= end and who in s.get("cpu", {})]
+        view[f"{who}_cpu_mean"] = float(np.mean(values)) if values else None
+        view[f"{who}_cpu_max"] = float(np.max(values)) if values else None
+    return view
+
+
+def batch_size_distribution(run: dict) -> dict[str, float]:
+    """Fraction of forward steps by batch-size bucket over the whole run (from the histogram's buckets)."""
+    samples = [s for s in run["metrics"] if any(k.startswith("llm_batch_size_bucket") for k in s["values"])]
+    if len(samples) < 2:
+        return {}
+    counts = metrics.histogram_delta(samples[0]["values"], samples[-1]["values"], "llm_batch_size")
+    total = sum(counts.values())
+    return {le: c / total for le, c in counts.items() if c} if total else {}
+
+
+def headline_point(rows: list[dict], baseline: str, candidate: str) -> tuple[dict, dict] | None:
+    """The pair of rows at the highest load both models ran: the saturation point of an equal-concurrency sweep."""
+    by_load = {}
+    for row in rows:
+        by_load.setdefault((row["arrival_rate"], row["users"]), {})[row["model"]] = row
+    common = [key for key, models in by_load.items() if baseline in models and candidate in models]
+    if not common:
+        return None
+    key = max(common)
+    return by_load[key][baseline], by_load[key][candidate]
+
+
+def ratio(numerator, denominator) -> float | None:
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def headline(rows: list[dict], baseline: str = "llm_dynamic", candidate: str = "llm_continuous") -> str:
+    """E.g. ``continuous vs dynamic at 8 users: 2.7x output tokens/s, 14x lower TTFT p99``."""
+    pair = headline_point(rows, baseline, candidate)
+    if pair is None:
+        return f"no load point ran both {baseline} and {candidate}"
+    base, cand = pair
+    tok = ratio(cand["output_tok_per_s"], base["output_tok_per_s"])
+    ttft = ratio(base["ttft_p99_ms"], cand["ttft_p99_ms"])
+    good = ratio(cand["goodput_req_per_s"], base["goodput_req_per_s"])
+    parts = [f"{_x(tok)} output tokens/s ({cand['output_tok_per_s']:.0f} vs {base['output_tok_per_s']:.0f})"]
+    if ttft is not None:
+        parts.append(f"{_x(ttft)} lower TTFT p99 ({_s(cand['ttft_p99_ms'])} vs {_s(base['ttft_p99_ms'])})")
+    if good is not None:
+        parts.append(f"{_x(good)} goodput")
+    elif cand["goodput_req_per_s"] and not base["goodput_req_per_s"]:
+        parts.append(f"goodput {cand['goodput_req_per_s']:.2f} vs 0 req/s")
+    name = lambda m: m.removeprefix("llm_")  # noqa: E731
+    return f"{name(candidate)} vs {name(baseline)} at {cand['load']}: " + ", ".join(parts)
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}x"
+
+
+def _s(ms: float | None) -> str:
+    if ms is None:
+        return "n/a"
+    return f"{ms / 1000:.2f} s" if ms >= 1000 else f"{ms:.0f} ms"

@@ -1,0 +1,150 @@
+"""Named workloads: how long prompts are and how many tokens each request must generate.
+
+Every request is fixed by ``max_tokens`` with ``ignore_eos``, so two models given the same workload do exactly the
+same work. Request ``i`` of a workload is a pure function of ``(workload, seed, i)``: the same prompt and the same
+length on every run, in every process, for every model. Prompts are words drawn from a fixed list (each is about
+one token for SmolLM2's tokenizer), so the prompt length is controlled without any data download.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+# Common English words, each a single token (with its leading space) for GPT-2-style BPE vocabularies.
+WORDS = tuple(
+    dict.fromkeys(
+        """
+    the of and to in is was for on that with as by at from his her it an were are which this be or has had not
+    first one their its new after who they have two also but been other all more time school during city into
+    only many most some can year may would over such up there when out where team then about three these world
+    than later both state film made between no under music new family part while later used known became being
+    game well through series second year league national world since high group life won war played work house
+    book four end day each area main around out found even name long early place old local same both small away
+    five back last home good life river road light power water north south east west sea land fire wind stone
+    tree bird horse king queen story song night morning summer winter garden market village bridge tower ship
+    train letter paper picture table window door color green blue red white black gold silver friend mother
+    father brother sister child people man woman student teacher doctor farmer writer leader soldier
+        """.split()
+    )
+)
+
+
+@dataclass(frozen=True)
+class Constant:
+    value: int
+
+    def sample(self, rng: random.Random) -> int:
+        return self.value
+
+    def scaled(self, factor: float) -> "Constant":
+        return Constant(_scale(self.value, factor))
+
+    def describe(self) -> str:
+        return f"{self.value}"
+
+
+@dataclass(frozen=True)
+class Uniform:
+    low: int
+    high: int  # inclusive
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low <= self.high:
+            raise ValueError(f"Uniform needs 0 < low <= high; got {self.low}..{self.high}")
+
+    def sample(self, rng: random.Random) -> int:
+        return rng.randint(self.low, self.high)
+
+    def scaled(self, factor: float) -> "Uniform":
+        return Uniform(_scale(self.low, factor), _scale(self.high, factor))
+
+    def describe(self) -> str:
+        return f"{self.low}-{self.high}"
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """``parts``: ``(weight, distribution)`` pairs; weights need not sum to one."""
+
+    parts: tuple
+
+    def sample(self, rng: random.Random) -> int:
+        weights = [w for w, _ in self.parts]
+        _, dist = rng.choices(self.parts, weights=weights)[0]
+        return dist.sample(rng)
+
+    def scaled(self, factor: float) -> "Mixture":
+        return Mixture(tuple((w, d.scaled(factor)) for w, d in self.parts))
+
+    def describe(self) -> str:
+        total = sum(w for w, _ in self.parts)
+        return " | ".join(f"{100 * w / total:.0f}%: {d.describe()}" for w, d in self.parts)
+
+
+def _scale(value: int, factor: float) -> int:
+    return max(1, round(value * factor))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompt_words: object  # a distribution: number of words in the prompt (about one token each)
+    output_tokens: object  # a distribution: max_tokens, generated in full (ignore_eos)
+    about: str
+
+    def scaled(self, output_scale: float) -> "Workload":
+        """Same shape with output lengths multiplied by ``output_scale`` (shorter runs: --quick, --smoke)."""
+        if output_scale == 1.0:
+            return self
+        return Workload(self.name, self.prompt_words, self.output_tokens.scaled(output_scale), self.about)
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: prompt {self.prompt_words.describe()} words, output {self.output_tokens.describe()} tokens"
+        )
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("constant", Constant(64), Constant(128), "every request the same: dynamic batching's best case"),
+        Workload("uniform", Uniform(16, 128), Uniform(16, 256), "prompt and output lengths uniformly spread"),
+        Workload(
+            "long_tailed",
+            Uniform(16, 128),
+            Mixture(((0.9, Uniform(16, 64)), (0.1, Uniform(256, 512)))),
+            "most answers short, one in ten very long: the case the seed document is about",
+        ),
+        Workload(
+            "bimodal",
+            Uniform(16, 128),
+            Mixture(((0.5, Uniform(16, 32)), (0.5, Uniform(192, 256)))),
+            "half short answers, half long ones",
+        ),
+    )
+}
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    index: int
+    prompt: str
+    num_prompt_words: int
+    max_tokens: int
+
+
+def get_workload(name: str, output_scale: float = 1.0) -> Workload:
+    try:
+        return WORKLOADS[name].scaled(output_scale)
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}") from None
+
+
+def make_request(workload: Workload, index: int, seed: int = 0) -> RequestSpec:
+    """Request ``index`` of ``workload``: the same on every call (string seeds hash the same in every process)."""
+    rng = random.Random(f"{workload.name}:{seed}:{index}")
+    num_words = workload.prompt_words.sample(rng)
+    max_tokens = workload.output_tokens.sample(rng)
+    prompt = " ".join(rng.choice(WORDS) for _ in range(num_words))
+    return RequestSpec(index, prompt, num_words, max_tokens)

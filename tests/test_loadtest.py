@@ -1,0 +1,345 @@
+"""The load tests: workloads, metrics parsing, the numbers and the report, and headless Locust against a real server.
+
+The Locust runs are subprocesses (as ``loadtest.compare`` runs them), so gevent never patches the test process.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from client.schema import Chunk
+from loadtest import metrics, report, stats
+from loadtest.measure import Measurement, StreamError
+from loadtest.runner import LOCUSTFILE, REPO_ROOT, measurement_window
+from loadtest.slo import verdict
+from loadtest.workloads import WORKLOADS, get_workload, make_request
+
+FIXTURE = Path(__file__).parent / "data" / "loadtest_results.json"
+
+
+# ---- workloads ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_request_i_is_the_same_everywhere_and_long_tailed_is_long_tailed():
+    workload = get_workload("long_tailed")
+    assert make_request(workload, 7, seed=3) == make_request(workload, 7, seed=3)
+    assert make_request(workload, 7, seed=3) != make_request(workload, 7, seed=4)
+    specs = [make_request(workload, i) for i in range(2000)]
+    long = [s for s in specs if s.max_tokens >= 256]
+    assert 0.07 < len(long) / len(specs) < 0.13  # about one in ten
+    assert all(16 <= s.max_tokens <= 64 or 256 <= s.max_tokens <= 512 for s in specs)
+    assert all(len(s.prompt.split()) == s.num_prompt_words for s in specs[:50])
+
+
+@pytest.mark.timeout(10)
+def test_scaled_workloads_keep_their_shape():
+    quick = [make_request(get_workload("long_tailed", 0.5), i).max_tokens for i in range(500)]
+    assert max(quick) <= 256 and min(quick) >= 8
+    assert {make_request(get_workload("constant", 0.1), i).max_tokens for i in range(20)} == {13}
+    with pytest.raises(ValueError, match="unknown workload"):
+        get_workload("nope")
+    assert set(WORKLOADS) == {"constant", "uniform", "long_tailed", "bimodal"}
+
+
+# ---- one request's measurement ------------------------------------------------------------------------------
+
+
+def chunk(t: float, n: int = 1, reason: str | None = None) -> Chunk:
+    return Chunk(
+        text="x" * n,
+        output_ids=tuple(range(n)),
+        finish_reason=reason,
+        num_input_tokens=12,
+        num_output_tokens=None,
+        time_s=t,
+    )
+
+
+@pytest.mark.timeout(10)
+def test_measurement_times_tokens_and_flags_truncated_streams():
+    m = Measurement(index=0, max_tokens=4, t_start_unix=100.0)
+    for t, reason in ((0.5, None), (0.6, None), (0.9, None), (1.0, "length")):
+        m.add(chunk(t, reason=reason))
+    m.e2e_s = 1.01
+    m.check_complete()
+    assert (m.ttft_s, round(m.tpot_s, 6), round(m.itl_max_s, 6)) == (0.5, round(0.5 / 3, 6), 0.3)
+    record = m.record()
+    assert record["token_ms"] == [500.0, 600.0, 900.0, 1000.0] and record["ok"] and record["num_input_tokens"] == 12
+
+    short = Measurement(index=1, max_tokens=4, t_start_unix=100.0)
+    short.add(chunk(0.5, n=2, reason="length"))
+    with pytest.raises(StreamError, match="2 of 4 tokens"):
+        short.check_complete()
+    unfinished = Measurement(index=2, max_tokens=1, t_start_unix=100.0)
+    unfinished.add(chunk(0.5))
+    with pytest.raises(StreamError, match="without finish_reason"):
+        unfinished.check_complete()
+
+
+# ---- metrics scraping ---------------------------------------------------------------------------------------
+
+PROMETHEUS_TEXT = """
+# HELP llm_batch_size Sequences in each forward step
+# TYPE llm_batch_size histogram
+llm_batch_size_bucket{model="llm_dynamic",le="1"} 3
+llm_batch_size_bucket{model="llm_dynamic",le="2"} 5
+llm_batch_size_bucket{model="llm_dynamic",le="+Inf"} 10
+llm_batch_size_sum{model="llm_dynamic"} 25
+llm_batch_size_count{model="llm_dynamic"} 10
+llm_num_requests_running{model="llm_continuous"} 4
+nv_inference_pending_request_count{model="llm_dynamic",version="1"} 6
+llm_request_success_total{finish_reason="length",model="llm_dynamic"} 9
+nv_gpu_utilization{gpu_uuid="x"} 0.5
+garbage line
+"""
+
+
+@pytest.mark.timeout(10)
+def test_prometheus_text_is_selected_by_model_and_prefix():
+    values = metrics.select(metrics.parse_prometheus(PROMETHEUS_TEXT), "llm_dynamic")
+    assert values['llm_batch_size_bucket{le="2"}'] == 5
+    assert values["llm_batch_size_count"] == 10
+    assert values["nv_inference_pending_request_count"] == 6
+    assert values['llm_request_success_total{finish_reason="length"}'] == 9
+    assert "llm_num_requests_running" not in values and not any(k.startswith("nv_gpu") for k in values)
+    assert "llm_batch_size_bucket" not in "".join(
+        metrics.select(metrics.parse_prometheus(PROMETHEUS_TEXT), "llm_dynamic", buckets=False)
+    )
+
+
+@pytest.mark.timeout(10)
+def test_histogram_deltas_give_steps_per_second_and_batch_size():
+    samples = [
+        {
+            "t": 10.0,
+            "values": {
+                "llm_batch_size_count": 100,
+                "llm_batch_size_sum": 400,
+                'llm_batch_size_bucket{le="1"}': 10,
+                'llm_batch_size_bucket{le="+Inf"}': 100,
+            },
+        },
+        {"t": 10.5, "values": {"llm_batch_size_count": 110, "llm_batch_size_sum": 480}},
+        {"t": 11.0, "values": {"llm_batch_size_count": 110, "llm_batch_size_sum": 480}},  # idle: left out
+        {
+            "t": 11.5,
+            "values": {
+                "llm_batch_size_count": 130,
+                "llm_batch_size_sum": 500,
+                'llm_batch_size_bucket{le="1"}': 30,
+                'llm_batch_size_bucket{le="+Inf"}': 130,
+            },
+        },
+    ]
+    assert metrics.histogram_rate(samples, "llm_batch_size") == [(10.25, 20.0, 8.0), (11.25, 40.0, 1.0)]
+    assert metrics.histogram_delta(samples[0]["values"], samples[-1]["values"], "llm_batch_size") == {
+        "1": 20,
+        "+Inf": 10,
+    }
+
+
+# ---- the numbers and the report -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_window_counts_tokens_that_arrived_in_it_and_latency_of_requests_started_in_it():
+    early = {
+        "t_start": 99.0,
+        "ok": True,
+        "error": None,
+        "ttft_ms": 500.0,
+        "tpot_ms": 500.0,
+        "e2e_ms": 2000.0,
+        "num_output_tokens": 3,
+        "token_ms": [500.0, 1000.0, 1500.0],
+    }  # tokens at 99.5, 100.0, 100.5
+    inside = {
+        "t_start": 101.0,
+        "ok": True,
+        "error": None,
+        "ttft_ms": 100.0,
+        "tpot_ms": 100.0,
+        "e2e_ms": 5000.0,
+        "num_output_tokens": 2,
+        "token_ms": [100.0, 4900.0],
+    }  # the second token after the window
+    failed = {
+        "t_start": 102.0,
+        "ok": False,
+        "error": "error: boom",
+        "ttft_ms": None,
+        "tpot_ms": None,
+        "e2e_ms": 10.0,
+        "num_output_tokens": 0,
+        "token_ms": [],
+    }
+    run = {
+        "model": "m",
+        "users": 2,
+        "arrival_rate": 0.0,
+        "load": "2 users",
+        "requests": [early, inside, failed],
+        "metrics": [],
+        "window": (100.0, 104.0),
+    }
+    row = stats.summarize(run, slo_ttft_ms=200, slo_tpot_ms=200)
+    assert row["num_requests"] == 2 and row["num_failed"] == 1  # the early request is not in the latencies
+    assert row["output_tok_per_s"] == 3 / 4  # 100.0, 100.5 (early) and 101.1 (inside)
+    assert row["req_per_s"] == 1 / 4  # only the early one completed inside the window
+    assert row["ttft_p99_ms"] == 100.0 and row["goodput_req_per_s"] == 1 / 4 and row["errors"] == ["error: boom"]
+    assert measurement_window(
+        [{"event": "test_start", "t": 5.0}, {"event": "stop_issuing", "t": 20.0}, {"event": "test_stop", "t": 30.0}],
+        ramp_s=3,
+    ) == (8.0, 20.0)
+
+
+@pytest.mark.timeout(60)
+def test_report_builds_tables_and_plots_from_fixed_results(tmp_path):
+    results = json.loads(FIXTURE.read_text())
+    built = report.build(results, tmp_path)
+
+    assert built["headline"].startswith("continuous vs dynamic at 4 users: 1.6x output tokens/s")
+    assert "8.0x lower TTFT p99" in built["headline"]
+    for name in (
+        "throughput_vs_load",
+        "latency_vs_load",
+        "e2e_latency_cdf",
+        "batch_size_over_time",
+        "kv_blocks_over_time",
+        "batch_size_histogram",
+    ):
+        png = tmp_path / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 15_000, name
+
+    md = (tmp_path / "report.md").read_text()
+    table = md.split("## Every load point")[1].split("\n\n")[1].splitlines()
+    assert table[0].startswith("| model | load | req/s | output tok/s | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50")
+    assert [line.split(" | ")[:2] for line in table[2:]] == [
+        ["| llm_continuous", "2 users"],
+        ["| llm_continuous", "4 users"],
+        ["| llm_dynamic", "2 users"],
+        ["| llm_dynamic", "4 users"],
+    ]
+    assert "| 4 users | 1.59x |" in md  # the side-by-side table
+    html = (tmp_path / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 6 and "<table>" in html and 'src="batch' not in html
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    dynamic4 = next(r for r in rows if r["model"] == "llm_dynamic" and r["users"] == 4)
+    assert (
+        dynamic4["num_failed"] == 0 and dynamic4["goodput_fraction"] == 0.0 and 2.5 < dynamic4["mean_batch_size"] < 3.5
+    )
+
+
+@pytest.mark.timeout(10)
+def test_slo_verdict_names_what_broke():
+    row = {"num_requests": 10, "num_failed": 0, "ttft_p99_ms": 2500.0, "tpot_p99_ms": 50.0}
+    assert verdict(row, 2000, 100) == "TTFT p99 2.50 s > 2000 ms"
+    assert verdict({**row, "ttft_p99_ms": 100.0}, 2000, 100) is None
+    assert "3 failures" in verdict({**row, "num_failed": 3, "ttft_p99_ms": 100.0}, 2000, 100)
+
+
+# ---- headless Locust against the real server ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(triton_server_factory, smollm2_dir):
+    return triton_server_factory.start(REPO_ROOT / "model_repository", model=smollm2_dir)
+
+
+def run_locust(
+    server, tmp_path: Path, user: str, model: str, *extra: str, run_time: str = "4s"
+) -> tuple[subprocess.CompletedProcess, Path]:
+    prefix = tmp_path / f"{user}_{model}"
+    command = [
+        sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
+        "-u", "2", "-r", "2", "--run-time", run_time, "--stop-timeout", "30", "--csv", str(prefix),
+        "--host", server.http_url, "--grpc-url", server.grpc_url, "--model", model,
+        "--workload", "constant", "--output-scale", "0.1", "--max-requests", "6",
+        "--records-file", f"{prefix}_requests.jsonl", *extra, user,
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=150)
+    return done, prefix
+
+
+def read_stats(prefix: Path) -> dict[str, dict]:
+    with open(f"{prefix}_stats.csv") as f:
+        return {row["Name"]: row for row in csv.DictReader(f) if row["Type"]}
+
+
+def read_requests(prefix: Path) -> list[dict]:
+    lines = Path(f"{prefix}_requests.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "index" in r]
+
+
+@pytest.mark.server
+@pytest.mark.smollm2
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model", ["llm_dynamic", "llm_continuous"])
+@pytest.mark.parametrize("user,protocol", [("GrpcStreamUser", "grpc"), ("HttpStreamUser", "http")])
+def test_headless_locust_reports_streaming_metrics_without_failures(server, tmp_path, user, protocol, model):
+    done, prefix = run_locust(server, tmp_path, user, model)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+
+    stats_rows = read_stats(prefix)
+    for name in ("ttft", "tpot", "itl_max", "e2e"):
+        assert stats_rows[name]["Type"] == protocol
+        assert int(stats_rows[name]["Request Count"]) > 0, name
+        assert int(stats_rows[name]["Failure Count"]) == 0, name
+    assert int(stats_rows["e2e"]["Request Count"]) == len(read_requests(prefix))
+    with open(f"{prefix}_failures.csv") as f:
+        assert len(f.read().strip().splitlines()) == 1  # the header only
+
+    requests = read_requests(prefix)
+    assert requests and all(r["ok"] and r["num_output_tokens"] == r["max_tokens"] == 13 for r in requests)
+    assert all(r["finish_reason"] == "length" and 0 < r["ttft_ms"] <= r["e2e_ms"] for r in requests)
+    assert all(r["num_input_tokens"] >= 64 for r in requests)  # 64 words
+
+
+@pytest.mark.server
+@pytest.mark.smollm2
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("user", ["GrpcStreamUser", "HttpStreamUser"])
+def test_refused_requests_are_locust_failures_not_exceptions(server, tmp_path, user):
+    # A negative temperature is refused by the model with an error response, request by request.
+    done, prefix = run_locust(server, tmp_path, user, "llm_continuous", "--temperature", "-1", run_time="2s")
+    assert done.returncode == 1, done.stderr[-3000:]  # Locust's own "there were failures" exit code
+    e2e = read_stats(prefix)["e2e"]
+    assert int(e2e["Request Count"]) == int(e2e["Failure Count"]) == 6
+    with open(f"{prefix}_failures.csv") as f:
+        failures = list(csv.DictReader(f))
+    assert failures and all(row["Name"] == "e2e" and "temperature" in row["Error"] for row in failures)
+    with open(f"{prefix}_exceptions.csv") as f:
+        assert len(f.read().strip().splitlines()) == 1  # nothing raised inside the users
+    assert all(not r["ok"] and "temperature" in r["error"] for r in read_requests(prefix))
+
+
+@pytest.mark.server
+@pytest.mark.smollm2
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_compare_smoke_end_to_end(tmp_path, smollm2_dir):
+    """``python -m loadtest.compare --smoke``: its own server, both models, the report (about 1-2 minutes)."""
+    command = [sys.executable, "-m", "loadtest.compare", "--smoke", "--model", str(smollm2_dir), "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "continuous vs dynamic at 4 users:" in done.stdout
+
+    (out_dir,) = tmp_path.iterdir()
+    results = json.loads((out_dir / "results.json").read_text())
+    assert [(r["model"], r["users"]) for r in results["runs"]] == [("llm_dynamic", 4), ("llm_continuous", 4)]
+    for run in results["runs"]:
+        assert run["requests"] and all(r["ok"] for r in run["requests"]), run["model"]
+        assert any("llm_batch_size_count" in s["values"] for s in run["metrics"])
+        assert any("loadgen" in s["cpu"] for s in run["metrics"])
+    assert (out_dir / "report.html").stat().st_size > 50_000
+    assert (out_dir / "locust" / "llm_dynamic_u4_stats.csv").exists()
