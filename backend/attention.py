@@ -5,8 +5,8 @@ token at position ``p`` lives in physical block ``block_table[p // block_size]``
 flat *slot* is ``block * block_size + offset``.
 
 A step's tokens arrive flattened into one stream ``[T, ...]`` ordered as: decode tokens (one query per sequence)
-first, then each prefill chunk. Decodes are attended in one batched call; prefill chunks one call each, against
-their cached prefix plus the chunk itself with a causal mask.
+first, then each prefill chunk. Decodes are attended in one batched call; prefill chunks against their cached prefix
+plus the chunk itself with a causal mask (fresh chunks of equal length in one batched call).
 
 The decode function here and the OpenAI Triton kernel in ``backend/kernels`` share one signature
 (``paged_decode_attention``); tests compare them and the device decides which runs.
@@ -38,8 +38,8 @@ class AttentionMetadata:
     num_decode_tokens: int  # the first num_decode_tokens of the stream are single-token decodes
     block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, padded with 0 (masked by context_lens)
     context_lens: torch.Tensor  # [num_decodes] int32: tokens each decode attends to (its own included)
-    decode_slots: torch.Tensor | None  # [num_decodes, max_context] int64 gather indices for the torch path
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context] bool, True where attended
+    decode_slots: torch.Tensor | None  # [num_decodes * max_blocks] int64 blocks to gather (torch path), or None
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive mask (0 / -inf)
     prefills: tuple[PrefillChunk, ...]
     scale: float
 
@@ -57,6 +57,22 @@ def write_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
+def decode_gather_indices(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch path's per-step decode metadata, shared by every layer.
+
+    Returns the flat block ids to gather ``[B * max_blocks]`` (whole blocks: one contiguous row each, far cheaper to
+    copy than token slots) and the additive padding mask ``[B, 1, 1, max_blocks * block_size]`` in ``dtype``.
+    """
+    batch, max_blocks = block_tables.shape
+    block_ids = block_tables.reshape(-1).long()
+    positions = torch.arange(max_blocks * block_size, device=block_tables.device)
+    padding = positions[None, :] >= context_lens[:, None]  # (B, ctx)
+    mask = torch.zeros(padding.shape, dtype=dtype, device=block_tables.device).masked_fill_(padding, float("-inf"))
+    return block_ids, mask.view(batch, 1, 1, -1)
+
+
 def paged_decode_attention(
     query: torch.Tensor,  # [B, num_heads, head_dim], one query token per sequence
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -64,37 +80,28 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks]
     context_lens: torch.Tensor,  # [B]
     scale: float,
-    slots: torch.Tensor | None = None,  # [B, max_context] precomputed gather indices (optional, saves work per layer)
-    mask: torch.Tensor | None = None,  # [B, 1, 1, max_context] bool
+    slots: torch.Tensor | None = None,  # [B * max_blocks] from decode_gather_indices (optional, saves work per layer)
+    mask: torch.Tensor | None = None,  # [B, 1, 1, max_blocks * block_size] from decode_gather_indices
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
-    """Torch reference for decode: gather each sequence's K/V through its block table, attend with padding masked."""
+    """Torch reference for decode: gather each sequence's K/V blocks through its block table, attend with padding
+    masked."""
     batch, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     if slots is None or mask is None:
-        slots, mask = decode_gather_indices(block_tables, context_lens, block_size)
-    keys = k_cache.view(-1, num_kv_heads, head_dim)[slots]  # (B, ctx, kvh, hd)
-    values = v_cache.view(-1, num_kv_heads, head_dim)[slots]
+        slots, mask = decode_gather_indices(block_tables, context_lens, block_size, query.dtype)
+    context = mask.shape[-1]
+    # NOTE: index_select over whole blocks (rows of block_size * kvh * hd) copies at memory speed; indexing by
+    # token slot is several times slower on CPU.
+    keys = k_cache.view(num_blocks, -1).index_select(0, slots).view(batch, context, num_kv_heads, head_dim)
+    values = v_cache.view(num_blocks, -1).index_select(0, slots).view(batch, context, num_kv_heads, head_dim)
     group = num_heads // num_kv_heads
     # NOTE: with one query per sequence, the query heads sharing a KV head can stand in SDPA's "query length"
     # dimension, so grouped-query attention needs no copy of K/V per query head.
     q = query.view(batch, num_kv_heads, group, head_dim)  # (B, kvh, g, hd)
     out = F.scaled_dot_product_attention(
-        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
+        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask.to(query.dtype), scale=scale
     )  # (B, kvh, g, hd)
     return out.reshape(batch, num_heads, head_dim)
-
-
-def decode_gather_indices(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat slot indices ``[B, max_context]`` and the padding mask ``[B, 1, 1, max_context]`` for the torch path."""
-    max_context = int(context_lens.max())
-    num_blocks = (max_context + block_size - 1) // block_size
-    offsets = torch.arange(block_size, device=block_tables.device)
-    slots = (block_tables[:, :num_blocks, None].long() * block_size + offsets).flatten(1)[:, :max_context]
-    positions = torch.arange(max_context, device=block_tables.device)
-    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
-    return slots, mask
 
 
 def prefill_attention(
@@ -110,8 +117,8 @@ def prefill_attention(
     n, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     if chunk.context_slots is not None:
-        key = k_cache.view(-1, num_kv_heads, head_dim)[chunk.context_slots]  # (ctx, kvh, hd)
-        value = v_cache.view(-1, num_kv_heads, head_dim)[chunk.context_slots]
+        key = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, chunk.context_slots)  # (ctx, kvh, hd)
+        value = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, chunk.context_slots)
     context = key.shape[0]
     q = query.transpose(0, 1)  # (H, n, hd)
     k = key.transpose(0, 1)  # (kvh, ctx, hd)
@@ -126,6 +133,23 @@ def prefill_attention(
     return out.transpose(0, 1)  # (n, H, hd)
 
 
+def _fresh_prefill_attention(
+    query: torch.Tensor,  # [c * n, num_heads, head_dim]: c chunks of n tokens each, nothing cached
+    key: torch.Tensor,  # [c * n, num_kv_heads, head_dim]
+    value: torch.Tensor,
+    num_chunks: int,
+    scale: float,
+) -> torch.Tensor:  # [c * n, num_heads, head_dim]
+    """Equal-length chunks with no cached prefix (e.g. a batch of prompts) in one causal SDPA call."""
+    total, num_heads, head_dim = query.shape
+    n = total // num_chunks
+    q = query.view(num_chunks, n, num_heads, head_dim).transpose(1, 2)  # (c, H, n, hd)
+    k = key.reshape(num_chunks, n, -1, head_dim).transpose(1, 2)  # (c, kvh, n, hd)
+    v = value.reshape(num_chunks, n, -1, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(total, num_heads, head_dim)
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim]
     key: torch.Tensor,  # [T, num_kv_heads, head_dim]
@@ -135,7 +159,7 @@ def paged_attention(
     meta: AttentionMetadata,
     decode_fn=paged_decode_attention,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
-    """One layer's attention for a whole step: write the new K/V, then decodes in one call, prefill chunks each."""
+    """One layer's attention for a whole step: write the new K/V, then decodes in one call, prefill chunks after."""
     write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
     nd = meta.num_decode_tokens
     if not meta.prefills:
@@ -148,7 +172,28 @@ def paged_attention(
             query[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, meta.scale,
             meta.decode_slots, meta.decode_mask,
         )
-    for chunk in meta.prefills:
-        span = slice(chunk.token_start, chunk.token_start + chunk.num_query_tokens)
-        out[span] = prefill_attention(query[span], key[span], value[span], k_cache, v_cache, chunk, meta.scale)
+    for group in _prefill_groups(meta.prefills):
+        first = group[0]
+        span = slice(first.token_start, first.token_start + first.num_query_tokens * len(group))
+        if len(group) > 1:
+            out[span] = _fresh_prefill_attention(query[span], key[span], value[span], len(group), meta.scale)
+        else:
+            out[span] = prefill_attention(query[span], key[span], value[span], k_cache, v_cache, first, meta.scale)
     return out
+
+
+def _prefill_groups(prefills: tuple[PrefillChunk, ...]) -> list[list[PrefillChunk]]:
+    """Runs of adjacent fresh chunks of equal length (batched together); any other chunk alone."""
+    groups: list[list[PrefillChunk]] = []
+    for chunk in prefills:
+        last = groups[-1][-1] if groups else None
+        if (
+            last is not None
+            and chunk.context_slots is None
+            and last.context_slots is None
+            and chunk.num_query_tokens == last.num_query_tokens
+        ):
+            groups[-1].append(chunk)
+        else:
+            groups.append([chunk])
+    return groups

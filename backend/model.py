@@ -1,8 +1,12 @@
 """A Llama-family decoder (Llama 2/3, SmolLM2, Qwen2, Mistral) written over the paged KV cache.
 
 One forward takes a flat stream of tokens from many sequences (decodes and prefill chunks mixed) and returns logits
-only for the positions that will be sampled. Weights come from a local Hugging Face folder (safetensors); QKV and
-gate/up projections are fused so each layer does four matmuls.
+only for the positions that will be sampled. Weights come from a local Hugging Face folder (safetensors); QKV
+projections are fused so each layer reads its attention weights in one matmul.
+
+On CPU every projection runs through oneDNN with its weight laid out once at load time (``Linear``), and the
+elementwise work that follows a matmul (SiLU, the gate product, the residual add) is fused into it, so a decode step
+is little more than one pass over the weights.
 """
 
 from __future__ import annotations
@@ -53,8 +57,56 @@ class ModelShape:
         )
 
 
+class Linear:
+    """``x @ weight.T + bias``, optionally followed by a fused SiLU, product or sum.
+
+    On CPU the weight is reordered once into oneDNN's blocked layout: a plain ``F.linear`` re-lays the weight out on
+    every call, which costs as much as the matmul itself at decode batch sizes. The fused variants apply the
+    elementwise op to the fp32 accumulator before rounding (one rounding instead of two in bf16). Elsewhere (CUDA, or a
+    CPU without oneDNN support for the dtype) it is the plain op sequence.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:  # weight (out, in)
+        self.bias = bias
+        self.out_features = weight.shape[0]
+        self.packed = _onednn_pack(weight)
+        self.weight = weight if self.packed is None else None  # the packed copy replaces it
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:  # silu(x W^T)
+        if self.packed is None:
+            return F.silu(F.linear(x, self.weight, self.bias))
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:  # (x W^T) * other
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias) * other
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
+
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:  # (x W^T) + other
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias) + other
+        return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
+
+
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    if weight.device.type != "cpu" or weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except RuntimeError:  # e.g. no bf16 support on this CPU: the plain path still works
+        return None
+
+
 class Layer:
-    """Weights of one decoder layer, fused for fewer matmuls."""
+    """Weights of one decoder layer. The MLP's gate and up projections stay separate so that SiLU and the product
+    can be fused into their matmuls."""
 
     def __init__(self, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> None:
         def get(name: str) -> torch.Tensor:
@@ -62,12 +114,13 @@ class Layer:
 
         self.input_norm = get("input_layernorm.weight")
         self.post_norm = get("post_attention_layernorm.weight")
-        self.qkv = torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"])  # ((H + 2 kvh) hd, D)
         biases = [prefix + f"self_attn.{p}_proj.bias" for p in "qkv"]
-        self.qkv_bias = torch.cat([w[b].to(dtype) for b in biases]) if biases[0] in w else None  # Qwen2
-        self.o = get("self_attn.o_proj.weight")  # (D, H hd)
-        self.gate_up = torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")])  # (2 I, D)
-        self.down = get("mlp.down_proj.weight")  # (D, I)
+        qkv_bias = torch.cat([w[b].to(dtype) for b in biases]) if biases[0] in w else None  # Qwen2
+        self.qkv = Linear(torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"]), qkv_bias)  # D -> (H+2kvh) hd
+        self.o = Linear(get("self_attn.o_proj.weight"))  # H hd -> D
+        self.gate = Linear(get("mlp.gate_proj.weight"))  # D -> I
+        self.up = Linear(get("mlp.up_proj.weight"))  # D -> I
+        self.down = Linear(get("mlp.down_proj.weight"))  # I -> D
 
 
 class LlamaModel:
@@ -81,11 +134,16 @@ class LlamaModel:
         weights = _load_safetensors(model_dir)
         weights = {k: v.to(device) for k, v in weights.items()}
         self.embed = weights["model.embed_tokens.weight"].to(dtype)  # (V, D)
-        self.lm_head = self.embed if s.tie_word_embeddings else weights["lm_head.weight"].to(dtype)
+        self.lm_head = Linear(self.embed if s.tie_word_embeddings else weights["lm_head.weight"].to(dtype))  # D -> V
         self.final_norm = weights["model.norm.weight"].to(dtype)
         self.layers = [Layer(weights, f"model.layers.{i}.", dtype) for i in range(s.num_layers)]
         del weights
-        self.cos, self.sin = _rope_tables(model_dir, max_model_len, device, dtype)  # (L, hd) each
+        cos, sin = _rope_tables(model_dir, max_model_len, device)  # (L, hd) each, float32
+        half = s.head_dim // 2
+        # NOTE: rotate_half(x) * sin == swap_halves(x) * sin_signed with sin_signed = [-sin_lo, sin_hi]; folding the
+        # sign into the table makes the rotary embedding three ops for q and k together.
+        self.cos = cos.to(dtype)
+        self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype)
         self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self.scale = s.head_dim**-0.5
         self.decode_fn = paged_decode_attention
@@ -98,37 +156,36 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V) [num_blocks, bs, kvh, hd]
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,  # [S] token indices whose next token is sampled
-    ) -> torch.Tensor:  # [S, V] float32
+    ) -> torch.Tensor:  # [S, V] in the model's dtype
         s = self.shape
         num_tokens = input_ids.shape[0]
-        h = self.embed[input_ids]  # (T, D)
-        cos, sin = self.cos[positions], self.sin[positions]  # (T, hd)
+        num_qk_heads = s.num_heads + s.num_kv_heads
+        h = self.embed.index_select(0, input_ids)  # (T, D)
+        cos = self.cos.index_select(0, positions)[:, None, :]  # (T, 1, hd), shared by every layer
+        sin = self.sin_signed.index_select(0, positions)[:, None, :]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = F.rms_norm(h, (s.hidden_size,), layer.input_norm, s.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)  # (T, (H + 2 kvh) hd)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = _rotate(q.view(num_tokens, s.num_heads, s.head_dim), cos, sin)  # (T, H, hd)
-            k = _rotate(k.view(num_tokens, s.num_kv_heads, s.head_dim), cos, sin)  # (T, kvh, hd)
-            v = v.view(num_tokens, s.num_kv_heads, s.head_dim)
+            qkv = layer.qkv(x)  # (T, (H + 2 kvh) hd)
+            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, s.head_dim), cos, sin)
+            q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]  # (T, H, hd), (T, kvh, hd)
+            v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)  # (T, kvh, hd)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.decode_fn)  # (T, H, hd)
-            h = h + F.linear(attn.reshape(num_tokens, self.q_size), layer.o)
+            h = layer.o.add(attn.reshape(num_tokens, self.q_size), h)  # h + o(attn)
             x = F.rms_norm(h, (s.hidden_size,), layer.post_norm, s.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)  # (T, I) each
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            h = layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)  # h + down(silu(gate x) * up x)
         # NOTE: only the sampled positions go through the final norm and the LM head (V = 49k makes it costly).
-        h = F.rms_norm(h[logits_indices], (s.hidden_size,), self.final_norm, s.rms_norm_eps)  # (S, D)
-        return F.linear(h, self.lm_head).float()  # (S, V)
+        h = F.rms_norm(h.index_select(0, logits_indices), (s.hidden_size,), self.final_norm, s.rms_norm_eps)  # (S, D)
+        return self.lm_head(h)  # (S, V)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, HF's non-interleaved layout: x * cos + rotate_half(x) * sin."""
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, hd)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in HF's non-interleaved layout: x * cos + rotate_half(x) * sin.  x: (T, heads, hd)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (T, heads, hd)
+    return torch.addcmul(x * cos, swapped, sin_signed)
 
 
-def _rope_tables(model_dir: Path, max_len: int, device: torch.device, dtype: torch.dtype):
+def _rope_tables(model_dir: Path, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin for every position, computed by HF's own rotary class so every ``rope_scaling`` type is honoured."""
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -139,7 +196,7 @@ def _rope_tables(model_dir: Path, max_len: int, device: torch.device, dtype: tor
     probe = torch.zeros(1, dtype=torch.float32, device=device)
     with torch.no_grad():
         cos, sin = rope(probe, positions)  # (1, L, hd) in float32
-    return cos[0].to(dtype), sin[0].to(dtype)
+    return cos[0], sin[0]
 
 
 def _takes_device() -> bool:

@@ -1,7 +1,8 @@
 """Batched next-token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
 
 A seeded request draws its randomness from its own generator, one draw per step, so its text does not depend on
-which other requests share the batch.
+which other requests share the batch. Every per-row operation here (scaling, filtering, softmax, noise) reads only
+that row, for the same reason.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """``logits`` ``[S, V]`` float32 → one token id per row."""
+        """``logits`` ``[S, V]`` (any float dtype) → one token id per row."""
         logits = logits.cpu()
-        tokens = logits.argmax(dim=-1)  # (S,) greedy for every row; random rows are overwritten below
+        # NOTE: argmax on the model's dtype is exact (upcasting changes no order), and saves an [S, V] copy.
+        tokens = logits.max(dim=-1).indices  # (S,) greedy for every row (first index on ties, as argmax); random rows are overwritten below
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            picked = self._sample_rows(logits[rows], [request_ids[i] for i in rows], [params[i] for i in rows])
+            picked = self._sample_rows(
+                logits[rows].float(), [request_ids[i] for i in rows], [params[i] for i in rows]
+            )
             tokens[rows] = picked
         return tokens.tolist()
 
@@ -61,6 +65,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)[:, None]
     probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
     # NOTE: keep a token while the mass *before* it is below top_p, so the most likely token always survives.
-    remove |= (probs.cumsum(dim=-1) - probs) >= top_p
+    # Rows without a top-p filter are exempt: their cumulative sum may round up to 1.0 before the tail.
+    remove |= ((probs.cumsum(dim=-1) - probs) >= top_p) & (top_p < 1.0)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

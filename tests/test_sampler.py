@@ -1,0 +1,99 @@
+"""The sampler on crafted logits: seeds make rows reproducible whatever else is in the batch; filters do what they say."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from backend.config import SamplingParams
+from backend.sampler import Sampler
+
+VOCAB = 1000
+STEPS = 24
+
+
+def random_logits(rows: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
+    # Flat-ish logits (std 2): many tokens are plausible, so sampling actually varies.
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2.0
+
+
+def test_seeded_request_same_tokens_alone_and_in_a_batch():
+    target = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1234)
+    others = [
+        SamplingParams(temperature=1.0),  # unseeded: draws from the shared generator
+        SamplingParams(temperature=1.3, seed=7),
+        SamplingParams(temperature=0.0),  # greedy
+        SamplingParams(temperature=0.7, top_p=0.5),  # unseeded with a filter
+    ]
+    alone, batched = Sampler(seed=0), Sampler(seed=99)
+    tokens_alone, tokens_batched = [], []
+    for step in range(STEPS):
+        logits = random_logits(5, seed=step)  # row 2 is the target's in the batch
+        tokens_alone += alone(logits[2:3], ["x"], [target])
+        ids = ["u0", "s1", "x", "g3", "u4"]
+        params = [others[0], others[1], target, others[2], others[3]]
+        tokens_batched.append(batched(logits, ids, params)[2])
+    assert tokens_alone == tokens_batched
+    assert len(set(tokens_alone)) > 1  # it sampled, not argmax every time
+
+
+def test_same_seed_different_request_ids_same_tokens():
+    params = SamplingParams(temperature=1.0, seed=5)
+    sampler = Sampler()
+    a = [sampler(random_logits(1, seed=s), ["a"], [params])[0] for s in range(STEPS)]
+    b = [sampler(random_logits(1, seed=s), ["b"], [params])[0] for s in range(STEPS)]
+    assert a == b
+
+
+def test_different_seeds_differ():
+    sampler = Sampler()
+    logits = [random_logits(2, seed=s) for s in range(STEPS)]
+    rows = [sampler(l, ["a", "b"], [SamplingParams(seed=1), SamplingParams(seed=2)]) for l in logits]
+    a, b = zip(*rows)
+    assert a != b
+
+
+def test_greedy_equivalents_equal_argmax():
+    logits = random_logits(8, seed=3)
+    argmax = logits.argmax(dim=-1).tolist()
+    ids = [f"r{i}" for i in range(8)]
+    for params in (
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_k=1, seed=1),
+        SamplingParams(temperature=1.5, top_p=1e-6, seed=2),
+        SamplingParams(temperature=1.0, top_p=1e-6),
+    ):
+        for _ in range(5):
+            assert Sampler()(logits, ids, [params] * 8) == argmax, params
+
+
+def test_greedy_on_bfloat16_logits_equals_float32_argmax():
+    logits = random_logits(4, seed=4).bfloat16()
+    assert Sampler()(logits, list("abcd"), [SamplingParams(temperature=0.0)] * 4) == logits.float().argmax(-1).tolist()
+
+
+def test_top_k_restricts_to_the_k_best():
+    # Eight good tokens with distinct probabilities, and a long tail that together outweighs them.
+    logits = torch.zeros(VOCAB)
+    best = [17, 3, 900, 250, 42, 512, 7, 640]
+    for rank, token in enumerate(best):
+        logits[token] = 4.0 - 0.25 * rank
+    k = 5
+    rows = 4000
+    params = [SamplingParams(temperature=1.0, top_k=k)] * rows
+    counts = collections.Counter(Sampler(seed=0)(logits.expand(rows, VOCAB), [f"r{i}" for i in range(rows)], params))
+    assert set(counts) == set(best[:k])
+    # Frequencies follow the renormalised softmax over the k best (a loose 5-sigma-ish band).
+    expected = torch.softmax(logits[best[:k]], dim=0) * rows
+    for token, exp in zip(best[:k], expected.tolist()):
+        assert abs(counts[token] - exp) < 5 * exp**0.5 + 10, (token, counts[token], exp)
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = torch.full((VOCAB,), -10.0)
+    logits[[10, 20, 30]] = torch.tensor([2.0, 1.0, 0.0]).log_softmax(0) + 10  # masses ~0.67, 0.24, 0.09
+    rows = 2000
+    params = [SamplingParams(temperature=1.0, top_p=0.8)] * rows
+    tokens = set(Sampler(seed=1)(logits.expand(rows, VOCAB), [f"r{i}" for i in range(rows)], params))
+    assert tokens == {10, 20}
