@@ -20,7 +20,9 @@ PYTHON310 ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/
 VENV310 ?= .venv310
 STAMP310 := $(VENV310)/.installed
 MODEL_STAMP := models/smollm2-135m-instruct/.complete
-export HTTP_PORT GRPC_PORT METRICS_PORT MODEL
+# OpenMP threads sleep instead of spinning while they wait (see backend/__init__.py for why).
+OMP_WAIT_POLICY ?= PASSIVE
+export HTTP_PORT GRPC_PORT METRICS_PORT MODEL OMP_WAIT_POLICY
 
 .PHONY: venv venv310 model serve test compare bench soak gpu-check clean
 
