@@ -10,7 +10,8 @@ launcher. For each model and load point it runs headless Locust (a subprocess; i
 the metrics port every 0.5 s, and writes ``reports/<timestamp>/``: ``results.json`` (everything measured),
 ``report.md``, a self-contained ``report.html``, PNG plots, and Locust's own CSVs and logs in ``locust/``.
 
-SLOs (for goodput): TTFT p99 <= --slo-ttft-ms (default 2000) and TPOT p99 <= --slo-tpot-ms (default 100).
+Goodput counts the requests with TTFT <= --slo-ttft-ms (default 2000) and TPOT <= --slo-tpot-ms (default 100);
+``python -m loadtest.slo`` holds a load point's p99s to the same limits.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ from loadtest.runner import (
 from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, get_workload
 
-# Per mode: the sweep and how long each point runs. Output lengths are scaled down for the shorter modes so that a
-# long request still fits in a point several times over.
+# Per mode: the sweep and how long each point runs (then at most stop_timeout_s of drain). The shorter modes scale
+# output lengths down so that the long tail still fits in their shorter points.
 MODES = {
-    "default": {"users": [1, 4, 8, 16], "plan": Plan(run_s=40, ramp_s=5, max_requests=2000, stop_timeout_s=90)},
+    "default": {"users": [1, 4, 8, 16], "plan": Plan(run_s=40, ramp_s=5, max_requests=2000, stop_timeout_s=60)},
     "quick": {"users": [2, 8], "plan": Plan(output_scale=0.5, run_s=16, ramp_s=3, max_requests=600, stop_timeout_s=45)},
     "smoke": {"users": [4], "plan": Plan(output_scale=0.125, run_s=8, ramp_s=1, max_requests=200, stop_timeout_s=20)},
 }
@@ -205,6 +206,8 @@ def main(argv=None) -> int:
             runs = sweep(target, models, points, plan, out_dir, meta)
     except Exception as exc:  # a clear message, not a traceback: the cause is almost always the server or a model
         print(f"compare: error: {exc}", file=sys.stderr)
+        if not any(out_dir.iterdir()):
+            out_dir.rmdir()
         return 1
     meta["duration_s"] = round(time.perf_counter() - started, 1)
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}))

@@ -38,8 +38,10 @@ from urllib.parse import urlparse  # noqa: E402
 import gevent  # noqa: E402
 import requests  # noqa: E402
 import tritonclient.grpc as grpcclient  # noqa: E402
+from gevent import GreenletExit  # noqa: E402
 from locust import User, events, task  # noqa: E402
 from locust.exception import StopUser  # noqa: E402
+from locust.runners import STATE_RUNNING, STATE_SPAWNING  # noqa: E402
 from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 
 from client.schema import GenerationRequest, build_inputs, parse_chunk  # noqa: E402
@@ -112,7 +114,12 @@ class Run:
         self.in_flight -= 1
         self.write(record)
         runner = self.environment.runner
-        if not self.issuing and self.in_flight == 0 and runner is not None:
+        if (
+            not self.issuing
+            and self.in_flight == 0
+            and runner is not None
+            and runner.state in (STATE_SPAWNING, STATE_RUNNING)
+        ):
             # Headless: end the run now. Web UI: stop the test and keep the UI up.
             gevent.spawn(runner.quit if self.environment.parsed_options.headless else runner.stop)
 
@@ -159,8 +166,12 @@ def _on_test_stop(environment, **_kwargs) -> None:
     if _run is not None:
         _run.write({"event": "test_stop", "t": time.time()})
         _run.close()
-    # NOTE: Locust writes its CSV once a second and not again at exit; requests that ended during the drain would
-    # be missing from it without one more tick of the writer.
+
+
+@events.quitting.add_listener
+def _on_quitting(environment, **_kwargs) -> None:
+    # NOTE: Locust writes its CSV once a second and not again at exit; requests that ended in the last second of
+    # the drain would be missing from it without one more tick of the writer.
     if environment.parsed_options is not None and environment.parsed_options.csv_prefix:
         gevent.sleep(CSV_STATS_INTERVAL_SEC + 0.2)
 
@@ -221,6 +232,10 @@ class StreamingLLMUser(User):
             m.error = str(exc)
         except Exception as exc:  # a client-library surprise is this request's failure, not the user's death
             m.error = f"{type(exc).__name__}: {exc}"
+        except GreenletExit:  # the run ended (--stop-timeout) with this stream still open: not a failure, but known
+            m.cut, m.e2e_s = True, time.perf_counter() - t0
+            _run.done(m.record())
+            raise
         m.e2e_s = m.e2e_s or time.perf_counter() - t0
         self.report(m)
         _run.done(m.record())

@@ -25,6 +25,7 @@ class Measurement:
     finish_reason: str = ""
     e2e_s: float = 0.0
     error: str | None = None
+    cut: bool = False  # the run ended before the stream did (not a failure: its latency is only a lower bound)
 
     def add(self, chunk: Chunk) -> None:
         self.token_s += [chunk.time_s] * chunk.num_tokens
@@ -76,8 +77,9 @@ class Measurement:
         return {
             "index": self.index,
             "t_start": self.t_start_unix,
-            "ok": self.error is None,
+            "ok": self.error is None and not self.cut,
             "error": self.error,
+            "cut": self.cut,
             "max_tokens": self.max_tokens,
             "num_input_tokens": self.num_input_tokens,
             "num_output_tokens": self.num_output_tokens,

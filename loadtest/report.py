@@ -35,6 +35,7 @@ COLUMNS = [
     ("E2E p99", "e2e_p99_ms", "ms"),
     ("requests", "num_requests", "{}"),
     ("failures", "num_failed", "{}"),
+    ("cut off", "num_unfinished", "{}"),
     ("goodput req/s", "goodput_req_per_s", "{:.2f}"),
     ("within SLO", "goodput_fraction", "{:.0%}"),
     ("mean batch", "mean_batch_size", "{:.2f}"),
@@ -165,8 +166,9 @@ def _sections(
             f"Goodput: requests (started in the measured window) with TTFT ≤ {slo['ttft_ms']:.0f} ms and TPOT ≤ "
             f"{slo['tpot_ms']:.0f} ms, per second. TTFT/TPOT/E2E are client-side (perf_counter in the Locust user). "
             "'mean batch' is sequences per forward step from the server's llm_batch_size histogram; 'mean waiting' "
-            "adds the engine's queue and Triton's own queue in front of the model; 'loadgen CPU' is the Locust "
-            "process (100% = one core).",
+            "adds the engine's queue and Triton's own queue in front of the model; 'cut off': requests still "
+            "streaming when the drain limit ended the run (not failures; their TTFT counts, their E2E cannot); "
+            "'loadgen CPU' is the Locust process (100% = one core).",
         ),
         ("h2", "Throughput and latency against load"),
         ("img", (images["throughput"], "output tokens/s and requests/s against load")),

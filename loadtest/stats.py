@@ -3,9 +3,10 @@
 A run (one model at one load) holds the per-request records the Locust users wrote, the metrics samples scraped
 while it ran, and its measurement window ``[start, end)``: from the end of the ramp-up to the moment the load
 generator stopped issuing requests. Latencies are taken over the requests that *started* in the window (each one
-followed to its end, even after the window closed); throughput counts the tokens and completions that *arrived*
-in the window, divided by its length. So a long request cut by the end of the run still counts fully in the
-latency percentiles, and the load generator's start-up burst is left out.
+followed to its end, even after the window closed, up to the drain limit); throughput counts the tokens and
+completions that *arrived* in the window, divided by its length. So a long request that outlives the window still
+counts fully in the latency percentiles, and the load generator's start-up burst is left out. A request still
+streaming at the drain limit is "cut off": its TTFT counts, its TPOT and E2E are unknown.
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def summarize(run: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     span = max(end - start, 1e-9)
     measured = started_in_window(run)
     ok = [r for r in measured if r["ok"]]
-    ttft = [r["ttft_ms"] for r in ok]
+    cut = [r for r in measured if r.get("cut")]
+    failed = [r for r in measured if not r["ok"] and not r.get("cut")]
+    # NOTE: a request the end of the run cut off still has a real TTFT if its first token came.
+    ttft = [r["ttft_ms"] for r in ok + cut if r["ttft_ms"] is not None]
     tpot = [r["tpot_ms"] for r in ok if r["tpot_ms"] is not None]
     e2e = [r["e2e_ms"] for r in ok]
     within_slo = [r for r in ok if r["ttft_ms"] <= slo_ttft_ms and (r["tpot_ms"] or 0.0) <= slo_tpot_ms]
@@ -51,14 +55,15 @@ def summarize(run: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
         "arrival_rate": run.get("arrival_rate") or 0.0,
         "window_s": span,
         "num_requests": len(measured),
-        "num_failed": len(measured) - len(ok),
-        "num_failed_total": sum(1 for r in run["requests"] if not r["ok"]),
+        "num_failed": len(failed),
+        "num_failed_total": sum(1 for r in run["requests"] if not r["ok"] and not r.get("cut")),
+        "num_unfinished": len(cut),
         "req_per_s": completed_in_window / span,
         "output_tok_per_s": tokens_in_window / span,
         "goodput_req_per_s": len(within_slo) / span,
         "goodput_fraction": len(within_slo) / len(measured) if measured else None,
         "mean_output_tokens": float(np.mean([r["num_output_tokens"] for r in ok])) if ok else None,
-        "errors": sorted({r["error"] for r in measured if r["error"]})[:5],
+        "errors": sorted({r["error"] for r in failed if r["error"]})[:5],
     }
     for q in PERCENTILES:
         row[f"ttft_p{q}_ms"] = percentile(ttft, q)

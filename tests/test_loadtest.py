@@ -149,52 +149,45 @@ def test_histogram_deltas_give_steps_per_second_and_batch_size():
 # ---- the numbers and the report -----------------------------------------------------------------------------
 
 
+def record(t_start: float, token_ms: list[float], error: str | None = None, cut: bool = False) -> dict:
+    """A records-file line as the Locust users write it (times in ms since the request was sent)."""
+    done = error is None and not cut
+    n = len(token_ms)
+    return {
+        "t_start": t_start,
+        "ok": done,
+        "error": error,
+        "cut": cut,
+        "ttft_ms": token_ms[0] if token_ms else None,
+        "tpot_ms": (token_ms[-1] - token_ms[0]) / (n - 1) if done and n > 1 else None,
+        "e2e_ms": token_ms[-1] + 1.0 if token_ms else 10.0,
+        "num_output_tokens": n,
+        "token_ms": token_ms,
+    }
+
+
 @pytest.mark.timeout(10)
 def test_window_counts_tokens_that_arrived_in_it_and_latency_of_requests_started_in_it():
-    early = {
-        "t_start": 99.0,
-        "ok": True,
-        "error": None,
-        "ttft_ms": 500.0,
-        "tpot_ms": 500.0,
-        "e2e_ms": 2000.0,
-        "num_output_tokens": 3,
-        "token_ms": [500.0, 1000.0, 1500.0],
-    }  # tokens at 99.5, 100.0, 100.5
-    inside = {
-        "t_start": 101.0,
-        "ok": True,
-        "error": None,
-        "ttft_ms": 100.0,
-        "tpot_ms": 100.0,
-        "e2e_ms": 5000.0,
-        "num_output_tokens": 2,
-        "token_ms": [100.0, 4900.0],
-    }  # the second token after the window
-    failed = {
-        "t_start": 102.0,
-        "ok": False,
-        "error": "error: boom",
-        "ttft_ms": None,
-        "tpot_ms": None,
-        "e2e_ms": 10.0,
-        "num_output_tokens": 0,
-        "token_ms": [],
-    }
+    early = record(99.0, [500.0, 1000.0, 1500.0])  # tokens at 99.5, 100.0, 100.5; done at 100.501
+    inside = record(101.0, [100.0, 4900.0])  # its second token comes after the window
+    failed = record(102.0, [], error="error: boom")
+    cut = record(103.0, [300.0, 5000.0], cut=True)  # still streaming when the drain limit ended the run
     run = {
         "model": "m",
         "users": 2,
         "arrival_rate": 0.0,
         "load": "2 users",
-        "requests": [early, inside, failed],
+        "requests": [early, inside, failed, cut],
         "metrics": [],
         "window": (100.0, 104.0),
     }
     row = stats.summarize(run, slo_ttft_ms=200, slo_tpot_ms=200)
-    assert row["num_requests"] == 2 and row["num_failed"] == 1  # the early request is not in the latencies
-    assert row["output_tok_per_s"] == 3 / 4  # 100.0, 100.5 (early) and 101.1 (inside)
+    assert row["num_requests"] == 3  # the early request is not in the latencies
+    assert (row["num_failed"], row["num_unfinished"], row["errors"]) == (1, 1, ["error: boom"])
+    assert row["output_tok_per_s"] == 4 / 4  # 100.0, 100.5 (early), 101.1 (inside), 103.3 (cut)
     assert row["req_per_s"] == 1 / 4  # only the early one completed inside the window
-    assert row["ttft_p99_ms"] == 100.0 and row["goodput_req_per_s"] == 1 / 4 and row["errors"] == ["error: boom"]
+    assert row["ttft_p50_ms"] == 200.0  # inside (100 ms) and cut (300 ms): a cut request's first token counts
+    assert row["e2e_p99_ms"] == 4901.0 and row["goodput_req_per_s"] == 0.0  # inside's TPOT is 4.8 s
     assert measurement_window(
         [{"event": "test_start", "t": 5.0}, {"event": "stop_issuing", "t": 20.0}, {"event": "test_stop", "t": 30.0}],
         ramp_s=3,
@@ -321,6 +314,20 @@ def test_refused_requests_are_locust_failures_not_exceptions(server, tmp_path, u
     with open(f"{prefix}_exceptions.csv") as f:
         assert len(f.read().strip().splitlines()) == 1  # nothing raised inside the users
     assert all(not r["ok"] and "temperature" in r["error"] for r in read_requests(prefix))
+
+
+@pytest.mark.server
+@pytest.mark.smollm2
+@pytest.mark.timeout(240)
+def test_streams_cut_off_by_the_drain_limit_are_recorded_not_failed(server, tmp_path):
+    # 128-token answers cannot finish in a 2 s run with a 1 s drain.
+    extra = ("--output-scale", "1", "--stop-timeout", "1")
+    done, prefix = run_locust(server, tmp_path, "GrpcStreamUser", "llm_continuous", *extra, run_time="2s")
+    assert done.returncode == 0, done.stderr[-3000:]
+    requests = read_requests(prefix)
+    assert len(requests) == 2 and all(r["cut"] and not r["ok"] and r["error"] is None for r in requests)
+    assert all(0 < r["num_output_tokens"] < 128 for r in requests)
+    assert "e2e" not in read_stats(prefix)  # nothing reported to Locust as done or failed
 
 
 @pytest.mark.server
