@@ -42,11 +42,11 @@ from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, get_workload
 
 # Per mode: the sweep and how long each point runs (then at most stop_timeout_s of drain). The shorter modes scale
-# output lengths down so that the long tail still fits in their shorter points.
+# prompt and output lengths down together so that the long tail still fits in their shorter points.
 MODES = {
     "default": {"users": [1, 4, 8, 16], "plan": Plan(run_s=40, ramp_s=5, max_requests=2000, stop_timeout_s=60)},
-    "quick": {"users": [2, 8], "plan": Plan(output_scale=0.5, run_s=16, ramp_s=3, max_requests=600, stop_timeout_s=45)},
-    "smoke": {"users": [4], "plan": Plan(output_scale=0.125, run_s=8, ramp_s=1, max_requests=200, stop_timeout_s=20)},
+    "quick": {"users": [2, 8], "plan": Plan(length_scale=0.5, run_s=16, ramp_s=3, max_requests=600, stop_timeout_s=45)},
+    "smoke": {"users": [4], "plan": Plan(length_scale=0.125, run_s=8, ramp_s=1, max_requests=200, stop_timeout_s=20)},
 }
 
 
@@ -83,7 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--workload", default="long_tailed", choices=sorted(WORKLOADS))
     p.add_argument(
-        "--output-scale", type=float, default=None, help="multiply output lengths (default per mode: 1, 0.5, 0.125)"
+        "--length-scale",
+        type=float,
+        default=None,
+        help="multiply prompt and output lengths (default per mode: 1, 0.5, 0.125)",
     )
     p.add_argument(
         "--duration", type=float, default=None, help="seconds of load per point (default per mode: 40, 16, 8)"
@@ -109,8 +112,8 @@ def make_plan(args) -> tuple[Plan, list[LoadPoint]]:
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
     )
-    if args.output_scale is not None:
-        plan.output_scale = args.output_scale
+    if args.length_scale is not None:
+        plan.length_scale = args.length_scale
     if args.duration is not None:
         plan.run_s = args.duration
         plan.ramp_s = min(plan.ramp_s, args.duration / 4)
@@ -166,13 +169,13 @@ def main(argv=None) -> int:
     models = [m for m in args.models.split(",") if m]
     out_dir = args.out / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
-    workload = get_workload(plan.workload, plan.output_scale)
+    workload = get_workload(plan.workload, plan.length_scale)
     meta = {
         "started": dt.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv[1:] if argv is None else list(argv),
         "mode": args.mode,
         "workload": workload.describe(),
-        "output_scale": plan.output_scale,
+        "length_scale": plan.length_scale,
         "protocol": plan.protocol,
         "seed": plan.seed,
         "run_s": plan.run_s,

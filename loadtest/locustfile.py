@@ -58,7 +58,9 @@ def _add_options(parser) -> None:
         "--grpc-url", default="", help="host:port of Triton's gRPC endpoint (default: --host's host, port 8001)"
     )
     group.add_argument("--workload", default="long_tailed", choices=sorted(WORKLOADS), help="default: %(default)s")
-    group.add_argument("--output-scale", type=float, default=1.0, help="multiply output lengths (default: %(default)s)")
+    group.add_argument(
+        "--length-scale", type=float, default=1.0, help="multiply prompt and output lengths (default: %(default)s)"
+    )
     group.add_argument("--seed", type=int, default=0, help="workload seed: request i is the same on every run")
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     group.add_argument(
@@ -91,7 +93,7 @@ class Run:
     def __init__(self, environment) -> None:
         options = environment.parsed_options
         self.environment = environment
-        self.workload = get_workload(options.workload, options.output_scale)
+        self.workload = get_workload(options.workload, options.length_scale)
         self.seed = options.seed
         self.max_requests = options.max_requests
         self._next_index = itertools.count()

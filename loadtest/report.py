@@ -39,7 +39,9 @@ COLUMNS = [
     ("goodput req/s", "goodput_req_per_s", "{:.2f}"),
     ("within SLO", "goodput_fraction", "{:.0%}"),
     ("mean batch", "mean_batch_size", "{:.2f}"),
+    ("steps/s", "steps_per_s", "{:.1f}"),
     ("mean waiting", "mean_waiting_total", "{:.1f}"),
+    ("server CPU", "server_cpu_mean", "{:.0f}%"),
     ("loadgen CPU", "loadgen_cpu_mean", "{:.0f}%"),
 ]
 
@@ -168,7 +170,8 @@ def _sections(
             "'mean batch' is sequences per forward step from the server's llm_batch_size histogram; 'mean waiting' "
             "adds the engine's queue and Triton's own queue in front of the model; 'cut off': requests still "
             "streaming when the drain limit ended the run (not failures; their TTFT counts, their E2E cannot); "
-            "'loadgen CPU' is the Locust process (100% = one core).",
+            "'steps/s' are forward steps per second; 'server CPU' is tritonserver with its Python-backend stubs and "
+            "'loadgen CPU' the Locust process (100% = one core).",
         ),
         ("h2", "Throughput and latency against load"),
         ("img", (images["throughput"], "output tokens/s and requests/s against load")),
@@ -186,6 +189,7 @@ def _sections(
                 "Triton's queue. Continuous batching: finished sequences leave and waiting ones join at every step, so "
                 "the batch stays full while there is work.",
             ),
+            ("p", _step_text(rows, timeline_runs)),
             ("img", (images["batch"], "sequences per forward step over time")),
             ("img", (images["batch_hist"], "forward steps by batch size")),
             (
@@ -200,6 +204,22 @@ def _sections(
     if errors:
         s += [("h2", "Failures seen"), ("pre", "\n".join(errors[:20]))]
     return s
+
+
+def _step_text(rows: list[dict], timeline_runs: list[dict]) -> str:
+    """What the server's own counters say at the plotted load: batch size times steps per second."""
+    parts = []
+    for run in timeline_runs:
+        row = next(r for r in rows if r["model"] == run["model"] and r["load"] == run["load"])
+        if row["steps_per_s"] and row["mean_batch_size"]:
+            parts.append(
+                f"{run['model']} ran {row['steps_per_s']:.1f} forward steps/s ({1000 / row['steps_per_s']:.0f} ms "
+                f"each) with {row['mean_batch_size']:.2f} sequences per step, i.e. "
+                f"{row['steps_per_s'] * row['mean_batch_size']:.0f} sequence-steps/s"
+            )
+    if not parts:
+        return "The server exported no per-step batch sizes for this load."
+    return f"Measured at {timeline_runs[0]['load']}: " + "; ".join(parts) + "."
 
 
 def _setup_text(meta: dict, runs: list[dict]) -> str:

@@ -70,7 +70,7 @@ class Plan:
     """How each load point runs (all bounded: time, requests, and the drain at the end)."""
 
     workload: str = "long_tailed"
-    output_scale: float = 1.0
+    length_scale: float = 1.0
     run_s: float = 40.0
     ramp_s: float = 5.0
     max_requests: int = 2000
@@ -198,7 +198,7 @@ def locust_command(
         "--run-time", f"{plan.run_s:g}s", "--stop-timeout", f"{plan.stop_timeout_s:g}",
         "--csv", str(csv_prefix), "--exit-code-on-error", "0",
         "--host", target.http_url, "--grpc-url", target.grpc_url, "--model", model,
-        "--workload", plan.workload, "--output-scale", f"{plan.output_scale:g}", "--seed", str(plan.seed),
+        "--workload", plan.workload, "--length-scale", f"{plan.length_scale:g}", "--seed", str(plan.seed),
         "--slo-ttft-ms", f"{plan.slo_ttft_ms:g}", "--slo-tpot-ms", f"{plan.slo_tpot_ms:g}",
         "--arrival-rate", f"{point.arrival_rate:g}", "--max-requests", str(plan.max_requests),
         "--records-file", str(records), *plan.extra_locust_args, USER_CLASSES[plan.protocol],

@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rates", default=None, help="open-loop ladder of Poisson arrival rates (req/s) instead of --users")
     p.add_argument("--max-users", type=int, default=64, help="users that carry the arrivals with --rates")
     p.add_argument("--workload", default="long_tailed", choices=sorted(WORKLOADS))
-    p.add_argument("--output-scale", type=float, default=1.0)
+    p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load per point (default: %(default)s)")
     p.add_argument("--max-requests", type=int, default=1000, help="at most this many requests per point")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     plan = Plan(
         workload=args.workload,
-        output_scale=args.output_scale,
+        length_scale=args.length_scale,
         run_s=args.duration,
         ramp_s=min(5.0, args.duration / 4),
         max_requests=args.max_requests,

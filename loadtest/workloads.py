@@ -93,11 +93,16 @@ class Workload:
     output_tokens: object  # a distribution: max_tokens, generated in full (ignore_eos)
     about: str
 
-    def scaled(self, output_scale: float) -> "Workload":
-        """Same shape with output lengths multiplied by ``output_scale`` (shorter runs: --quick, --smoke)."""
-        if output_scale == 1.0:
+    def scaled(self, length_scale: float) -> "Workload":
+        """Same shape, prompt and output lengths multiplied by ``length_scale`` (shorter runs: --quick, --smoke).
+
+        Both scale together so that the share of the work that is prefill stays what the workload says.
+        """
+        if length_scale == 1.0:
             return self
-        return Workload(self.name, self.prompt_words, self.output_tokens.scaled(output_scale), self.about)
+        return Workload(
+            self.name, self.prompt_words.scaled(length_scale), self.output_tokens.scaled(length_scale), self.about
+        )
 
     def describe(self) -> str:
         return (
@@ -134,9 +139,9 @@ class RequestSpec:
     max_tokens: int
 
 
-def get_workload(name: str, output_scale: float = 1.0) -> Workload:
+def get_workload(name: str, length_scale: float = 1.0) -> Workload:
     try:
-        return WORKLOADS[name].scaled(output_scale)
+        return WORKLOADS[name].scaled(length_scale)
     except KeyError:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}") from None
 

@@ -43,7 +43,8 @@ def test_request_i_is_the_same_everywhere_and_long_tailed_is_long_tailed():
 def test_scaled_workloads_keep_their_shape():
     quick = [make_request(get_workload("long_tailed", 0.5), i).max_tokens for i in range(500)]
     assert max(quick) <= 256 and min(quick) >= 8
-    assert {make_request(get_workload("constant", 0.1), i).max_tokens for i in range(20)} == {13}
+    small = [make_request(get_workload("constant", 0.1), i) for i in range(20)]
+    assert {(s.num_prompt_words, s.max_tokens) for s in small} == {(6, 13)}  # prompts scale with outputs
     with pytest.raises(ValueError, match="unknown workload"):
         get_workload("nope")
     assert set(WORKLOADS) == {"constant", "uniform", "long_tailed", "bimodal"}
@@ -255,7 +256,7 @@ def run_locust(
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
         "-u", "2", "-r", "2", "--run-time", run_time, "--stop-timeout", "30", "--csv", str(prefix),
         "--host", server.http_url, "--grpc-url", server.grpc_url, "--model", model,
-        "--workload", "constant", "--output-scale", "0.1", "--max-requests", "6",
+        "--workload", "constant", "--length-scale", "0.1", "--max-requests", "6",
         "--records-file", f"{prefix}_requests.jsonl", *extra, user,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -295,7 +296,7 @@ def test_headless_locust_reports_streaming_metrics_without_failures(server, tmp_
     requests = read_requests(prefix)
     assert requests and all(r["ok"] and r["num_output_tokens"] == r["max_tokens"] == 13 for r in requests)
     assert all(r["finish_reason"] == "length" and 0 < r["ttft_ms"] <= r["e2e_ms"] for r in requests)
-    assert all(r["num_input_tokens"] >= 64 for r in requests)  # 64 words
+    assert all(r["num_input_tokens"] >= 6 for r in requests)  # 64 words x 0.1
 
 
 @pytest.mark.server
@@ -321,7 +322,7 @@ def test_refused_requests_are_locust_failures_not_exceptions(server, tmp_path, u
 @pytest.mark.timeout(240)
 def test_streams_cut_off_by_the_drain_limit_are_recorded_not_failed(server, tmp_path):
     # 128-token answers cannot finish in a 2 s run with a 1 s drain.
-    extra = ("--output-scale", "1", "--stop-timeout", "1")
+    extra = ("--length-scale", "1", "--stop-timeout", "1")
     done, prefix = run_locust(server, tmp_path, "GrpcStreamUser", "llm_continuous", *extra, run_time="2s")
     assert done.returncode == 0, done.stderr[-3000:]
     requests = read_requests(prefix)
