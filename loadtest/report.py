@@ -100,11 +100,6 @@ def build(results: dict, out_dir: Path) -> dict:
     slo_ttft, slo_tpot = meta["slo"]["ttft_ms"], meta["slo"]["tpot_ms"]
     runs = sorted(results["runs"], key=lambda r: (r["model"], r.get("arrival_rate") or 0.0, r["users"]))
     rows = [summarize(run, slo_ttft, slo_tpot) for run in runs]
-    for row in rows:
-        parts = [row.get("mean_waiting"), row.get("mean_queued_in_triton")]
-        row["mean_waiting_total"] = (
-            sum(p for p in parts if p is not None) if any(p is not None for p in parts) else None
-        )
     line = headline(rows, BASELINE, CANDIDATE)
 
     timeline_runs = _timeline_runs(runs, rows)

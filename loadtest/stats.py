@@ -91,6 +91,10 @@ def server_view(samples: list[dict], start: float, end: float) -> dict:
     ):
         values = [v for _, v in metrics.gauge(inside, name)]
         view[key] = float(np.mean(values)) if values else None
+    # NOTE: llm_dynamic's requests wait in Triton's queue (its engine never has a waiting one), llm_continuous's in
+    # the engine's: the sum is what "waiting" means for either.
+    queues = [view["mean_waiting"], view["mean_queued_in_triton"]]
+    view["mean_waiting_total"] = sum(q for q in queues if q is not None) if queues != [None, None] else None
     used = [v for _, v in metrics.gauge(inside, "llm_kv_blocks_used")]
     total = [v for _, v in metrics.gauge(samples, "llm_kv_blocks_total")]
     view["max_kv_blocks_used"] = max(used) if used else None
