@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from backend.attention import AttentionMetadata, PrefillChunk, decode_gather_indices
+from backend import cpu_kernels
+from backend.attention import AttentionMetadata, PrefillChunk, decode_gather_indices, paged_decode_attention
 from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from backend.model import LlamaModel, ModelShape
 from backend.request import Request
@@ -73,10 +74,14 @@ class ModelRunner:
         self.shape = read_model_shape(config.model)
         config.resolve(self.shape.max_position_embeddings)
         self.model = LlamaModel(config.model, self.dtype, self.device, config.max_model_len)
+        # The device decides which twin of the decode attention runs: the OpenAI Triton kernel on CUDA, the C kernel on
+        # a CPU where it builds, else the torch reference.
         if self.device.type == "cuda":
-            from backend.kernels import cuda_decode_attention  # OpenAI Triton kernel; CPU keeps the torch path
+            from backend.kernels import cuda_decode_attention
 
             self.model.decode_fn = cuda_decode_attention
+        elif cpu_kernels.load() is not None:
+            self.model.decode_fn = cpu_kernels.cpu_decode_attention
         self.block_size = config.block_size
         self._block_offsets = torch.arange(self.block_size)
         self.num_kv_blocks = self._num_kv_blocks()
@@ -142,7 +147,7 @@ class ModelRunner:
             [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in decodes], dtype=torch.int32
         ).view(num_decodes, max_blocks)
         decode_block_ids = decode_mask = None
-        if num_decodes and self.device.type == "cpu":  # the torch path's gather indices, shared by every layer
+        if num_decodes and self.model.decode_fn is paged_decode_attention:  # its gather indices, for every layer
             decode_block_ids, decode_mask = decode_gather_indices(block_tables, context_lens, bs, self.dtype)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, **to),

@@ -1,0 +1,122 @@
+/*
+ * Paged decode attention for the CPU: the C twin of backend.attention.paged_decode_attention (same inputs, same
+ * result within float rounding).
+ *
+ * One query token per sequence reads its keys and values straight from the paged pool through its block table, so
+ * nothing is gathered into a temporary copy first (the torch path copies every sequence's K/V once per layer, then
+ * reads the copy again). A work item is one (sequence, KV head): its GROUP query heads share every K/V row it reads.
+ * Items are spread over torch's own OpenMP threads: this library's libgomp.so.1 resolves to the copy torch loaded.
+ *
+ * Built at first use by backend/cpu_kernels.py (-O3 -march=native -ffast-math). Arithmetic is float32 throughout;
+ * bf16 inputs are widened on load and the output is rounded once at the end.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline void load_row(const void* src, int dtype, int64_t n, float* dst) {
+    if (dtype == DTYPE_BF16) {
+        const uint16_t* p = (const uint16_t*)src;
+        for (int64_t i = 0; i < n; ++i) {
+            union { uint32_t u; float f; } v = {.u = (uint32_t)p[i] << 16};  /* bf16 is a truncated float32 */
+            dst[i] = v.f;
+        }
+    } else {
+        const float* p = (const float*)src;
+        for (int64_t i = 0; i < n; ++i) dst[i] = p[i];
+    }
+}
+
+static inline void store_row(void* dst, int dtype, int64_t n, const float* src, float factor) {
+    if (dtype == DTYPE_BF16) {
+        uint16_t* p = (uint16_t*)dst;
+        for (int64_t i = 0; i < n; ++i) {
+            union { uint32_t u; float f; } v = {.f = src[i] * factor};
+            p[i] = (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);  /* round to nearest even, as torch */
+        }
+    } else {
+        float* p = (float*)dst;
+        for (int64_t i = 0; i < n; ++i) p[i] = src[i] * factor;
+    }
+}
+
+/*
+ * Strides are in elements.
+ * query:  [B, H, D] strides (q_sb, q_sh, 1)
+ * k/v:    [num_blocks, block_size, KVH, D] strides (c_sb, c_ss, c_sh, 1), the same for K and V
+ * block_tables: [B, *] int32 with row stride bt_sb; context_lens: [B] int32, each in [1, max_context]
+ * out:    [B, H, D] strides (o_sb, o_sh, 1)
+ */
+void paged_decode_attention(const void* query, int64_t q_sb, int64_t q_sh, const void* k_cache, const void* v_cache,
+                            int64_t c_sb, int64_t c_ss, int64_t c_sh, const int32_t* block_tables, int64_t bt_sb,
+                            const int32_t* context_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                            int64_t block_size, float scale, int64_t max_context, void* out, int64_t o_sb,
+                            int64_t o_sh, int dtype, int num_threads) {
+    const int64_t G = H / KVH;
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
+    const char* q_bytes = (const char*)query;
+    const char* k_bytes = (const char*)k_cache;
+    const char* v_bytes = (const char*)v_cache;
+    char* out_bytes = (char*)out;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        float* scores = (float*)malloc(sizeof(float) * G * max_context);  /* (G, context) of the current item */
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < B * KVH; ++item) {
+            const int64_t b = item / KVH, kv_head = item % KVH;
+            const int64_t len = context_lens[b];
+            const int32_t* table = block_tables + b * bt_sb;
+            float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
+            float max_score[MAX_GROUP], sum[MAX_GROUP];
+            for (int64_t g = 0; g < G; ++g) {
+                load_row(q_bytes + (b * q_sb + (kv_head * G + g) * q_sh) * esize, dtype, D, q[g]);
+                for (int64_t d = 0; d < D; ++d) {
+                    q[g][d] *= scale;
+                    acc[g][d] = 0.f;
+                }
+                max_score[g] = -FLT_MAX;
+                sum[g] = 0.f;
+            }
+            /* scores[g][t] = q_g . k_t */
+            for (int64_t t = 0; t < len; ++t) {
+                const int64_t slot = table[t / block_size] * c_sb + (t % block_size) * c_ss + kv_head * c_sh;
+                load_row(k_bytes + slot * esize, dtype, D, row);
+                for (int64_t g = 0; g < G; ++g) {
+                    float dot = 0.f;
+                    for (int64_t d = 0; d < D; ++d) dot += q[g][d] * row[d];
+                    scores[g * max_context + t] = dot;
+                    max_score[g] = dot > max_score[g] ? dot : max_score[g];
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                float* s = scores + g * max_context;
+                for (int64_t t = 0; t < len; ++t) {
+                    s[t] = expf(s[t] - max_score[g]);
+                    sum[g] += s[t];
+                }
+            }
+            /* acc[g] = sum_t p[g][t] v_t, normalised on the way out */
+            for (int64_t t = 0; t < len; ++t) {
+                const int64_t slot = table[t / block_size] * c_sb + (t % block_size) * c_ss + kv_head * c_sh;
+                load_row(v_bytes + slot * esize, dtype, D, row);
+                for (int64_t g = 0; g < G; ++g) {
+                    const float p = scores[g * max_context + t];
+                    for (int64_t d = 0; d < D; ++d) acc[g][d] += p * row[d];
+                }
+            }
+            for (int64_t g = 0; g < G; ++g)
+                store_row(out_bytes + (b * o_sb + (kv_head * G + g) * o_sh) * esize, dtype, D, acc[g], 1.f / sum[g]);
+        }
+        free(scores);
+    }
+}
+
+int max_group(void) { return MAX_GROUP; }
+int max_head_dim(void) { return MAX_HEAD_DIM; }

@@ -1,0 +1,75 @@
+"""The C decode-attention kernel for CPUs gives the torch reference's result on the same inputs.
+
+Pools hold random values everywhere (unused blocks included) and blocks are handed out shuffled, so reading a
+position outside a sequence's context shows up as an error.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from backend import cpu_kernels
+from backend.attention import decode_gather_indices, paged_decode_attention
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
+
+TOLERANCE = {torch.float32: dict(atol=2e-6, rtol=1e-5), torch.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+
+
+def scattered_case(num_heads, num_kv_heads, head_dim, block_size, context_lens, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = (2 * torch.randn(shape, generator=gen)).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in context_lens]
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    # A strided query, as the model passes it: a view into the fused q/k projection output.
+    fused = torch.randn(len(context_lens), num_heads + num_kv_heads, head_dim, generator=gen).to(dtype)
+    query = fused[:, :num_heads]
+    return query, k_cache, v_cache, block_tables, torch.tensor(context_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size",
+    [(9, 3, 64, 16), (4, 4, 64, 16), (8, 1, 128, 32), (4, 2, 32, 8)],
+    ids=["smollm2-gqa3", "mha", "gqa8-hd128", "gqa2-bs8"],
+)
+def test_kernel_matches_torch_reference(num_heads, num_kv_heads, head_dim, block_size, dtype):
+    context_lens = [1, block_size, block_size + 1, 77, 3 * block_size - 1, 130]
+    query, k_cache, v_cache, tables, lens = scattered_case(
+        num_heads, num_kv_heads, head_dim, block_size, context_lens, dtype
+    )
+    scale = head_dim**-0.5
+    out = cpu_kernels.cpu_decode_attention(query, k_cache, v_cache, tables, lens, scale)
+    ref = paged_decode_attention(query.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    assert out.shape == (len(context_lens), num_heads, head_dim) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+
+
+def test_kernel_equals_reference_with_precomputed_metadata_and_threads():
+    query, k_cache, v_cache, tables, lens = scattered_case(9, 3, 64, 16, [5, 40, 200, 17] * 8, torch.float32)
+    slots, mask = decode_gather_indices(tables, lens, 16)
+    ref = paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, slots, mask)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            out = cpu_kernels.cpu_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, slots, mask)
+            torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_unsupported_inputs_fall_back_to_torch():
+    query, k_cache, v_cache, tables, lens = scattered_case(4, 2, 64, 16, [9, 33], torch.float16)
+    assert not cpu_kernels.supports(query, k_cache, v_cache)
+    out = cpu_kernels.cpu_decode_attention(query, k_cache, v_cache, tables, lens, 0.125)
+    assert torch.equal(out, paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125))
