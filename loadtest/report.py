@@ -100,9 +100,9 @@ def build(results: dict, out_dir: Path) -> dict:
     slo_ttft, slo_tpot = meta["slo"]["ttft_ms"], meta["slo"]["tpot_ms"]
     runs = sorted(results["runs"], key=lambda r: (r["model"], r.get("arrival_rate") or 0.0, r["users"]))
     rows = [summarize(run, slo_ttft, slo_tpot) for run in runs]
-    line = headline(rows, BASELINE, CANDIDATE)
+    line = headline(rows, BASELINE, CANDIDATE, meta.get("max_num_seqs"))
 
-    timeline_runs = _timeline_runs(runs, rows)
+    timeline_runs = _timeline_runs(runs, rows, meta.get("max_num_seqs"))
     images = {
         "throughput": plots.throughput_vs_load(rows, out_dir / "throughput_vs_load.png"),
         "latency": plots.latency_vs_load(rows, out_dir / "latency_vs_load.png", slo_ttft, slo_tpot),
@@ -128,9 +128,9 @@ def build(results: dict, out_dir: Path) -> dict:
     }
 
 
-def _timeline_runs(runs: list[dict], rows: list[dict]) -> list[dict]:
-    """The runs at the headline load point (highest load both models ran), one per model, for the time plots."""
-    pair = headline_point(rows, BASELINE, CANDIDATE)
+def _timeline_runs(runs: list[dict], rows: list[dict], max_num_seqs: int | None) -> list[dict]:
+    """The runs at the headline load point, one per model, for the time plots."""
+    pair = headline_point(rows, BASELINE, CANDIDATE, max_num_seqs)
     if pair is not None:
         key = (pair[0]["arrival_rate"], pair[0]["users"])
     elif rows:
@@ -151,6 +151,15 @@ def _sections(
     """A list of ``(kind, content)``: ("h1"|"h2"|"p"|"pre", text), ("table", (header, rows)), ("img", (path, alt))."""
     slo = meta["slo"]
     s = [("h1", "Continuous vs dynamic batching on Triton: measured"), ("p", f"**Headline:** {line}")]
+    if meta.get("max_num_seqs"):
+        s.append(
+            (
+                "p",
+                f"Both models run at most {meta['max_num_seqs']} sequences at once. The headline is taken at the "
+                f"highest load with no more users than that, where every request could be in the batch together; "
+                "above it both models queue, and the tables below show by how much.",
+            )
+        )
     s.append(("p", _setup_text(meta, runs)))
     comparison = comparison_rows(rows)
     if comparison:

@@ -124,15 +124,20 @@ def batch_size_distribution(run: dict) -> dict[str, float]:
     return {le: c / total for le, c in counts.items() if c} if total else {}
 
 
-def headline_point(rows: list[dict], baseline: str, candidate: str) -> tuple[dict, dict] | None:
-    """The pair of rows at the highest load both models ran: the saturation point of an equal-concurrency sweep."""
+def headline_point(
+    rows: list[dict], baseline: str, candidate: str, max_num_seqs: int | None = None
+) -> tuple[dict, dict] | None:
+    """The pair of rows at the saturation point both models ran: the highest load with no more users than
+    ``max_num_seqs`` (every user fits in the batch at once; beyond that both models queue), else the highest load.
+    """
     by_load = {}
     for row in rows:
         by_load.setdefault((row["arrival_rate"], row["users"]), {})[row["model"]] = row
     common = [key for key, models in by_load.items() if baseline in models and candidate in models]
+    fitting = [(rate, users) for rate, users in common if not rate and max_num_seqs and users <= max_num_seqs]
     if not common:
         return None
-    key = max(common)
+    key = max(fitting or common)
     return by_load[key][baseline], by_load[key][candidate]
 
 
@@ -142,9 +147,11 @@ def ratio(numerator, denominator) -> float | None:
     return numerator / denominator
 
 
-def headline(rows: list[dict], baseline: str = "llm_dynamic", candidate: str = "llm_continuous") -> str:
+def headline(
+    rows: list[dict], baseline: str = "llm_dynamic", candidate: str = "llm_continuous", max_num_seqs: int | None = None
+) -> str:
     """E.g. ``continuous vs dynamic at 8 users: 2.7x output tokens/s, 14x lower TTFT p99``."""
-    pair = headline_point(rows, baseline, candidate)
+    pair = headline_point(rows, baseline, candidate, max_num_seqs)
     if pair is None:
         return f"no load point ran both {baseline} and {candidate}"
     base, cand = pair
