@@ -2,6 +2,8 @@
 #   make serve     serve model_repository/ on a real Triton server (HTTP 8000, gRPC 8001, metrics 8002)
 #   make test      the whole test suite (starts and stops its own servers on free ports)
 #   make compare   serve both models and compare them under the same Locust load (report in reports/)
+#   make slo       highest load each model sustains within TTFT/TPOT p99 SLOs
+#   make locust    Locust's web UI (:8089) against a running `make serve`
 #   make bench     offline engine benchmark (reports/bench.json)
 #   make venv310   Python 3.10 test environment (the Docker image's Python), used by tests/test_deploy.py
 #   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
@@ -24,7 +26,7 @@ MODEL_STAMP := models/smollm2-135m-instruct/.complete
 OMP_WAIT_POLICY ?= PASSIVE
 export HTTP_PORT GRPC_PORT METRICS_PORT MODEL OMP_WAIT_POLICY
 
-.PHONY: venv venv310 model serve test compare bench soak gpu-check clean
+.PHONY: venv venv310 model serve test compare slo locust bench soak gpu-check clean
 
 venv: $(STAMP)
 
@@ -60,6 +62,14 @@ test: model venv310
 
 compare: model
 	$(PY) -m loadtest.compare --model "$(MODEL)" $(ARGS)
+
+# The highest load each model sustains within TTFT/TPOT p99 limits (the seed document's tuning procedure).
+slo: model
+	$(PY) -m loadtest.slo --model "$(MODEL)" $(ARGS)
+
+# Locust's web UI on :8089 against a running `make serve`.
+locust: venv
+	$(VENV)/bin/locust --config loadtest/locust.conf --host http://127.0.0.1:$(HTTP_PORT) --grpc-url 127.0.0.1:$(GRPC_PORT) $(ARGS)
 
 bench: model
 	$(PY) -m backend.bench --model "$(MODEL)" $(ARGS)
