@@ -1,14 +1,17 @@
-"""The C twin of the torch decode attention, for CPUs: built at first use, loaded with ctypes.
+"""C twins of two torch hot spots, for CPUs: built at first use, loaded with ctypes.
 
 ``cpu_decode_attention`` takes the same inputs as ``backend.attention.paged_decode_attention`` and returns the same
 result (float32 arithmetic; bf16 rounded once at the end). It reads K/V through the block tables in place, where the
-torch path first copies every sequence's K/V out of the pool once per layer; at batch 32-64 that copy and SDPA's
-small-query overhead were a fifth of a decode step.
+torch path first copies every sequence's K/V out of the pool once per layer; at batch 64 that copy and SDPA's
+small-query overhead cost a tenth of a decode step.
 
-The shared library is compiled from ``cpu_decode_attention.c`` with the system C compiler (``$CC``, default ``cc``)
-into ``$XDG_CACHE_HOME/llm-batching-triton`` (keyed by source, flags and CPU), once per machine (about a second).
-Without a compiler, on a non-glibc system, or with ``LLM_CPU_KERNELS=0``, :func:`load` returns ``None`` and the model
-runner keeps the torch path.
+``cpu_rms_norm`` is HF's LlamaRMSNorm in one pass per row; ``F.rms_norm`` on bf16 runs eight tensor ops (widening
+the whole input to float32), which cost more than the layer's attention at batch 1 and 2.5x a layer_norm in prefill.
+
+The shared library is compiled from ``cpu_kernels.c`` with the system C compiler (``$CC``, default ``cc``) into
+``$XDG_CACHE_HOME/llm-batching-triton`` (keyed by source, flags and CPU), once per machine (about a second).
+Without a compiler, on a non-glibc system, or with ``LLM_CPU_KERNELS=0``, :func:`load` returns ``None`` and the
+model keeps the torch code.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from backend.attention import paged_decode_attention
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode_attention.c")
+_SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -ffast-math lets the compiler vectorise the float dot products (reassociation); inputs are finite by construction.
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -59,7 +63,7 @@ def _build_and_load() -> ctypes.CDLL:
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), compiler.encode(), _cpu_id()])).hexdigest()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-batching-triton"
-    path = cache / f"cpu_decode_attention-{key[:16]}.so"
+    path = cache / f"cpu_kernels-{key[:16]}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then rename: safe with parallel builders
@@ -75,8 +79,11 @@ def _build_and_load() -> ctypes.CDLL:
         ptr, i64, i64, ctypes.c_int, ctypes.c_int,  # out, dtype, num_threads
     ]
     lib.paged_decode_attention.restype = None
-    lib.max_group.restype = lib.max_head_dim.restype = ctypes.c_int
-    lib.limits = (lib.max_group(), lib.max_head_dim())
+    lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.rms_norm.restype = None
+    for limit in (lib.max_group, lib.max_head_dim, lib.max_row):
+        limit.restype = ctypes.c_int
+    lib.limits = (lib.max_group(), lib.max_head_dim(), lib.max_row())
     return lib
 
 
@@ -97,7 +104,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
         return False
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    max_group, max_head_dim = lib.limits
+    max_group, max_head_dim, _ = lib.limits
     return (
         k_cache.dtype == v_cache.dtype == query.dtype
         and k_cache.stride() == v_cache.stride()
@@ -134,5 +141,32 @@ def cpu_decode_attention(
         tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         batch, num_heads, num_kv_heads, head_dim, block_size, scale, tables.shape[1] * block_size,
         out.data_ptr(), out.stride(0), out.stride(1), _DTYPE_CODES[query.dtype], torch.get_num_threads(),
+    )
+    return out
+
+
+def cpu_rms_norm(
+    x: torch.Tensor,  # [T, D], rows may be strided
+    normalized_shape: tuple[int, ...],  # (D,), as F.rms_norm takes it
+    weight: torch.Tensor,  # [D]
+    eps: float,
+) -> torch.Tensor:  # [T, D]
+    """``weight * round(x / rms(x))`` as HF's LlamaRMSNorm computes it; falls back to ``F.rms_norm``."""
+    lib = load()
+    if (
+        lib is None
+        or x.dim() != 2
+        or x.device.type != "cpu"
+        or x.dtype not in _DTYPE_CODES
+        or weight.dtype != x.dtype
+        or x.stride(-1) != 1
+        or not weight.is_contiguous()
+        or x.shape[1] > lib.limits[2]
+    ):
+        return F.rms_norm(x, normalized_shape, weight, eps)
+    out = torch.empty(x.shape, dtype=x.dtype)
+    lib.rms_norm(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+        _DTYPE_CODES[x.dtype], torch.get_num_threads(),
     )
     return out

@@ -6,7 +6,8 @@ projections are fused so each layer reads its attention weights in one matmul.
 
 On CPU every projection runs through oneDNN with its weight laid out once at load time (``Linear``), and the
 elementwise work that follows a matmul (SiLU, the gate product, the residual add) is fused into it, so a decode step
-is little more than one pass over the weights.
+is little more than one pass over the weights. RMSNorm and decode attention use the C kernels of
+``backend.cpu_kernels`` where they build (see there), else torch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from backend import cpu_kernels
 from backend.attention import AttentionMetadata, paged_attention, paged_decode_attention
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -147,6 +149,9 @@ class LlamaModel:
         self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self.scale = s.head_dim**-0.5
         self.decode_fn = paged_decode_attention
+        # NOTE: the C RMSNorm equals HF's bit for bit in bf16; in float32 (the correctness reference) F.rms_norm does.
+        use_c = device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load() is not None
+        self.rms_norm = cpu_kernels.cpu_rms_norm if use_c else F.rms_norm
 
     @torch.inference_mode()
     def forward(
@@ -164,17 +169,18 @@ class LlamaModel:
         cos = self.cos.index_select(0, positions)[:, None, :]  # (T, 1, hd), shared by every layer
         sin = self.sin_signed.index_select(0, positions)[:, None, :]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = F.rms_norm(h, (s.hidden_size,), layer.input_norm, s.rms_norm_eps)
+            x = self.rms_norm(h, (s.hidden_size,), layer.input_norm, s.rms_norm_eps)
             qkv = layer.qkv(x)  # (T, (H + 2 kvh) hd)
             qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, s.head_dim), cos, sin)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]  # (T, H, hd), (T, kvh, hd)
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)  # (T, kvh, hd)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.decode_fn)  # (T, H, hd)
             h = layer.o.add(attn.reshape(num_tokens, self.q_size), h)  # h + o(attn)
-            x = F.rms_norm(h, (s.hidden_size,), layer.post_norm, s.rms_norm_eps)
+            x = self.rms_norm(h, (s.hidden_size,), layer.post_norm, s.rms_norm_eps)
             h = layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)  # h + down(silu(gate x) * up x)
         # NOTE: only the sampled positions go through the final norm and the LM head (V = 49k makes it costly).
-        h = F.rms_norm(h.index_select(0, logits_indices), (s.hidden_size,), self.final_norm, s.rms_norm_eps)  # (S, D)
+        h = h.index_select(0, logits_indices)  # (S, D)
+        h = self.rms_norm(h, (s.hidden_size,), self.final_norm, s.rms_norm_eps)
         return self.lm_head(h)  # (S, V)
 
 

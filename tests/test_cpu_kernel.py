@@ -73,3 +73,25 @@ def test_unsupported_inputs_fall_back_to_torch():
     assert not cpu_kernels.supports(query, k_cache, v_cache)
     out = cpu_kernels.cpu_decode_attention(query, k_cache, v_cache, tables, lens, 0.125)
     assert torch.equal(out, paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125))
+
+
+def hf_rms_norm(x, weight, eps):
+    """HF LlamaRMSNorm: float32 statistics, normalised value rounded to the input dtype, then scaled."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 300])
+def test_rms_norm_equals_hf_in_bf16(num_rows):
+    gen = torch.Generator().manual_seed(num_rows)
+    x = (3 * torch.randn(num_rows, 600, generator=gen)).bfloat16()[:, :576]  # strided rows, as a residual slice
+    weight = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    out = cpu_kernels.cpu_rms_norm(x, (576,), weight, 1e-5)
+    assert out.dtype == torch.bfloat16 and out.shape == (num_rows, 576)
+    torch.testing.assert_close(out, hf_rms_norm(x, weight, 1e-5), atol=0, rtol=2**-7)  # at most one bf16 ulp
+
+
+def test_rms_norm_float32_close_to_hf():
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(5000, 64, generator=gen), torch.rand(64, generator=gen) + 0.5  # 5000 rows: threaded
+    torch.testing.assert_close(cpu_kernels.cpu_rms_norm(x, (64,), weight, 1e-6), hf_rms_norm(x, weight, 1e-6))
