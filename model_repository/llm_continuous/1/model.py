@@ -67,6 +67,7 @@ class TritonPythonModel:
             return
         if output.finished:
             self.metrics.on_finished(output, open_request.arrival)
+            self.metrics.on_steps(self.engine)  # an abort frees blocks with no step after it to refresh the gauges
         send_output(pb_utils, open_request, output, batched=False)
 
     def _before_step(self):
