@@ -17,7 +17,9 @@ the same run beside it. Keys of the JSON file:
     ``num_prompt_tokens``, ``num_output_tokens``; ``continuous_tok_s``, ``static_tok_s`` (output tokens / wall time)
     and ``speedup`` (their ratio); ``continuous_mean_batch``, ``static_mean_batch`` (mean sequences per forward step,
     from ``StepRecord.num_seqs``); ``fragmentation`` and ``static_fragmentation`` (KV internal fragmentation,
-    ``1 - sum(tokens in cache) / sum(blocks held * block_size)`` over running requests, summed over every step).
+    ``1 - sum(tokens in cache) / sum(blocks held * block_size)`` over running requests, summed over every step);
+    ``continuous_prefill_s``, ``continuous_decode_s``, ``static_prefill_s``, ``static_decode_s`` (wall time in steps
+    that carried prompt tokens, and in decode-only steps: where the time went).
 ``scheduler``
     ``num_seqs`` running decode sequences; ``us_per_step`` (``schedule()`` + ``update()``, pure Python, no model);
     ``step_ms`` (one real forward + sampling at that batch, ``step_source`` says how it was measured) and
@@ -166,15 +168,19 @@ def run_workload(s: BenchSettings, policy: str, requests: list[tuple[list[int], 
     block_size = engine.config.block_size
     num_seqs: list[int] = []
     tokens_in_cache = slots_held = 0
-    busy = 0.0
+    busy = prefill_busy = 0.0
     while engine.has_unfinished():
         num_steps = engine.stats.num_steps
         start = time.perf_counter()
         engine.step()
-        busy += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        busy += elapsed
         if engine.stats.num_steps == num_steps:
             continue  # nothing was scheduled
-        num_seqs.append(engine.stats.steps[-1].num_seqs)
+        record = engine.stats.steps[-1]
+        num_seqs.append(record.num_seqs)
+        if record.num_tokens > record.num_seqs:  # the step carried prompt tokens
+            prefill_busy += elapsed
         # Sampled after each step, over the requests that hold blocks (outside the timed region).
         running = engine.scheduler.running
         tokens_in_cache += sum(r.num_computed_tokens for r in running)
@@ -187,6 +193,8 @@ def run_workload(s: BenchSettings, policy: str, requests: list[tuple[list[int], 
         "fragmentation": 1 - tokens_in_cache / slots_held if slots_held else 0.0,
         "num_output_tokens": generated,
         "num_steps": len(num_seqs),
+        "prefill_s": prefill_busy,
+        "decode_s": busy - prefill_busy,
     }
 
 
@@ -283,6 +291,10 @@ def run_bench(s: BenchSettings, log=print) -> dict:
         "static_steps": stat["num_steps"],
         "fragmentation": cont["fragmentation"],
         "static_fragmentation": stat["fragmentation"],
+        "continuous_prefill_s": cont["prefill_s"],
+        "continuous_decode_s": cont["decode_s"],
+        "static_prefill_s": stat["prefill_s"],
+        "static_decode_s": stat["decode_s"],
     }
 
     log(f"[3/3] scheduler cost at {s.scheduler_seqs} sequences ...")
@@ -321,11 +333,14 @@ def format_table(result: dict) -> str:
         "",
         f"2. Workload: {w['num_requests']} requests at t=0, {w['num_prompt_tokens']} prompt tokens, "
         f"{w['num_output_tokens']} output tokens, max_num_seqs {w['max_num_seqs']}",
-        f"   {'policy':>10}  {'output tok/s':>12}  {'mean batch':>10}  {'steps':>6}  {'KV fragmentation':>16}",
+        f"   {'policy':>10}  {'output tok/s':>12}  {'mean batch':>10}  {'steps':>6}  {'KV fragmentation':>16}"
+        f"  {'prefill steps s':>15}  {'decode steps s':>14}",
         f"   {'continuous':>10}  {w['continuous_tok_s']:>12.1f}  {w['continuous_mean_batch']:>10.1f}  "
-        f"{w['continuous_steps']:>6}  {w['fragmentation']:>15.1%}",
+        f"{w['continuous_steps']:>6}  {w['fragmentation']:>16.1%}  {w['continuous_prefill_s']:>15.1f}"
+        f"  {w['continuous_decode_s']:>14.1f}",
         f"   {'static':>10}  {w['static_tok_s']:>12.1f}  {w['static_mean_batch']:>10.1f}  "
-        f"{w['static_steps']:>6}  {w['static_fragmentation']:>15.1%}",
+        f"{w['static_steps']:>6}  {w['static_fragmentation']:>16.1%}  {w['static_prefill_s']:>15.1f}"
+        f"  {w['static_decode_s']:>14.1f}",
         f"   continuous / static: {w['speedup']:.2f}x",
         "",
         f"3. Scheduler: schedule + update with {sc['num_seqs']} running decodes: {sc['us_per_step']:.0f} us/step = "

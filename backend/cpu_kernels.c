@@ -59,6 +59,62 @@ static inline void store_row(void* dst, int dtype, int64_t n, const float* src, 
 }
 
 /*
+ * One work item: the GROUP query heads of sequence b that share KV head kv_head, against its `len` cached tokens.
+ * always_inline so that each call site below gets D and dtype as constants: the row loops are then fully unrolled
+ * and vectorised, which made the kernel twice as fast at head_dim 64.
+ */
+static inline __attribute__((always_inline)) void attend_one(
+    const char* q_rows, int64_t q_sh, const char* k_bytes, const char* v_bytes, int64_t c_sb, int64_t c_ss,
+    const int32_t* table, int64_t len, int64_t block_size, int64_t G, const int64_t D, const int dtype, float scale,
+    float* scores, int64_t max_context, char* out_rows, int64_t o_sh) {
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
+    const int64_t num_blocks = (len + block_size - 1) / block_size;
+    float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
+    float max_score[MAX_GROUP], sum[MAX_GROUP];
+    for (int64_t g = 0; g < G; ++g) {
+        load_row(q_rows + g * q_sh * esize, dtype, D, q[g]);
+        for (int64_t d = 0; d < D; ++d) {
+            q[g][d] *= scale;
+            acc[g][d] = 0.f;
+        }
+        max_score[g] = -FLT_MAX;
+        sum[g] = 0.f;
+    }
+    /* scores[g][t] = q_g . k_t, block by block (no division per token) */
+    for (int64_t i = 0, t = 0; i < num_blocks; ++i) {
+        const char* block = k_bytes + table[i] * c_sb * esize;
+        for (int64_t offset = 0; offset < block_size && t < len; ++offset, ++t) {
+            load_row(block + offset * c_ss * esize, dtype, D, row);
+            for (int64_t g = 0; g < G; ++g) {
+                float dot = 0.f;
+                for (int64_t d = 0; d < D; ++d) dot += q[g][d] * row[d];
+                scores[g * max_context + t] = dot;
+                max_score[g] = dot > max_score[g] ? dot : max_score[g];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+        float* s = scores + g * max_context;
+        for (int64_t t = 0; t < len; ++t) {
+            s[t] = expf(s[t] - max_score[g]);
+            sum[g] += s[t];
+        }
+    }
+    /* acc[g] = sum_t p[g][t] v_t, normalised on the way out */
+    for (int64_t i = 0, t = 0; i < num_blocks; ++i) {
+        const char* block = v_bytes + table[i] * c_sb * esize;
+        for (int64_t offset = 0; offset < block_size && t < len; ++offset, ++t) {
+            load_row(block + offset * c_ss * esize, dtype, D, row);
+            for (int64_t g = 0; g < G; ++g) {
+                const float p = scores[g * max_context + t];
+                for (int64_t d = 0; d < D; ++d) acc[g][d] += p * row[d];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; ++g) store_row(out_rows + g * o_sh * esize, dtype, D, acc[g], 1.f / sum[g]);
+}
+
+/*
  * Strides are in elements.
  * query:  [B, H, D] strides (q_sb, q_sh, 1)
  * k/v:    [num_blocks, block_size, KVH, D] strides (c_sb, c_ss, c_sh, 1), the same for K and V
@@ -72,10 +128,6 @@ void paged_decode_attention(const void* query, int64_t q_sb, int64_t q_sh, const
                             int64_t o_sh, int dtype, int num_threads) {
     const int64_t G = H / KVH;
     const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
-    const char* q_bytes = (const char*)query;
-    const char* k_bytes = (const char*)k_cache;
-    const char* v_bytes = (const char*)v_cache;
-    char* out_bytes = (char*)out;
 
 #pragma omp parallel num_threads(num_threads)
     {
@@ -83,48 +135,19 @@ void paged_decode_attention(const void* query, int64_t q_sb, int64_t q_sh, const
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < B * KVH; ++item) {
             const int64_t b = item / KVH, kv_head = item % KVH;
-            const int64_t len = context_lens[b];
-            const int32_t* table = block_tables + b * bt_sb;
-            float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], row[MAX_HEAD_DIM];
-            float max_score[MAX_GROUP], sum[MAX_GROUP];
-            for (int64_t g = 0; g < G; ++g) {
-                load_row(q_bytes + (b * q_sb + (kv_head * G + g) * q_sh) * esize, dtype, D, q[g]);
-                for (int64_t d = 0; d < D; ++d) {
-                    q[g][d] *= scale;
-                    acc[g][d] = 0.f;
-                }
-                max_score[g] = -FLT_MAX;
-                sum[g] = 0.f;
-            }
-            /* scores[g][t] = q_g . k_t */
-            for (int64_t t = 0; t < len; ++t) {
-                const int64_t slot = table[t / block_size] * c_sb + (t % block_size) * c_ss + kv_head * c_sh;
-                load_row(k_bytes + slot * esize, dtype, D, row);
-                for (int64_t g = 0; g < G; ++g) {
-                    float dot = 0.f;
-                    for (int64_t d = 0; d < D; ++d) dot += q[g][d] * row[d];
-                    scores[g * max_context + t] = dot;
-                    max_score[g] = dot > max_score[g] ? dot : max_score[g];
-                }
-            }
-            for (int64_t g = 0; g < G; ++g) {
-                float* s = scores + g * max_context;
-                for (int64_t t = 0; t < len; ++t) {
-                    s[t] = expf(s[t] - max_score[g]);
-                    sum[g] += s[t];
-                }
-            }
-            /* acc[g] = sum_t p[g][t] v_t, normalised on the way out */
-            for (int64_t t = 0; t < len; ++t) {
-                const int64_t slot = table[t / block_size] * c_sb + (t % block_size) * c_ss + kv_head * c_sh;
-                load_row(v_bytes + slot * esize, dtype, D, row);
-                for (int64_t g = 0; g < G; ++g) {
-                    const float p = scores[g * max_context + t];
-                    for (int64_t d = 0; d < D; ++d) acc[g][d] += p * row[d];
-                }
-            }
-            for (int64_t g = 0; g < G; ++g)
-                store_row(out_bytes + (b * o_sb + (kv_head * G + g) * o_sh) * esize, dtype, D, acc[g], 1.f / sum[g]);
+            const char* q_rows = (const char*)query + (b * q_sb + kv_head * G * q_sh) * esize;
+            const char* k_bytes = (const char*)k_cache + kv_head * c_sh * esize;
+            const char* v_bytes = (const char*)v_cache + kv_head * c_sh * esize;
+            char* out_rows = (char*)out + (b * o_sb + kv_head * G * o_sh) * esize;
+#define ATTEND(HEAD_DIM, DTYPE)                                                                                   \
+    attend_one(q_rows, q_sh, k_bytes, v_bytes, c_sb, c_ss, block_tables + b * bt_sb, context_lens[b], block_size, \
+               G, HEAD_DIM, DTYPE, scale, scores, max_context, out_rows, o_sh)
+            if (D == 64 && dtype == DTYPE_BF16) ATTEND(64, DTYPE_BF16);
+            else if (D == 128 && dtype == DTYPE_BF16) ATTEND(128, DTYPE_BF16);
+            else if (D == 64) ATTEND(64, DTYPE_F32);
+            else if (D == 128) ATTEND(128, DTYPE_F32);
+            else ATTEND(D, dtype);
+#undef ATTEND
         }
         free(scores);
     }
