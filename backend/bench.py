@@ -6,11 +6,13 @@ Prints one table from one run and writes the same figures to ``--out`` (JSON). E
 the same run beside it. Keys of the JSON file:
 
 ``config``
-    what ran: ``model``, ``dtype``, ``threads``, ``quick``, ``prompt_len``, ``new_tokens``, ``torch``, ``cpu_count``.
+    what ran: ``model``, ``dtype``, ``threads``, ``quick``, ``repeats``, ``prompt_len``, ``new_tokens``, ``torch``,
+    ``cpu_count``.
 ``fixed_batches`` (list, one entry per batch size)
     ``batch``; ``engine_tok_s`` (generated tokens / wall time of the whole ``generate``, prefill included);
     ``hf_tok_s`` (HF ``generate`` on the same prompts, same dtype and threads, static batch; ``null`` where skipped);
     ``ratio`` (``engine_tok_s / hf_tok_s`` or ``null``); ``engine_decode_step_ms`` (median decode step of the engine).
+    Engine and HF alternate at each batch size and each keeps its best of ``config.repeats`` runs.
 ``workload``
     the same request mix (all at t=0, prompt and output lengths drawn with a fixed seed, ``ignore_eos``) run under
     both scheduling policies at the same ``max_num_seqs``: ``num_requests``, ``max_num_seqs``,
@@ -63,6 +65,7 @@ class BenchSettings:
     workload_long_share: float = 0.1
     workload_max_num_seqs: int = 32
     scheduler_seqs: int = 256
+    repeats: int = 2  # fixed batches: best of this many runs, engine and HF alike (the machine may be shared)
     seed: int = 0
     quick: bool = False
 
@@ -71,7 +74,7 @@ class BenchSettings:
         """About a minute: small batches, fewer and shorter requests."""
         values = dict(
             batches=(1, 8), new_tokens=32, workload_requests=40, workload_prompt_range=(16, 128),
-            workload_long_range=(96, 128), workload_max_num_seqs=8, quick=True,
+            workload_long_range=(96, 128), workload_max_num_seqs=8, repeats=1, quick=True,
         )
         return cls(model=model, **{**values, **overrides})
 
@@ -84,62 +87,72 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return [[rng.randrange(100, vocab_size - 100) for _ in range(length)] for _ in range(num)]
 
 
-def engine_fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float]:
-    """Engine tok/s per batch size; also the median decode step (ms) at the largest batch."""
+def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float]:
+    """Engine and HF tok/s per batch size, plus the engine's median decode step (ms) at the largest batch.
+
+    Engine and HF runs alternate at each batch size and each keeps its best of ``s.repeats``, so both see the same
+    background load on a shared machine.
+    """
     biggest = max(s.batches)
     engine = LLMEngine(EngineConfig(
         model=s.model, dtype=s.dtype, num_threads=s.threads, max_num_seqs=biggest,
         max_num_batched_tokens=max(2048, biggest * s.prompt_len), max_model_len=s.prompt_len + s.new_tokens + 16,
         num_kv_blocks=biggest * -(-(s.prompt_len + s.new_tokens) // 16) + 16, seed=s.seed,
     ))
-    params = SamplingParams(max_tokens=s.new_tokens, temperature=0.0, ignore_eos=True)
     vocab = engine.runner.shape.vocab_size
-    engine.generate(random_prompts(2, s.prompt_len, vocab, s.seed + 99), SamplingParams(max_tokens=4, ignore_eos=True))
+    hf_batches = set(s.batches if s.hf_batches is None else s.hf_batches)
+    hf = HFGenerate(s) if hf_batches & set(s.batches) else None
+    params = SamplingParams(max_tokens=s.new_tokens, temperature=0.0, ignore_eos=True)
+    warm_up = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.generate(random_prompts(2, s.prompt_len, vocab, s.seed + 99), warm_up)
     rows, step_ms = [], 0.0
     for batch in s.batches:
         prompts = random_prompts(batch, s.prompt_len, vocab, s.seed + batch)
-        first_step = engine.stats.num_steps
-        start = time.perf_counter()
-        outputs = engine.generate(prompts, params)
-        elapsed = time.perf_counter() - start
-        generated = sum(len(o.token_ids) for o in outputs)
-        steps = engine.stats.recent_steps()[-(engine.stats.num_steps - first_step):]
-        decode_steps = [r.times.total for r in steps if r.num_tokens == r.num_seqs == batch]
-        step = statistics.median(decode_steps) * 1e3 if decode_steps else float("nan")
-        rows.append({"batch": batch, "engine_tok_s": generated / elapsed, "engine_decode_step_ms": step})
-        log(f"      engine B={batch}: {generated / elapsed:.1f} tok/s, decode step {step:.1f} ms")
+        engine_tok_s, hf_tok_s, step = 0.0, None, float("nan")
+        for _ in range(s.repeats):
+            first_step = engine.stats.num_steps
+            start = time.perf_counter()
+            outputs = engine.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            if sum(len(o.token_ids) for o in outputs) / elapsed > engine_tok_s:
+                engine_tok_s = sum(len(o.token_ids) for o in outputs) / elapsed
+                steps = engine.stats.recent_steps()[-(engine.stats.num_steps - first_step):]
+                decode_steps = [r.times.total for r in steps if r.num_tokens == r.num_seqs == batch]
+                step = statistics.median(decode_steps) * 1e3 if decode_steps else float("nan")
+            if hf is not None and batch in hf_batches:
+                hf_tok_s = max(hf_tok_s or 0.0, hf.tok_s(prompts, s.new_tokens))
+        rows.append({
+            "batch": batch, "engine_tok_s": engine_tok_s, "hf_tok_s": hf_tok_s,
+            "ratio": engine_tok_s / hf_tok_s if hf_tok_s else None, "engine_decode_step_ms": step,
+        })
+        hf_text = f"HF {hf_tok_s:.1f} tok/s" if hf_tok_s else "HF skipped"
+        log(f"      B={batch}: engine {engine_tok_s:.1f} tok/s (decode step {step:.1f} ms), {hf_text}")
         if batch == biggest:
             step_ms = step
-    del engine
     return rows, step_ms
 
 
-def hf_fixed_batches(s: BenchSettings, batches: tuple[int, ...], log=print) -> dict[int, float]:
-    from transformers import AutoModelForCausalLM
+class HFGenerate:
+    """The baseline: HF transformers ``generate`` on a static batch, same dtype and threads as the engine."""
 
-    torch.set_num_threads(s.threads)
-    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[s.dtype]
-    model = AutoModelForCausalLM.from_pretrained(s.model, dtype=dtype).eval()
-    vocab = model.config.vocab_size
-    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    def __init__(self, s: BenchSettings) -> None:
+        from transformers import AutoModelForCausalLM
 
-    def generate(ids: torch.Tensor, new_tokens: int) -> None:
-        with torch.inference_mode():
-            model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, pad_token_id=pad,
-            )
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[s.dtype]
+        self.model = AutoModelForCausalLM.from_pretrained(s.model, dtype=dtype).eval()
+        pad = self.model.config.pad_token_id
+        self.pad = pad if pad is not None else 0
+        self.tok_s(random_prompts(2, s.prompt_len, self.model.config.vocab_size, s.seed + 99), 4)  # warm-up
 
-    generate(torch.tensor(random_prompts(2, s.prompt_len, vocab, s.seed + 99)), 4)  # warm-up
-    result = {}
-    for batch in batches:
-        ids = torch.tensor(random_prompts(batch, s.prompt_len, vocab, s.seed + batch))
+    def tok_s(self, prompts: list[list[int]], new_tokens: int) -> float:
+        ids = torch.tensor(prompts)
         start = time.perf_counter()
-        generate(ids, s.new_tokens)
-        result[batch] = batch * s.new_tokens / (time.perf_counter() - start)
-        log(f"      HF B={batch}: {result[batch]:.1f} tok/s")
-    del model
-    return result
+        with torch.inference_mode():
+            self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, pad_token_id=self.pad,
+            )
+        return len(prompts) * new_tokens / (time.perf_counter() - start)
 
 
 # ---- 2. variable workload: continuous vs static -------------------------------------------------------------------
@@ -261,14 +274,8 @@ def real_step_ms(s: BenchSettings, num_seqs: int, context: int = 64, repeats: in
 def run_bench(s: BenchSettings, log=print) -> dict:
     """Run all three parts and return the JSON-ready figures (keys documented in the module docstring)."""
     torch.set_num_threads(s.threads)
-    log(f"[1/3] fixed batches {list(s.batches)}: engine ...")
-    engine_rows, biggest_step_ms = engine_fixed_batches(s, log)
-    hf_batches = tuple(b for b in s.batches if s.hf_batches is None or b in s.hf_batches)
-    log(f"[1/3] fixed batches: HF generate at {list(hf_batches)} ...")
-    hf = hf_fixed_batches(s, hf_batches, log) if hf_batches else {}
-    for row in engine_rows:
-        row["hf_tok_s"] = hf.get(row["batch"])
-        row["ratio"] = row["engine_tok_s"] / row["hf_tok_s"] if row["hf_tok_s"] else None
+    log(f"[1/3] fixed batches {list(s.batches)}: engine and HF generate, best of {s.repeats} ...")
+    engine_rows, biggest_step_ms = fixed_batches(s, log)
 
     log(f"[2/3] workload: {s.workload_requests} requests, continuous vs static ...")
     vocab = json.loads((Path(s.model) / "config.json").read_text())["vocab_size"]
@@ -309,7 +316,8 @@ def run_bench(s: BenchSettings, log=print) -> dict:
         "largest_fixed_batch_step_ms": biggest_step_ms,
     }
     config = {
-        "model": s.model, "dtype": s.dtype, "threads": s.threads, "quick": s.quick, "prompt_len": s.prompt_len,
+        "model": s.model, "dtype": s.dtype, "threads": s.threads, "quick": s.quick, "repeats": s.repeats,
+        "prompt_len": s.prompt_len,
         "new_tokens": s.new_tokens, "torch": torch.__version__, "cpu_count": os.cpu_count(),
     }
     return {"config": config, "fixed_batches": engine_rows, "workload": workload, "scheduler": scheduler}
@@ -357,11 +365,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a reduced run of about a minute (smoke test)")
     parser.add_argument("--batches", help="comma-separated fixed batch sizes (default 1,8,32,64; quick 1,8)")
     parser.add_argument("--hf-batches", help="comma-separated batch sizes at which to run HF generate (default all)")
+    parser.add_argument("--repeats", type=int, help="fixed batches: best of N runs, engine and HF alike (default 2)")
     parser.add_argument("--out", default="reports/bench.json")
     args = parser.parse_args(argv)
     overrides = {"dtype": args.dtype, "threads": args.threads}
     if args.batches:
         overrides["batches"] = tuple(int(b) for b in args.batches.split(","))
+    if args.repeats:
+        overrides["repeats"] = args.repeats
     if args.hf_batches is not None:
         overrides["hf_batches"] = tuple(int(b) for b in args.hf_batches.split(",") if b)
     settings = (BenchSettings.quick_settings if args.quick else BenchSettings)(model=args.model, **overrides)

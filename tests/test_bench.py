@@ -10,7 +10,7 @@ from backend import bench
 def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
     settings = bench.BenchSettings(
         model=str(tiny_llama_dir), dtype="float32", threads=2, batches=(1, 2), hf_batches=(1,), prompt_len=8,
-        new_tokens=4, workload_requests=6, workload_prompt_range=(4, 24), workload_short_range=(2, 4),
+        new_tokens=4, repeats=1, workload_requests=6, workload_prompt_range=(4, 24), workload_short_range=(2, 4),
         workload_long_range=(8, 10), workload_long_share=0.3, workload_max_num_seqs=2, scheduler_seqs=8, quick=True,
     )
     result = bench.run_bench(settings, log=lambda msg: None)
