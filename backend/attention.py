@@ -8,8 +8,9 @@ A step's tokens arrive flattened into one stream ``[T, ...]`` ordered as: decode
 first, then each prefill chunk. Decodes are attended in one batched call; prefill chunks against their cached prefix
 plus the chunk itself with a causal mask (fresh chunks of equal length in one batched call).
 
-The decode function here and the OpenAI Triton kernel in ``backend/kernels`` share one signature
-(``paged_decode_attention``); tests compare them and the device decides which runs.
+The decode function here, the OpenAI Triton kernel in ``backend/kernels`` and the C kernel in
+``backend/cpu_kernels`` share one signature (``paged_decode_attention``); tests compare them and the device decides
+which runs.
 """
 
 from __future__ import annotations
