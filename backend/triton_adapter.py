@@ -7,24 +7,38 @@ Request parsing itself is plain Python on numpy arrays and raises ``ValueError``
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import signal
+import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from backend.config import EngineConfig, SamplingParams
+from backend.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, EngineConfig, SamplingParams
 from backend.engine import RequestOutput
+
+log = logging.getLogger(__name__)
 
 # Inputs both models declare (model_repository/README.md). Anything else is refused by Triton itself.
 SAMPLING_INPUTS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
 ALL_INPUTS = ("text_input", *SAMPLING_INPUTS, "stop", "stream", "sampling_parameters", "exclude_input_in_output")
+SAMPLING_KEYS = tuple(sorted(f.name for f in fields(SamplingParams)))
 DEFAULT_MAX_TOKENS = 16
 # A prompt is refused before tokenising when its UTF-8 bytes exceed this many per token of max_model_len
 # (no tokenizer needs more), so a 10 MB text_input costs no tokenizer time and no memory spike.
 MAX_PROMPT_BYTES_PER_TOKEN = 16
+# sampling_parameters and the request parameters are small JSON objects; 16 stop strings of 256 characters,
+# JSON-escaped, fit with room to spare.
+MAX_PARAMETERS_BYTES = 64 * 1024
+# A model parameter that is read only when this environment variable is "1" (tests inject engine faults).
+FAULTS_ENV_VAR = "LLM_TEST_FAULTS"
+FAULTS_PARAMETER = "fault_injection"
 
 
 # ---- engine settings ----------------------------------------------------------------------------------------
@@ -37,6 +51,7 @@ def engine_config_from_triton(model_config: dict, model_dir: str) -> EngineConfi
     variable ``LLM_MODEL`` overrides it (``make serve MODEL=...``, the Docker image).
     """
     params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+    params.pop(FAULTS_PARAMETER, None)  # not an engine setting: see FaultInjector
     model = os.environ.get("LLM_MODEL") or params.get("model", "")
     if not model:
         raise ValueError("no model folder: set the 'model' parameter in config.pbtxt or the LLM_MODEL variable")
@@ -52,6 +67,17 @@ def engine_config_from_triton(model_config: dict, model_dir: str) -> EngineConfi
 # ---- requests -----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of this model; every refusal names the limit it hit."""
+
+    max_model_len: int
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        return MAX_PROMPT_BYTES_PER_TOKEN * self.max_model_len
+
+
 @dataclass
 class ParsedRequest:
     prompt: str
@@ -59,8 +85,13 @@ class ParsedRequest:
     stream: bool
 
 
-def parse_request(inputs: dict[str, np.ndarray], max_prompt_bytes: int) -> ParsedRequest:
-    """Validate one request's input tensors (``name -> numpy array``, missing optional inputs absent)."""
+def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, parameters: str = "") -> ParsedRequest:
+    """Validate one request: its input tensors (``name -> numpy array``, missing optional inputs absent) and its
+    request parameters (a JSON object; Triton's HTTP /generate passes JSON fields that are not inputs there).
+
+    Sampling settings are layered: input tensors, then request parameters, then the ``sampling_parameters`` JSON.
+    Keys that are not sampling settings are refused wherever they appear.
+    """
     if "text_input" not in inputs:
         raise ValueError("missing required input 'text_input'")
     texts = inputs["text_input"].reshape(-1)
@@ -69,8 +100,11 @@ def parse_request(inputs: dict[str, np.ndarray], max_prompt_bytes: int) -> Parse
     raw = texts[0]
     if isinstance(raw, str):
         raw = raw.encode("utf-8")
-    if len(raw) > max_prompt_bytes:
-        raise ValueError(f"text_input is {len(raw)} bytes; the limit is {max_prompt_bytes} bytes for this model")
+    if len(raw) > limits.max_prompt_bytes:
+        raise ValueError(
+            f"text_input is {len(raw)} bytes; the limit is {limits.max_prompt_bytes} bytes "
+            f"({MAX_PROMPT_BYTES_PER_TOKEN} per token of max_model_len {limits.max_model_len})"
+        )
     try:
         prompt = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -83,12 +117,49 @@ def parse_request(inputs: dict[str, np.ndarray], max_prompt_bytes: int) -> Parse
         if name in inputs:
             values[name] = _scalar(name, inputs[name])
     if "stop" in inputs:
-        values["stop"] = [_text("stop", s) for s in inputs["stop"].reshape(-1)]
-    params_json = _text("sampling_parameters", _scalar("sampling_parameters", inputs["sampling_parameters"])) \
-        if "sampling_parameters" in inputs else ""
+        values["stop"] = _stop_strings(inputs["stop"])
+    values.update(_json_object("the request parameters", parameters))
+    if "sampling_parameters" in inputs:
+        text = _text("sampling_parameters", _scalar("sampling_parameters", inputs["sampling_parameters"]))
+        values.update(_json_object("sampling_parameters", text))
     stream = bool(_scalar("stream", inputs["stream"])) if "stream" in inputs else False
-    params = SamplingParams.from_json(params_json, base=values)
+    params = SamplingParams.from_dict(values)
+    if params.max_tokens is not None and params.max_tokens >= limits.max_model_len:
+        raise ValueError(
+            f"max_tokens is {params.max_tokens}, beyond this model's max_model_len ({limits.max_model_len}): "
+            f"prompt and output together must fit in max_model_len, so at most {limits.max_model_len - 1} tokens "
+            "can be generated"
+        )
     return ParsedRequest(prompt, params, stream)
+
+
+def _json_object(source: str, text: str) -> dict[str, Any]:
+    """A JSON object of sampling settings (numbers may be strings, as genai-perf sends them)."""
+    if not text:
+        return {}
+    if len(text) > MAX_PARAMETERS_BYTES:
+        raise ValueError(f"{source} is {len(text)} characters; the limit is {MAX_PARAMETERS_BYTES}")
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source} is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source} must be a JSON object")
+    unknown = sorted(set(raw) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) in {source}: {', '.join(unknown)}; known: {', '.join(SAMPLING_KEYS)}")
+    return raw
+
+
+def _stop_strings(array: np.ndarray) -> list[str]:
+    flat = array.reshape(-1)
+    if flat.size > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed; got {flat.size}")
+    for value in flat:  # refuse a huge one before decoding it (4 bytes per character at most)
+        if isinstance(value, (bytes, np.bytes_)) and len(value) > 4 * MAX_STOP_STRING_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters; "
+                             f"got one of {len(value)} bytes")
+    return [_text("stop", s) for s in flat]
 
 
 def _scalar(name: str, array: np.ndarray) -> Any:
@@ -111,13 +182,30 @@ def _text(name: str, value: Any) -> str:
 
 
 def read_inputs(pb, request) -> dict[str, np.ndarray]:
-    """The request's input tensors by name; optional inputs that were not sent are absent."""
+    """The request's input tensors by name; optional inputs that were not sent are absent.
+
+    Element counts are checked on the shape, before a tensor becomes numpy objects (a ``stop`` input may have
+    any length in config.pbtxt; a million stop strings must not become a million Python objects).
+    """
     inputs = {}
     for name in ALL_INPUTS:
         tensor = pb.get_input_tensor_by_name(request, name)
-        if tensor is not None:
-            inputs[name] = tensor.as_numpy()
+        if tensor is None:
+            continue
+        count = int(np.prod(tensor.shape()))
+        limit = MAX_STOP_STRINGS if name == "stop" else 1
+        if count > limit:
+            what = f"at most {MAX_STOP_STRINGS} stop strings are allowed" if name == "stop" else \
+                f"input '{name}' must hold one value per request"
+            raise ValueError(f"{what}; got {count}")
+        inputs[name] = tensor.as_numpy()
     return inputs
+
+
+def read_parameters(request) -> str:
+    """The request parameters as a JSON object string ("" when none were sent)."""
+    text = request.parameters()
+    return "" if text in ("", "{}") else text
 
 
 # ---- responses ----------------------------------------------------------------------------------------------
@@ -164,6 +252,8 @@ def make_output_tensors(pb, text: str, token_ids: list[int], output: RequestOutp
     ]
 
 
+# NOTE: error responses carry Triton's default code: a decoupled model's errors reach clients as text only (gRPC
+# stream error_message; HTTP /generate answers 400 to every model error in 2.51), so the message says it all.
 def send_error(pb, sender, message: str) -> None:
     sender.send(
         pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message)),
@@ -204,6 +294,10 @@ class TritonMetrics:
         self.kv_used = family("llm_kv_blocks_used", "KV-cache blocks in use", F.GAUGE).Metric(labels)
         self.kv_total = family("llm_kv_blocks_total", "KV-cache blocks in the pool", F.GAUGE).Metric(labels)
         self.kv_total.set(num_kv_blocks)
+        self.engine_healthy = family(
+            "llm_engine_healthy", "1 while the engine serves; 0 once it failed and refuses every request "
+            "(Triton 2.51 lets a Python model report this nowhere else)", F.GAUGE).Metric(labels)
+        self.engine_healthy.set(1)
 
         def histogram(name: str, doc: str, buckets: list) -> Any:
             return family(name, doc, F.HISTOGRAM).Metric(labels, buckets=buckets)
@@ -248,6 +342,133 @@ class TritonMetrics:
         self.running.set(engine.scheduler.num_running)
         self.waiting.set(engine.scheduler.num_waiting)
         self.kv_used.set(engine.block_manager.num_used_blocks)
+
+
+# ---- shutdown ---------------------------------------------------------------------------------------------
+
+
+class ShutdownNotice:
+    """Notice, inside a Python-backend stub process, that the server is shutting down: SIGTERM or SIGINT arrives.
+
+    Triton 2.51 tells a Python model nothing until it finalizes it, and by then the model can no longer respond
+    (and it finalizes a model only once every client stream that used it is closed). So the launcher signals
+    tritonserver's whole process group (``os.killpg``), and the model drains: it refuses new requests, lets the
+    ones it has run for ``grace`` seconds, and then ends the rest with "the server is shutting down" — before
+    tritonserver's own ``--exit-timeout-secs`` runs out. ``on_notice(grace)`` runs on a watcher thread.
+
+    NOTE: the stub's own C handler ignores these signals. Python's replaces it; its C-level part writes the signal
+    number to the wakeup fd at once, whatever the main thread is doing, and the watcher thread reads it there.
+    Must be created on the stub's main thread (initialize()).
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, on_notice: Callable[[float], None] | None = None, grace: float | None = None) -> None:
+        self.grace = shutdown_grace() if grace is None else grace
+        self.deadline: float | None = None  # time.monotonic() after which nothing more runs
+        self._on_notice = on_notice
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd)
+        for sig in self.SIGNALS:
+            signal.signal(sig, lambda *_: None)  # the wakeup fd does the work
+        threading.Thread(target=self._watch, args=(read_fd,), name="shutdown-notice", daemon=True).start()
+
+    def is_set(self) -> bool:
+        return self.deadline is not None
+
+    def expired(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+    def _watch(self, read_fd: int) -> None:
+        while not set(os.read(read_fd, 64)) & {int(s) for s in self.SIGNALS}:
+            pass
+        log.warning("shutdown signal: refusing new requests, ending open ones within %.1f s", self.grace)
+        self.deadline = time.monotonic() + self.grace
+        if self._on_notice is not None:
+            self._on_notice(self.grace)
+
+
+# tritonserver's default --exit-timeout-secs, and how long before it the models end what is still running (the
+# final responses, the clients closing their streams and the models unloading must all fit in this margin).
+TRITON_EXIT_TIMEOUT_S = 30.0
+SHUTDOWN_MARGIN_S = 5.0
+
+
+def shutdown_grace(parent_pid: int | None = None) -> float:
+    """Seconds to keep serving after a shutdown signal: tritonserver's exit timeout (read from its command line,
+    as this process is its child) less a margin."""
+    exit_timeout = TRITON_EXIT_TIMEOUT_S
+    try:
+        with open(f"/proc/{parent_pid or os.getppid()}/cmdline", "rb") as f:
+            args = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        args = []
+    for i, arg in enumerate(args):  # tritonserver keeps the last value given
+        value = args[i + 1] if arg == "--exit-timeout-secs" and i + 1 < len(args) else \
+            arg.split("=", 1)[1] if arg.startswith("--exit-timeout-secs=") else None
+        if value is not None:
+            try:
+                exit_timeout = float(value)
+            except ValueError:
+                pass
+    return max(0.0, exit_timeout - SHUTDOWN_MARGIN_S)
+
+
+# ---- test-only fault injection ------------------------------------------------------------------------------
+
+
+class InjectedFatalError(BaseException):
+    """Test-only: a fault the engine cannot recover from. Not an ``Exception``, so no step's handler catches it."""
+
+
+class FaultInjector:
+    """Test-only engine faults for requests whose prompt contains a marker; the engine's ``fault_hook``.
+
+    Active only when config.pbtxt has the parameter ``fault_injection`` (a JSON object such as
+    ``{"step_error": "<<fail-step>>", "fatal_error": "<<kill-engine>>"}``) *and* the server runs with
+    ``LLM_TEST_FAULTS=1``. ``step_error`` makes the step that runs the request raise, as a failing forward would:
+    that step's requests fail and serving goes on. ``fatal_error`` raises past the step's error handling, as a
+    broken engine would: the model must fail every open request and refuse new ones.
+    """
+
+    KINDS = ("step_error", "fatal_error")
+
+    def __init__(self, markers: dict[str, str]) -> None:
+        unknown = sorted(set(markers) - set(self.KINDS))
+        if unknown or not all(isinstance(m, str) and m for m in markers.values()):
+            raise ValueError(f"{FAULTS_PARAMETER} must map {' / '.join(self.KINDS)} to non-empty marker strings")
+        self.markers = markers
+        self._armed: dict[str, str] = {}  # request id -> kind; written by execute(), read by the engine thread
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, model_config: dict) -> FaultInjector | None:
+        raw = model_config.get("parameters", {}).get(FAULTS_PARAMETER, {}).get("string_value", "")
+        if not raw:
+            return None
+        if os.environ.get(FAULTS_ENV_VAR) != "1":
+            log.warning("ignoring the %s parameter: it is read only when %s=1", FAULTS_PARAMETER, FAULTS_ENV_VAR)
+            return None
+        try:
+            markers = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{FAULTS_PARAMETER} is not valid JSON: {exc.msg}") from None
+        return cls(markers)
+
+    def watch(self, request_id: str, prompt: str) -> None:
+        for kind, marker in self.markers.items():
+            if marker in prompt:
+                with self._lock:
+                    self._armed[request_id] = kind
+
+    def __call__(self, requests: list) -> None:
+        with self._lock:
+            hits = {r.request_id: self._armed.pop(r.request_id) for r in requests if r.request_id in self._armed}
+        if "fatal_error" in hits.values():
+            raise InjectedFatalError(f"injected fatal engine fault (requests {sorted(hits)})")
+        if hits:
+            raise RuntimeError(f"injected step fault (requests {sorted(hits)})")
 
 
 def model_is_decoupled(model_config: dict) -> bool:

@@ -1,7 +1,8 @@
 """llm_continuous: in-flight (continuous) batching. The engine's loop, on its own thread, decides the batch.
 
 A thin adapter: execute() validates each request and hands it to the engine loop, then returns at once; responses
-are sent from one place (the loop's sink); cancellations are checked before every step.
+are sent from one place (the loop's sink); cancellations are checked before every step. Every request gets exactly
+one final response: its last token, or an error (refused, overloaded, a failed step, shutdown, a failed engine).
 """
 
 import json
@@ -12,11 +13,14 @@ import uuid
 import triton_python_backend_utils as pb_utils
 
 from backend.engine import LLMEngine
-from backend.engine_loop import EngineLoop
+from backend.engine_loop import REFUSED, EngineLoop, EngineOverloaded, EngineUnavailable
 from backend.triton_adapter import (
-    MAX_PROMPT_BYTES_PER_TOKEN, OpenRequest, TritonMetrics, engine_config_from_triton, model_is_decoupled,
-    parse_request, read_inputs, send_error, send_output,
+    FaultInjector, OpenRequest, RequestLimits, ShutdownNotice, TritonMetrics, engine_config_from_triton,
+    model_is_decoupled, parse_request, read_inputs, read_parameters, send_error, send_output,
 )
+
+
+WAITING_CANCEL_CHECK_S = 0.25
 
 
 class TritonPythonModel:
@@ -31,18 +35,24 @@ class TritonPythonModel:
         if config.scheduling_policy != "continuous":
             raise pb_utils.TritonModelException("llm_continuous needs scheduling_policy 'continuous'")
         self.engine = LLMEngine(config)
-        self.max_prompt_bytes = MAX_PROMPT_BYTES_PER_TOKEN * config.max_model_len
+        self.limits = RequestLimits(self.engine.max_model_len)
+        self.faults = FaultInjector.from_config(model_config)
+        self.engine.fault_hook = self.faults
         self.metrics = TritonMetrics(pb_utils, args["model_name"], self.engine.runner.num_kv_blocks)
         self.open = {}  # request id -> OpenRequest; written by execute(), read and emptied by the loop thread
         self.lock = threading.Lock()
-        self.loop = EngineLoop(self.engine, sink=self._send, before_step=self._before_step)
+        self.next_cancel_sweep = 0.0
+        self.loop = EngineLoop(self.engine, sink=self._send, before_step=self._cancelled, after_step=self._observe)
         self.loop.start()
+        # On SIGTERM: new requests are refused; open ones run on until shortly before tritonserver's exit timeout,
+        # and whatever is still running then ends with "the server is shutting down".
+        self.shutdown = ShutdownNotice(on_notice=self.loop.drain)
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
             try:
-                parsed = parse_request(read_inputs(pb_utils, request), self.max_prompt_bytes)
+                parsed = parse_request(read_inputs(pb_utils, request), self.limits, read_parameters(request))
             except ValueError as exc:
                 send_error(pb_utils, sender, str(exc))
                 continue
@@ -50,9 +60,11 @@ class TritonPythonModel:
             open_request = OpenRequest(sender, parsed.stream, arrival=time.perf_counter())
             with self.lock:
                 self.open[request_id] = open_request
+            if self.faults is not None:
+                self.faults.watch(request_id, parsed.prompt)
             try:
                 self.loop.submit(request_id, parsed.prompt, parsed.params, open_request.arrival)
-            except RuntimeError as exc:  # shutting down, or the engine failed
+            except (EngineOverloaded, EngineUnavailable) as exc:  # refused at once: nothing was queued
                 with self.lock:
                     self.open.pop(request_id, None)
                 send_error(pb_utils, sender, str(exc))
@@ -65,16 +77,32 @@ class TritonPythonModel:
             open_request = self.open.pop(output.request_id, None) if output.finished else self.open.get(output.request_id)
         if open_request is None:
             return
-        if output.finished:
+        if output.finished and output.finish_reason != REFUSED:
             self.metrics.on_finished(output, open_request.arrival)
-            self.metrics.on_steps(self.engine)  # an abort frees blocks with no step after it to refresh the gauges
         send_output(pb_utils, open_request, output, batched=False)
 
-    def _before_step(self):
-        self.metrics.on_steps(self.engine)
+    def _cancelled(self):
+        # NOTE: is_cancelled() is an IPC round trip (~35 us). A running request costs a forward every step, so it is
+        # checked every step; a waiting one costs nothing but its queue slot, so the waiting are swept every 0.25 s.
+        now = time.monotonic()
+        sweep = now >= self.next_cancel_sweep
+        if sweep:
+            self.next_cancel_sweep = now + WAITING_CANCEL_CHECK_S
+        running_ids = [r.request_id for r in self.engine.scheduler.running]  # the loop thread owns the engine
         with self.lock:
-            return [rid for rid, r in self.open.items() if r.sender.is_cancelled()]
+            candidates = list(self.open.items()) if sweep else \
+                [(rid, self.open[rid]) for rid in running_ids if rid in self.open]
+        return [rid for rid, r in candidates if r.sender.is_cancelled()]
+
+    def _observe(self):
+        self.metrics.on_steps(self.engine)
+        self.metrics.engine_healthy.set(0 if self.loop.fatal_error is not None else 1)
 
     def finalize(self):
-        self.loop.shutdown(timeout=30)
+        # NOTE: Triton 2.51 finalizes a model only once every client stream that carried its requests is closed (an
+        # unload waits for that; a shutdown waits up to --exit-timeout-secs): nobody is left to answer, and a
+        # response sent now can block, as the backend no longer reads them. So the loop stops without sending.
+        stopped = self.loop.shutdown(timeout=10, notify=False)
         self.metrics.on_steps(self.engine)
+        message = "engine loop stopped" if stopped else "engine loop did not stop within 10 s"
+        pb_utils.Logger.log_info(f"llm_continuous: {message} ({len(self.open)} requests still open)")

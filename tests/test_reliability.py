@@ -1,0 +1,761 @@
+"""Reliability and security of both models through a real tritonserver (issue 8).
+
+Bad input, cancellation and disconnects, overload, KV pressure, engine faults, unload/reload, SIGTERM and a short
+soak, observed from the client side over tritonclient gRPC streaming and Triton's HTTP endpoints. The models run
+the tiny random Llama in float32 (fast; greedy outputs are deterministic), each server on a copy of
+model_repository/ whose config.pbtxt parameters the test changes (a small KV pool, a small queue, fault injection).
+What tritonserver 2.51 itself does (HTTP disconnects, unload, SIGTERM, readiness) is written down in the tests'
+docstrings and in the README's "Limits and reliability" section.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+
+from loadtest import soak
+from loadtest.soak import gauge, grpc_generate, grpc_inputs, scrape_metrics, start_grpc_stream, tree_rss
+from tests.server_harness import REPO_ROOT
+
+pytestmark = [pytest.mark.server]
+MODELS = ("llm_dynamic", "llm_continuous")
+GAUGES = ("llm_kv_blocks_used", "llm_num_requests_running", "llm_num_requests_waiting")
+# Every server here: the tiny model in float32, a 256-token context and a small KV pool (256 blocks of 16 tokens).
+TINY = {"dtype": "float32", "max_model_len": "256", "num_kv_blocks": "256"}
+MAX_MODEL_LEN = 256
+
+
+# ---- model repositories and servers ---------------------------------------------------------------------------
+
+
+def make_repository(dst: Path, params: dict[str, str] | None = None, *, max_batch_size: int | None = None,
+                    dynamic_queue_size: int | None = None) -> Path:
+    """A copy of model_repository/ with ``params`` (on top of ``TINY``) set in both models' config.pbtxt.
+
+    ``max_batch_size`` and ``dynamic_queue_size`` change llm_dynamic's batch size and Triton's queue bound.
+    """
+    shutil.copytree(REPO_ROOT / "model_repository", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for model in MODELS:
+        path = dst / model / "config.pbtxt"
+        text = path.read_text()
+        for key, value in {**TINY, **(params or {})}.items():
+            line = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
+            text, found = re.subn(rf'parameters: \{{ key: "{key}", value: \{{ string_value: "[^"]*" \}} \}}\n',
+                                  line.replace("\\", "\\\\"), text)
+            if not found:
+                text += line
+        if model == "llm_dynamic" and max_batch_size is not None:
+            text = re.sub(r"^max_batch_size: \d+", f"max_batch_size: {max_batch_size}", text, flags=re.M)
+        if model == "llm_dynamic" and dynamic_queue_size is not None:
+            text = re.sub(r"max_queue_size: \d+ \}", f"max_queue_size: {dynamic_queue_size} }}", text)
+        path.write_text(text)
+    return dst
+
+
+def wait_gauges_zero(server, models=MODELS, timeout: float = 30.0) -> dict:
+    """Poll the metrics port until KV blocks in use and running/waiting requests are 0 for ``models``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = scrape_metrics(server.metrics_url)
+        values = {(name, m): gauge(samples, name, m) for name in GAUGES for m in models}
+        if all(v == 0 for v in values.values()) or time.monotonic() > deadline:
+            return {f"{name}[{m}]": v for (name, m), v in values.items()}
+
+
+def metric(server, name: str, model: str, **labels) -> float:
+    label_text = ",".join(f'{k}="{v}"' for k, v in sorted({**labels, "model": model}.items()))
+    return scrape_metrics(server.metrics_url).get(f"{name}{{{label_text}}}", 0.0)
+
+
+def is_ready(server) -> bool:
+    return requests.get(f"{server.http_url}/v2/health/ready", timeout=10).status_code == 200
+
+
+def http_generate(server, model: str, body, timeout: float = 120) -> requests.Response:
+    url = f"{server.http_url}/v2/models/{model}/generate"
+    if isinstance(body, bytes):
+        return requests.post(url, data=body, timeout=timeout)
+    return requests.post(url, json=body, timeout=timeout)
+
+
+def stub_pids(server) -> dict[str, int]:
+    """model name -> pid of its Python-backend stub process."""
+    return {name: pid for pid, name in soak.process_names(server.pid).items() if name in MODELS}
+
+
+def process_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
+    """Both models on the tiny Llama with the shipped limits (queue 256, max_num_seqs 8)."""
+    repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository")
+    return triton_server_factory.start(repo, model=tiny_llama_dir)
+
+
+# ---- bad input: a clear error for that request only ------------------------------------------------------------
+
+
+def tensor(name: str, datatype: str, array: np.ndarray) -> grpcclient.InferInput:
+    t = grpcclient.InferInput(name, list(array.shape), datatype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def bad_grpc_requests(model: str) -> list[tuple[str, dict, tuple[str, ...]]]:
+    """(case, start_grpc_stream keyword arguments, pieces the error must contain)."""
+    lead = (1,) if model == "llm_dynamic" else ()
+    many = np.array([b"one", b"two", b"three"], dtype=np.object_)
+    several_prompts = (
+        {"inputs": [tensor("text_input", "BYTES", many.reshape(3, 1))]} if lead else
+        {"inputs": [tensor("text_input", "BYTES", many)]}
+    )
+    several_expected = ("text_input", "one value per request", "got 3") if lead else \
+        ("unexpected shape for input 'text_input'", "Expected [1], got [3]")
+    return [
+        ("missing text_input", {"inputs": grpc_inputs(model, None, max_tokens=4)}, ("missing required input 'text_input'",)),
+        ("empty prompt", {"prompt": ""}, ("text_input is empty",)),
+        ("invalid UTF-8", {"prompt": b"caf\xc3(\xff"}, ("not valid UTF-8",)),
+        ("prompt longer than max_model_len", {"prompt": "hello " * 300},
+         ("the prompt has", "tokens", f"max_model_len is {MAX_MODEL_LEN}")),
+        ("prompt larger than the KV pool could ever hold", {"prompt": "word " * 5000},
+         ("text_input is 25000 bytes", "the limit is 4096 bytes", "max_model_len 256")),
+        ("max_tokens 0", {"prompt": "Hi", "max_tokens": 0}, ("max_tokens must be a positive integer", "got 0")),
+        ("max_tokens negative", {"prompt": "Hi", "max_tokens": -5}, ("max_tokens must be a positive integer",)),
+        ("max_tokens beyond the model length", {"prompt": "Hi", "max_tokens": 5000},
+         ("max_tokens is 5000", "max_model_len (256)", "at most 255 tokens")),
+        ("max_tokens as FP32", {"inputs": grpc_inputs(model, "Hi") + [
+            tensor("max_tokens", "FP32", np.array([4.0], np.float32).reshape(lead + (1,)))]},
+         ("max_tokens", "FP32", "INT32")),
+        ("text_input as INT32", {"inputs": [tensor("text_input", "INT32", np.array([7], np.int32).reshape(lead + (1,)))]},
+         ("text_input", "INT32", "BYTES")),
+        ("several prompts in one request", several_prompts, several_expected),
+        ("temperature negative", {"prompt": "Hi", "temperature": -0.5}, ("temperature must be a finite number >= 0",)),
+        ("temperature NaN", {"prompt": "Hi", "temperature": float("nan")}, ("temperature", "finite number")),
+        ("top_p 0", {"prompt": "Hi", "top_p": 0.0}, ("top_p must be in (0, 1]",)),
+        ("top_p above 1", {"prompt": "Hi", "top_p": 1.5}, ("top_p must be in (0, 1]",)),
+        ("top_k negative", {"prompt": "Hi", "top_k": -1}, ("top_k must be an integer >= 0",)),
+        ("malformed sampling_parameters", {"prompt": "Hi", "sampling_parameters": '{"max_tokens": 4,'},
+         ("sampling_parameters is not valid JSON",)),
+        ("sampling_parameters not an object", {"prompt": "Hi", "sampling_parameters": "[4]"},
+         ("sampling_parameters must be a JSON object",)),
+        ("unknown key in sampling_parameters", {"prompt": "Hi", "sampling_parameters": '{"best_of": 3}'},
+         ("unknown key(s) in sampling_parameters: best_of", "known:")),
+        ("unknown request parameter", {"prompt": "Hi", "parameters": {"lora_name": "x"}},
+         ("unknown key(s) in the request parameters: lora_name",)),
+        ("too many stop strings", {"prompt": "Hi", "stop": [f"s{i}" for i in range(17)]},
+         ("at most 16 stop strings", "got 17")),
+        ("a million stop strings", {"prompt": "Hi", "stop": ["x"] * 1_000_000}, ("at most 16 stop strings",)),
+        ("a very long stop string", {"prompt": "Hi", "stop": ["x" * 300]}, ("at most 256 characters",)),
+        ("undeclared input", {"inputs": grpc_inputs(model, "Hi") + [
+            tensor("model", "BYTES", np.array([b"/etc/passwd"], dtype=np.object_).reshape(lead + (1,)))]},
+         ("unexpected inference input 'model'",)),
+    ]
+
+
+BAD_HTTP_REQUESTS = [
+    ("missing text_input", {"max_tokens": 4}, 400, ("missing required input 'text_input'",)),
+    ("empty prompt", {"text_input": ""}, 400, ("text_input is empty",)),
+    ("invalid UTF-8", b'{"text_input": "caf\xc3(\xff"}', 400, ("not valid UTF-8",)),
+    ("prompt longer than max_model_len", {"text_input": "hello " * 300}, 400, ("max_model_len is 256",)),
+    ("max_tokens 0", {"text_input": "Hi", "max_tokens": 0}, 400, ("max_tokens must be a positive integer",)),
+    ("max_tokens beyond the model length", {"text_input": "Hi", "max_tokens": 5000}, 400, ("max_model_len (256)",)),
+    ("max_tokens not an integer", {"text_input": "Hi", "max_tokens": 2.5}, 500, ("Unable to parse 'data'",)),
+    ("temperature negative", {"text_input": "Hi", "temperature": -1.0}, 400, ("temperature must be",)),
+    ("temperature NaN", {"text_input": "Hi", "sampling_parameters": '{"temperature": NaN}'}, 400,
+     ("temperature must be a finite number",)),
+    ("top_p above 1", {"text_input": "Hi", "top_p": 2.0}, 400, ("top_p must be in (0, 1]",)),
+    ("top_k negative", {"text_input": "Hi", "top_k": -3}, 400, ("top_k must be an integer >= 0",)),
+    ("malformed sampling_parameters", {"text_input": "Hi", "sampling_parameters": "{not json"}, 400,
+     ("sampling_parameters is not valid JSON",)),
+    ("too many stop strings", {"text_input": "Hi", "sampling_parameters": json.dumps({"stop": ["a"] * 40})}, 400,
+     ("at most 16 stop strings",)),
+    ("a very long stop string", {"text_input": "Hi", "sampling_parameters": json.dumps({"stop": ["a" * 999]})}, 400,
+     ("at most 256 characters",)),
+    ("unknown JSON field (a request parameter)", {"text_input": "Hi", "best_of": 2}, 400,
+     ("unknown key(s) in the request parameters: best_of",)),
+    ("unknown key under parameters", {"text_input": "Hi", "parameters": {"use_beam_search": True}}, 400,
+     ("unknown key(s) in the request parameters: use_beam_search",)),
+    ("several prompts", {"text_input": ["a", "b"]}, 400, ("text_input",)),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", MODELS)
+def test_bad_requests_fail_alone_with_a_clear_error_while_a_good_stream_completes(tiny_server, model):
+    server = tiny_server
+    good = dict(prompt="The quick brown fox", max_tokens=200, **GREEDY)
+    reference = grpc_generate(server.grpc_url, model, **good)
+    assert reference.error is None and len(reference.token_ids) == 200
+
+    running = start_grpc_stream(server.grpc_url, model, **good)
+    assert running.wait_tokens(2, timeout=60), running.error
+    battery_start = time.perf_counter()
+    failures = []
+    for case, kwargs, expected in bad_grpc_requests(model):
+        t0 = time.perf_counter()
+        result = grpc_generate(server.grpc_url, model, kwargs.pop("prompt", None), timeout=120, **kwargs)
+        if not result.final:
+            failures.append(f"gRPC {case}: no final response")
+        elif result.error is None or not all(piece in result.error for piece in expected):
+            failures.append(f"gRPC {case}: expected an error with {expected}, got {result.error!r} / {result.text!r}")
+        elif model == "llm_continuous" and time.perf_counter() - t0 > 10:
+            failures.append(f"gRPC {case}: took {time.perf_counter() - t0:.1f} s")
+    for case, body, status, expected in BAD_HTTP_REQUESTS:
+        response = http_generate(server, model, body)
+        if response.status_code != status or not all(piece in response.text for piece in expected):
+            failures.append(f"HTTP {case}: expected {status} with {expected}, got {response.status_code} {response.text}")
+    battery_done = time.perf_counter()
+
+    assert running.wait(120), "the good stream got no final response"
+    running.close()
+    assert not failures, "\n".join(failures)
+    assert running.error is None and running.token_ids == reference.token_ids and running.text == reference.text
+    if model == "llm_continuous":  # on llm_dynamic the bad requests wait in Triton's queue for the batch to finish
+        assert any(battery_start < t < battery_done for t, *_ in running.chunks), "the good stream ran alongside"
+    assert is_ready(server)
+    assert all(v == 0 for v in wait_gauges_zero(server, [model]).values())
+
+
+@pytest.mark.timeout(300)
+def test_a_10_mb_prompt_is_refused_before_tokenising_without_a_memory_spike(tiny_server):
+    server = tiny_server
+    huge = "x" * (10 * 2**20)
+    stubs = stub_pids(server)
+    before = tree_rss(server.pid)
+    peak = dict(before)
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            for pid, rss in tree_rss(server.pid).items():
+                peak[pid] = max(peak.get(pid, 0), rss)
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        for model in MODELS:
+            for _ in range(2):
+                t0 = time.perf_counter()
+                result = grpc_generate(server.grpc_url, model, huge, max_tokens=4)
+                assert result.error is not None and "text_input is 10485760 bytes; the limit is 4096 bytes" in result.error
+                response = http_generate(server, model, {"text_input": huge, "max_tokens": 4})
+                assert response.status_code == 400 and "the limit is 4096 bytes" in response.text
+                assert time.perf_counter() - t0 < 10
+    finally:
+        sampling.set()
+        sampler.join()
+    mib = 2**20
+    for model, pid in stubs.items():  # the model refuses the prompt without copying or tokenising it
+        assert peak[pid] - before[pid] < 64 * mib, f"{model}'s stub grew by {(peak[pid] - before[pid]) / mib:.0f} MiB"
+    # tritonserver itself buffers each 10 MB body before the model sees it (its own frontends; bounded, not a leak)
+    assert sum(peak.values()) - sum(before.values()) < 400 * mib
+    assert is_ready(server)
+
+
+@pytest.mark.timeout(120)
+def test_unknown_keys_are_refused_wherever_they_appear(tiny_server):
+    """One rule: a key that is not a sampling setting is refused, whether it comes as an input tensor (Triton),
+    a JSON field or ``parameters`` entry of HTTP /generate (request parameters), a gRPC request parameter, or a
+    key of ``sampling_parameters``. Keys vLLM knows but this engine does not (best_of, n, logprobs...) are refused too
+    rather than silently ignored."""
+    server = tiny_server
+    for model in MODELS:
+        for body in ({"text_input": "Hi", "n": 2}, {"text_input": "Hi", "parameters": {"n": 2}},
+                     {"text_input": "Hi", "sampling_parameters": '{"n": 2}'}):
+            response = http_generate(server, model, body)
+            assert response.status_code == 400 and "unknown key(s)" in response.text and ": n;" in response.text
+        result = grpc_generate(server.grpc_url, model, "Hi", parameters={"n": 2})
+        assert result.error is not None and "unknown key(s) in the request parameters: n" in result.error
+        # Known keys are honoured wherever they come from.
+        for body in ({"text_input": "Hi", "max_tokens": 3, "ignore_eos": True},
+                     {"text_input": "Hi", "parameters": {"max_tokens": 3, "ignore_eos": True}},
+                     {"text_input": "Hi", "sampling_parameters": '{"max_tokens": "3", "ignore_eos": "true"}'}):
+            response = http_generate(server, model, body)
+            assert response.status_code == 200 and response.json()["num_output_tokens"] == 3, response.text
+        result = grpc_generate(server.grpc_url, model, "Hi", parameters={"max_tokens": 3, "ignore_eos": True})
+        assert result.error is None and len(result.token_ids) == 3
+
+
+# ---- cancellation and disconnects ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tiny_server):
+    server = tiny_server
+    rng = random.Random(8)
+    aborted_before = {m: metric(server, "llm_request_success_total", m, finish_reason="abort") for m in MODELS}
+    cancelled = {m: 0 for m in MODELS}
+    for wave in range(20):  # 20 waves of 10 concurrent streams, both models mixed
+        streams = []
+        for i in range(10):
+            model = MODELS[(wave + i) % 2]
+            streams.append((model, rng.randint(0, 40), start_grpc_stream(
+                server.grpc_url, model, f"wave {wave} stream {i}: tell me a story", max_tokens=250,
+                ignore_eos=True, stream=True, temperature=0.8, seed=i)))
+        for model, after_tokens, stream in streams:  # cancel each after a random number of tokens (0: at once)
+            stream.wait_tokens(after_tokens, timeout=60)
+            assert stream.error is None, stream.error
+            stream.cancel()
+            stream.close()
+            cancelled[model] += len(stream.token_ids) < 250
+    assert sum(cancelled.values()) >= 190
+    after = wait_gauges_zero(server)
+    assert all(v == 0 for v in after.values()), after
+    for model in MODELS:
+        aborted = metric(server, "llm_request_success_total", model, finish_reason="abort") - aborted_before[model]
+        # A stream cancelled while still in Triton's queue may be dropped there, before the model ever sees it.
+        assert aborted >= 0.5 * cancelled[model], (model, aborted, cancelled[model])
+        result = grpc_generate(server.grpc_url, model, "Still there?", max_tokens=8, **GREEDY)
+        assert result.error is None and len(result.token_ids) == 8
+    assert is_ready(server)
+
+
+KILLED_CLIENT = textwrap.dedent("""
+    import sys, time
+    from loadtest.soak import start_grpc_stream
+    url = sys.argv[1]
+    streams = [start_grpc_stream(url, model, f"client {i}: tell me a story", max_tokens=250, ignore_eos=True,
+                                 stream=True) for i in range(4) for model in ("llm_dynamic", "llm_continuous")]
+    while sum(len(s.chunks) > 0 for s in streams) < 2:
+        time.sleep(0.01)
+    print("streaming", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.mark.timeout(300)
+def test_a_client_killed_mid_stream_frees_its_requests(tiny_server):
+    server = tiny_server
+    aborted_before = sum(metric(server, "llm_request_success_total", m, finish_reason="abort") for m in MODELS)
+    client = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, server.grpc_url], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout.readline().strip() == "streaming"
+    finally:
+        client.kill()
+        client.wait()
+    after = wait_gauges_zero(server)
+    assert all(v == 0 for v in after.values()), after
+    aborted = sum(metric(server, "llm_request_success_total", m, finish_reason="abort") for m in MODELS) - aborted_before
+    assert aborted >= 2  # the ones that were running; queued ones may be dropped by Triton before execute()
+    for model in MODELS:
+        assert len(grpc_generate(server.grpc_url, model, "Hello", max_tokens=4, **GREEDY).token_ids) == 4
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", MODELS)
+def test_an_http_stream_disconnect_cancels_the_request(tiny_server, model):
+    """Triton 2.51 notices a closed /generate_stream connection and cancels the request: generation stops within
+    a step or two instead of running to max_tokens."""
+    server = tiny_server
+    aborted_before = metric(server, "llm_request_success_total", model, finish_reason="abort")
+    generated_before = metric(server, "llm_generation_tokens_total", model)
+    body = {"text_input": "Tell me a long story", "max_tokens": 250, "ignore_eos": True, "stream": True}
+    with requests.post(f"{server.http_url}/v2/models/{model}/generate_stream", json=body, stream=True,
+                       timeout=60) as response:
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith(b"data:")
+            if events == 3:
+                break
+    after = wait_gauges_zero(server, [model])
+    assert all(v == 0 for v in after.values()), after
+    assert metric(server, "llm_request_success_total", model, finish_reason="abort") == aborted_before + 1
+    assert metric(server, "llm_generation_tokens_total", model) - generated_before < 250
+
+
+# ---- security --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_no_request_can_load_a_model_or_name_a_file(tiny_server, tmp_path):
+    server = tiny_server
+    # Model control is off (MODE_NONE): load and unload are refused over HTTP and gRPC.
+    for action in ("load", "unload"):
+        response = requests.post(f"{server.http_url}/v2/repository/models/llm_continuous/{action}", timeout=10)
+        assert response.status_code >= 400 and "not allowed" in response.text
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        with pytest.raises(Exception, match="not allowed"):
+            client.load_model("llm_continuous", config=json.dumps({"backend": "python"}))
+        with pytest.raises(Exception, match="not allowed"):
+            client.unload_model("llm_dynamic")
+    finally:
+        client.close()
+    # No input names a model, a tokenizer, a file or a template; such keys are refused wherever they come from.
+    secret = tmp_path / "secret.txt"
+    secret.write_text("do not read me")
+    for model in MODELS:
+        for body in ({"text_input": "Hi", "model": str(secret)},
+                     {"text_input": "Hi", "sampling_parameters": json.dumps({"tokenizer": str(secret)})},
+                     {"text_input": "Hi", "parameters": {"chat_template": "{{ 7 * 7 }}"}}):
+            response = http_generate(server, model, body)
+            assert response.status_code == 400 and "unknown key" in response.text
+        # A prompt that looks like a path or a template is only text: tokenised as is, never opened or rendered.
+        for prompt in (str(secret), "{{ 7 * 7 }} {% include '/etc/passwd' %}", "__import__('os').system('id')"):
+            answer = http_generate(server, model, {"text_input": prompt, "max_tokens": 2, "ignore_eos": True}).json()
+            assert answer["num_output_tokens"] == 2 and "do not read me" not in answer["text_output"]
+    assert secret.read_text() == "do not read me"
+    assert stub_pids(server).keys() == set(MODELS)  # still the same two models, nothing else loaded
+
+
+# ---- overload and KV pressure: a small queue and a small KV pool ------------------------------------------------
+
+# Two sequences at a time, four more waiting, and a KV pool of exactly max_model_len tokens (16 blocks of 16).
+SMALL = {"max_num_seqs": "2", "max_queue_size": "4", "num_kv_blocks": "16", "block_size": "16"}
+CAPACITY = 2 + 4
+
+
+@pytest.fixture(scope="module")
+def small_server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
+    repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository", SMALL, max_batch_size=2,
+                           dynamic_queue_size=4)
+    return triton_server_factory.start(repo, model=tiny_llama_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", MODELS)
+def test_a_burst_of_ten_times_capacity_is_refused_at_once_and_the_model_recovers(small_server, model):
+    server = small_server
+    rss_before = sum(tree_rss(server.pid).values())
+    burst = [start_grpc_stream(server.grpc_url, model, f"burst request {i}", max_tokens=120, ignore_eos=True,
+                               stream=True) for i in range(10 * CAPACITY)]
+    refused, served = [], []
+    for stream in burst:
+        assert stream.wait(300), "a request of the burst got no final response"
+        stream.close()
+        (refused if stream.error is not None else served).append(stream)
+    rss_after = sum(tree_rss(server.pid).values())
+
+    expected = "the server is overloaded" if model == "llm_continuous" else "Exceeds maximum queue size"
+    for stream in refused:
+        assert expected in stream.error, stream.error
+        assert stream.chunks == [] and stream.final_at - stream.sent_at < 5, "a refusal must come at once"
+    assert len(refused) >= 10 * CAPACITY - 3 * CAPACITY, f"only {len(refused)} of {10 * CAPACITY} refused"
+    assert len(served) >= CAPACITY - 2
+    for stream in served:
+        assert len(stream.token_ids) == 120 and stream.finish_reason == "length"
+    assert rss_after - rss_before < 100 * 2**20, "memory grew with the burst"
+    assert all(v == 0 for v in wait_gauges_zero(server, [model]).values())
+    result = grpc_generate(server.grpc_url, model, "After the burst", max_tokens=8, **GREEDY)
+    assert result.error is None and len(result.token_ids) == 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", MODELS)
+def test_kv_pressure_preempts_and_greedy_outputs_match_an_unpressured_run(small_server, model):
+    """Each request grows to ~150 tokens (10 blocks); two at a time need 20 blocks of a 16-block pool.
+    Four requests: all fit in the waiting queue at once, so none is refused."""
+    server = small_server
+    prompts = [f"Request {i}: " + "describe the sea in many words " * 4 for i in range(4)]
+    params = dict(max_tokens=110, **GREEDY)
+    preempted = metric(server, "llm_preemptions_total", model)
+    alone = [grpc_generate(server.grpc_url, model, p, **params) for p in prompts]  # one at a time: no pressure
+    assert all(r.error is None and len(r.token_ids) == 110 for r in alone)
+    assert metric(server, "llm_preemptions_total", model) == preempted
+
+    together = [start_grpc_stream(server.grpc_url, model, p, **params) for p in prompts]
+    for stream in together:
+        assert stream.wait(300)
+        stream.close()
+    assert metric(server, "llm_preemptions_total", model) > preempted
+    for a, b in zip(alone, together):
+        assert b.error is None and b.finish_reason == "length"
+        assert b.token_ids == a.token_ids and b.text == a.text
+    assert all(v == 0 for v in wait_gauges_zero(server, [model]).values())
+
+
+# ---- faults ----------------------------------------------------------------------------------------------------
+
+STEP_FAULT, FATAL_FAULT = "<<fail-this-step>>", "<<break-the-engine>>"
+
+
+@pytest.fixture(scope="module")
+def fault_server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
+    """Faults are injected through a test-only parameter, read only with LLM_TEST_FAULTS=1 in the environment."""
+    faults = json.dumps({"step_error": STEP_FAULT, "fatal_error": FATAL_FAULT}).replace('"', '\\"')
+    repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository",
+                           {"max_num_seqs": "2", "fault_injection": faults}, max_batch_size=2)
+    return triton_server_factory.start(repo, model=tiny_llama_dir, env={"LLM_TEST_FAULTS": "1"})
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", MODELS)
+def test_a_failing_step_fails_its_requests_and_a_broken_engine_fails_every_request(fault_server, model):
+    server = fault_server
+    # A step that raises fails the requests it ran (the victim and its batch-mate), nothing else; serving goes on.
+    mate = start_grpc_stream(server.grpc_url, model, "a batch-mate", max_tokens=200, **GREEDY)
+    assert mate.wait_tokens(2, timeout=60)
+    victim = start_grpc_stream(server.grpc_url, model, f"please {STEP_FAULT}", max_tokens=20, **GREEDY)
+    if model == "llm_continuous":  # max_num_seqs is 2: this one waits in the queue, outside the failing step
+        time.sleep(0.2)
+        waiting = start_grpc_stream(server.grpc_url, model, "waits for a free slot", max_tokens=10, **GREEDY)
+    for stream in (mate, victim):
+        assert stream.wait(120)
+        stream.close()
+    assert victim.error is not None and "the engine failed while running this request" in victim.error
+    assert "injected step fault" in victim.error
+    if model == "llm_continuous":  # the victim joined the mate's running batch, so the failing step held both
+        assert mate.error is not None and "injected step fault" in mate.error
+    else:  # the mate's batch was running when the victim arrived; the victim ran in the next batch
+        assert mate.error is None and len(mate.token_ids) == 200
+        waiting = start_grpc_stream(server.grpc_url, model, "the next batch", max_tokens=10, **GREEDY)
+    assert waiting.wait(120)
+    waiting.close()
+    assert waiting.error is None and len(waiting.token_ids) == 10
+    assert all(v == 0 for v in wait_gauges_zero(server, [model]).values())
+    after = grpc_generate(server.grpc_url, model, "after the fault", max_tokens=6, **GREEDY)
+    assert after.error is None and len(after.token_ids) == 6
+    assert metric(server, "llm_engine_healthy", model) == 1
+
+    # A fault no step can recover from: every open request gets a final error, every later one is refused at once.
+    bystander = start_grpc_stream(server.grpc_url, model, "a bystander", max_tokens=200, **GREEDY)
+    assert bystander.wait_tokens(2, timeout=60)
+    killer = start_grpc_stream(server.grpc_url, model, f"now {FATAL_FAULT}", max_tokens=20, **GREEDY)
+    for stream in (bystander, killer):
+        assert stream.wait(120), "a request open when the engine failed got no final response"
+        stream.close()
+    assert killer.error is not None and "the engine failed and cannot go on" in killer.error
+    if model == "llm_continuous":  # it was in the engine when the loop died
+        assert bystander.error is not None and "the engine failed and cannot go on" in bystander.error
+    else:  # its batch finished before the killer's batch started
+        assert bystander.error is None and len(bystander.token_ids) == 200
+    t0 = time.perf_counter()
+    later = grpc_generate(server.grpc_url, model, "anyone there?", max_tokens=4, timeout=30)
+    assert later.final and later.error is not None and "restart the server" in later.error
+    assert time.perf_counter() - t0 < 10
+    response = http_generate(server, model, {"text_input": "anyone there?", "max_tokens": 4})
+    assert response.status_code == 400 and "restart the server" in response.text  # 2.51's /generate: 400 for all
+    assert metric(server, "llm_engine_healthy", model) == 0
+    other = MODELS[1 - MODELS.index(model)]
+    if metric(server, "llm_engine_healthy", other) == 1:  # the other model is untouched
+        assert len(grpc_generate(server.grpc_url, other, "Hello", max_tokens=4, **GREEDY).token_ids) == 4
+    assert is_ready(server)  # Triton 2.51 gives a Python model no way to report itself not-ready; see README
+
+
+@pytest.mark.timeout(120)
+def test_fault_injection_is_inert_without_the_environment_variable(tiny_llama_dir, tmp_path, start_server):
+    faults = json.dumps({"step_error": STEP_FAULT}).replace('"', '\\"')
+    repo = make_repository(tmp_path / "model_repository", {"fault_injection": faults})
+    server = start_server(repo, model=tiny_llama_dir, env={"LLM_TEST_FAULTS": ""})
+    for model in MODELS:
+        result = grpc_generate(server.grpc_url, model, f"please {STEP_FAULT}", max_tokens=4, **GREEDY)
+        assert result.error is None and len(result.token_ids) == 4
+    assert "read only when LLM_TEST_FAULTS=1" in server.output_tail(400)
+
+
+# ---- unload / reload and shutdown ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_unload_and_reload_leave_no_process_or_memory_behind(tiny_llama_dir, tmp_path, start_server):
+    """Explicit model control (off by default). Triton defers an unload until every client stream that carried the
+    model's requests is closed, so a stream running at the unload completes; then finalize stops and joins the
+    engine loop and the stub process exits."""
+    repo = make_repository(tmp_path / "model_repository", {"max_model_len": "512"})
+    server = start_server(repo, model=tiny_llama_dir, extra_args=["--model-control-mode=explicit", "--load-model=*"])
+    url = f"{server.http_url}/v2/repository/models"
+    baseline = None
+    for cycle in range(3):
+        stubs = stub_pids(server)
+        assert stubs.keys() == set(MODELS)
+        streams = [start_grpc_stream(server.grpc_url, model, "a long story", max_tokens=400, **GREEDY)
+                   for model in MODELS]
+        for stream in streams:
+            assert stream.wait_tokens(2, timeout=60)
+        for model in MODELS:
+            assert requests.post(f"{url}/{model}/unload", timeout=120).status_code == 200
+        for stream in streams:
+            assert stream.wait(120) and stream.error is None and len(stream.token_ids) == 400
+            stream.close()
+        for model, pid in stubs.items():
+            assert process_gone(pid, timeout=60), f"{model}'s stub (pid {pid}) is still there after unload"
+        rss = sum(tree_rss(server.pid).values())
+        baseline = rss if baseline is None else baseline
+        assert rss < baseline + 64 * 2**20, f"cycle {cycle}: the server without models grew to {rss / 2**20:.0f} MiB"
+        for model in MODELS:
+            assert requests.post(f"{url}/{model}/load", timeout=300).status_code == 200
+        for model in MODELS:
+            assert len(grpc_generate(server.grpc_url, model, "Hello", max_tokens=4, **GREEDY).token_ids) == 4
+    assert server.output_tail(3000).count("llm_continuous: engine loop stopped") == 3
+
+
+def sigterm_with_streams(server, max_tokens: int) -> tuple[list, float, int]:
+    """Four continuous streams and two dynamic ones, then SIGTERM to tritonserver's process group (as the launcher
+    sends it: the stubs must hear it too). Each client closes its stream once it has its final response."""
+    streams = [start_grpc_stream(server.grpc_url, "llm_continuous", f"story {i}", max_tokens=max_tokens, **GREEDY)
+               for i in range(4)]
+    streams += [start_grpc_stream(server.grpc_url, "llm_dynamic", f"note {i}", max_tokens=max_tokens, **GREEDY)
+                for i in range(2)]
+    for stream in streams[:5]:
+        assert stream.wait_tokens(1, timeout=60)
+    t0 = time.monotonic()
+    os.killpg(server.pid, signal.SIGTERM)
+    time.sleep(0.5)  # the signal is handled asynchronously
+    late = grpc_generate(server.grpc_url, "llm_continuous", "too late", max_tokens=4, timeout=30)
+    assert late.final and late.error is not None, "a request sent after SIGTERM must be refused"
+    for stream in streams:
+        assert stream.wait(60), "a stream got no final response"
+        stream.close()
+    code = server.wait(60)
+    return streams, time.monotonic() - t0, code
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_drains_the_streams_in_flight_and_exits_in_time(tiny_llama_dir, tmp_path, start_server):
+    """With an exit timeout of 25 s the models keep serving for 20 s: every stream completes."""
+    server = start_server(make_repository(tmp_path / "model_repository"), model=tiny_llama_dir,
+                          extra_args=["--exit-timeout-secs", "25"])
+    streams, exited_after, code = sigterm_with_streams(server, max_tokens=200)
+    for stream in streams:
+        assert stream.error is None and len(stream.token_ids) == 200
+    assert code == 0 and exited_after < 25
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_ends_what_cannot_finish_with_an_error_and_exits_in_time(tiny_llama_dir, tmp_path, start_server):
+    """With an exit timeout of 5 s there is no time to drain: every open stream ends at once with "the server is
+    shutting down", and the server exits within its exit timeout."""
+    server = start_server(make_repository(tmp_path / "model_repository"), model=tiny_llama_dir,
+                          extra_args=["--exit-timeout-secs", "5"])
+    streams, exited_after, code = sigterm_with_streams(server, max_tokens=250)
+    for stream in streams:
+        assert stream.error is not None and "the server is shutting down" in stream.error, stream.error
+        assert stream.final_at - stream.sent_at < 30
+    assert code == 0 and exited_after < 5
+
+
+# ---- soak ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_soak_60_seconds(tiny_llama_dir, tmp_path):
+    repo = make_repository(tmp_path / "model_repository")
+    out = tmp_path / "soak"
+    code = soak.main(["--duration", "60", "--users", "6", "--model", str(tiny_llama_dir), "--model-repository",
+                      str(repo), "--max-tokens", "32", "--out", str(out), "--request-timeout", "120", "--warmup", "30"])
+    report = json.loads((out / "soak.json").read_text())
+    print(soak.summary(report))
+    assert report["outcomes"].get("lost", 0) == 0, report["lost"]
+    assert report["checks"]["kv_and_gauges_back_to_zero"], report["after_load"]
+    assert report["outcomes"]["completed"] > 100 and report["outcomes"]["cancelled"] > 20
+    assert report["outcomes"]["refused"] > 10
+    assert report["checks"]["rss_growth_after_warmup_below_limit"], report["rss"]
+    assert code == 0
+
+
+# ---- the engine loop alone (no server) -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_config(tiny_llama_dir):
+    return dict(model=str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=64, max_num_seqs=4)
+
+
+def run_loop(config: dict, fault_hook=None):
+    from backend.config import EngineConfig
+    from backend.engine import LLMEngine
+    from backend.engine_loop import EngineLoop
+
+    engine = LLMEngine(EngineConfig(**config))
+    engine.fault_hook = fault_hook
+    finals: dict[str, list] = {}
+    lock = threading.Lock()
+
+    def sink(output):
+        if output.finished:
+            with lock:
+                finals.setdefault(output.request_id, []).append(output)
+
+    loop = EngineLoop(engine, sink=sink)
+    loop.start()
+    return engine, loop, finals
+
+
+@pytest.mark.timeout(120)
+def test_the_loop_bounds_its_queue_and_every_request_gets_exactly_one_final_output(tiny_engine_config):
+    from backend.config import SamplingParams
+    from backend.engine_loop import EngineOverloaded, EngineUnavailable
+
+    engine, loop, finals = run_loop({**tiny_engine_config, "max_queue_size": 8})
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    accepted, overloaded = [], 0
+    for i in range(40):
+        try:
+            loop.submit(f"r{i}", f"request {i}", params)
+            accepted.append(f"r{i}")
+        except EngineOverloaded as exc:
+            overloaded += 1
+            assert "max_queue_size=8" in str(exc)
+    assert 8 <= len(accepted) <= 8 + 4 and overloaded == 40 - len(accepted)
+    loop.abort(accepted[0])
+    loop.drain(0.5)  # refuse from now on; what is left after 0.5 s ends with "the server is shutting down"
+    with pytest.raises(EngineUnavailable, match="shutting down"):
+        loop.submit("late", "too late", params)
+    deadline = time.monotonic() + 30
+    while len(finals) < len(accepted) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(finals) == sorted(accepted) and all(len(outputs) == 1 for outputs in finals.values())
+    assert finals[accepted[0]][0].finish_reason == "abort"
+    assert any(o[0].error == "the server is shutting down" for o in finals.values())
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished()
+
+
+@pytest.mark.timeout(120)
+def test_a_fatal_engine_error_gives_every_open_request_a_final_error(tiny_engine_config):
+    from backend.config import SamplingParams
+    from backend.engine_loop import EngineUnavailable
+    from backend.triton_adapter import FaultInjector
+
+    faults = FaultInjector({"fatal_error": "<<boom>>"})
+    engine, loop, finals = run_loop(tiny_engine_config, fault_hook=faults)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    for i in range(6):  # more than max_num_seqs: some are still waiting when the engine breaks
+        loop.submit(f"r{i}", f"request {i}", params)
+    time.sleep(0.2)
+    faults.watch("boom", "<<boom>>")
+    loop.submit("boom", "<<boom>>", params)
+    deadline = time.monotonic() + 30
+    while len(finals) < 7 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(finals) == sorted([f"r{i}" for i in range(6)] + ["boom"])
+    failed = [o[0] for o in finals.values() if o[0].error]
+    assert failed and all("the engine failed and cannot go on" in o.error for o in failed)
+    assert not loop.is_alive
+    with pytest.raises(EngineUnavailable, match="restart the server"):
+        loop.submit("after", "hello", params)
