@@ -670,7 +670,6 @@ def test_soak_60_seconds(tiny_llama_dir, tmp_path):
     code = soak.main(["--duration", "60", "--users", "6", "--model", str(tiny_llama_dir), "--model-repository",
                       str(repo), "--max-tokens", "32", "--out", str(out), "--request-timeout", "120", "--warmup", "30"])
     report = json.loads((out / "soak.json").read_text())
-    print(soak.summary(report))
     assert report["outcomes"].get("lost", 0) == 0, report["lost"]
     assert report["checks"]["kv_and_gauges_back_to_zero"], report["after_load"]
     assert report["outcomes"]["completed"] > 100 and report["outcomes"]["cancelled"] > 20
