@@ -4,6 +4,7 @@
 #   make compare   serve both models and compare them under the same Locust load (report in reports/)
 #   make slo       highest load each model sustains within TTFT/TPOT p99 SLOs
 #   make locust    Locust's web UI (:8089) against a running `make serve`
+#   make soak      mixed load with cancellations and bad requests, 10 min; RSS/KV report in reports/soak-<time>/
 #   make bench     offline engine benchmark (reports/bench.json)
 #   make venv310   Python 3.10 test environment (the Docker image's Python), used by tests/test_deploy.py
 #   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
@@ -70,6 +71,9 @@ slo: model
 # Locust's web UI on :8089 against a running `make serve`.
 locust: venv
 	$(VENV)/bin/locust --config loadtest/locust.conf --host http://127.0.0.1:$(HTTP_PORT) --grpc-url 127.0.0.1:$(GRPC_PORT) $(ARGS)
+
+soak: model
+	$(PY) -m loadtest.soak --model "$(MODEL)" $(ARGS)
 
 bench: model
 	$(PY) -m backend.bench --model "$(MODEL)" $(ARGS)
