@@ -34,6 +34,7 @@ def server(triton_server_factory, smollm2_dir):
 @dataclass
 class Stream:
     chunks: list = field(default_factory=list)  # (perf_counter, text, ids, finish_reason)
+    sent_at: float = 0.0  # perf_counter when the request left, after the stream was open
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -87,6 +88,7 @@ def start_stream(server, model: str, prompt: str, **values) -> tuple[grpcclient.
             stream.done.set()
 
     client.start_stream(callback=callback)
+    stream.sent_at = time.perf_counter()
     client.async_stream_infer(model, make_inputs(model, prompt, **values), enable_empty_final_response=True)
     return client, stream
 
@@ -173,11 +175,12 @@ def test_continuous_admits_a_short_request_into_the_running_batch(server):
     long_client, long = start_stream(server, "llm_continuous", "Tell me a long story.", max_tokens=160,
                                      ignore_eos=True, stream=True)
     wait_tokens(long, 5)
-    sent = time.perf_counter()
     short = generate(server, "llm_continuous", "Hi", max_tokens=4, ignore_eos=True, stream=True)
     first_short = short.chunks[0][0]
-    steps_waited = sum(1 for t, *_ in long.chunks if sent < t < first_short)
-    assert steps_waited <= 3, f"the short request waited {steps_waited} steps of the long one for its first token"
+    # NOTE: counted in steps of the long stream, not seconds: the step in flight, the short's prefill, slack for a
+    # busy client machine.
+    steps_waited = sum(1 for t, *_ in long.chunks if short.sent_at < t < first_short)
+    assert steps_waited <= 4, f"the short request waited {steps_waited} steps of the long one for its first token"
     assert not long.done.is_set(), "the short request should finish while the long one is still generating"
     assert long.done.wait(120) and len(long.token_ids) == 160
     long_client.stop_stream()
