@@ -217,12 +217,13 @@ def test_report_builds_tables_and_plots_from_fixed_results(tmp_path):
     table = md.split("## Every load point")[1].split("\n\n")[1].splitlines()
     assert table[0].startswith("| model | load | req/s | output tok/s | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50")
     assert [line.split(" | ")[:2] for line in table[2:]] == [
-        ["| llm_continuous", "2 users"],
-        ["| llm_continuous", "4 users"],
         ["| llm_dynamic", "2 users"],
         ["| llm_dynamic", "4 users"],
+        ["| llm_continuous", "2 users"],
+        ["| llm_continuous", "4 users"],
     ]
     assert "| 4 users | 1.59x |" in md  # the side-by-side table
+    assert "Continuous beside static" not in md  # no llm_static runs, no table for it
     html = (tmp_path / "report.html").read_text()
     assert html.count("data:image/png;base64,") == 6 and "<table>" in html and 'src="batch' not in html
     rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
@@ -230,6 +231,23 @@ def test_report_builds_tables_and_plots_from_fixed_results(tmp_path):
     assert (
         dynamic4["num_failed"] == 0 and dynamic4["goodput_fraction"] == 0.0 and 2.5 < dynamic4["mean_batch_size"] < 3.5
     )
+
+
+@pytest.mark.timeout(60)
+def test_report_puts_static_first_and_compares_continuous_with_it(tmp_path):
+    results = json.loads(FIXTURE.read_text())
+    dynamic = [run for run in results["runs"] if run["model"] == "llm_dynamic"]
+    results["runs"] += [{**run, "model": "llm_static"} for run in dynamic]  # static measured as dynamic was
+    built = report.build(results, tmp_path)
+    assert built["headline"].startswith("continuous vs dynamic at 4 users: 1.6x output tokens/s")
+    md = (tmp_path / "report.md").read_text()
+    table = md.split("## Every load point")[1].split("\n\n")[1].splitlines()
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| llm_static"] * 2 + ["| llm_dynamic"] * 2 + [
+        "| llm_continuous"
+    ] * 2
+    against_static = md.split("## Continuous beside static")[1]
+    assert "goodput req/s (cont. vs static)" in against_static and "| 4 users | 1.59x |" in against_static
+    assert "Static batching: the batcher waits for a full batch" in md
 
 
 @pytest.mark.timeout(10)

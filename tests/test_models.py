@@ -20,7 +20,7 @@ from tests.server_harness import REPO_ROOT
 
 pytestmark = [pytest.mark.server, pytest.mark.smollm2]
 MODELS = ("llm_dynamic", "llm_continuous")
-BATCHED = {"llm_dynamic": True, "llm_continuous": False}
+BATCHED = {"llm_dynamic": True, "llm_continuous": False, "llm_static": True}
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +197,26 @@ def test_dynamic_queues_a_request_until_the_running_batch_finishes(server):
     assert short.chunks[0][0] > long.chunks[-1][0], "the short request got a token before the batch finished"
     long_client.stop_stream()
     long_client.close()
+
+
+@pytest.mark.timeout(300)
+def test_static_waits_for_a_full_batch_then_runs_it_together(server):
+    # Alone, a request waits out the batcher's max_queue_delay (1 s) for batch-mates that never come.
+    alone = generate(server, "llm_static", "Hi", max_tokens=2, ignore_eos=True, stream=True)
+    assert alone.error is None and alone.chunks[0][0] - alone.sent_at >= 0.9
+    # Eight at once fill the preferred batch: one batch, so every first token comes before anyone's second.
+    streams = [start_stream(server, "llm_static", f"Request {i}: count.", max_tokens=4 + 4 * i, ignore_eos=True,
+                            stream=True) for i in range(8)]
+    try:
+        for i, (_, stream) in enumerate(streams):
+            assert stream.done.wait(120) and stream.error is None and len(stream.token_ids) == 4 + 4 * i
+        last_first = max(stream.chunks[0][0] for _, stream in streams)
+        first_second = min(stream.chunks[1][0] for _, stream in streams)
+        assert last_first < first_second, "the eight requests did not run as one batch"
+    finally:
+        for client, _ in streams:
+            client.stop_stream()
+            client.close()
 
 
 @pytest.mark.timeout(600)

@@ -46,11 +46,13 @@ MAX_MODEL_LEN = 256
 
 def make_repository(dst: Path, params: dict[str, str] | None = None, *, max_batch_size: int | None = None,
                     dynamic_queue_size: int | None = None) -> Path:
-    """A copy of model_repository/ with ``params`` (on top of ``TINY``) set in both models' config.pbtxt.
+    """A copy of model_repository/'s two compared models with ``params`` (on top of ``TINY``) set in their configs.
 
     ``max_batch_size`` and ``dynamic_queue_size`` change llm_dynamic's batch size and Triton's queue bound.
     """
-    shutil.copytree(REPO_ROOT / "model_repository", dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for model in MODELS:  # llm_static, the teaching baseline, has its own tests in tests/test_models.py
+        shutil.copytree(REPO_ROOT / "model_repository" / model, dst / model,
+                        ignore=shutil.ignore_patterns("__pycache__"))
     for model in MODELS:
         path = dst / model / "config.pbtxt"
         text = path.read_text()

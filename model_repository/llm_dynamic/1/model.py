@@ -1,4 +1,7 @@
-"""llm_dynamic: Triton's dynamic batcher decides the batch; execute() runs exactly that batch to completion.
+"""llm_dynamic (and llm_static): Triton's dynamic batcher decides the batch; execute() runs that batch to completion.
+
+llm_static's 1/model.py is a link to this file: the two differ only in their config.pbtxt (llm_static asks the
+batcher for full batches and waits up to a second for one).
 
 Nothing can join while execute() runs, so the batch shrinks as short answers finish and Triton queues later
 requests until it returns (up to default_queue_policy's max_queue_size; beyond it Triton refuses them at once).
@@ -25,12 +28,13 @@ class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
         if not model_is_decoupled(model_config):
-            raise pb_utils.TritonModelException("llm_dynamic streams tokens and must be decoupled")
+            raise pb_utils.TritonModelException(f"{args['model_name']} streams tokens and must be decoupled")
         config = engine_config_from_triton(model_config, args["model_repository"])
         if config.max_num_seqs < model_config.get("max_batch_size", 0):
             raise pb_utils.TritonModelException(
                 f"max_num_seqs ({config.max_num_seqs}) must be >= max_batch_size so a whole batch runs together"
             )
+        self.name = args["model_name"]
         self.engine = LLMEngine(config)
         self.limits = RequestLimits(self.engine.max_model_len)
         self.faults = FaultInjector.from_config(model_config)
@@ -82,11 +86,11 @@ class TritonPythonModel:
                 try:
                     send_output(pb_utils, open_request, output, batched=True)
                 except Exception as exc:  # a vanished client must not stop the rest of the batch
-                    pb_utils.Logger.log_warn(f"llm_dynamic: sending to {output.request_id} failed: {exc}")
+                    pb_utils.Logger.log_warn(f"{self.name}: sending to {output.request_id} failed: {exc}")
 
     def _fail(self, batch, exc):
         self.failure = f"the engine failed and cannot go on ({exc!r}); restart the server"
-        pb_utils.Logger.log_error(f"llm_dynamic: {self.failure}")
+        pb_utils.Logger.log_error(f"{self.name}: {self.failure}")
         self.metrics.engine_healthy.set(0)
         self._abort_all(batch, self.failure)
 
@@ -100,5 +104,5 @@ class TritonPythonModel:
             try:
                 send_error(pb_utils, open_request.sender, message)
             except Exception as exc:
-                pb_utils.Logger.log_warn(f"llm_dynamic: sending to {request_id} failed: {exc}")
+                pb_utils.Logger.log_warn(f"{self.name}: sending to {request_id} failed: {exc}")
         batch.clear()

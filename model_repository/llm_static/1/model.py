@@ -1,0 +1,1 @@
+../../llm_dynamic/1/model.py
