@@ -290,9 +290,12 @@ class Accounts:
 
 
 class Soak:
-    def __init__(self, http_url: str, grpc_url: str, metrics_url: str, server_pid: int, args) -> None:
+    def __init__(
+        self, http_url: str, grpc_url: str, metrics_url: str, server_pid: int, args, server_exit=lambda: None
+    ) -> None:
         self.http_url, self.grpc_url, self.metrics_url = http_url, grpc_url, metrics_url
         self.server_pid = server_pid
+        self.server_exit = server_exit  # () -> None while the server runs, else its exit status
         self.args = args
         self.accounts = Accounts()
         self.samples: list[dict] = []
@@ -413,6 +416,10 @@ class Soak:
 
     def sampler(self, t0: float) -> None:
         while not self.stop.is_set():
+            if self.server_exit() is not None:  # the server died: nothing more to measure, end the load now
+                print(f"[soak] tritonserver exited ({self.server_exit()}) during the load", flush=True)
+                self.stop.set()
+                return
             self.samples.append(self.sample(t0))
             self.stop.wait(self.args.sample_interval)
 
@@ -436,6 +443,8 @@ class Soak:
         """After the load: the gauges must come back to zero (KV blocks, running, waiting)."""
         deadline = time.monotonic() + timeout
         while True:
+            if self.server_exit() is not None:
+                return {}
             row = self.sample(t0)
             self.samples.append(row)
             values = [
@@ -450,7 +459,8 @@ class Soak:
             time.sleep(0.5)
 
     def report(self, load_seconds: float, idle_row: dict, still_running: int) -> dict:
-        rss = [(s["t"], s["rss_bytes"]) for s in self.samples if s["t"] <= load_seconds]
+        # NOTE: 0 bytes means the process tree was gone when sampled; such a sample says nothing about growth.
+        rss = [(s["t"], s["rss_bytes"]) for s in self.samples if s["t"] <= load_seconds and s["rss_bytes"]]
         warmup = self.args.warmup if self.args.warmup is not None else max(10.0, 0.2 * self.args.duration)
         window = max(5.0, 0.15 * self.args.duration)
         after_warmup = [b for t, b in rss if warmup <= t < warmup + window]
@@ -463,9 +473,12 @@ class Soak:
         }
         counts = dict(self.accounts.counts)
         total = sum(counts.values())
+        server_exit = self.server_exit()
         checks = {
+            "server_stayed_up": server_exit is None,
             "rss_growth_after_warmup_below_limit": growth is not None and growth < self.args.rss_growth_limit,
-            "kv_and_gauges_back_to_zero": all(v == 0 for g in gauges_after.values() for v in g.values()),
+            "kv_and_gauges_back_to_zero": bool(gauges_after)
+            and all(v == 0 for g in gauges_after.values() for v in g.values()),
             "no_request_lost": counts.get("lost", 0) == 0 and still_running == 0,
             "requests_served": counts.get("completed", 0) > 0,
         }
@@ -481,6 +494,7 @@ class Soak:
                 }
         return {
             "duration_s": round(load_seconds, 1),
+            "server_exit": server_exit,
             "users": self.args.users,
             "requests": total,
             "requests_per_s": round(total / load_seconds, 2) if load_seconds else 0.0,
@@ -547,8 +561,19 @@ def summary(report: dict) -> str:
         + ", ".join(f"{name} {v['first_mb']} -> {v['last_mb']} MiB" for name, v in rss["by_process"].items()),
     ]
     lines += [f"  {'ok  ' if ok else 'FAIL'} {name}" for name, ok in report["checks"].items()]
+    if report.get("server_exit") is not None:
+        lines.append(f"  tritonserver exited with status {report['server_exit']} during the soak; its last lines:")
+        lines += [f"    {line}" for line in report.get("server_log_tail", [])]
     lines += [f"  lost: {reason}" for reason in report["lost"][:10]]
     return "\n".join(lines)
+
+
+def crash_lines(log: Path, count: int = 12) -> list[str]:
+    """The server log's last lines, from its last "Signal (N) received." on if it has one (the crash and its stack)."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    lines = [line for line in lines if "NVML" not in line]  # the container-less machine's one noisy line
+    signal = max((i for i, line in enumerate(lines) if line.startswith("Signal (")), default=None)
+    return lines[signal : signal + count] if signal is not None else lines[-count:]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -588,9 +613,12 @@ def main(argv=None) -> int:
     try:
         server.wait_ready(600)
         print(f"[soak] server ready (pid {server.pid}); {args.users} users for {args.duration:.0f} s", flush=True)
-        report = Soak(server.http_url, server.grpc_url, server.metrics_url, server.pid, args).run()
+        soak = Soak(server.http_url, server.grpc_url, server.metrics_url, server.pid, args, lambda: server.returncode)
+        report = soak.run()
     finally:
         server.stop()
+    if report["server_exit"] is not None:
+        report["server_log_tail"] = crash_lines(out / "tritonserver.log")
     (out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
     plotted = plot(report, out / "soak.png")
     print(summary(report))

@@ -664,6 +664,14 @@ def test_sigterm_ends_what_cannot_finish_with_an_error_and_exits_in_time(tiny_ll
 # ---- soak ------------------------------------------------------------------------------------------------------
 
 
+def test_soak_shows_the_crash_when_the_server_dies(tmp_path):
+    log = tmp_path / "tritonserver.log"
+    log.write_text("I1129 started\nSignal (11) received.\n 0# 0x1 in tritonserver\n 1# 0x2 in libc.so.6\n")
+    assert soak.crash_lines(log) == ["Signal (11) received.", " 0# 0x1 in tritonserver", " 1# 0x2 in libc.so.6"]
+    log.write_text("".join(f"line {i}\n" for i in range(30)))
+    assert soak.crash_lines(log, count=3) == ["line 27", "line 28", "line 29"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_soak_60_seconds(tiny_llama_dir, tmp_path):
@@ -672,6 +680,7 @@ def test_soak_60_seconds(tiny_llama_dir, tmp_path):
     code = soak.main(["--duration", "60", "--users", "6", "--model", str(tiny_llama_dir), "--model-repository",
                       str(repo), "--max-tokens", "32", "--out", str(out), "--request-timeout", "120", "--warmup", "30"])
     report = json.loads((out / "soak.json").read_text())
+    assert report["checks"]["server_stayed_up"], "\n".join(report["server_log_tail"])
     assert report["outcomes"].get("lost", 0) == 0, report["lost"]
     assert report["checks"]["kv_and_gauges_back_to_zero"], report["after_load"]
     assert report["outcomes"]["completed"] > 100 and report["outcomes"]["cancelled"] > 20
