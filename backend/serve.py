@@ -8,6 +8,13 @@ used). It is laid out once in ``.triton/tritonserver-<wheel version>-py<XY>/`` w
 the running interpreter, then started with the environment the stub needs. The model folder reaches the
 models as the environment variable ``LLM_MODEL``; the model repository does not depend on this launcher.
 
+The admin APIs (shared-memory registration, trace and log settings, and model load/unload when model control is
+on) answer only requests that carry the header ``admin-key`` (gRPC: ``triton-grpc-protocol-admin-key``) with the
+value of ``$TRITON_ADMIN_KEY``, or of a random key made for each launch when that is unset.
+
+The server runs in its own session: ``stop()`` sends SIGTERM to tritonserver (it drains in-flight work, then stops
+its Python-backend stubs) and, if it has to escalate, SIGKILLs the whole process group, so no stub outlives it.
+
 :class:`TritonServer` is the same code path as a small API (the tests use it)::
 
     with TritonServer("model_repository", http_port=18000, grpc_port=18001, metrics_port=18002) as server:
@@ -24,6 +31,7 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -43,6 +51,17 @@ DEFAULT_MODEL = "models/smollm2-135m-instruct"
 MODEL_ENV_VAR = "LLM_MODEL"
 LAYOUT_MARKER = ".complete"
 STUB_NAME = "triton_python_backend_stub"
+
+ADMIN_KEY_ENV_VAR = "TRITON_ADMIN_KEY"
+ADMIN_HEADER = "admin-key"
+# NOTE: Triton 2.51 prefixes a gRPC restriction's header with this; "admin-key" alone is refused over gRPC.
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
+# Requests to these could make the server open a name or a path (shared-memory regions, trace and log files) or
+# change what it logs. "model-repository" (load, unload, index) joins them when model control is on.
+ADMIN_APIS = ("shared-memory", "trace", "logging")
+# A stub notices within about a second that tritonserver is gone, then removes its shared memory and exits.
+STUB_EXIT_GRACE_S = 3.0
+_SHM_REGION = re.compile(r"triton_python_backend_shm_region_[0-9a-f-]+")
 
 # Lines a CPU-only machine always prints; they are not the reason a start failed.
 _NOISE = re.compile(r"CudaDriverHelper|NVML|DCGM|CUDA driver version is insufficient|pinned memory", re.I)
@@ -224,6 +243,71 @@ def option_value(args: Sequence[str], name: str) -> str | None:
     return value
 
 
+def restricted_api_args(extra_args: Sequence[str], key: str) -> list[str]:
+    """Triton's own flags that put the admin APIs behind the ``admin-key`` header, for what ``extra_args`` lacks.
+
+    A user's own ``--http-restricted-api`` replaces ours for HTTP only, and ``--grpc-restricted-protocol`` for gRPC
+    only, so restricting one protocol differently never opens the other.
+    """
+    apis = list(ADMIN_APIS)
+    if (option_value(extra_args, "--model-control-mode") or "none") != "none":
+        apis.insert(1, "model-repository")  # explicit or poll: the API can load and unload models
+    setting = f"{','.join(apis)}:{ADMIN_HEADER}={key}"
+    args = []
+    if option_value(extra_args, "--http-restricted-api") is None:
+        args.append(f"--http-restricted-api={setting}")
+    if option_value(extra_args, "--grpc-restricted-protocol") is None:
+        args.append(f"--grpc-restricted-protocol={setting}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- process groups
+
+
+def process_group_members(pgid: int) -> list[int]:
+    """Live processes (zombies left out) whose process group is ``pgid``, read from /proc."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _stub_shm_regions(pids: Iterable[int]) -> list[str]:
+    """Shared-memory regions of the Python-backend stubs among ``pids`` (each stub's third argument names it)."""
+    regions = []
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if len(argv) > 2 and argv[0].endswith(STUB_NAME) and _SHM_REGION.fullmatch(argv[2]):
+            regions.append(argv[2])
+    return regions
+
+
+def kill_process_group(pgid: int, timeout: float = 5.0) -> None:
+    """SIGKILL every process in group ``pgid``, wait until none is left, then remove the shared memory of the
+    stubs among them (killed processes cannot remove it themselves)."""
+    regions = _stub_shm_regions(process_group_members(pgid))
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + timeout
+    while process_group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for region in regions:
+        try:
+            os.unlink(f"/dev/shm/{region}")
+        except FileNotFoundError:  # the stub removed it before the signal
+            pass
+
+
 # ---------------------------------------------------------------------------------------------- the server
 
 
@@ -237,10 +321,13 @@ def _die_with_parent() -> None:
 class TritonServer:
     """One tritonserver process started the launcher's way.
 
-    ``start()`` validates, lays out the binary and starts the process; ``wait_ready()`` polls
-    ``/v2/health/ready``; ``stop()`` sends SIGTERM and escalates to SIGKILL. Output goes to ``log_path``
-    (a temporary file if not given), or with ``echo=True`` to this process's stdout. As a context manager it
-    starts, waits until ready, and always stops.
+    ``start()`` validates, lays out the binary and starts the process in its own session; ``wait_ready()`` polls
+    ``/v2/health/ready``; ``stop()`` sends SIGTERM and escalates to SIGKILL for the whole process group. Output goes
+    to ``log_path`` (a temporary file if not given), or with ``echo=True`` to this process's stdout. As a context
+    manager it starts, waits until ready, and always stops.
+
+    ``admin_key`` is ``$TRITON_ADMIN_KEY`` (from ``env``, else this process's environment) or a random key;
+    ``admin_headers`` and ``admin_grpc_headers`` carry it for the restricted APIs.
     """
 
     def __init__(
@@ -265,6 +352,7 @@ class TritonServer:
         self.model = None if model is None else Path(model).absolute()
         self.extra_args = list(extra_args)
         self.env = dict(env or {})
+        self.admin_key = {**os.environ, **self.env}.get(ADMIN_KEY_ENV_VAR) or secrets.token_hex(32)
         self.log_path = None if log_path is None else Path(log_path)
         self.echo = echo
         self.python_version = python_version
@@ -274,6 +362,7 @@ class TritonServer:
         self._process: subprocess.Popen | None = None
         self._recent_lines: collections.deque[str] = collections.deque(maxlen=2000)
         self._reader: threading.Thread | None = None
+        self._group_ended = False
 
     # -- addresses
 
@@ -294,6 +383,16 @@ class TritonServer:
     @property
     def metrics_url(self) -> str:
         return f"http://{self._client_host}:{self.metrics_port}/metrics"
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """HTTP headers for the restricted admin APIs (when the launcher set the restriction)."""
+        return {ADMIN_HEADER: self.admin_key}
+
+    @property
+    def admin_grpc_headers(self) -> dict[str, str]:
+        """``headers=`` for tritonclient.grpc calls to the restricted admin APIs."""
+        return {GRPC_HEADER_PREFIX + ADMIN_HEADER: self.admin_key}
 
     # -- process
 
@@ -322,7 +421,7 @@ class TritonServer:
         ]  # fmt: skip
         if option_value(self.extra_args, "--cache-directory") is None:
             args += ["--cache-directory", str(home / "caches")]
-        return args + self.extra_args
+        return args + restricted_api_args(self.extra_args, self.admin_key) + self.extra_args
 
     def environment(self) -> dict[str, str]:
         _, libs, _ = server_distribution()
@@ -362,7 +461,9 @@ class TritonServer:
                 stdin=subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # signals reach it only through us, never twice
+                # Its own session and process group (pgid == pid): signals reach it only through us, never twice,
+                # and stop() can kill the stubs with it.
+                start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
         finally:
@@ -435,21 +536,44 @@ class TritonServer:
         return found[-limit:]
 
     def send_signal(self, sig: int) -> None:
+        """Signal tritonserver only (its stubs hear from the server itself)."""
         if self.is_running:
             self._process.send_signal(sig)
 
+    def kill(self) -> None:
+        """SIGKILL tritonserver and every process of its group (the stubs, anything a model started)."""
+        if self._process is not None and not self._group_ended:
+            kill_process_group(self._process.pid)
+
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for the process to exit; return its status (negative: killed by that signal)."""
+        """Wait for the process to exit, then for its process group; return its status (negative: that signal).
+
+        Group members still alive ``STUB_EXIT_GRACE_S`` after the server exited are killed.
+        """
         if self._process is None:
             raise RuntimeError("call start() first")
         code = self._process.wait(timeout)
+        self._end_group()
         self._drain_output()
         if self.stopped_at is None:
             self.stopped_at = time.monotonic()
         return code
 
+    def _end_group(self) -> None:
+        # NOTE: once only: when the group is empty its number (the server's pid) is free for reuse.
+        if self._group_ended:
+            return
+        deadline = time.monotonic() + STUB_EXIT_GRACE_S
+        while process_group_members(self._process.pid):
+            if time.monotonic() > deadline:
+                self.kill()
+                break
+            time.sleep(0.05)
+        self._group_ended = True
+
     def stop(self, timeout: float = 45.0) -> int | None:
-        """SIGTERM, wait up to ``timeout`` s (the server drains in-flight work), then SIGKILL. Idempotent."""
+        """SIGTERM to tritonserver, wait up to ``timeout`` s (it drains in-flight work, then stops its stubs), then
+        SIGKILL the whole process group. Idempotent."""
         if self._process is None:
             return None
         if self._process.poll() is None:
@@ -457,7 +581,7 @@ class TritonServer:
             try:
                 self._process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self._process.kill()
+                self.kill()
         return self.wait()
 
     def __enter__(self) -> "TritonServer":
@@ -537,9 +661,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     signals_received: list[int] = []
 
     def forward(signum: int, _frame) -> None:
-        # First signal: let the server shut down cleanly. Second: stop waiting for it.
+        # NOTE: the server has its own session, so the terminal's Ctrl-C reaches only us; we pass it on.
+        # First signal: let the server shut down cleanly. Second: stop waiting for it, stubs included.
         signals_received.append(signum)
-        server.send_signal(signum if len(signals_received) == 1 else signal.SIGKILL)
+        if len(signals_received) == 1:
+            server.send_signal(signum)
+        else:
+            server.kill()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
@@ -553,6 +681,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"serve: error: {exc}", file=sys.stderr)
         server.stop()
         return _exit_status(server.wait()) or 1
+    if restricted_api_args(extra_args, server.admin_key):
+        # NOTE: never print the key itself; the log may be shared.
+        where = (
+            f"the value of ${ADMIN_KEY_ENV_VAR}"
+            if os.environ.get(ADMIN_KEY_ENV_VAR)
+            else f"a random key made for this run (set {ADMIN_KEY_ENV_VAR} to choose one)"
+        )
+        print(
+            f"[serve] admin APIs (shared memory, trace, logging; model load/unload under model control) need the header "
+            f"{ADMIN_HEADER} (gRPC: {GRPC_HEADER_PREFIX}{ADMIN_HEADER}) set to {where}",
+            flush=True,
+        )
     print(
         f"[serve] ready in {seconds:.1f} s: HTTP {server.http_url}  gRPC {server.grpc_url}  "
         f"metrics {server.metrics_url}  (model {server.model}; Ctrl+C stops)",

@@ -88,6 +88,19 @@ class TritonPythonModel:
         raise RuntimeError("deliberately broken model")
 """
 
+# A model that starts a helper process of its own and whose finalize never returns: SIGTERM cannot stop its server
+# within a short timeout, and the helper lives on unless the whole process group is killed.
+_STUCK = _UPPER + """\
+
+    def initialize(self, args):
+        import subprocess
+        self.helper = subprocess.Popen(["sleep", "600"])
+
+    def finalize(self):
+        import time
+        time.sleep(600)
+"""
+
 
 def write_model(repository: Path, name: str, source: str, decoupled: bool = False) -> None:
     version_dir = repository / name / "1"
@@ -107,6 +120,30 @@ def fake_model_folder(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text("{}")
     return path
+
+
+def group_members(pgid: int) -> dict[int, str]:
+    """``pid -> command name`` of the live processes (zombies hold no memory) in process group ``pgid``."""
+    members = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+        if int(rest[2]) == pgid and rest[0] not in ("Z", "X"):
+            members[int(stat.parent.name)] = name
+    return members
+
+
+def stub_shm_regions(pids) -> list[Path]:
+    """The /dev/shm files of the Python-backend stubs among ``pids`` (the third argument of a stub names it)."""
+    regions = []
+    for pid in pids:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if argv[0].endswith(b"triton_python_backend_stub"):
+            regions.append(Path("/dev/shm") / argv[2].decode())
+    return regions
 
 
 def run_launcher(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -199,12 +236,16 @@ def test_http_client_and_generate_endpoint(echo_server):
 
 @pytest.mark.server
 @pytest.mark.timeout(120)
-def test_cli_serves_empty_repository_and_stops_on_sigterm(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_cli_serves_empty_repository_and_stops_on_sigterm(tmp_path, signum):
+    """The server runs in its own session, so a terminal's Ctrl-C reaches it only through the launcher."""
     repository = tmp_path / "empty-repository"
     repository.mkdir()
+    admin_key = "cli-test-key-" + os.urandom(8).hex()
     process = subprocess.Popen(
         [sys.executable, "-m", "backend.serve", *launcher_args(repository, fake_model_folder(tmp_path / "model"))],
         cwd=REPO_ROOT,
+        env={**os.environ, "TRITON_ADMIN_KEY": admin_key},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -216,14 +257,98 @@ def test_cli_serves_empty_repository_and_stops_on_sigterm(tmp_path):
             if line.startswith("[serve] ready"):
                 break
         assert any(line.startswith("[serve] ready") for line in lines), "".join(lines)
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(signum)
         output, _ = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
     assert process.returncode == 0, "".join(lines) + output
-    assert "Signal (15) received" in output
+    assert f"Signal ({int(signum)}) received" in output
+    output = "".join(lines) + output
+    assert "need the header admin-key" in output and "the value of $TRITON_ADMIN_KEY" in output
+    assert admin_key not in output
+
+
+def _tritonserver_child(pid: int, timeout: float = 30) -> int:
+    """The pid of the tritonserver that process ``pid`` started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                text = stat.read_text()
+            except OSError:
+                continue
+            if "(tritonserver)" in text and int(text[text.rindex(")") + 2 :].split()[1]) == pid:
+                return int(stat.parent.name)
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} started no tritonserver")
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_stop_that_must_escalate_kills_the_whole_process_group(start_server, tmp_path):
+    repository = tmp_path / "repository"
+    write_model(repository, "stuck", _STUCK)
+    server = start_server(repository)
+    members = group_members(server.pid)
+    assert sorted(members.values()) == ["sleep", "triton_python_b", "tritonserver"], members
+    (region,) = stub_shm_regions(members)
+    assert region.exists()
+
+    assert server.stop(timeout=1) == -signal.SIGKILL  # finalize never returns: SIGTERM is not enough
+    assert group_members(server.pid) == {}
+    assert not region.exists(), "the killed stub's shared memory must not be left in /dev/shm"
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_normal_stop_is_graceful_and_leaves_no_process(start_server, tmp_path):
+    server = start_server(write_echo_repository(tmp_path / "repository"))
+    members = group_members(server.pid)
+    assert sorted(members.values()) == ["triton_python_b", "triton_python_b", "tritonserver"], members
+    regions = stub_shm_regions(members)
+
+    t0 = time.monotonic()
+    assert server.stop(timeout=60) == 0
+    assert time.monotonic() - t0 < 30
+    log = server.output_tail(40)
+    assert "Signal (15) received" in log
+    assert "successfully unloaded 'upper'" in log and "successfully unloaded 'words'" in log  # the stubs' finalize ran
+    assert group_members(server.pid) == {}
+    assert not any(region.exists() for region in regions)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_cli_second_signal_kills_the_whole_process_group(tmp_path):
+    repository = tmp_path / "repository"
+    write_model(repository, "stuck", _STUCK)
+    args = [*launcher_args(repository, fake_model_folder(tmp_path / "model")), "--exit-timeout-secs", "60"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "backend.serve", *args],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for line in process.stdout:
+            if line.startswith("[serve] ready"):
+                break
+        server_pid = _tritonserver_child(process.pid)
+        assert sorted(group_members(server_pid).values()) == ["sleep", "triton_python_b", "tritonserver"]
+        process.send_signal(signal.SIGTERM)  # the server starts draining, and waits for finalize for 60 s
+        time.sleep(1.0)
+        assert process.poll() is None and server_pid in group_members(server_pid)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 128 + signal.SIGKILL, output
+    assert group_members(server_pid) == {}
 
 
 @pytest.mark.server
