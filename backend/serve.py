@@ -689,8 +689,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             else f"a random key made for this run (set {ADMIN_KEY_ENV_VAR} to choose one)"
         )
         print(
-            f"[serve] admin APIs (shared memory, trace, logging; model load/unload under model control) need the header "
-            f"{ADMIN_HEADER} (gRPC: {GRPC_HEADER_PREFIX}{ADMIN_HEADER}) set to {where}",
+            "[serve] admin APIs (shared memory, trace, logging; model load/unload under model control) need the "
+            f"header {ADMIN_HEADER} (gRPC: {GRPC_HEADER_PREFIX}{ADMIN_HEADER}) set to {where}",
             flush=True,
         )
     print(

@@ -61,8 +61,9 @@ def test_flags_restrict_the_admin_apis_unless_the_user_gives_their_own():
             "--grpc-restricted-protocol=shared-memory,model-repository,trace,logging:admin-key=K",
         ]
     # A user's own flag replaces ours for that protocol only.
-    assert restricted_api_args(["--http-restricted-api=logging:mine=x"], "K") == [f"--grpc-restricted-protocol={setting}"]
-    assert restricted_api_args(["--grpc-restricted-protocol", "trace:mine=x"], "K") == [f"--http-restricted-api={setting}"]
+    only_grpc, only_http = [f"--grpc-restricted-protocol={setting}"], [f"--http-restricted-api={setting}"]
+    assert restricted_api_args(["--http-restricted-api=logging:mine=x"], "K") == only_grpc
+    assert restricted_api_args(["--grpc-restricted-protocol", "trace:mine=x"], "K") == only_http
     assert restricted_api_args(["--http-restricted-api=a:b=c", "--grpc-restricted-protocol=a:b=c"], "K") == []
 
 
