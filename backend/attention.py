@@ -8,13 +8,15 @@ A step's tokens arrive flattened into one stream ``[T, ...]`` ordered as: decode
 first, then each prefill chunk. Decodes are attended in one batched call; prefill chunks against their cached prefix
 plus the chunk itself with a causal mask (fresh chunks of equal length in one batched call).
 
-The decode function here, the OpenAI Triton kernel in ``backend/kernels`` and the C kernel in
-``backend/cpu_kernels`` share one signature (``paged_decode_attention``); tests compare them and the device decides
-which runs.
+The functions here and their twins (the OpenAI Triton kernels in ``backend/kernels``, the C decode kernel in
+``backend/cpu_kernels``) share one signature each; tests compare them. The device decides which runs, once: the model
+runner picks an :class:`AttentionBackend` (one layer's attention for a whole step, ``paged_attention``'s signature)
+and the model calls it in every layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,17 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class PrefillTables:
+    """The step's prefill chunks as the kernels read them (on the device), built once per step for every layer."""
+
+    block_tables: torch.Tensor  # [C, max_blocks] int32, padded with 0 (never read past a chunk's context)
+    query_starts: torch.Tensor  # [C] int32: each chunk's first token in the step's stream
+    query_lens: torch.Tensor  # [C] int32
+    num_cached: torch.Tensor  # [C] int32
+    max_query_len: int  # host-side bound on query_lens: sizes the kernel's grid without a device sync
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Everything attention needs about one step; built once per step by the model runner, passed to every layer."""
 
@@ -43,6 +56,24 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive mask (0 / -inf)
     prefills: tuple[PrefillChunk, ...]
     scale: float
+    prefill_tables: PrefillTables | None = None  # the kernels' view of ``prefills``, when the backend reads it
+
+
+AttentionFn = Callable[..., torch.Tensor]  # (query, key, value, k_cache, v_cache, meta) -> [T, num_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One layer's attention for a whole step, chosen once by device, and the optional metadata it reads.
+
+    ``forward`` has ``paged_attention``'s signature. The flags tell the model runner which per-step extras to build,
+    once per step rather than once per layer.
+    """
+
+    name: str
+    forward: AttentionFn
+    reads_decode_gather: bool = False  # decode_slots / decode_mask: the torch decode reference's gather indices
+    reads_prefill_tables: bool = False  # prefill_tables: the kernels' block tables of the prefill chunks
 
 
 def write_kv(
@@ -199,3 +230,7 @@ def _prefill_groups(prefills: tuple[PrefillChunk, ...]) -> list[list[PrefillChun
         else:
             groups.append([chunk])
     return groups
+
+
+# The torch reference: the plain path that every other backend is compared with.
+TORCH_ATTENTION = AttentionBackend("torch", paged_attention, reads_decode_gather=True)

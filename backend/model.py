@@ -6,8 +6,9 @@ projections are fused so each layer reads its attention weights in one matmul.
 
 On CPU every projection runs through oneDNN with its weight laid out once at load time (``Linear``), and the
 elementwise work that follows a matmul (SiLU, the gate product, the residual add) is fused into it, so a decode step
-is little more than one pass over the weights. RMSNorm and decode attention use the C kernels of
-``backend.cpu_kernels`` where they build (see there), else torch.
+is little more than one pass over the weights. RMSNorm uses the C kernel of ``backend.cpu_kernels`` where it builds.
+Attention is whichever ``AttentionBackend`` the model runner chose for the device (the OpenAI Triton kernels on CUDA,
+the C decode kernel or the torch reference on CPU): every layer calls it with the step's metadata.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from backend import cpu_kernels
-from backend.attention import AttentionMetadata, paged_attention, paged_decode_attention
+from backend.attention import TORCH_ATTENTION, AttentionBackend, AttentionMetadata
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -128,7 +129,14 @@ class Layer:
 class LlamaModel:
     """Inference-only forward over the paged cache. No autograd, no nn.Module bookkeeping on the hot path."""
 
-    def __init__(self, model_dir: str | Path, dtype: torch.dtype, device: torch.device, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+        attention: AttentionBackend = TORCH_ATTENTION,
+    ) -> None:
         model_dir = Path(model_dir)
         hf_config = json.loads((model_dir / "config.json").read_text())
         self.shape = s = ModelShape.from_hf_config(hf_config)
@@ -148,7 +156,7 @@ class LlamaModel:
         self.sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype)
         self.q_size, self.kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         self.scale = s.head_dim**-0.5
-        self.decode_fn = paged_decode_attention
+        self.attention = attention  # one layer's attention for a whole step; the runner builds the metadata it reads
         # NOTE: the C RMSNorm equals HF's bit for bit in bf16; in float32 (the correctness reference) F.rms_norm does.
         use_c = device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load() is not None
         self.rms_norm = cpu_kernels.cpu_rms_norm if use_c else F.rms_norm
@@ -174,7 +182,7 @@ class LlamaModel:
             qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, s.head_dim), cos, sin)
             q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]  # (T, H, hd), (T, kvh, hd)
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)  # (T, kvh, hd)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.decode_fn)  # (T, H, hd)
+            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)  # (T, H, hd), K/V written to the cache
             h = layer.o.add(attn.reshape(num_tokens, self.q_size), h)  # h + o(attn)
             x = self.rms_norm(h, (s.hidden_size,), layer.post_norm, s.rms_norm_eps)
             h = layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)  # h + down(silu(gate x) * up x)

@@ -1,11 +1,13 @@
 """Turns a scheduler decision into tensors, runs the model over the paged KV cache, and returns logits.
 
-The runner owns the device-side state: the weights and the KV pool (one K and one V tensor per layer).
+The runner owns the device-side state: the weights, the KV pool (one K and one V tensor per layer) and the choice of
+attention backend for the device, whose metadata it builds once per step.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -14,12 +16,24 @@ from pathlib import Path
 import torch
 
 from backend import cpu_kernels
-from backend.attention import AttentionMetadata, PrefillChunk, decode_gather_indices, paged_decode_attention
+from backend.attention import (
+    TORCH_ATTENTION,
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillChunk,
+    PrefillTables,
+    decode_gather_indices,
+    paged_attention,
+)
 from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from backend.model import LlamaModel, ModelShape
 from backend.request import Request
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# The torch reference with the C decode kernel (it reads K/V in place through the block tables).
+CPU_ATTENTION = AttentionBackend("cpu", functools.partial(paged_attention, decode_fn=cpu_kernels.cpu_decode_attention))
 
 
 def resolve_device(device: str) -> torch.device:
@@ -28,6 +42,16 @@ def resolve_device(device: str) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but no CUDA device is available; use device=auto or device=cpu")
     return torch.device(device)
+
+
+def select_attention(device: torch.device) -> AttentionBackend:
+    """The device decides which twin of the step's attention runs: the OpenAI Triton kernels on CUDA (KV write,
+    decode, prefill and chunked prefill), the C decode kernel on a CPU where it builds, else the torch reference."""
+    if device.type == "cuda":
+        from backend.kernels import TRITON_ATTENTION
+
+        return TRITON_ATTENTION
+    return CPU_ATTENTION if cpu_kernels.load() is not None else TORCH_ATTENTION
 
 
 def read_model_shape(model_dir: str | Path) -> ModelShape:
@@ -73,21 +97,18 @@ class ModelRunner:
         self.dtype = _TORCH_DTYPES[config.dtype]
         self.shape = read_model_shape(config.model)
         config.resolve(self.shape.max_position_embeddings)
-        self.model = LlamaModel(config.model, self.dtype, self.device, config.max_model_len)
-        # The device decides which twin of the decode attention runs: the OpenAI Triton kernel on CUDA, the C kernel on
-        # a CPU where it builds, else the torch reference.
-        if self.device.type == "cuda":
-            from backend.kernels import cuda_decode_attention
-
-            self.model.decode_fn = cuda_decode_attention
-        elif cpu_kernels.load() is not None:
-            self.model.decode_fn = cpu_kernels.cpu_decode_attention
+        self.model = LlamaModel(
+            config.model, self.dtype, self.device, config.max_model_len, attention=select_attention(self.device)
+        )
         self.block_size = config.block_size
         self._block_offsets = torch.arange(self.block_size)
         self.num_kv_blocks = self._num_kv_blocks()
+        self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         s = self.shape
-        cache_shape = (self.num_kv_blocks, self.block_size, s.num_kv_heads, s.head_dim)
-        self.kv_caches = [
+        cache_shape = (num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        return [
             (torch.zeros(cache_shape, dtype=self.dtype, device=self.device),
              torch.zeros(cache_shape, dtype=self.dtype, device=self.device))
             for _ in range(s.num_layers)
@@ -140,24 +161,34 @@ class ModelRunner:
                 sampled.append(r)
 
         to = dict(device=self.device)
+        attention = self.model.attention
         num_decodes = len(decodes)
-        context_lens = torch.tensor(positions[:num_decodes], dtype=torch.int32) + 1
-        max_blocks = max((len(r.block_ids) for r in decodes), default=0)
-        block_tables = torch.tensor(
-            [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in decodes], dtype=torch.int32
-        ).view(num_decodes, max_blocks)
+        context_lens = (torch.tensor(positions[:num_decodes], dtype=torch.int32) + 1).to(**to)
+        block_tables = _padded_block_tables([r.block_ids for r in decodes]).to(**to)  # (B, max_blocks)
         decode_block_ids = decode_mask = None
-        if num_decodes and self.model.decode_fn is paged_decode_attention:  # its gather indices, for every layer
+        if num_decodes and attention.reads_decode_gather:  # the torch reference's gather indices, for every layer
             decode_block_ids, decode_mask = decode_gather_indices(block_tables, context_lens, bs, self.dtype)
+        prefill_tables = None
+        if chunks and attention.reads_prefill_tables:
+            starts, lens, cached = torch.tensor(
+                [[c.token_start for c in prefills], [c.num_query_tokens for c in prefills],
+                 [c.num_cached_tokens for c in prefills]], dtype=torch.int32,
+            ).to(**to)  # (3, C)
+            prefill_tables = PrefillTables(
+                block_tables=_padded_block_tables([r.block_ids for r, _ in chunks]).to(**to),  # (C, max_blocks)
+                query_starts=starts, query_lens=lens, num_cached=cached,
+                max_query_len=max(n for _, n in chunks),
+            )
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, **to),
             num_decode_tokens=num_decodes,
-            block_tables=block_tables.to(**to),
-            context_lens=context_lens.to(**to),
+            block_tables=block_tables,
+            context_lens=context_lens,
             decode_slots=decode_block_ids,
             decode_mask=decode_mask,
             prefills=tuple(prefills),
             scale=self.model.scale,
+            prefill_tables=prefill_tables,
         )
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, **to),
@@ -171,3 +202,9 @@ class ModelRunner:
         if not inputs.sampled_requests and inputs.input_ids.numel() == 0:
             return torch.empty(0, self.shape.vocab_size, dtype=self.dtype)
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
+
+
+def _padded_block_tables(block_ids: list[list[int]]) -> torch.Tensor:  # [len(block_ids), max_blocks] int32
+    """Block tables as one tensor, padded with block 0 (kernels and masks never read past a context)."""
+    width = max(map(len, block_ids), default=0)
+    return torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.int32).view(len(block_ids), width)

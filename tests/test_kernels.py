@@ -22,9 +22,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of backend.kernels
 
-import backend.model
-from backend import kernels
+from backend import cpu_kernels, kernels
 from backend.attention import (
+    TORCH_ATTENTION,
     AttentionMetadata,
     PrefillChunk,
     paged_attention,
@@ -36,6 +36,8 @@ from backend.config import EngineConfig, SamplingParams
 from backend.engine import LLMEngine
 from backend.kernels._common import is_interpreted
 from backend.kernels.decode_attention import _decode_kernel
+from backend.model_runner import CPU_ATTENTION, ModelRunner, select_attention
+from backend.request import Request
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and not is_interpreted(_decode_kernel):
@@ -246,10 +248,64 @@ def test_whole_step_matches_reference(dtype):
     torch.testing.assert_close(pool.k_cache.float(), k_ref, atol=0, rtol=0)
 
 
-# ---- the engine with every attention op on the kernels ------------------------------------------------------------
+# ---- the model and the engine with attention on the kernels -------------------------------------------------------
 
 
-def test_engine_greedy_tokens_equal_with_kernels(tiny_llama_dir, monkeypatch):
+def test_runner_picks_the_kernels_on_cuda_and_the_c_kernel_or_torch_on_cpu():
+    assert select_attention(torch.device("cuda")) is kernels.TRITON_ATTENTION
+    expected = CPU_ATTENTION if cpu_kernels.load() is not None else TORCH_ATTENTION
+    assert select_attention(torch.device("cpu")) is expected
+
+
+# Every backend the runner can choose on this device (the torch reference is what they are compared with).
+BACKENDS = [pytest.param(kernels.TRITON_ATTENTION, id="triton")]
+if DEVICE.type == "cpu" and cpu_kernels.load() is not None:
+    BACKENDS.append(pytest.param(CPU_ATTENTION, id="cpu-c"))
+
+
+@pytest.mark.parametrize("attention", BACKENDS)
+def test_model_forward_logits_match_reference_through_a_step_sequence(tiny_llama_dir, attention):
+    """The tiny Llama's forward (fp32), its attention through the runner's hook, gives the torch reference's logits
+    over prefill, chunked prefill mixed with decodes, then decodes only; the runner builds each backend's metadata.
+
+    Step 1: two fresh 16-token chunks (batched together on the torch path), a fresh 20-token prompt, a 1-token prompt.
+    Step 2: three decodes and the second chunk (24 tokens) of the 40-token prompt over its cached 16.
+    Step 3: four decodes. Blocks are handed out shuffled; each sampled request appends a fixed token.
+    """
+    config = EngineConfig(
+        model=str(tiny_llama_dir), device=DEVICE.type, dtype="float32", block_size=16, num_kv_blocks=16,
+        max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128, num_threads=2,
+    )
+    runner = ModelRunner(config)
+
+    def run_steps() -> list[torch.Tensor]:
+        prompts = {"a": 20, "b": 40, "c": 1, "d": 16}
+        block_ids = iter(random.Random(0).sample(range(config.num_kv_blocks), config.num_kv_blocks))
+        requests = {}
+        for name, n in prompts.items():
+            requests[name] = r = Request(name, [(13 * i + 5 * n) % 1000 + 1 for i in range(n)])
+            r.block_ids = [next(block_ids) for _ in range(-(-(n + 3) // 16))]
+        steps = [{"b": 16, "d": 16, "a": 20, "c": 1}, {"a": 1, "c": 1, "d": 1, "b": 24}, dict.fromkeys("abcd", 1)]
+        runner.kv_caches = runner._allocate_kv_caches(config.num_kv_blocks)
+        logits = []
+        for number, step in enumerate(steps):
+            inputs = runner.prepare([(requests[name], n) for name, n in step.items()])
+            logits.append(runner.run(inputs).float().cpu())
+            for name, n in step.items():
+                requests[name].num_computed_tokens += n
+            for r in inputs.sampled_requests:
+                r.token_ids.append(100 + number)
+        assert [len(step) for step in logits] == [3, 4, 4]
+        return logits
+
+    runner.model.attention = TORCH_ATTENTION
+    reference = run_steps()
+    runner.model.attention = attention
+    for got, want in zip(run_steps(), reference):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_greedy_tokens_equal_with_kernels(tiny_llama_dir):
     """The engine (tiny random Llama, fp32) generates the same greedy tokens with the kernels as with the torch path.
 
     A token budget of 16 forces chunked prefill over a cached prefix, mixed with decodes, across blocks of 16.
@@ -261,9 +317,8 @@ def test_engine_greedy_tokens_equal_with_kernels(tiny_llama_dir, monkeypatch):
     prompts = [[(7 * i + 3) % 1000 + 1 for i in range(n)] for n in (3, 21, 40)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine = LLMEngine(EngineConfig(**config))
-    engine.runner.model.decode_fn = paged_decode_attention  # on CUDA the runner would pick the kernel
+    engine.runner.model.attention = TORCH_ATTENTION  # on CUDA the runner would pick the kernels
     reference = [c.token_ids for c in engine.generate(prompts, params)]
     engine = LLMEngine(EngineConfig(**config))
-    monkeypatch.setattr(backend.model, "paged_attention", kernels.cuda_paged_attention)
-    engine.runner.model.decode_fn = kernels.cuda_decode_attention
+    engine.runner.model.attention = kernels.TRITON_ATTENTION
     assert [c.token_ids for c in engine.generate(prompts, params)] == reference

@@ -2,7 +2,7 @@
 
 import torch
 
-from backend.attention import AttentionMetadata
+from backend.attention import AttentionBackend, AttentionMetadata, PrefillTables
 from backend.kernels.decode_attention import cuda_decode_attention
 from backend.kernels.prefill_attention import block_table_from_slots, paged_prefill_attention
 from backend.kernels.reshape_and_cache import cuda_write_kv
@@ -20,6 +20,8 @@ def cuda_paged_attention(
     """Write the new K/V, then all decodes in one launch and all prefill chunks in one launch.
 
     Same inputs and result as the torch ``paged_attention``; the kernels write straight into one output tensor.
+    The chunks' block tables come from ``meta.prefill_tables`` (built once per step by the model runner), else from
+    the chunks' slots.
     """
     cuda_write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
     out = torch.empty_like(query)
@@ -31,21 +33,34 @@ def cuda_paged_attention(
         else:
             out[:nd] = decode_fn(*args, meta.decode_slots, meta.decode_mask)
     if meta.prefills:
-        _prefill(query, k_cache, v_cache, meta, out)
+        t = meta.prefill_tables or prefill_tables_from_slots(meta, k_cache.shape[1])
+        paged_prefill_attention(
+            query, k_cache, v_cache, t.block_tables, t.query_starts, t.query_lens, t.num_cached, meta.scale,
+            t.max_query_len, out,
+        )
     return out
 
 
-def _prefill(query, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
-    block_size = k_cache.shape[1]
+def prefill_tables_from_slots(meta: AttentionMetadata, block_size: int) -> PrefillTables:
+    """The prefill chunks' block tables recovered from their slots (for metadata built without them)."""
     tables = []
     for chunk in meta.prefills:
         # A chunk with nothing cached starts at position 0, so its own slots give its blocks.
         span = slice(chunk.token_start, chunk.token_start + chunk.num_query_tokens)
         slots = chunk.context_slots if chunk.context_slots is not None else meta.slot_mapping[span]
         tables.append(block_table_from_slots(slots, block_size))
-    block_tables = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)  # (C, max_blocks), padded with 0
     starts, lens, cached = torch.tensor(
-        [[c.token_start, c.num_query_tokens, c.num_cached_tokens] for c in meta.prefills], dtype=torch.int32
-    ).T.contiguous().to(query.device)  # (3, C)
-    max_query_len = max(c.num_query_tokens for c in meta.prefills)
-    paged_prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, cached, meta.scale, max_query_len, out)
+        [[c.token_start for c in meta.prefills], [c.num_query_tokens for c in meta.prefills],
+         [c.num_cached_tokens for c in meta.prefills]], dtype=torch.int32,
+    ).to(meta.slot_mapping.device)  # (3, C): one copy to the device
+    return PrefillTables(
+        block_tables=torch.nn.utils.rnn.pad_sequence(tables, batch_first=True),  # (C, max_blocks), padded with 0
+        query_starts=starts,
+        query_lens=lens,
+        num_cached=cached,
+        max_query_len=max(c.num_query_tokens for c in meta.prefills),
+    )
+
+
+# The step's attention on the kernels: KV write, decode and (chunked) prefill.
+TRITON_ATTENTION = AttentionBackend("triton", cuda_paged_attention, reads_prefill_tables=True)
