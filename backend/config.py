@@ -37,7 +37,9 @@ class EngineConfig:
 
     ``max_model_len=None`` means "the model's own ``max_position_embeddings``"; it is resolved by
     :meth:`resolve` once the model's config is known. The KV pool is sized from ``num_kv_blocks`` if given,
-    else from ``kv_cache_memory_bytes``, else (on CUDA) from ``gpu_memory_utilization`` of free memory.
+    else from ``kv_cache_memory_bytes``, else on CUDA from what ``gpu_memory_utilization`` of the device's memory
+    leaves once the weights and the activation peak of a forward at ``max_num_batched_tokens`` are counted (as vLLM
+    does), else on CPU ``DEFAULT_CPU_KV_CACHE_BYTES``.
     """
 
     model: str = ""

@@ -54,6 +54,34 @@ def select_attention(device: torch.device) -> AttentionBackend:
     return CPU_ATTENTION if cpu_kernels.load() is not None else TORCH_ATTENTION
 
 
+def num_gpu_kv_blocks(
+    total_bytes: int,
+    gpu_memory_utilization: float,
+    weights_bytes: int,
+    peak_activation_bytes: int,
+    non_torch_bytes: int,
+    block_bytes: int,
+) -> int:
+    """KV blocks that fit in ``gpu_memory_utilization`` of the device once everything else is counted (vLLM's rule).
+
+    ``weights_bytes``: what the loaded model holds; ``peak_activation_bytes``: the peak of a forward at the largest
+    step, beyond the weights; ``non_torch_bytes``: device memory outside torch's allocator (the CUDA context, other
+    processes).
+    """
+    budget = int(total_bytes * gpu_memory_utilization) - weights_bytes - peak_activation_bytes - non_torch_bytes
+    num_blocks = max(budget, 0) // block_bytes
+    if num_blocks < 1:
+        mib = 1 << 20
+        raise ValueError(
+            f"gpu_memory_utilization={gpu_memory_utilization} of {total_bytes / mib:,.0f} MiB leaves "
+            f"{budget / mib:,.0f} MiB for the KV cache after the weights ({weights_bytes / mib:,.0f} MiB), the "
+            f"activation peak ({peak_activation_bytes / mib:,.0f} MiB) and memory outside torch "
+            f"({non_torch_bytes / mib:,.0f} MiB): not one block of {block_bytes:,} bytes. Raise "
+            "gpu_memory_utilization, lower max_num_batched_tokens, or set kv_cache_memory_bytes"
+        )
+    return num_blocks
+
+
 def read_model_shape(model_dir: str | Path) -> ModelShape:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
@@ -119,17 +147,52 @@ class ModelRunner:
         block_bytes = c.kv_block_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
-        if c.kv_cache_memory_bytes is not None:
-            budget = c.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - (1 - c.gpu_memory_utilization) * total)
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        if c.kv_cache_memory_bytes is None and self.device.type == "cuda":
+            return self._profile_gpu_kv_blocks(block_bytes)
+        budget = c.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
         num_blocks = budget // block_bytes
         if num_blocks < 1:
             raise ValueError(f"the KV-cache budget ({budget} bytes) holds no block of {block_bytes} bytes")
         return num_blocks
+
+    def _profile_gpu_kv_blocks(self, block_bytes: int) -> int:
+        """Size the pool from what is left after the weights and the activation peak of the largest step."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        weights_bytes = torch.cuda.memory_allocated(self.device)
+        scratch_bytes = self.profile_run()
+        torch.cuda.synchronize(self.device)
+        peak_activation_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - weights_bytes - scratch_bytes)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch_bytes = max(0, total - free - torch.cuda.memory_reserved(self.device))
+        return num_gpu_kv_blocks(
+            total, self.config.gpu_memory_utilization, weights_bytes, peak_activation_bytes, non_torch_bytes, block_bytes
+        )
+
+    def profile_run(self) -> int:
+        """One forward at the largest step the scheduler can make, so that its activation peak shows in the device's
+        memory statistics (this also compiles the kernels). Runs on a scratch KV pool just large enough for it and
+        returns that pool's size in bytes.
+
+        The step is ``max_num_batched_tokens`` prompt tokens spread over up to ``max_num_seqs`` sequences (no longer
+        than ``max_model_len``), each sampled, as vLLM profiles.
+        """
+        c, bs = self.config, self.block_size
+        num_tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
+        num_seqs = min(c.max_num_seqs, num_tokens)
+        lengths = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        requests, num_blocks = [], 0
+        for i, n in enumerate(lengths):
+            request = Request(f"profile-{i}", [0] * n)
+            request.block_ids = list(range(num_blocks, num_blocks + -(-n // bs)))
+            num_blocks += len(request.block_ids)
+            requests.append(request)
+        scratch = self._allocate_kv_caches(num_blocks)
+        inputs = self.prepare([(r, r.num_tokens) for r in requests])
+        self.model.forward(inputs.input_ids, inputs.positions, scratch, inputs.meta, inputs.logits_indices)
+        s = self.shape
+        return num_blocks * c.kv_block_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -179,3 +179,70 @@ def test_failing_step_fails_only_its_requests(engine):
         assert pool.num_free_blocks == pool.num_blocks
     finally:
         engine.fault_hook = None
+
+
+# ---- KV-pool sizing on a GPU (memory figures injected: the arithmetic and the profiling step run on the CPU) --------
+
+GIB, MIB = 1 << 30, 1 << 20
+
+
+def test_gpu_kv_blocks_are_what_utilization_leaves_after_weights_activations_and_other_memory():
+    from backend.model_runner import num_gpu_kv_blocks
+
+    # 0.9 of 80 GiB = 72 GiB; minus 16 (weights), 4 (activation peak), 1 (CUDA context) = 51 GiB of 2 MiB blocks.
+    assert num_gpu_kv_blocks(80 * GIB, 0.9, 16 * GIB, 4 * GIB, 1 * GIB, 2 * MIB) == 51 * 512
+    # Every byte of activation peak is a byte less for the pool; a partial block does not count.
+    assert num_gpu_kv_blocks(80 * GIB, 0.9, 16 * GIB, 4 * GIB + 3 * MIB, 1 * GIB, 2 * MIB) == 51 * 512 - 2
+    with pytest.raises(ValueError, match="gpu_memory_utilization=0.2 .* Raise gpu_memory_utilization"):
+        num_gpu_kv_blocks(80 * GIB, 0.2, 15 * GIB, 1 * GIB, 0, 2 * MIB)
+
+
+@pytest.mark.parametrize(
+    "max_num_seqs, max_num_batched_tokens, max_model_len, lengths",
+    [(4, 50, 128, [13, 13, 12, 12]), (2, 64, 16, [16, 16]), (8, 8, 128, [1] * 8)],
+    ids=["spread", "capped-by-max-model-len", "one-token-each"],
+)
+def test_gpu_kv_sizing_profiles_the_largest_step(
+    tiny_llama_dir, monkeypatch, max_num_seqs, max_num_batched_tokens, max_model_len, lengths
+):
+    """The pool is sized after one forward at the largest step (every sequence sampled), on a scratch pool whose bytes
+    are not counted as activations; torch.cuda's memory figures are stood in for."""
+    from backend.model_runner import ModelRunner, num_gpu_kv_blocks
+
+    runner = ModelRunner(EngineConfig(
+        model=str(tiny_llama_dir), dtype="float32", num_threads=2, num_kv_blocks=4, gpu_memory_utilization=0.5,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+    ))
+    steps, scratch = [], []
+    forward, profile_run = runner.model.forward, runner.profile_run
+
+    def spy_forward(input_ids, positions, kv_caches, meta, logits_indices):
+        steps.append(([c.num_query_tokens for c in meta.prefills], meta.num_decode_tokens, len(logits_indices)))
+        return forward(input_ids, positions, kv_caches, meta, logits_indices)
+
+    def spy_profile_run():
+        scratch.append(profile_run())
+        return scratch[-1]
+
+    monkeypatch.setattr(runner.model, "forward", spy_forward)
+    monkeypatch.setattr(runner, "profile_run", spy_profile_run)
+    weights, activations, reserved, total, free = 3 * GIB, 5 * MIB, 4 * GIB, 16 * GIB, 11 * GIB
+    for name, fake in {
+        "empty_cache": lambda: None,
+        "reset_peak_memory_stats": lambda device=None: None,
+        "synchronize": lambda device=None: None,
+        "memory_allocated": lambda device=None: weights,
+        "max_memory_allocated": lambda device=None: weights + scratch[-1] + activations,
+        "memory_reserved": lambda device=None: reserved,
+        "mem_get_info": lambda device=None: (free, total),
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+
+    s = runner.shape
+    block_bytes = runner.config.kv_block_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+    num_blocks = runner._profile_gpu_kv_blocks(block_bytes)
+    assert num_blocks == num_gpu_kv_blocks(total, 0.5, weights, activations, total - free - reserved, block_bytes)
+    (prefill_lens, num_decodes, num_sampled), = steps
+    assert sorted(prefill_lens + [1] * num_decodes, reverse=True) == lengths and num_sampled == len(lengths)
+    assert scratch == [sum(-(-n // runner.block_size) for n in lengths) * block_bytes]
+

@@ -2,8 +2,8 @@
 
 1. the kernel tests (tests/test_kernels.py) on CUDA tensors, compiled;
 2. the engine on CUDA generates HF ``generate``'s greedy tokens (float32), with attention as model_runner wires it
-   (every attention op on the kernels: KV write, decode, prefill), and again with a token budget of 16 (chunked
-   prefill mixed with decodes);
+   (every attention op on the kernels: KV write, decode, prefill) and the KV pool sized from gpu_memory_utilization
+   after a profiling forward, and again with a token budget of 16 (chunked prefill mixed with decodes);
 3. the decode kernel's achieved bandwidth (K/V, Q, block tables read, output written) beside the device's measured
    copy bandwidth and beside the torch reference on the same inputs;
 4. engine tokens/s at batch 1, 32, 128 and 256 beside HF ``generate`` (bfloat16, same prompts, same lengths), and
@@ -144,8 +144,8 @@ def attention_backend(engine, backend):
 def engine_vs_hf(model: Path, device, dry_run: bool) -> dict:
     """Greedy tokens of the engine equal HF's (float32), up to HF's EOS (the engine is told to ignore EOS).
 
-    "as_wired" runs attention as model_runner chooses it for the device (on CUDA: the kernels for every op);
-    "all_kernels" puts every attention op on the kernels through the same hook and uses a
+    "as_wired" runs attention as model_runner chooses it for the device (on CUDA: the kernels for every op) with the
+    KV pool sized by profiling; "all_kernels" puts every attention op on the kernels through the same hook and uses a
     token budget of 16, so prompts are prefilled in chunks over a cached prefix, mixed with decodes.
     bfloat16 is reported (matching prefix), not judged: two correct bf16 implementations may part ways.
     """
