@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
@@ -44,7 +45,7 @@ class EngineConfig:
 
     model: str = ""
     dtype: str = "bfloat16"
-    device: str = "cpu"  # "cpu", "cuda", or "auto" (CUDA when present)
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N", or "auto" (CUDA when torch sees a GPU, else the CPU)
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -63,7 +64,7 @@ class EngineConfig:
         self.dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda", "auto") and not str(self.device).startswith("cuda:"):
+        if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", str(self.device)):
             raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto'; got {self.device!r}")
         _positive("block_size", self.block_size)
         if self.block_size & (self.block_size - 1):

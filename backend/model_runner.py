@@ -37,10 +37,15 @@ CPU_ATTENTION = AttentionBackend("cpu", functools.partial(paged_attention, decod
 
 
 def resolve_device(device: str) -> torch.device:
+    """``auto`` is CUDA when torch sees a GPU, else the CPU."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("device is 'cuda' but no CUDA device is available; use device=auto or device=cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"device is {device!r} but no CUDA device is available; use device=auto or device=cpu")
+        index = torch.device(device).index
+        if index is not None and index >= torch.cuda.device_count():
+            raise ValueError(f"device is {device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
     return torch.device(device)
 
 
@@ -122,6 +127,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
             _keep_freed_memory_in_process()
+        elif self.device.index is not None:
+            torch.cuda.set_device(self.device)  # OpenAI Triton launches on the current device
         self.dtype = _TORCH_DTYPES[config.dtype]
         self.shape = read_model_shape(config.model)
         config.resolve(self.shape.max_position_embeddings)

@@ -246,3 +246,21 @@ def test_gpu_kv_sizing_profiles_the_largest_step(
     assert sorted(prefill_lens + [1] * num_decodes, reverse=True) == lengths and num_sampled == len(lengths)
     assert scratch == [sum(-(-n // runner.block_size) for n in lengths) * block_bytes]
 
+
+def test_device_auto_takes_cuda_when_torch_sees_one_else_the_cpu(monkeypatch):
+    from backend.model_runner import resolve_device
+
+    assert EngineConfig().device == "cpu" and EngineConfig().dtype == "bfloat16"
+    for bad in ("gpu", "cuda:", "cuda:x"):
+        with pytest.raises(ValueError, match="device must be"):
+            EngineConfig(device=bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="no CUDA device"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ValueError, match="only 2 CUDA device"):
+        resolve_device("cuda:2")
