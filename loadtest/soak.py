@@ -24,8 +24,10 @@ import argparse
 import collections
 import json
 import random
+import re
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -564,6 +566,8 @@ def summary(report: dict) -> str:
     if report.get("server_exit") is not None:
         lines.append(f"  tritonserver exited with status {report['server_exit']} during the soak; its last lines:")
         lines += [f"    {line}" for line in report.get("server_log_tail", [])]
+        if report.get("server_crash_site"):
+            lines.append(f"  it crashed in {report['server_crash_site']}")
     lines += [f"  lost: {reason}" for reason in report["lost"][:10]]
     return "\n".join(lines)
 
@@ -574,6 +578,34 @@ def crash_lines(log: Path, count: int = 12) -> list[str]:
     lines = [line for line in lines if "NVML" not in line]  # the container-less machine's one noisy line
     signal = max((i for i, line in enumerate(lines) if line.startswith("Signal (")), default=None)
     return lines[signal : signal + count] if signal is not None else lines[-count:]
+
+
+FRAME = re.compile(r"^\s*(\d+)# 0x([0-9A-Fa-f]+) in (\S+/bin/tritonserver)$")
+
+
+def crash_site(lines: list[str]) -> str | None:
+    """The tritonserver function that crashed, from the raw addresses of a "Signal (N) received." stack.
+
+    Triton prints addresses only, but the bundled binary keeps its symbols: frame 0 lies in its
+    ErrorSignalHandler, which gives the load address; the next tritonserver frame after libc's signal trampoline
+    is where the fault happened. None when the stack or the tools (nm, addr2line) are not there.
+    """
+    frames = [(int(m[1]), int(m[2], 16), m[3]) for m in map(FRAME.match, lines) if m]
+    if len(frames) < 2 or frames[0][0] != 0:
+        return None
+    binary = frames[0][2]
+    try:
+        symbols = subprocess.run(["nm", "-C", binary], capture_output=True, text=True, timeout=60).stdout
+        handler = next(
+            int(line.split()[0], 16) for line in symbols.splitlines() if line.endswith("::ErrorSignalHandler(int)")
+        )
+        base = (frames[0][1] - handler) & ~0xFFF
+        where = subprocess.run(
+            ["addr2line", "-f", "-C", "-e", binary, hex(frames[1][1] - base)], capture_output=True, text=True, timeout=60
+        ).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError, StopIteration, ValueError):
+        return None
+    return where[0] if where and where[0] != "??" else None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -619,6 +651,7 @@ def main(argv=None) -> int:
         server.stop()
     if report["server_exit"] is not None:
         report["server_log_tail"] = crash_lines(out / "tritonserver.log")
+        report["server_crash_site"] = crash_site(report["server_log_tail"])
     (out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
     plotted = plot(report, out / "soak.png")
     print(summary(report))
