@@ -151,7 +151,14 @@ def describe_batching(config: Mapping[str, Any]) -> str:
     decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
     policy = config.get("parameters", {}).get("scheduling_policy", {}).get("string_value")
     if "dynamic_batching" in config:
-        delay_us = int(config["dynamic_batching"].get("max_queue_delay_microseconds", 0))
+        batcher = config["dynamic_batching"]
+        delay_us = int(batcher.get("max_queue_delay_microseconds", 0))
+        preferred = [int(n) for n in batcher.get("preferred_batch_size", [])]
+        if preferred:  # the batcher holds requests back until it has a batch of that size (or the delay ends)
+            return (
+                f"dynamic batcher waiting for full batches (preferred_batch_size {preferred}, "
+                f"max_queue_delay {delay_us} µs)"
+            )
         return f"dynamic batcher (max_batch_size {max_batch_size}, max_queue_delay {delay_us} µs)"
     if policy:
         return f"{'decoupled, ' if decoupled else ''}engine-side {policy} batching"

@@ -690,22 +690,27 @@ def test_soak_names_the_function_a_tritonserver_crash_happened_in():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(620)
 def test_soak_60_seconds(tiny_llama_dir, tmp_path):
     def run(out: Path) -> tuple[int, dict]:
+        # NOTE: in its own process, as `make soak` runs it: the gRPC channels and threads this test process has
+        # collected from earlier tests are not part of what is measured.
         repo = make_repository(out.parent / f"{out.name}-model_repository")
-        code = soak.main(["--duration", "60", "--users", "6", "--model", str(tiny_llama_dir), "--model-repository",
-                          str(repo), "--max-tokens", "32", "--out", str(out), "--request-timeout", "120",
-                          "--warmup", "30"])
-        return code, json.loads((out / "soak.json").read_text())
+        done = subprocess.run([sys.executable, "-m", "loadtest.soak", "--duration", "60", "--users", "6", "--model",
+                               str(tiny_llama_dir), "--model-repository", str(repo), "--max-tokens", "32", "--out",
+                               str(out), "--request-timeout", "120", "--warmup", "30"],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
+        print(done.stdout[-4000:], done.stderr[-2000:])
+        return done.returncode, json.loads((out / "soak.json").read_text())
 
     code, report = run(tmp_path / "soak")
     if not report["checks"]["server_stayed_up"] and (report.get("server_crash_site") or "").startswith(
-        "triton::server::grpc::"
+        ("triton::server::grpc::", "grpc_core::", "grpc::")
     ):
         # NOTE: Triton 2.51's gRPC frontend (the bundled binary) can free a stream's state while a cancellation
-        # notification for it is still queued, and then crash on it (fixed in later Triton releases). That crash is
-        # outside this project's code and makes this run say nothing about it: run the soak once more.
+        # notification for it is still queued, and then crash on it (SIGSEGV in the stream handler, or SIGABRT from
+        # a gRPC core check); fixed in later Triton releases. That crash is outside this project's code and makes
+        # this run say nothing about it: run the soak once more.
         warnings.warn(f"tritonserver crashed in its gRPC frontend ({report['server_crash_site']}); soaking again")
         code, report = run(tmp_path / "soak-again")
     assert report["checks"]["server_stayed_up"], "\n".join(report["server_log_tail"])
