@@ -151,14 +151,8 @@ def describe_batching(config: Mapping[str, Any]) -> str:
     decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
     policy = config.get("parameters", {}).get("scheduling_policy", {}).get("string_value")
     if "dynamic_batching" in config:
-        batcher = config["dynamic_batching"]
-        delay_us = int(batcher.get("max_queue_delay_microseconds", 0))
-        preferred = [int(n) for n in batcher.get("preferred_batch_size", [])]
-        if preferred:  # the batcher holds requests back until it has a batch of that size (or the delay ends)
-            return (
-                f"dynamic batcher waiting for full batches (preferred_batch_size {preferred}, "
-                f"max_queue_delay {delay_us} µs)"
-            )
+        # NOTE: not preferred_batch_size: Triton's auto-complete fills it in (= max_batch_size) for every batcher.
+        delay_us = int(config["dynamic_batching"].get("max_queue_delay_microseconds", 0))
         return f"dynamic batcher (max_batch_size {max_batch_size}, max_queue_delay {delay_us} µs)"
     if policy:
         return f"{'decoupled, ' if decoupled else ''}engine-side {policy} batching"

@@ -236,10 +236,6 @@ def test_describe_batching_tells_the_two_modes_apart():
     assert describe_batching(dynamic) == "dynamic batcher (max_batch_size 8, max_queue_delay 2000 µs)"
     assert describe_batching(continuous) == "decoupled, engine-side continuous batching"
     assert describe_batching({}) == "no batching (max_batch_size 0)"
-    static = {**dynamic, "dynamic_batching": {"preferred_batch_size": [8], "max_queue_delay_microseconds": "1000000"}}
-    assert describe_batching(static) == (
-        "dynamic batcher waiting for full batches (preferred_batch_size [8], max_queue_delay 1000000 µs)"
-    )
 
 
 @BOTH_PROTOCOLS
@@ -470,6 +466,5 @@ def test_cli_models_on_the_real_models(llm_server):
     assert rows == [
         ["llm_continuous", "READY", "decoupled, engine-side continuous batching"],
         ["llm_dynamic", "READY", "dynamic batcher (max_batch_size 8, max_queue_delay 2000 µs)"],
-        ["llm_static", "READY",
-         "dynamic batcher waiting for full batches (preferred_batch_size [8], max_queue_delay 1000000 µs)"],
+        ["llm_static", "READY", "dynamic batcher (max_batch_size 8, max_queue_delay 1000000 µs)"],
     ]
