@@ -633,6 +633,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--metrics-port", type=int, default=_env_int("METRICS_PORT", 8002))
     parser.add_argument("--address", default="0.0.0.0", help="address to listen on (default: %(default)s)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds (default: %(default)s)")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=_env_int("MAX_RESTARTS", 3),
+        help="start tritonserver again when it dies by a signal nobody sent it, at most this many times "
+        "(default: $MAX_RESTARTS or %(default)s; 0: never)",
+    )
     # Which stub to look up; only for testing the "no stub for this Python" path.
     parser.add_argument("--python-version", default=None, help=argparse.SUPPRESS)
     args, unknown = parser.parse_known_args(argv)
@@ -641,17 +648,22 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, extra_args = parse_args(sys.argv[1:] if argv is None else argv)
-    server = TritonServer(
-        args.model_repository,
-        http_port=args.http_port,
-        grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port,
-        address=args.address,
-        model=args.model,
-        extra_args=extra_args,
-        echo=True,
-        python_version=args.python_version,
-    )
+
+    def new_server(env: Mapping[str, str] | None = None) -> TritonServer:
+        return TritonServer(
+            args.model_repository,
+            http_port=args.http_port,
+            grpc_port=args.grpc_port,
+            metrics_port=args.metrics_port,
+            address=args.address,
+            model=args.model,
+            extra_args=extra_args,
+            env=env,
+            echo=True,
+            python_version=args.python_version,
+        )
+
+    server = new_server()
     try:
         server.start()
     except LauncherError as exc:
@@ -672,15 +684,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
 
-    try:
-        seconds = server.wait_ready(args.ready_timeout)
-    except ServerError as exc:
-        if signals_received:
-            print("[serve] stopped before the server was ready", file=sys.stderr)
-            return _exit_status(server.wait())
-        print(f"serve: error: {exc}", file=sys.stderr)
-        server.stop()
-        return _exit_status(server.wait()) or 1
+    restarts = 0
+    while True:
+        try:
+            seconds = server.wait_ready(args.ready_timeout)
+        except ServerError as exc:
+            if signals_received:
+                print("[serve] stopped before the server was ready", file=sys.stderr)
+                return _exit_status(server.wait())
+            print(f"serve: error: {exc}", file=sys.stderr)
+            server.stop()
+            return _exit_status(server.wait()) or 1
+        if restarts == 0:
+            _print_admin_key_hint(extra_args, server)
+        print(
+            f"[serve] ready in {seconds:.1f} s: HTTP {server.http_url}  gRPC {server.grpc_url}  "
+            f"metrics {server.metrics_url}  (model {server.model}; Ctrl+C stops)",
+            flush=True,
+        )
+        code = server.wait()
+        # NOTE: a signal nobody here sent is a crash (the bundled Triton's gRPC frontend can crash under heavy
+        # stream cancellation; see the README). Come back on the same ports with the same admin key.
+        if signals_received or code >= 0 or restarts >= args.max_restarts:
+            break
+        restarts += 1
+        print(
+            f"[serve] tritonserver died by signal {-code}; restarting it ({restarts} of {args.max_restarts})",
+            file=sys.stderr,
+            flush=True,
+        )
+        server = new_server(env={ADMIN_KEY_ENV_VAR: server.admin_key})
+        try:
+            server.start()
+        except LauncherError as exc:
+            print(f"serve: error: {exc}", file=sys.stderr)
+            return 2
+    status = _exit_status(code)
+    print(f"[serve] tritonserver exited with status {status}", file=sys.stderr)
+    return status
+
+
+def _print_admin_key_hint(extra_args: Sequence[str], server: TritonServer) -> None:
     if restricted_api_args(extra_args, server.admin_key):
         # NOTE: never print the key itself; the log may be shared.
         where = (
@@ -693,14 +737,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"header {ADMIN_HEADER} (gRPC: {GRPC_HEADER_PREFIX}{ADMIN_HEADER}) set to {where}",
             flush=True,
         )
-    print(
-        f"[serve] ready in {seconds:.1f} s: HTTP {server.http_url}  gRPC {server.grpc_url}  "
-        f"metrics {server.metrics_url}  (model {server.model}; Ctrl+C stops)",
-        flush=True,
-    )
-    status = _exit_status(server.wait())
-    print(f"[serve] tritonserver exited with status {status}", file=sys.stderr)
-    return status
 
 
 def _exit_status(code: int) -> int:

@@ -352,6 +352,48 @@ def test_cli_second_signal_kills_the_whole_process_group(tmp_path):
 
 
 @pytest.mark.server
+@pytest.mark.timeout(180)
+def test_cli_starts_a_crashed_server_again_on_the_same_ports(tmp_path):
+    ports = free_ports(3)
+    args = launcher_args(write_echo_repository(tmp_path / "repository"), fake_model_folder(tmp_path / "model"), ports)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "backend.serve", *args, "--max-restarts", "1"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+
+    def read_until(prefix: str) -> None:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith(prefix):
+                return
+        raise AssertionError("".join(lines))
+
+    try:
+        read_until("[serve] ready")
+        first = _tritonserver_child(process.pid)
+        os.kill(first, signal.SIGSEGV)  # what a crash in the server looks like from outside
+        read_until("[serve] tritonserver died by signal 11; restarting it (1 of 1)")
+        read_until("[serve] ready")
+        second = _tritonserver_child(process.pid)
+        assert second != first and group_members(first) == {}  # the crashed server's stubs are gone too
+        reply = requests.post(f"http://{LOCALHOST}:{ports[0]}/v2/models/upper/generate", json={"text_input": "again"},
+                              timeout=30)
+        assert reply.json()["text_output"] == "AGAIN"
+        os.kill(second, signal.SIGSEGV)  # the one restart allowed is spent: the launcher exits
+        output, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 128 + signal.SIGSEGV, "".join(lines) + output
+    assert "restarting it (2 of 1)" not in output
+
+
+@pytest.mark.server
 @pytest.mark.timeout(120)
 def test_cli_reports_the_servers_own_error_when_a_model_fails_to_load(tmp_path):
     repository = tmp_path / "repository"
