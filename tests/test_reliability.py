@@ -690,7 +690,7 @@ def test_soak_names_the_function_a_tritonserver_crash_happened_in():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(620)
+@pytest.mark.timeout(900)
 def test_soak_60_seconds(tiny_llama_dir, tmp_path):
     def run(out: Path) -> tuple[int, dict]:
         # NOTE: in its own process, as `make soak` runs it: the gRPC channels and threads this test process has
@@ -703,16 +703,18 @@ def test_soak_60_seconds(tiny_llama_dir, tmp_path):
         print(done.stdout[-4000:], done.stderr[-2000:])
         return done.returncode, json.loads((out / "soak.json").read_text())
 
-    code, report = run(tmp_path / "soak")
-    if not report["checks"]["server_stayed_up"] and (report.get("server_crash_site") or "").startswith(
-        ("triton::server::grpc::", "grpc_core::", "grpc::")
-    ):
-        # NOTE: Triton 2.51's gRPC frontend (the bundled binary) can free a stream's state while a cancellation
-        # notification for it is still queued, and then crash on it (SIGSEGV in the stream handler, or SIGABRT from
-        # a gRPC core check); fixed in later Triton releases. That crash is outside this project's code and makes
-        # this run say nothing about it: run the soak once more.
+    # NOTE: Triton 2.51's gRPC frontend (the bundled binary) can free a stream's state while a cancellation
+    # notification for it is still queued, and then crash on it (SIGSEGV in the stream handler, or SIGABRT from a
+    # gRPC core check); fixed in later Triton releases. In full test runs on this machine about one 60-s soak in two
+    # hit it. Such a crash is outside this project's code and makes that run say nothing about it: soak again, at
+    # most twice. Any other crash, or a third one, fails the test.
+    for attempt in range(3):
+        code, report = run(tmp_path / f"soak-{attempt}")
+        if report["checks"]["server_stayed_up"] or not (report.get("server_crash_site") or "").startswith(
+            ("triton::server::grpc::", "grpc_core::", "grpc::")
+        ):
+            break
         warnings.warn(f"tritonserver crashed in its gRPC frontend ({report['server_crash_site']}); soaking again")
-        code, report = run(tmp_path / "soak-again")
     assert report["checks"]["server_stayed_up"], "\n".join(report["server_log_tail"])
     assert report["outcomes"].get("lost", 0) == 0, report["lost"]
     assert report["checks"]["kv_and_gauges_back_to_zero"], report["after_load"]
