@@ -43,6 +43,15 @@ class PrefillTables:
     num_cached: torch.Tensor  # [C] int32
     max_query_len: int  # host-side bound on query_lens: sizes the kernel's grid without a device sync
 
+    @classmethod
+    def build(cls, prefills: tuple[PrefillChunk, ...], block_tables: torch.Tensor) -> "PrefillTables":
+        """The chunks' starts, lengths and cached counts beside their block tables, on the tables' device."""
+        starts, lens, cached = torch.tensor(
+            [[c.token_start for c in prefills], [c.num_query_tokens for c in prefills],
+             [c.num_cached_tokens for c in prefills]], dtype=torch.int32,
+        ).to(block_tables.device)  # (3, C): one copy to the device
+        return cls(block_tables, starts, lens, cached, max(c.num_query_tokens for c in prefills))
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:

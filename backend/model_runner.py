@@ -240,15 +240,8 @@ class ModelRunner:
             decode_block_ids, decode_mask = decode_gather_indices(block_tables, context_lens, bs, self.dtype)
         prefill_tables = None
         if chunks and attention.reads_prefill_tables:
-            starts, lens, cached = torch.tensor(
-                [[c.token_start for c in prefills], [c.num_query_tokens for c in prefills],
-                 [c.num_cached_tokens for c in prefills]], dtype=torch.int32,
-            ).to(**to)  # (3, C)
-            prefill_tables = PrefillTables(
-                block_tables=_padded_block_tables([r.block_ids for r, _ in chunks]).to(**to),  # (C, max_blocks)
-                query_starts=starts, query_lens=lens, num_cached=cached,
-                max_query_len=max(n for _, n in chunks),
-            )
+            chunk_tables = _padded_block_tables([r.block_ids for r, _ in chunks]).to(**to)  # (C, max_blocks)
+            prefill_tables = PrefillTables.build(tuple(prefills), chunk_tables)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, **to),
             num_decode_tokens=num_decodes,

@@ -49,17 +49,8 @@ def prefill_tables_from_slots(meta: AttentionMetadata, block_size: int) -> Prefi
         span = slice(chunk.token_start, chunk.token_start + chunk.num_query_tokens)
         slots = chunk.context_slots if chunk.context_slots is not None else meta.slot_mapping[span]
         tables.append(block_table_from_slots(slots, block_size))
-    starts, lens, cached = torch.tensor(
-        [[c.token_start for c in meta.prefills], [c.num_query_tokens for c in meta.prefills],
-         [c.num_cached_tokens for c in meta.prefills]], dtype=torch.int32,
-    ).to(meta.slot_mapping.device)  # (3, C): one copy to the device
-    return PrefillTables(
-        block_tables=torch.nn.utils.rnn.pad_sequence(tables, batch_first=True),  # (C, max_blocks), padded with 0
-        query_starts=starts,
-        query_lens=lens,
-        num_cached=cached,
-        max_query_len=max(c.num_query_tokens for c in meta.prefills),
-    )
+    block_tables = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)  # (C, max_blocks), padded with 0
+    return PrefillTables.build(meta.prefills, block_tables)
 
 
 # The step's attention on the kernels: KV write, decode and (chunked) prefill.
