@@ -169,10 +169,12 @@ class SamplingParams:
     """Per-request generation settings, named as in vLLM.
 
     ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
-    ``max_tokens=None`` means "until the model's length limit".
+    ``max_tokens=None`` means "until the model's length limit". ``min_tokens``: EOS, ``stop_token_ids`` and stop
+    strings cannot end the request before this many tokens were generated (as in vLLM: those tokens are not sampled).
     """
 
     max_tokens: int | None = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -185,6 +187,10 @@ class SamplingParams:
         if self.max_tokens is not None:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be a positive integer; got {self.max_tokens!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0; got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
@@ -228,7 +234,7 @@ class SamplingParams:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         kw: dict[str, Any] = {}
         for key, value in raw.items():
-            if key in ("max_tokens", "top_k", "seed") and value is not None:
+            if key in ("max_tokens", "min_tokens", "top_k", "seed") and value is not None:
                 kw[key] = _parse_int(key, value)
             elif key in ("temperature", "top_p"):
                 try:

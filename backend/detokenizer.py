@@ -2,7 +2,9 @@
 
 Streamed deltas concatenate exactly to the final text, never split a multi-byte character, and never contain a
 stop string: while a request runs, the last ``len(longest stop) - 1`` characters are held back in case they are
-the start of a stop string that the next token completes.
+the start of a stop string that the next token completes. A request that ends in the middle of a multi-byte
+character (a length stop) never sends the half character: its bytes are dropped from the text, as vLLM does (the
+token ids still go out). Stop strings are looked for only after ``min_tokens`` tokens, in the text made after them.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ _DECODE_KW = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
+        self._min_tokens = min_tokens
+        self._num_tokens = 0  # generated tokens added so far
+        self._stop_from = 0  # stop strings may start at this index of self.text or later
         self._token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._token_ids)
@@ -27,6 +32,7 @@ class IncrementalDetokenizer:
     def add_token(self, token_id: int) -> tuple[str, bool]:
         """Add one generated token; return (delta to stream now, whether a stop string was hit)."""
         self._token_ids.append(token_id)
+        self._num_tokens += 1
         ids = self._token_ids
         prefix = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset], **_DECODE_KW)
         full = self._tokenizer.decode(ids[self._prefix_offset :], **_DECODE_KW)
@@ -34,9 +40,11 @@ class IncrementalDetokenizer:
             return "", False  # an incomplete multi-byte character: wait for the next token
         new_text = full[len(prefix) :]
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        start = max(len(self.text) - self._hold, 0)
+        start = max(len(self.text) - self._hold, self._stop_from, 0)
         self.text += new_text
-        if self._stop:
+        if self._num_tokens <= self._min_tokens:
+            self._stop_from = len(self.text)  # text made before min_tokens cannot hold a stop
+        elif self._stop:
             hit = _find_stop(self.text, self._stop, start)
             if hit is not None:
                 self.text = self.text[:hit]
@@ -45,12 +53,15 @@ class IncrementalDetokenizer:
         return self._emit(len(self.text) - self._hold), False
 
     def flush(self) -> str:
-        """The rest of the text, including held-back characters and an unfinished character (call when finishing)."""
+        """The rest of the text, held-back characters included (call when finishing).
+
+        NOTE: the bytes of a character the request did not finish are dropped, not sent as U+FFFD.
+        """
         if self._read_offset < len(self._token_ids):
             ids = self._token_ids
             prefix = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset], **_DECODE_KW)
             full = self._tokenizer.decode(ids[self._prefix_offset :], **_DECODE_KW)
-            self.text += full[len(prefix) :]
+            self.text += full[len(prefix) :].rstrip("\ufffd")
             self._prefix_offset = self._read_offset = len(ids)
         return self._emit(len(self.text))
 

@@ -99,7 +99,9 @@ class LLMEngine:
             )
         request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
         self.scheduler.add_request(request)  # may refuse: queue full, or the prompt can never fit in the KV pool
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer.hf, token_ids, params.stop)
+        self._detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer.hf, token_ids, params.stop, params.min_tokens
+        )
         return request
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
@@ -137,7 +139,10 @@ class LLMEngine:
             logits = self.runner.run(inputs)  # (S, V): one row per request that reached the end of its tokens
             t3 = time.perf_counter()
             sampled = inputs.sampled_requests
-            token_ids = self.sampler(logits, [r.request_id for r in sampled], [r.sampling_params for r in sampled])
+            token_ids = self.sampler(
+                logits, [r.request_id for r in sampled], [r.sampling_params for r in sampled],
+                [r.banned_token_ids for r in sampled],
+            )
             t4 = time.perf_counter()
         except Exception as exc:  # the model or sampler failed: fail this step's requests only, keep serving
             log.exception("engine step failed; failing its %d requests", len(sched.scheduled))

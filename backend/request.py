@@ -87,6 +87,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    @property
+    def banned_token_ids(self) -> tuple[int, ...]:
+        """Tokens the sampler must not pick now: EOS and stop tokens until ``min_tokens`` are generated."""
+        params = self.sampling_params
+        if self.num_output_tokens >= params.min_tokens:
+            return ()
+        return (*(() if params.ignore_eos else self.eos_token_ids), *params.stop_token_ids)
+
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 

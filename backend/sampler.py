@@ -21,9 +21,18 @@ class Sampler:
         self._seeded.pop(request_id, None)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> list[int]:
-        """``logits`` ``[S, V]`` (any float dtype) → one token id per row."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+        banned_token_ids: list[tuple[int, ...]] | None = None,
+    ) -> list[int]:
+        """``logits`` ``[S, V]`` (any float dtype) → one token id per row; a row never picks its banned ids."""
         logits = logits.cpu()
+        for row, banned in enumerate(banned_token_ids or ()):
+            if banned:  # min_tokens not reached yet: EOS and stop tokens are not candidates (vLLM's rule)
+                logits[row, list(banned)] = float("-inf")
         # NOTE: argmax on the model's dtype is exact (upcasting changes no order), and saves an [S, V] copy.
         tokens = logits.max(dim=-1).indices  # (S,) greedy for every row (first index on ties, as argmax); random rows are overwritten below
         rows = [i for i, p in enumerate(params) if not p.greedy]

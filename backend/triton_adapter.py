@@ -25,9 +25,20 @@ from backend.engine import RequestOutput
 
 log = logging.getLogger(__name__)
 
-# Inputs both models declare (model_repository/README.md). Anything else is refused by Triton itself.
-SAMPLING_INPUTS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
-ALL_INPUTS = ("text_input", *SAMPLING_INPUTS, "stop", "stream", "sampling_parameters", "exclude_input_in_output")
+# Inputs every model declares (model_repository/README.md). Anything else is refused by Triton itself.
+SAMPLING_INPUTS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+# Input names other Triton LLM backends use for a sampling setting (TensorRT-LLM's), sent as they are by their clients.
+SAMPLING_INPUT_ALIASES = {"min_length": "min_tokens"}
+# vllm_backend's switches for optional outputs. Ours are returned unless a request turns them off.
+RETURN_INPUTS = {
+    "return_num_input_tokens": "num_input_tokens",
+    "return_num_output_tokens": "num_output_tokens",
+    "return_finish_reason": "finish_reason",
+}
+ALL_INPUTS = (
+    "text_input", *SAMPLING_INPUTS, *SAMPLING_INPUT_ALIASES, "stop", "stream", "sampling_parameters",
+    "exclude_input_in_output", *RETURN_INPUTS,
+)
 SAMPLING_KEYS = tuple(sorted(f.name for f in fields(SamplingParams)))
 DEFAULT_MAX_TOKENS = 16
 # A prompt is refused before tokenising when its UTF-8 bytes exceed this many per token of max_model_len
@@ -83,6 +94,7 @@ class ParsedRequest:
     prompt: str
     params: SamplingParams
     stream: bool
+    omitted_outputs: frozenset[str] = frozenset()  # optional outputs the request turned off (return_*: false)
 
 
 def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, parameters: str = "") -> ParsedRequest:
@@ -116,6 +128,11 @@ def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, paramete
     for name in SAMPLING_INPUTS:
         if name in inputs:
             values[name] = _scalar(name, inputs[name])
+    for alias, name in SAMPLING_INPUT_ALIASES.items():
+        if alias in inputs:
+            if name in inputs:
+                raise ValueError(f"send either '{name}' or '{alias}' (the same setting), not both")
+            values[name] = _scalar(alias, inputs[alias])
     if "stop" in inputs:
         values["stop"] = _stop_strings(inputs["stop"])
     values.update(_json_object("the request parameters", parameters))
@@ -124,13 +141,14 @@ def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, paramete
         values.update(_json_object("sampling_parameters", text))
     stream = bool(_scalar("stream", inputs["stream"])) if "stream" in inputs else False
     params = SamplingParams.from_dict(values)
+    omitted = frozenset(out for name, out in RETURN_INPUTS.items() if name in inputs and not _scalar(name, inputs[name]))
     if params.max_tokens is not None and params.max_tokens >= limits.max_model_len:
         raise ValueError(
             f"max_tokens is {params.max_tokens}, beyond this model's max_model_len ({limits.max_model_len}): "
             f"prompt and output together must fit in max_model_len, so at most {limits.max_model_len - 1} tokens "
             "can be generated"
         )
-    return ParsedRequest(prompt, params, stream)
+    return ParsedRequest(prompt, params, stream, omitted)
 
 
 def _json_object(source: str, text: str) -> dict[str, Any]:
@@ -218,6 +236,7 @@ class OpenRequest:
     sender: Any
     stream: bool
     arrival: float = field(default_factory=time.perf_counter)
+    omitted_outputs: frozenset[str] = frozenset()
     text: list[str] = field(default_factory=list)  # non-streaming: the whole text, sent at the end
     token_ids: list[int] = field(default_factory=list)
 
@@ -236,20 +255,23 @@ def send_output(pb, open_request: OpenRequest, output: RequestOutput, batched: b
         if not output.finished:
             return
         text, token_ids = "".join(open_request.text), open_request.token_ids
-    tensors = make_output_tensors(pb, text, token_ids, output, batched)
+    tensors = make_output_tensors(pb, text, token_ids, output, batched, open_request.omitted_outputs)
     open_request.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
 
 
-def make_output_tensors(pb, text: str, token_ids: list[int], output: RequestOutput, batched: bool) -> list:
+def make_output_tensors(
+    pb, text: str, token_ids: list[int], output: RequestOutput, batched: bool, omitted: frozenset[str] = frozenset()
+) -> list:
     lead = (1,) if batched else ()  # a model with max_batch_size > 0 answers with a batch dimension
     reason = output.finish_reason if output.finished else ""
-    return [
-        pb.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_).reshape(lead + (1,))),
-        pb.Tensor("output_ids", np.array(token_ids, dtype=np.int32).reshape(lead + (-1,))),
-        pb.Tensor("finish_reason", np.array([(reason or "").encode()], dtype=np.object_).reshape(lead + (1,))),
-        pb.Tensor("num_input_tokens", np.array([output.num_prompt_tokens], dtype=np.int32).reshape(lead + (1,))),
-        pb.Tensor("num_output_tokens", np.array([output.num_output_tokens], dtype=np.int32).reshape(lead + (1,))),
-    ]
+    arrays = {
+        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
+        "output_ids": np.array(token_ids, dtype=np.int32),
+        "finish_reason": np.array([(reason or "").encode()], dtype=np.object_),
+        "num_input_tokens": np.array([output.num_prompt_tokens], dtype=np.int32),
+        "num_output_tokens": np.array([output.num_output_tokens], dtype=np.int32),
+    }
+    return [pb.Tensor(name, array.reshape(lead + (-1,))) for name, array in arrays.items() if name not in omitted]
 
 
 # NOTE: error responses carry Triton's default code: a decoupled model's errors reach clients as text only (gRPC

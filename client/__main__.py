@@ -31,6 +31,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     generate.add_argument("prompt")
     generate.add_argument("--model", default="llm_continuous", help="default: %(default)s")
     generate.add_argument("--max-tokens", type=int)
+    generate.add_argument("--min-tokens", type=int, help="no EOS or stop before this many tokens")
     generate.add_argument("--temperature", type=float, help="0 = greedy")
     generate.add_argument("--top-p", type=float)
     generate.add_argument("--top-k", type=int)
@@ -48,6 +49,7 @@ def generate(client: LLMClient, args: argparse.Namespace) -> int:
     request = GenerationRequest(
         args.prompt,
         max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,

@@ -13,10 +13,11 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-# Input name -> (Triton datatype, numpy dtype), as declared by both models' config.pbtxt.
+# Input name -> (Triton datatype, numpy dtype), as every model's config.pbtxt declares it (the inputs this client sends).
 INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "text_input": ("BYTES", np.object_),
     "max_tokens": ("INT32", np.int32),
+    "min_tokens": ("INT32", np.int32),
     "temperature": ("FP32", np.float32),
     "top_p": ("FP32", np.float32),
     "top_k": ("INT32", np.int32),
@@ -35,6 +36,7 @@ class GenerationRequest:
 
     text_input: str
     max_tokens: int | None = None
+    min_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

@@ -39,20 +39,11 @@ import psutil
 import requests
 import tritonclient.grpc as grpcclient
 
+from client.schema import INPUT_TYPES
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("llm_dynamic", "llm_continuous")
 BATCHED = {"llm_dynamic": True, "llm_continuous": False}
-_TYPES = {
-    "max_tokens": ("INT32", np.int32),
-    "temperature": ("FP32", np.float32),
-    "top_p": ("FP32", np.float32),
-    "top_k": ("INT32", np.int32),
-    "seed": ("INT64", np.int64),
-    "ignore_eos": ("BOOL", bool),
-    "stream": ("BOOL", bool),
-    "sampling_parameters": ("BYTES", np.object_),
-    "exclude_input_in_output": ("BOOL", bool),
-}
 PROMPTS = [
     "Tell me a story about a lighthouse keeper.",
     "List five prime numbers and explain why they are prime.",
@@ -77,7 +68,7 @@ def grpc_inputs(model: str, prompt: str | bytes | None, **values) -> list:
         if name == "stop":
             tensors.append(("stop", "BYTES", np.array([s.encode() for s in value], dtype=np.object_)))
             continue
-        dtype, np_type = _TYPES[name]
+        dtype, np_type = INPUT_TYPES[name]
         if np_type is np.object_:
             value = value.encode() if isinstance(value, str) else value
         tensors.append((name, dtype, np.array([value], dtype=np_type)))

@@ -201,6 +201,18 @@ def test_build_inputs_shapes_and_types(max_batch_size, batch_dims):
         assert inputs[name].shape() == [*batch_dims, *shape], name
 
 
+def test_input_types_match_every_served_model_config():
+    """The client's type table is what every model in model_repository/ declares (Triton refuses any other type)."""
+    import re
+
+    from client.schema import INPUT_TYPES
+
+    for config in sorted((REPO_ROOT / "model_repository").glob("*/config.pbtxt")):
+        declared = dict(re.findall(r'\{ name: "(\w+)", data_type: TYPE_(\w+)', config.read_text().split("output [")[0]))
+        for name, (datatype, _) in INPUT_TYPES.items():
+            assert declared.get(name, "").replace("STRING", "BYTES") == datatype, f"{config}: {name}"
+
+
 def test_request_values_leave_unset_inputs_out():
     assert GenerationRequest("x").input_values() == {"text_input": ["x"], "stream": [True]}
     values = GenerationRequest("x", stop="END", stream=False, sampling_parameters={"max_tokens": "3"}).input_values()
@@ -442,13 +454,15 @@ def llm_server(triton_server_factory, smollm2_dir):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model", ["llm_dynamic", "llm_continuous"])
 def test_cli_generate_on_the_real_models(llm_server, model):
-    """Greedy, 8 tokens: streamed over gRPC and answered whole by HTTP /generate, the same text."""
-    greedy = ["--model", model, "--max-tokens", "8", "--temperature", "0", "--json", "The capital of France is"]
+    """Greedy, exactly 8 tokens (min_tokens: EOS cannot cut it short on any CPU): streamed over gRPC and answered
+    whole by HTTP /generate, the same text."""
+    greedy = ["--model", model, "--max-tokens", "8", "--min-tokens", "8", "--temperature", "0", "--json",
+              "The capital of France is"]
     streamed = run_cli("generate", *server_flags(llm_server), *greedy, timeout=300)
     assert streamed.returncode == 0, streamed.stderr
     result = json.loads(streamed.stdout)
-    assert result["text"] and result["finish_reason"] in ("length", "stop")
-    assert result["num_input_tokens"] > 0 and 1 <= result["num_output_tokens"] <= 8
+    assert result["text"] and result["finish_reason"] == "length"
+    assert result["num_input_tokens"] > 0 and result["num_output_tokens"] == 8
     assert 0 < result["ttft_s"] <= result["e2e_s"]
 
     whole = run_cli("generate", *server_flags(llm_server), "--protocol", "http", "--no-stream", *greedy, timeout=300)

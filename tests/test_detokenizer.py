@@ -50,14 +50,29 @@ def test_multibyte_deltas_join_to_full_decode_without_replacement_chars(tokenize
     assert not any("\ufffd" in d for d in deltas)
 
 
-def test_truncated_multibyte_character_is_flushed_as_decoded(tokenizer):
-    """A generation cut inside a character ends with what a full decode gives (U+FFFD), and only then."""
-    token_ids = tokenizer.encode("세계")[:-1]
+def test_truncated_multibyte_character_is_dropped_not_sent_as_replacement(tokenizer):
+    """A generation cut inside a character (a length stop) ends with the characters it completed, no U+FFFD."""
+    token_ids = tokenizer.encode("새 세계")[:-1]
     full = tokenizer.decode(token_ids, **DECODE_KW)
-    assert "\ufffd" in full
+    assert full.endswith("\ufffd") and full.rstrip("\ufffd") == "새 세"
     deltas, _, _ = stream(tokenizer, token_ids)
-    assert "".join(deltas) == full
-    assert not any("\ufffd" in d for d in deltas[:-1])  # only the final flush may carry it
+    assert "".join(deltas) == "새 세"
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer):
+    """Before min_tokens tokens a stop string does not end the request, and text made then is never searched."""
+    token_ids = tokenizer.encode(FOX)  # The| quick| brown| fox| jumps| over| the| lazy| dog|.
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), ["quick", "lazy"], min_tokens=3)
+    deltas, hits = [], []
+    for token_id in token_ids:
+        delta, hit = detok.add_token(token_id)
+        deltas.append(delta)
+        hits.append(hit)
+        if hit:
+            break
+    assert hits.index(True) == 7  # " lazy", not " quick" (token 2, within the first three)
+    assert "".join(deltas) + detok.flush() == "The quick brown fox jumps over the "
 
 
 def test_stop_string_straddling_tokens_is_found_and_cut(tokenizer):

@@ -134,7 +134,9 @@ def test_stop_string_cuts_text_and_finishes_with_stop(engine, reference):
     middle = len(full) // 2
     stop = full[middle - 3 : middle + 4]
     assert stop.strip() and len(stop) == 7
-    (out,) = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, stop=[stop]))
+    (out,) = engine.generate(
+        [PROMPTS[2]], SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, stop=[stop])
+    )
     assert out.finish_reason == "stop"
     assert out.text == full[: full.index(stop)]
     assert stop not in out.text and "".join(out.deltas) == out.text
@@ -142,12 +144,27 @@ def test_stop_string_cuts_text_and_finishes_with_stop(engine, reference):
     assert len(out.token_ids) < NEW_TOKENS
 
 
+def test_min_tokens_holds_back_a_stop_token(engine, reference):
+    ref = reference[2]
+    i = next(i for i in range(2, NEW_TOKENS) if ref[i] not in ref[:i])  # a token that first appears at position i
+    params = dict(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, stop_token_ids=[ref[i]])
+    (early,) = engine.generate([PROMPTS[2]], SamplingParams(**params))
+    assert early.finish_reason == "stop" and early.token_ids == ref[: i + 1]
+    (held,) = engine.generate([PROMPTS[2]], SamplingParams(**params, min_tokens=i + 4))
+    assert held.token_ids[:i] == ref[:i] and len(held.token_ids) >= i + 4
+    assert ref[i] not in held.token_ids[: i + 4]  # not sampled while fewer than min_tokens were generated
+    (exact,) = engine.generate([PROMPTS[2]], SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0))
+    assert exact.finish_reason == "length" and len(exact.token_ids) == 12  # EOS cannot come before 12 either
+
+
 def test_max_tokens_finishes_with_length_and_deltas_join_to_decode(engine):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for out in engine.generate(PROMPTS + ["안녕하세요, 제 이름은", "Emoji story: 🎉"], params):
         assert out.finish_reason == "length" and len(out.token_ids) == 12
         decoded = engine.tokenizer.hf.decode(out.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        assert "".join(out.deltas) == out.text == decoded
+        # A length stop inside a multi-byte character drops its bytes instead of sending U+FFFD.
+        assert "".join(out.deltas) == out.text == decoded.rstrip("\ufffd")
+        assert "\ufffd" not in out.text
 
 
 def test_failing_step_fails_only_its_requests(engine):

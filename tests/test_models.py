@@ -16,6 +16,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
+from client.schema import INPUT_TYPES
 from tests.server_harness import REPO_ROOT
 
 pytestmark = [pytest.mark.server, pytest.mark.smollm2]
@@ -53,11 +54,9 @@ class Stream:
 
 def make_inputs(model: str, prompt: str, **values) -> list:
     lead = (1,) if BATCHED[model] else ()
-    types = {"max_tokens": ("INT32", np.int32), "temperature": ("FP32", np.float32), "ignore_eos": ("BOOL", bool),
-             "stream": ("BOOL", bool), "seed": ("INT64", np.int64), "top_k": ("INT32", np.int32)}
     tensors = [("text_input", "BYTES", np.array([prompt.encode()], dtype=np.object_))]
     for name, value in values.items():
-        dtype, np_type = types[name]
+        dtype, np_type = INPUT_TYPES[name]
         tensors.append((name, dtype, np.array([value], dtype=np_type)))
     inputs = []
     for name, dtype, array in tensors:
@@ -125,14 +124,14 @@ def metric(server, name: str, model: str) -> float:
 @pytest.mark.parametrize("model", MODELS)
 def test_grpc_stream_and_http_generate_agree(server, model):
     prompt = "The capital of France is"
-    streamed = generate(server, model, prompt, max_tokens=12, temperature=0.0, stream=True)
+    streamed = generate(server, model, prompt, max_tokens=12, temperature=0.0, ignore_eos=True, stream=True)
     assert streamed.error is None
-    assert len(streamed.token_ids) == len(streamed.chunks) <= 12  # one response per token
-    assert streamed.finish_reason in ("stop", "length")
-    whole = generate(server, model, prompt, max_tokens=12, temperature=0.0, stream=False)
+    assert len(streamed.token_ids) == len(streamed.chunks) == 12  # one response per token
+    assert streamed.finish_reason == "length"
+    whole = generate(server, model, prompt, max_tokens=12, temperature=0.0, ignore_eos=True, stream=False)
     assert len(whole.chunks) == 1 and whole.text == streamed.text and whole.token_ids == streamed.token_ids
 
-    body = {"text_input": prompt, "max_tokens": 12, "temperature": 0.0}
+    body = {"text_input": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     answer = requests.post(f"{server.http_url}/v2/models/{model}/generate", json=body, timeout=120).json()
     assert answer["text_output"] == streamed.text
     assert answer["finish_reason"] == streamed.finish_reason
@@ -147,9 +146,13 @@ def test_grpc_stream_and_http_generate_agree(server, model):
 
 @pytest.mark.timeout(300)
 def test_same_greedy_text_from_both_models(server):
+    # NOTE: min_tokens, not a prompt chosen for its first token: in bf16 whether the first greedy token is EOS can
+    # depend on the CPU's rounding (a near-tie), so the test asks for the tokens it compares.
     prompt = "Write a haiku about the sea."
-    texts = {m: generate(server, m, prompt, max_tokens=24, temperature=0.0).text for m in MODELS}
-    assert texts["llm_dynamic"] == texts["llm_continuous"] != ""
+    streams = {m: generate(server, m, prompt, max_tokens=24, min_tokens=24, temperature=0.0) for m in MODELS}
+    assert all(len(s.token_ids) == 24 and s.finish_reason == "length" for s in streams.values())
+    assert streams["llm_dynamic"].token_ids == streams["llm_continuous"].token_ids
+    assert streams["llm_dynamic"].text == streams["llm_continuous"].text
 
 
 @pytest.mark.timeout(300)

@@ -97,3 +97,44 @@ def test_top_p_keeps_the_nucleus():
     params = [SamplingParams(temperature=1.0, top_p=0.8)] * rows
     tokens = set(Sampler(seed=1)(logits.expand(rows, VOCAB), [f"r{i}" for i in range(rows)], params))
     assert tokens == {10, 20}
+
+
+def test_banned_tokens_are_never_picked_greedy_or_sampled():
+    logits = random_logits(3, seed=5)
+    favourite = logits.argmax(dim=-1).tolist()
+    banned = [(favourite[0],), (), tuple(logits[2].topk(10).indices.tolist())]
+    ids = ["a", "b", "c"]
+    greedy = Sampler()(logits.clone(), ids, [SamplingParams(temperature=0.0)] * 3, banned)
+    assert greedy[0] == logits[0].topk(2).indices[1].item()  # the runner-up
+    assert greedy[1] == favourite[1]
+    assert greedy[2] == logits[2].topk(11).indices[10].item()
+    sampler = Sampler()
+    for step in range(STEPS):
+        picked = sampler(logits.clone(), ids, [SamplingParams(temperature=2.0, seed=step)] * 3, banned)
+        assert all(token not in row for token, row in zip(picked, banned))
+
+
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
+    from backend.request import Request
+
+    eos, stop = 2, 7
+    request = Request("r", [5, 6], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[stop]), (eos,))
+    assert request.banned_token_ids == (eos, stop)
+    request.append_token(11)
+    assert request.banned_token_ids == (eos, stop)
+    request.append_token(12)
+    assert request.banned_token_ids == ()  # two generated: EOS and stop tokens may end it now
+    ignoring = Request("i", [5], SamplingParams(min_tokens=3, ignore_eos=True, stop_token_ids=[stop]), (eos,))
+    assert ignoring.banned_token_ids == (stop,)
+    assert Request("n", [5], SamplingParams(), (eos,)).banned_token_ids == ()
+
+
+def test_min_tokens_is_validated_and_parsed_like_max_tokens():
+    import pytest
+
+    assert SamplingParams.from_dict({"max_tokens": "16", "min_tokens": "16"}).min_tokens == 16
+    for bad, message in (({"min_tokens": -1}, "min_tokens must be an integer >= 0"),
+                         ({"min_tokens": 1.5}, "min_tokens must be an integer"),
+                         ({"max_tokens": 4, "min_tokens": 5}, "min_tokens (5) must be <= max_tokens (4)")):
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            SamplingParams.from_dict(bad)

@@ -57,7 +57,7 @@ class TritonPythonModel:
                 send_error(pb_utils, sender, str(exc))
                 continue
             request_id = uuid.uuid4().hex
-            open_request = OpenRequest(sender, parsed.stream, arrival=time.perf_counter())
+            open_request = OpenRequest(sender, parsed.stream, time.perf_counter(), parsed.omitted_outputs)
             with self.lock:
                 self.open[request_id] = open_request
             if self.faults is not None:

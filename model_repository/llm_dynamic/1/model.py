@@ -62,7 +62,7 @@ class TritonPythonModel:
             except ValueError as exc:
                 send_error(pb_utils, sender, str(exc))
                 continue
-            batch[request_id] = OpenRequest(sender, parsed.stream, arrival=arrival)
+            batch[request_id] = OpenRequest(sender, parsed.stream, arrival, parsed.omitted_outputs)
 
         try:
             self._run_to_completion(batch)
