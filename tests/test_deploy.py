@@ -2,8 +2,9 @@
 
 This machine cannot build or run containers, so these tests check what can be checked without one: hadolint on
 both Dockerfiles, what the Dockerfiles copy exists and is in their build context, the images' pins agree with
-requirements.txt, the base image's Triton release is the server version the other tests run, and the compose
-and Kubernetes files parse and point at services, ports and files that exist.
+requirements.txt, the pins meet what the pinned packages require (torch's CUDA build on PyPI included), the base
+image's Triton release is the server version the other tests run, and the compose and Kubernetes files parse and
+point at services, ports and files that exist.
 
 The Triton image runs the Python backend on Python 3.10, the project's virtual environment on 3.11. Every project
 file is compiled by a real Python 3.10, the pure-Python engine modules run a scheduling smoke under it, and (with
@@ -21,12 +22,16 @@ import shlex
 import shutil
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 import requests
 import yaml
+from packaging.markers import default_environment
 from packaging.requirements import Requirement
+from packaging.utils import parse_wheel_filename
+from packaging.version import Version
 
 from backend.config import EngineConfig
 
@@ -229,6 +234,194 @@ def test_dockerfile_inline_pins_agree_with_the_project():
     for path in DOCKERFILES.values():
         for name, version in re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s\"]*)", path.read_text()):
             assert project.get(normalize(name)) == version, f"{path.name} pins {name}=={version}; the project does not"
+
+
+
+# ---- pins as a resolver sees them ----------------------------------------------------------------------------
+
+# torch's wheels on PyPI for Linux x86-64 (the CUDA 13.0 build) declare these requirements, identical for CPython 3.10
+# and 3.11: what pip resolves requirements.txt against on a public machine. The +cpu build installed here declares
+# fewer (no triton, no CUDA libraries), so its installed metadata cannot show a clash with them. Recorded here so the
+# check runs offline; test_recorded_torch_cuda_requirements_match_the_index compares them with the index.
+TORCH_CUDA_REQUIRES = {
+    "2.13.0": (
+        "filelock",
+        "typing-extensions>=4.10.0",
+        "setuptools>=77.0.3",
+        "sympy>=1.13.3",
+        "networkx>=2.5.1",
+        "jinja2",
+        "fsspec>=0.8.5",
+        'cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3; '
+        'platform_system == "Linux"',
+        'cuda-bindings<14,>=13.0.3; platform_system == "Linux" and python_version < "3.15"',
+        'nvidia-cudnn-cu13==9.20.0.48; platform_system == "Linux"',
+        'nvidia-cusparselt-cu13==0.8.1; platform_system == "Linux"',
+        'nvidia-nccl-cu13==2.29.7; platform_system == "Linux"',
+        'nvidia-nvshmem-cu13==3.4.5; platform_system == "Linux"',
+        'triton==3.7.1; platform_system == "Linux" and python_version < "3.15"',
+        'optree>=0.13.0; extra == "optree"',
+        'opt-einsum>=3.3; extra == "opt-einsum"',
+        'pyyaml; extra == "pyyaml"',
+    ),
+}
+PACKAGE_INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+
+
+def linux_environment(python: str) -> dict[str, str]:
+    """The marker environment of CPython ``python`` ("3.11") on Linux x86-64, installing no extras."""
+    env = default_environment()
+    env.update(python_version=python, python_full_version=f"{python}.0", implementation_name="cpython",
+               platform_python_implementation="CPython", sys_platform="linux", platform_system="Linux",
+               platform_machine="x86_64", os_name="posix", extra="")
+    return env
+
+
+def unmet_requirements(requires: list[str], pins: dict[str, tuple[str, str]], env: dict[str, str],
+                       who: str) -> list[str]:
+    """The requirements (markers true in ``env``, extras ignored) on a pinned package that its pin does not meet."""
+    unmet = []
+    for line in requires:
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate(env):
+            continue
+        pin = pins.get(normalize(requirement.name))
+        if pin is not None and not requirement.specifier.contains(pin[0], prereleases=True):
+            unmet.append(f"{who} requires {requirement}, the pin is {requirement.name}=={pin[0]}")
+    return unmet
+
+
+def test_installed_packages_requirements_are_met_by_the_pins():
+    """Each pinned package's own requirements (as installed here) on other pinned packages hold for their pins."""
+    pins = read_pins(ROOT / "requirements.txt")
+    env = linux_environment(f"{sys.version_info.major}.{sys.version_info.minor}")
+    unmet, checked = [], 0
+    for name, (version, _) in pins.items():
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        if Version(dist.version).public != Version(version).public:
+            continue  # another version is installed (stale environment): its metadata is not the pin's
+        checked += 1
+        unmet += unmet_requirements(dist.requires or [], pins, env, f"{name}=={dist.version}")
+    assert checked > len(pins) // 2, f"only {checked} of {len(pins)} pins are installed at their version: make venv"
+    assert not unmet, "requirements.txt cannot be installed as pinned:\n" + "\n".join(unmet)
+
+
+@pytest.mark.parametrize("pinned, python", [("requirements.txt", "3.11"), ("docker/requirements-gpu.txt", "3.10")])
+def test_pins_meet_the_requirements_of_torchs_cuda_build(pinned, python):
+    """On a public Linux machine pip resolves the pins with torch's CUDA build, whose triton pin must be ours."""
+    pins = read_pins(ROOT / pinned)
+    torch_version = pins["torch"][0]
+    assert torch_version in TORCH_CUDA_REQUIRES, (
+        f"{pinned} pins torch=={torch_version}: record its Linux wheel's Requires-Dist in TORCH_CUDA_REQUIRES "
+        "(test_recorded_torch_cuda_requirements_match_the_index shows them)"
+    )
+    requires = TORCH_CUDA_REQUIRES[torch_version]
+    env = linux_environment(python)
+    unmet = unmet_requirements(list(requires), pins, env, f"torch=={torch_version} (CUDA build)")
+    assert not unmet, f"pip cannot resolve {pinned} on a public machine (ResolutionImpossible):\n" + "\n".join(unmet)
+    assert "triton" in pins, f"{pinned} must pin triton at the version torch's CUDA build requires"
+    if pinned.startswith("docker/"):  # the image's set is complete: every requirement torch has there is pinned
+        needed = {normalize(Requirement(r).name) for r in requires
+                  if Requirement(r).marker is None or Requirement(r).marker.evaluate(env)}
+        assert needed <= set(pins), f"{pinned} lacks {sorted(needed - set(pins))}"
+
+
+def index_files(project: str) -> dict[str, dict]:
+    """``filename -> file entry`` of ``project`` on the package index (PEP 691 JSON), or skip if it is unreachable."""
+    try:
+        response = requests.get(f"{PACKAGE_INDEX}/{project}/", timeout=30,
+                                headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        response.raise_for_status()
+        files = response.json()["files"]
+    except (requests.RequestException, ValueError, KeyError) as exc:
+        pytest.skip(f"package index {PACKAGE_INDEX} unreachable or without its JSON API: {exc}")
+    return {f["filename"]: f for f in files}
+
+
+def linux_wheel(files: dict[str, dict], project: str, version: str, python: str) -> dict | None:
+    """The CPython ``python`` manylinux x86-64 wheel of ``project==version`` among ``files``."""
+    tag = "cp" + python.replace(".", "")
+    for filename, entry in sorted(files.items()):
+        if not filename.endswith(".whl") or entry.get("yanked"):
+            continue
+        name, wheel_version, _, tags = parse_wheel_filename(filename)
+        if name == normalize(project) and wheel_version == Version(version) and any(
+                t.interpreter == tag and t.platform.startswith("manylinux") and t.platform.endswith("_x86_64")
+                for t in tags):
+            return entry
+    return None
+
+
+def test_recorded_torch_cuda_requirements_match_the_index():
+    """TORCH_CUDA_REQUIRES is what the index serves for the pinned torch, and the triton it needs has wheels there.
+
+    Reads the wheels' core metadata (PEP 658, tens of kB) instead of the wheels; skipped when the index is unreachable.
+    """
+    torch_version = read_pins(ROOT / "requirements.txt")["torch"][0]
+    files = index_files("torch")
+    for python in ("3.11", "3.10"):
+        wheel = linux_wheel(files, "torch", torch_version, python)
+        assert wheel is not None, f"torch=={torch_version}: no manylinux x86_64 wheel for CPython {python}"
+        try:
+            response = requests.get(wheel["url"].split("#")[0] + ".metadata", timeout=30)
+        except requests.RequestException as exc:
+            pytest.skip(f"cannot fetch {wheel['filename']}'s metadata: {exc}")
+        if response.status_code == 404:
+            pytest.skip(f"{PACKAGE_INDEX} serves no core metadata (PEP 658) for {wheel['filename']}")
+        response.raise_for_status()
+        published = [line.split(":", 1)[1].strip() for line in response.text.splitlines()
+                     if line.startswith("Requires-Dist:")]
+        assert published, f"{wheel['filename']}: no Requires-Dist in its metadata"
+        recorded = [str(Requirement(r)) for r in TORCH_CUDA_REQUIRES.get(torch_version, ())]
+        assert sorted(str(Requirement(r)) for r in published) == sorted(recorded), (
+            f"TORCH_CUDA_REQUIRES[{torch_version!r}] should be, as published for CPython {python}:\n"
+            + "\n".join(f"    {r!r}," for r in published)
+        )
+
+    pins = {"requirements.txt": read_pins(ROOT / "requirements.txt"),
+            "docker/requirements-gpu.txt": read_pins(IMAGE_REQUIREMENTS["triton"])}
+    triton_files = index_files("triton")
+    for (pinned, python) in (("requirements.txt", "3.11"), ("docker/requirements-gpu.txt", "3.10")):
+        version = pins[pinned]["triton"][0]
+        found = linux_wheel(triton_files, "triton", version, python) is not None
+        assert found, f"{pinned}: triton=={version} has no manylinux x86_64 wheel for CPython {python}"
+
+
+
+def make_venv_commands(*overrides: str, dry_run: bool = True) -> subprocess.CompletedProcess:
+    """``make venv`` with ``overrides`` into a scratch VENV that never exists: ``-n -B`` prints every command."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "TORCH", "TORCH_CPU_INDEX", "VENV")}
+    flags = ["-n", "-B"] if dry_run else []
+    return subprocess.run(["make", "--no-print-directory", *flags, "venv", "VENV=/nonexistent/venv", *overrides],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make")
+def test_make_venv_takes_torch_from_pytorchs_cpu_index_only_with_torch_cpu():
+    default = make_venv_commands()
+    assert default.returncode == 0, default.stderr
+    assert "--index-url" not in default.stdout and "download.pytorch.org" not in default.stdout, (
+        "the default install must use only the configured index (PyTorch's is unreachable on some machines)"
+    )
+    assert "-r requirements.txt" in default.stdout
+
+    cpu = make_venv_commands("TORCH=cpu")
+    assert cpu.returncode == 0, cpu.stderr
+    lines = cpu.stdout.splitlines()
+    (torch_line,) = [i for i, line in enumerate(lines) if "--index-url https://download.pytorch.org/whl/cpu" in line]
+    assert "--no-deps" in lines[torch_line] and "^torch==" in lines[torch_line], "only torch comes from that index"
+    assert "--extra-index-url" not in cpu.stdout
+    rest = next(i for i, line in enumerate(lines) if "-r requirements.txt" in line)
+    assert torch_line < rest, "torch's CPU build first, so the pinned set finds torch already satisfied"
+    stamps = [re.search(r"touch (\S+)", out).group(1) for out in (default.stdout, cpu.stdout)]
+    assert stamps[0] != stamps[1], "each TORCH choice needs its own stamp, or switching would not reinstall torch"
+
+    wrong = make_venv_commands("TORCH=cuda", dry_run=False)
+    assert wrong.returncode != 0 and "TORCH must be" in wrong.stderr
 
 
 # ---- compose -------------------------------------------------------------------------------------------------
