@@ -21,7 +21,7 @@ INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "temperature": ("FP32", np.float32),
     "top_p": ("FP32", np.float32),
     "top_k": ("INT32", np.int32),
-    "seed": ("INT64", np.int64),
+    "seed": ("UINT64", np.uint64),  # TensorRT-LLM's type; vLLM's seed travels in sampling_parameters
     "stop": ("BYTES", np.object_),
     "ignore_eos": ("BOOL", np.bool_),
     "stream": ("BOOL", np.bool_),
