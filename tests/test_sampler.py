@@ -138,3 +138,14 @@ def test_min_tokens_is_validated_and_parsed_like_max_tokens():
                          ({"max_tokens": 4, "min_tokens": 5}, "min_tokens (5) must be <= max_tokens (4)")):
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
             SamplingParams.from_dict(bad)
+
+
+def test_64_bit_seeds_keep_every_bit_and_larger_ones_are_refused():
+    import pytest
+
+    top = SamplingParams.from_dict({"seed": 2**64 - 1, "temperature": 1.0})
+    assert top.seed == 2**64 - 1 and SamplingParams.from_dict({"seed": str(2**64 - 2)}).seed == 2**64 - 2
+    picked = Sampler()(random_logits(1, seed=6), ["r"], [top])
+    assert picked == Sampler()(random_logits(1, seed=6), ["q"], [top])
+    with pytest.raises(ValueError, match="seed must fit in 64 bits"):
+        SamplingParams.from_dict({"seed": 2**64})
