@@ -9,7 +9,8 @@ small-query overhead cost a tenth of a decode step.
 the whole input to float32), which cost more than the layer's attention at batch 1 and 2.5x a layer_norm in prefill.
 
 The shared library is compiled from ``cpu_kernels.c`` with the system C compiler (``$CC``, default ``cc``) into
-``$XDG_CACHE_HOME/llm-batching-triton`` (keyed by source, flags and CPU), once per machine (about a second).
+``$XDG_CACHE_HOME/llm-batching-triton`` (keyed by source, flags and CPU), once per machine (about a second), for
+``-march=native`` (``LLM_CPU_MARCH`` names another target, e.g. ``x86-64-v2``: the tests build one without AVX-512).
 Without a compiler, on a non-glibc system, or with ``LLM_CPU_KERNELS=0``, :func:`load` returns ``None`` and the
 model keeps the torch code.
 """
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -ffast-math lets the compiler vectorise the float dot products (reassociation); inputs are finite by construction.
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = ("-O3", f"-march={os.environ.get('LLM_CPU_MARCH', 'native')}", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _lock = threading.Lock()
