@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 
 from backend.config import SamplingParams
 from backend.engine import LLMEngine, RequestOutput
@@ -90,10 +91,43 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal_error: BaseException | None = None
 
+    @classmethod
+    def build(
+        cls,
+        make_engine: Callable[[], LLMEngine],
+        sink: OutputSink | None = None,
+        before_step: Callable[[], Iterable[str]] | None = None,
+        after_step: Callable[[], None] | None = None,
+    ) -> EngineLoop:
+        """Build the engine on a new thread and run the loop on that same thread; returns once the engine is
+        built (its exception, if building fails). The loop is already running: :meth:`start` does nothing.
+
+        NOTE: libgomp gives every thread that starts an OpenMP region its own thread team. An engine loaded on one
+        thread and stepped on another leaves two teams in the process, more OpenMP threads than cores on a small
+        machine, and libgomp then cuts its spin-waits short (``gomp_throttled_spin_count_var``): every one of a
+        step's hundreds of parallel regions wakes a sleeping thread. Loading and stepping on one thread keeps one
+        team, whose threads spin briefly between regions (``backend/__init__.py``).
+        """
+        built: Future[EngineLoop] = Future()
+
+        def main() -> None:
+            try:
+                loop = cls(make_engine(), sink, before_step, after_step)
+            except BaseException as exc:
+                built.set_exception(exc)
+                return
+            loop._thread = threading.current_thread()
+            built.set_result(loop)
+            loop._run()
+
+        threading.Thread(target=main, name="engine-loop", daemon=True).start()
+        return built.result()
+
     # ---- called from any thread -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        if not self._thread.is_alive():  # a loop from build() runs already
+            self._thread.start()
 
     @property
     def is_alive(self) -> bool:

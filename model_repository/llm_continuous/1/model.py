@@ -34,16 +34,17 @@ class TritonPythonModel:
         config = engine_config_from_triton(model_config, args["model_repository"])
         if config.scheduling_policy != "continuous":
             raise pb_utils.TritonModelException("llm_continuous needs scheduling_policy 'continuous'")
-        self.engine = LLMEngine(config)
-        self.limits = RequestLimits(self.engine.max_model_len)
         self.faults = FaultInjector.from_config(model_config)
-        self.engine.fault_hook = self.faults
-        self.metrics = TritonMetrics(pb_utils, args["model_name"], self.engine.runner.num_kv_blocks)
         self.open = {}  # request id -> OpenRequest; written by execute(), read and emptied by the loop thread
         self.lock = threading.Lock()
         self.next_cancel_sweep = 0.0
-        self.loop = EngineLoop(self.engine, sink=self._send, before_step=self._cancelled, after_step=self._observe)
-        self.loop.start()
+        # The engine is loaded on the loop's own thread, the one that steps it: one OpenMP thread team per process.
+        self.loop = EngineLoop.build(lambda: LLMEngine(config), sink=self._send, before_step=self._cancelled,
+                                     after_step=self._observe)
+        self.engine = self.loop.engine
+        self.engine.fault_hook = self.faults
+        self.limits = RequestLimits(self.engine.max_model_len)
+        self.metrics = TritonMetrics(pb_utils, args["model_name"], self.engine.runner.num_kv_blocks)
         # On SIGTERM: new requests are refused; open ones run on until shortly before tritonserver's exit timeout,
         # and whatever is still running then ends with "the server is shutting down".
         self.shutdown = ShutdownNotice(on_notice=self.loop.drain)
