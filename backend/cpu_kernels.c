@@ -18,6 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -174,6 +175,218 @@ void rms_norm(const void* x, int64_t x_st, const void* weight, void* out, int64_
             for (int64_t d = 0; d < D; ++d) row[d] = round_to(row[d] * inv_rms, dtype) * w[d];
             store_row((char*)out + t * D * esize, dtype, D, row, 1.f);
         }
+    }
+}
+
+/*
+ * sample_rows (twin of backend.sampler.sample_rows): one token per row of logits [*, V] (row stride `stride`), for
+ * the R rows named in `rows`: argmax where temperature is 0, else a draw from softmax(x / T) restricted to its top-k
+ * and top-p prefix, by inverse CDF with the row's own uniform number u in [0, 1), scanning tokens in index order.
+ * Rows are independent (a row's token never depends on its batch-mates). Non-finite logits (-inf: banned) weigh 0.
+ *
+ * A draw is a few vectorised passes over the row and never sorts the vocabulary. The weights w = exp((x - max) / T)
+ * (the best token weighs 1) follow the logits' order, so a prefix of the sorted order is "every token whose logit is
+ * above a cut, plus the first `ties` tokens at the cut in index order" (a stable sort's order), and the top-k and
+ * top-p cuts are found by bisection over the logit values the dtype can hold (16 bits for bf16), each step one pass
+ * that counts and sums the weights above a candidate cut.
+ */
+#define SAMPLE_BLOCK 1024
+/* Weights below e^-17 (about 4e-8 of the best token's) are where a top-k or top-p cut is first looked for. */
+#define NEAR_RANGE 17.f
+
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+enum { ABOVE = 0, AT_LEAST = 1, EQUAL = 2 };
+
+static inline uint32_t bits_of(float f) { union { float f; uint32_t u; } v = {.f = f}; return v.u; }
+static inline float float_of(uint32_t u) { union { uint32_t u; float f; } v = {.u = u}; return v.f; }
+/* Float bits <-> an unsigned key in the floats' order (negative floats reversed below the positive ones). */
+static inline uint32_t order_key(uint32_t b) { return (b & 0x80000000u) ? ~b : (b | 0x80000000u); }
+static inline uint32_t key_bits(uint32_t k) { return (k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k; }
+
+#define COMPARE(x, t, mode) ((mode) == ABOVE ? (x) > (t) : (mode) == AT_LEAST ? (x) >= (t) : (x) == (t))
+
+/* Sum of w[i] and count over the i whose x[i] is above t (or at least t, or equal to it). Four independent 8-float
+ * accumulators per block (GCC vector extensions: vectorised on any x86-64, no serial dependency), float within a
+ * block, double across blocks. */
+static void sum_where(const float* x, const float* w, int64_t n, float t, int mode, double* mass, int64_t* count) {
+    const f32x8 tt = (f32x8){0.f} + t;
+    double total = 0.0;
+    int64_t num = 0, i = 0;
+    for (; i + SAMPLE_BLOCK <= n; i += SAMPLE_BLOCK) {
+        f32x8 acc[4] = {{0.f}};
+        i32x8 cnt[4] = {{0}};
+        for (int64_t j = i; j < i + SAMPLE_BLOCK; j += 32)
+            for (int k = 0; k < 4; ++k) {
+                f32x8 xv, wv;
+                memcpy(&xv, x + j + 8 * k, sizeof xv);
+                memcpy(&wv, w + j + 8 * k, sizeof wv);
+                const i32x8 in = COMPARE(xv, tt, mode);  /* -1 where counted, 0 elsewhere */
+                acc[k] += (f32x8)((i32x8)wv & in);
+                cnt[k] -= in;
+            }
+        const f32x8 a = acc[0] + acc[1] + acc[2] + acc[3];
+        const i32x8 c = cnt[0] + cnt[1] + cnt[2] + cnt[3];
+        float block = 0.f;
+        for (int l = 0; l < 8; ++l) { block += a[l]; num += c[l]; }
+        total += block;
+    }
+    for (; i < n; ++i) {
+        const int in = COMPARE(x[i], t, mode);
+        total += in ? w[i] : 0.f;
+        num += in;
+    }
+    *mass = total;
+    *count = num;
+}
+
+/* The kept prefix: tokens with x > cut, then the first `ties` tokens with x == cut in index order. The token at
+ * which the running weight of the prefix, in index order, first exceeds target (the last kept one if rounding leaves
+ * the target unreached). Block sums first, then one block token by token. */
+static int64_t inverse_cdf(const float* x, const float* w, int64_t V, float cut, int64_t ties, double target) {
+    double acc = 0.0;
+    int64_t tied = 0;
+    for (int64_t start = 0; start < V; start += SAMPLE_BLOCK) {
+        const int64_t len = start + SAMPLE_BLOCK < V ? SAMPLE_BLOCK : V - start;
+        double above, at;
+        int64_t num_above, num_at;
+        sum_where(x + start, w + start, len, cut, ABOVE, &above, &num_above);
+        sum_where(x + start, w + start, len, cut, EQUAL, &at, &num_at);
+        const int64_t take = num_at < ties - tied ? num_at : ties - tied;
+        const double block = above + (take ? at / (double)num_at * (double)take : 0.0);
+        if (acc + block > target) {
+            double running = acc;
+            int64_t rank = tied;
+            for (int64_t i = start; i < start + len; ++i) {
+                if (!(x[i] > cut || (x[i] == cut && rank++ < ties))) continue;
+                running += w[i];
+                if (running > target && w[i] > 0.f) return i;
+            }
+        }
+        acc += block;
+        tied += take;
+    }
+    for (int64_t i = V - 1; i >= 0; --i)
+        if (x[i] > cut) return i;
+    for (int64_t i = 0; i < V; ++i)
+        if (x[i] == cut) return i;
+    return 0;
+}
+
+/* Bisection over the logit values the dtype holds (keys `shift` bits apart), between the keys lo (predicate true)
+ * and hi (false) for the largest (`largest`) or smallest key with the predicate; returns that logit value. */
+typedef struct { const float* x; const float* w; int64_t n; int64_t k; double P; } cut_query;
+static int top_k_holds(const cut_query* q, float t) {  /* at least k tokens at or above t */
+    double mass;
+    int64_t count;
+    sum_where(q->x, q->w, q->n, t, AT_LEAST, &mass, &count);
+    return count >= q->k;
+}
+static int top_p_holds(const cut_query* q, float t) {  /* the tokens above t weigh less than P */
+    double mass;
+    int64_t count;
+    sum_where(q->x, q->w, q->n, t, ABOVE, &mass, &count);
+    return mass < q->P;
+}
+static float bisect(const cut_query* q, int (*holds)(const cut_query*, float), uint32_t lo, uint32_t hi, int shift,
+                    int largest) {
+    uint32_t a = lo >> shift, b = hi >> shift;  /* search keys a..b */
+    /* key k -> its logit value: a negative float's key has its low bits set (keys of negatives are inverted) */
+#define VALUE(k) \
+    float_of(key_bits(((uint32_t)(k) << shift) | (((uint32_t)(k) & (0x80000000u >> shift)) ? 0u : (1u << shift) - 1u)))
+    if (largest) {  /* holds(a); largest key with holds */
+        while (a < b) {
+            const uint32_t mid = a + (b - a + 1) / 2;
+            if (holds(q, VALUE(mid))) a = mid; else b = mid - 1;
+        }
+    } else {  /* holds(b); smallest key with holds */
+        while (a < b) {
+            const uint32_t mid = a + (b - a) / 2;
+            if (holds(q, VALUE(mid))) b = mid; else a = mid + 1;
+        }
+    }
+    return VALUE(a);
+#undef VALUE
+}
+
+static int64_t sample_one(const void* src, int dtype, int64_t V, float temperature, int64_t top_k, float top_p,
+                          double u, float* x, float* w) {
+    load_row(src, dtype, V, x);
+    float m = -FLT_MAX, lowest = FLT_MAX;
+    for (int64_t i = 0; i < V; ++i) {  /* non-finite (banned) logits sink below every finite one */
+        if ((bits_of(x[i]) & 0x7F800000u) == 0x7F800000u) x[i] = -FLT_MAX;
+        m = x[i] > m ? x[i] : m;
+        lowest = x[i] < lowest ? x[i] : lowest;
+    }
+    if (temperature == 0.f) {
+        for (int64_t i = 0; i < V; ++i)
+            if (x[i] == m) return i;  /* the first index on ties, as argmax */
+    }
+    const float inv_t = 1.f / temperature;
+#define WEIGHT(v) expf(((v) - m) * inv_t > -127.f ? ((v) - m) * inv_t : -127.f)  /* e^-127 rounds to 0 */
+    for (int64_t i = 0; i < V; ++i) w[i] = WEIGHT(x[i]);
+    double total;
+    int64_t count;
+    sum_where(x, w, V, -FLT_MAX, ABOVE, &total, &count);  /* banned tokens weigh 0 anyway */
+    const int by_k = top_k > 0 && top_k < V, by_p = top_p < 1.f;
+    if (!by_k && !by_p) return inverse_cdf(x, w, V, -FLT_MAX, 0, u * total);
+
+    /* Keys of the logit range to search: [lowest, max], or only the top NEAR_RANGE * T of it when that holds the
+     * whole top-k and more than top_p of the weight (almost always: it saves half the bisection steps). */
+    const int shift = dtype == DTYPE_BF16 ? 16 : 0;
+    const float near = round_to(m - NEAR_RANGE * temperature, dtype);  /* a value the dtype holds */
+    double near_mass;
+    int64_t near_count;
+    sum_where(x, w, V, near, AT_LEAST, &near_mass, &near_count);
+    const int near_enough = near > lowest && (!by_k || near_count >= top_k) && near_mass >= (double)top_p * total;
+    const uint32_t lo = order_key(bits_of(near_enough ? near : lowest));
+    const uint32_t hi = order_key(bits_of(m));
+    cut_query q = {x, w, V, top_k, 0.0};
+
+    float cut = -FLT_MAX;  /* the prefix kept so far: everything */
+    int64_t ties = 0;
+    double base = total;  /* the mass top-p is a share of: the top-k's when there is a top-k */
+    if (by_k) {
+        cut = bisect(&q, top_k_holds, lo, hi, shift, 1);
+        double mass;
+        int64_t above;
+        sum_where(x, w, V, cut, ABOVE, &mass, &above);
+        ties = top_k - above;
+        base = mass + (double)ties * WEIGHT(cut);
+    }
+    if (by_p) {
+        q.P = (double)top_p * base;
+        const float p_cut = bisect(&q, top_p_holds, lo, hi, shift, 0);
+        const double w_cut = WEIGHT(p_cut);
+        double above;
+        sum_where(x, w, V, p_cut, ABOVE, &above, &count);
+        int64_t p_ties = 1;  /* keep the j-th tie while the mass before it, above + j * w_cut, is below P */
+        while (p_ties < V && above + (double)p_ties * w_cut < q.P) ++p_ties;
+        if (p_cut > cut || (p_cut == cut && p_ties < ties)) { cut = p_cut; ties = p_ties; }
+    }
+#undef WEIGHT
+    double kept, at;
+    int64_t num_at;
+    sum_where(x, w, V, cut, ABOVE, &kept, &count);
+    sum_where(x, w, V, cut, EQUAL, &at, &num_at);
+    if (num_at) kept += at / (double)num_at * (double)(ties < num_at ? ties : num_at);
+    return inverse_cdf(x, w, V, cut, ties, u * kept);
+}
+
+void sample_rows(const void* logits, int64_t stride, int dtype, int64_t V, const int64_t* rows, int64_t R,
+                 const float* temperature, const int64_t* top_k, const float* top_p, const double* uniform,
+                 int64_t* out, int num_threads) {
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
+#pragma omp parallel num_threads(num_threads) if (R > 1)
+    {
+        float* x = (float*)malloc(sizeof(float) * V);
+        float* w = (float*)malloc(sizeof(float) * V);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < R; ++r)
+            out[r] = sample_one((const char*)logits + rows[r] * stride * esize, dtype, V, temperature[r], top_k[r],
+                                top_p[r], uniform[r], x, w);
+        free(x);
+        free(w);
     }
 }
 

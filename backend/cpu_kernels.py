@@ -82,6 +82,8 @@ def _build_and_load() -> ctypes.CDLL:
     lib.paged_decode_attention.restype = None
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.rms_norm.restype = None
+    lib.sample_rows.argtypes = [ptr, i64, ctypes.c_int, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.sample_rows.restype = None
     for limit in (lib.max_group, lib.max_head_dim, lib.max_row):
         limit.restype = ctypes.c_int
     lib.limits = (lib.max_group(), lib.max_head_dim(), lib.max_row())
@@ -170,4 +172,33 @@ def cpu_rms_norm(
         x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
         _DTYPE_CODES[x.dtype], torch.get_num_threads(),
     )
+    return out
+
+
+def supports_sampling(logits: torch.Tensor) -> bool:
+    """Whether :func:`cpu_sample_rows` handles these logits (else the sampler uses its torch twin)."""
+    return (
+        load() is not None and logits.device.type == "cpu" and logits.dtype in _DTYPE_CODES and logits.dim() == 2
+        and logits.stride(-1) == 1 and logits.shape[1] > 0
+    )
+
+
+def cpu_sample_rows(
+    logits: torch.Tensor,  # [S, V] float32 or bfloat16, rows may be strided; only ``rows`` are read
+    rows: torch.Tensor,  # [R] int64, which rows to sample
+    temperature: torch.Tensor,  # [R] float32, 0 = greedy
+    top_k: torch.Tensor,  # [R] int64, 0 = off
+    top_p: torch.Tensor,  # [R] float32, 1 = off
+    uniform: torch.Tensor,  # [R] float64 in [0, 1), each row's own random number
+) -> torch.Tensor:  # [R] int64
+    """The C twin of ``backend.sampler.sample_rows``; the caller checks :func:`supports_sampling` first."""
+    num_rows = rows.shape[0]
+    out = torch.empty(num_rows, dtype=torch.int64)
+    if num_rows:
+        dtypes = (torch.int64, torch.float32, torch.int64, torch.float32, torch.float64)
+        args = [t.to(d).contiguous() for t, d in zip((rows, temperature, top_k, top_p, uniform), dtypes)]
+        _lib.sample_rows(
+            logits.data_ptr(), logits.stride(0), _DTYPE_CODES[logits.dtype], logits.shape[1], args[0].data_ptr(),
+            num_rows, *(t.data_ptr() for t in args[1:]), out.data_ptr(), torch.get_num_threads(),
+        )
     return out

@@ -1,21 +1,28 @@
 """Batched next-token sampling: greedy, temperature, top-k, top-p, with per-request seeds.
 
-A seeded request draws its randomness from its own generator, one draw per step, so its text does not depend on
-which other requests share the batch. Every per-row operation here (scaling, filtering, softmax, noise) reads only
-that row, for the same reason.
+A seeded request draws its randomness from its own generator, one number per step, so its text does not depend on
+which other requests share the batch; every per-row operation reads only that row, for the same reason. A row's
+token is the inverse CDF of its number over the softmax weights, in vocabulary order, restricted to its top-k and
+top-p prefix: one uniform number per row instead of noise over the whole vocabulary, and no sort of the vocabulary.
+
+``sample_rows`` is the torch reference; the C twin in ``backend.cpu_kernels`` (same inputs, same tokens up to float
+rounding) runs wherever it builds, in one pass over each row.
 """
 
 from __future__ import annotations
 
+import random
+
 import torch
 
+from backend import cpu_kernels
 from backend.config import SamplingParams
 
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self._generator = torch.Generator().manual_seed(seed)  # for requests that did not ask for a seed
-        self._seeded: dict[str, torch.Generator] = {}
+        self._rng = random.Random(seed)  # for requests that did not ask for a seed
+        self._seeded: dict[str, random.Random] = {}
 
     def forget(self, request_id: str) -> None:
         self._seeded.pop(request_id, None)
@@ -33,48 +40,66 @@ class Sampler:
         for row, banned in enumerate(banned_token_ids or ()):
             if banned:  # min_tokens not reached yet: EOS and stop tokens are not candidates (vLLM's rule)
                 logits[row, list(banned)] = float("-inf")
-        # NOTE: argmax on the model's dtype is exact (upcasting changes no order), and saves an [S, V] copy.
-        tokens = logits.max(dim=-1).indices  # (S,) greedy for every row (first index on ties, as argmax); random rows are overwritten below
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            picked = self._sample_rows(
-                logits[rows].float(), [request_ids[i] for i in rows], [params[i] for i in rows]
-            )
-            tokens[rows] = picked
-        return tokens.tolist()
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        # NOTE: a greedy row draws nothing, so a request's draws never depend on its batch-mates' settings.
+        uniform = torch.tensor(
+            [0.0 if p.greedy else self._rng_for(rid, p.seed).random() for rid, p in zip(request_ids, params)],
+            dtype=torch.float64,
+        )
+        if cpu_kernels.supports_sampling(logits):
+            rows = torch.arange(len(params))
+            return cpu_kernels.cpu_sample_rows(logits, rows, temperature, top_k, top_p, uniform).tolist()
+        return sample_rows(logits, temperature, top_k, top_p, uniform).tolist()
 
-    def _sample_rows(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
-        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)[:, None]
-        logits = logits / temperature  # (R, V)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            logits = _apply_top_k_top_p(logits, params)
-        probs = logits.softmax(dim=-1)  # (R, V)
-        # Gumbel-max in its exponential form: argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.empty_like(probs)
-        for row, (request_id, p) in enumerate(zip(request_ids, params)):
-            noise[row].exponential_(generator=self._generator_for(request_id, p.seed))
-        return (probs / noise).argmax(dim=-1)
-
-    def _generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
+    def _rng_for(self, request_id: str, seed: int | None) -> random.Random:
         if seed is None:
-            return self._generator
-        gen = self._seeded.get(request_id)
-        if gen is None:
-            gen = self._seeded[request_id] = torch.Generator().manual_seed(seed)
-        return gen
+            return self._rng
+        rng = self._seeded.get(request_id)
+        if rng is None:
+            rng = self._seeded[request_id] = random.Random(seed)
+        return rng
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (R, V)
-    vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
-    ranks = torch.arange(vocab)[None, :]
-    remove = ranks >= top_k  # (R, V)
-    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)[:, None]
-    probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-    # NOTE: keep a token while the mass *before* it is below top_p, so the most likely token always survives.
-    # Rows without a top-p filter are exempt: their cumulative sum may round up to 1.0 before the tail.
-    remove |= ((probs.cumsum(dim=-1) - probs) >= top_p) & (top_p < 1.0)
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+def sample_rows(
+    logits: torch.Tensor,  # [R, V]
+    temperature: torch.Tensor,  # [R] float32, 0 = greedy
+    top_k: torch.Tensor,  # [R] int64, 0 = off
+    top_p: torch.Tensor,  # [R] float32, 1 = off
+    uniform: torch.Tensor,  # [R] float64 in [0, 1), each row's own random number
+) -> torch.Tensor:  # [R] int64
+    """One token per row: argmax where the temperature is 0, else the first token whose cumulative weight (in
+    vocabulary order, over the row's top-k and top-p prefix) exceeds ``uniform`` times the prefix's weight."""
+    # NOTE: argmax on the model's dtype is exact (upcasting changes no order), and saves an [R, V] copy.
+    tokens = logits.max(dim=-1).indices  # (R,) first index on ties, as argmax
+    sampled = (temperature > 0).nonzero().flatten()
+    if sampled.numel() == 0:
+        return tokens
+    x = logits[sampled].float() / temperature[sampled, None]  # (r, V)
+    weights = (x - x.max(dim=-1, keepdim=True).values).exp()  # (r, V), the best token weighs 1; banned weigh 0
+    vocab = weights.shape[-1]
+    k, p = top_k[sampled], top_p[sampled]
+    filtered = ((k > 0) & (k < vocab)) | (p < 1.0)
+    if filtered.any():
+        weights[filtered] = _keep_top_k_top_p(weights[filtered], k[filtered], p[filtered])
+    cdf = weights.double().cumsum(dim=-1)  # (r, V)
+    target = uniform[sampled] * cdf[:, -1]
+    picked = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+    tokens[sampled] = picked
+    return tokens
+
+
+def _keep_top_k_top_p(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero every weight outside its row's top-k, then outside the top-p nucleus of what is left (ties in index
+    order, as a stable sort puts them)."""
+    sorted_w, order = weights.sort(dim=-1, descending=True, stable=True)  # (R, V)
+    vocab = weights.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab)[:, None]
+    keep = torch.arange(vocab)[None, :] < k  # (R, V)
+    in_top_k = (sorted_w * keep).double()
+    # NOTE: keep a token while the mass *before* it is below top_p of the top-k's mass, so the most likely token
+    # always survives. Rows without a top-p filter are exempt: their cumulative sum may round up before the tail.
+    before = in_top_k.cumsum(dim=-1) - in_top_k
+    keep &= (before < top_p.double()[:, None] * in_top_k.sum(dim=-1, keepdim=True)) | (top_p >= 1.0)[:, None]
+    return torch.zeros_like(weights).scatter_(1, order, sorted_w * keep)

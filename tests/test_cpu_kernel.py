@@ -108,11 +108,11 @@ def test_rms_norm_float32_close_to_hf():
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the baseline ISA below is x86-64's")
 def test_kernels_forward_and_greedy_engine_hold_without_avx512_or_amx(tmp_path):
     """The suite must not depend on AVX-512 or AMX: with the C kernels built for x86-64-v2 (no AVX at all) and torch
-    and oneDNN held to their baseline code paths, the kernel tests, the forward tests and the engine's greedy text
-    against HF still pass, in a process of their own."""
+    and oneDNN held to their baseline code paths, the kernel and sampler tests, the forward tests and the engine's
+    greedy text against HF still pass, in a process of their own."""
     env = {**os.environ, "LLM_CPU_MARCH": "x86-64-v2", "XDG_CACHE_HOME": str(tmp_path),
            "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
-    tests = ["tests/test_cpu_kernel.py", "tests/test_model_forward.py", "tests/test_engine.py",
+    tests = ["tests/test_cpu_kernel.py", "tests/test_sampler.py", "tests/test_model_forward.py", "tests/test_engine.py",
              "-k", "not without_avx512 and (not test_engine or greedy_matches_hf or min_tokens)"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=550)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 
+from backend import cpu_kernels
 from backend.config import SamplingParams
-from backend.sampler import Sampler
+from backend.sampler import Sampler, sample_rows
 
 VOCAB = 1000
 STEPS = 24
@@ -18,7 +20,7 @@ def random_logits(rows: int, seed: int, vocab: int = VOCAB) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 2.0
 
 
-def test_seeded_request_same_tokens_alone_and_in_a_batch():
+def test_seeded_request_same_tokens_alone_and_in_a_batch(sampling_path):
     target = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1234)
     others = [
         SamplingParams(temperature=1.0),  # unseeded: draws from the shared generator
@@ -54,7 +56,7 @@ def test_different_seeds_differ():
     assert a != b
 
 
-def test_greedy_equivalents_equal_argmax():
+def test_greedy_equivalents_equal_argmax(sampling_path):
     logits = random_logits(8, seed=3)
     argmax = logits.argmax(dim=-1).tolist()
     ids = [f"r{i}" for i in range(8)]
@@ -68,12 +70,12 @@ def test_greedy_equivalents_equal_argmax():
             assert Sampler()(logits, ids, [params] * 8) == argmax, params
 
 
-def test_greedy_on_bfloat16_logits_equals_float32_argmax():
+def test_greedy_on_bfloat16_logits_equals_float32_argmax(sampling_path):
     logits = random_logits(4, seed=4).bfloat16()
     assert Sampler()(logits, list("abcd"), [SamplingParams(temperature=0.0)] * 4) == logits.float().argmax(-1).tolist()
 
 
-def test_top_k_restricts_to_the_k_best():
+def test_top_k_restricts_to_the_k_best(sampling_path):
     # Eight good tokens with distinct probabilities, and a long tail that together outweighs them.
     logits = torch.zeros(VOCAB)
     best = [17, 3, 900, 250, 42, 512, 7, 640]
@@ -90,7 +92,7 @@ def test_top_k_restricts_to_the_k_best():
         assert abs(counts[token] - exp) < 5 * exp**0.5 + 10, (token, counts[token], exp)
 
 
-def test_top_p_keeps_the_nucleus():
+def test_top_p_keeps_the_nucleus(sampling_path):
     logits = torch.full((VOCAB,), -10.0)
     logits[[10, 20, 30]] = torch.tensor([2.0, 1.0, 0.0]).log_softmax(0) + 10  # masses ~0.67, 0.24, 0.09
     rows = 2000
@@ -99,7 +101,7 @@ def test_top_p_keeps_the_nucleus():
     assert tokens == {10, 20}
 
 
-def test_banned_tokens_are_never_picked_greedy_or_sampled():
+def test_banned_tokens_are_never_picked_greedy_or_sampled(sampling_path):
     logits = random_logits(3, seed=5)
     favourite = logits.argmax(dim=-1).tolist()
     banned = [(favourite[0],), (), tuple(logits[2].topk(10).indices.tolist())]
@@ -149,3 +151,69 @@ def test_64_bit_seeds_keep_every_bit_and_larger_ones_are_refused():
     assert picked == Sampler()(random_logits(1, seed=6), ["q"], [top])
     with pytest.raises(ValueError, match="seed must fit in 64 bits"):
         SamplingParams.from_dict({"seed": 2**64})
+
+
+# ---- the C kernel and its torch twin ---------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["c", "torch"])
+def sampling_path(request, monkeypatch):
+    """Run a test through the C kernel (where it builds) and through the torch reference."""
+    if request.param == "c" and cpu_kernels.load() is None:
+        pytest.skip("the C kernels do not build here")
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "supports_sampling", lambda logits: False)
+    return request.param
+
+
+TWIN_CASES = [  # (temperature, top_k, top_p)
+    (0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 50, 1.0), (1.0, 0, 0.9), (1.3, 40, 0.8), (1.0, 1, 1.0),
+    (1.0, 0, 1e-6), (2.0, 5000, 0.95), (0.5, 0, 0.5),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1000, 49152])
+def test_c_sampler_picks_what_the_torch_reference_picks(dtype, vocab):
+    if cpu_kernels.load() is None:
+        pytest.skip("the C kernels do not build here")
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 4 * len(TWIN_CASES)
+    # Peaked rows (a few likely tokens) and flat rows (the nucleus spans much of the vocabulary); bf16 adds ties.
+    scale = torch.tensor([6.0 if i % 2 else 0.5 for i in range(rows)])[:, None]
+    logits = (torch.randn(rows, vocab, generator=gen) * scale).to(dtype)
+    logits[3, :7] = float("-inf")  # banned tokens
+    cases = [TWIN_CASES[i % len(TWIN_CASES)] for i in range(rows)]
+    temperature = torch.tensor([c[0] for c in cases])
+    top_k = torch.tensor([c[1] for c in cases])
+    top_p = torch.tensor([c[2] for c in cases])
+    for draw in range(5):
+        uniform = torch.rand(rows, generator=gen, dtype=torch.float64)
+        c = cpu_kernels.cpu_sample_rows(logits, torch.arange(rows), temperature, top_k, top_p, uniform)
+        ref = sample_rows(logits, temperature, top_k, top_p, uniform)
+        assert c.tolist() == ref.tolist(), (draw, [(i, cases[i]) for i in (c != ref).nonzero().flatten().tolist()])
+        assert not set(c[3:4].tolist()) & set(range(7))
+
+
+def test_c_sampler_reads_only_the_rows_it_is_given():
+    if cpu_kernels.load() is None:
+        pytest.skip("the C kernels do not build here")
+    logits = random_logits(6, seed=8).bfloat16()[:, :999]  # strided rows
+    rows = torch.tensor([4, 1])
+    params = dict(temperature=torch.tensor([1.0, 0.0]), top_k=torch.tensor([0, 0]), top_p=torch.tensor([0.9, 1.0]),
+                  uniform=torch.tensor([0.25, 0.0], dtype=torch.float64))
+    picked = cpu_kernels.cpu_sample_rows(logits, rows, **params)
+    assert picked.tolist() == sample_rows(logits[rows], **params).tolist()
+    assert picked[1].item() == logits[1].float().argmax().item()
+
+
+def test_sampled_frequencies_follow_the_softmax(sampling_path):
+    logits = torch.zeros(VOCAB)
+    logits[:4] = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    rows = 4000
+    counts = collections.Counter(Sampler(seed=3)(logits.expand(rows, VOCAB), [f"r{i}" for i in range(rows)],
+                                                 [SamplingParams(temperature=1.0)] * rows))
+    expected = torch.softmax(logits, dim=0) * rows
+    for token in range(5):
+        exp = expected[token].item()
+        assert abs(counts[token] - exp) < 5 * exp**0.5 + 10, (token, counts[token], exp)
