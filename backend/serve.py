@@ -12,8 +12,10 @@ The admin APIs (shared-memory registration, trace and log settings, and model lo
 on) answer only requests that carry the header ``admin-key`` (gRPC: ``triton-grpc-protocol-admin-key``) with the
 value of ``$TRITON_ADMIN_KEY``, or of a random key made for each launch when that is unset.
 
-The server runs in its own session: ``stop()`` sends SIGTERM to tritonserver (it drains in-flight work, then stops
-its Python-backend stubs) and, if it has to escalate, SIGKILLs the whole process group, so no stub outlives it.
+The server runs in its own session: ``stop()`` (and Ctrl-C or SIGTERM to the CLI) stops it gracefully with
+``backend.shutdown.stop`` (tritonserver and its stubs get the signal, the models drain, idle client connections are
+closed so the models can unload at once) and, if it has to escalate, SIGKILLs the whole process group, so no stub
+outlives it.
 
 :class:`TritonServer` is the same code path as a small API (the tests use it)::
 
@@ -44,6 +46,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
+
+from backend import shutdown
+from backend.shutdown import option_value
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_LAYOUT_ROOT = REPO_ROOT / ".triton"
@@ -232,17 +237,6 @@ def check_ports(ports: Mapping[str, int], address: str) -> None:
             )
 
 
-def option_value(args: Sequence[str], name: str) -> str | None:
-    """Last value of ``--name X`` or ``--name=X`` in a tritonserver argument list (the server keeps the last)."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
 def restricted_api_args(extra_args: Sequence[str], key: str) -> list[str]:
     """Triton's own flags that put the admin APIs behind the ``admin-key`` header, for what ``extra_args`` lacks.
 
@@ -363,6 +357,7 @@ class TritonServer:
         self._recent_lines: collections.deque[str] = collections.deque(maxlen=2000)
         self._reader: threading.Thread | None = None
         self._group_ended = False
+        self._stopper: threading.Thread | None = None
 
     # -- addresses
 
@@ -536,9 +531,28 @@ class TritonServer:
         return found[-limit:]
 
     def send_signal(self, sig: int) -> None:
-        """Signal tritonserver only (its stubs hear from the server itself)."""
+        """Signal tritonserver alone (its stubs do not hear it: tritonserver forwards nothing). To stop the server,
+        use :meth:`begin_stop` or :meth:`stop`."""
         if self.is_running:
             self._process.send_signal(sig)
+
+    def begin_stop(self, sig: int = signal.SIGTERM) -> None:
+        """Start a graceful stop (``backend.shutdown.stop``) on a thread and return: tritonserver and its stubs get
+        ``sig``, the models drain, and the client connections left open are closed once nothing is open. Once only."""
+        if not self.is_running or self._stopper is not None:
+            return
+        self._stopper = threading.Thread(target=shutdown.stop, args=(self._process.pid, sig),
+                                         kwargs={"host": self._client_host, "log": self._log}, name="tritonserver-stop",
+                                         daemon=True)
+        self._stopper.start()
+
+    def _log(self, text: str) -> None:
+        line = f"[serve] stopping: {text}"
+        if self.echo:
+            print(line, file=sys.stderr, flush=True)
+        elif self.log_path is not None:
+            with open(self.log_path, "a") as f:
+                f.write(line + "\n")
 
     def kill(self) -> None:
         """SIGKILL tritonserver and every process of its group (the stubs, anything a model started)."""
@@ -572,12 +586,12 @@ class TritonServer:
         self._group_ended = True
 
     def stop(self, timeout: float = 45.0) -> int | None:
-        """SIGTERM to tritonserver, wait up to ``timeout`` s (it drains in-flight work, then stops its stubs), then
-        SIGKILL the whole process group. Idempotent."""
+        """Stop gracefully (:meth:`begin_stop`), wait up to ``timeout`` s for tritonserver to exit (the models drain,
+        unload, and the stubs exit), then SIGKILL the whole process group. Idempotent."""
         if self._process is None:
             return None
         if self._process.poll() is None:
-            self._process.terminate()
+            self.begin_stop()
             try:
                 self._process.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -673,11 +687,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signals_received: list[int] = []
 
     def forward(signum: int, _frame) -> None:
-        # NOTE: the server has its own session, so the terminal's Ctrl-C reaches only us; we pass it on.
-        # First signal: let the server shut down cleanly. Second: stop waiting for it, stubs included.
+        # NOTE: the server has its own session, so the terminal's Ctrl-C reaches only us; we pass it on, to the stubs
+        # too. First signal: let the server shut down cleanly. Second: stop waiting for it, stubs included.
         signals_received.append(signum)
         if len(signals_received) == 1:
-            server.send_signal(signum)
+            server.begin_stop(signum)
         else:
             server.kill()
 
@@ -721,6 +735,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     status = _exit_status(code)
     print(f"[serve] tritonserver exited with status {status}", file=sys.stderr)
+    if status and any("Exit timeout expired" in line for line in server.output_lines()[-50:]):
+        print("[serve] tritonserver gave up waiting at --exit-timeout-secs: a model could not unload (a gRPC client "
+              "that cancels a stream right after its final response can cause that in Triton 2.51), or a client "
+              "connection could not be closed; see the README, \"Stopping the server\"", file=sys.stderr)
     return status
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from backend.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, EngineConfig, SamplingParams
 from backend.engine import RequestOutput
+from backend.shutdown import drain_grace, server_args
 
 log = logging.getLogger(__name__)
 
@@ -373,10 +374,11 @@ class ShutdownNotice:
     """Notice, inside a Python-backend stub process, that the server is shutting down: SIGTERM or SIGINT arrives.
 
     Triton 2.51 tells a Python model nothing until it finalizes it, and by then the model can no longer respond
-    (and it finalizes a model only once every client stream that used it is closed). So the launcher signals
-    tritonserver's whole process group (``os.killpg``), and the model drains: it refuses new requests, lets the
-    ones it has run for ``grace`` seconds, and then ends the rest with "the server is shutting down" — before
-    tritonserver's own ``--exit-timeout-secs`` runs out. ``on_notice(grace)`` runs on a watcher thread.
+    (and it finalizes a model only once every client stream that used it is closed). So whoever stops the server
+    signals the stubs too (``backend.shutdown.stop``: the launcher, the container's entry, the tests), and the
+    model drains: it refuses new requests, lets the ones it has run for ``grace`` seconds, and then ends the rest
+    with "the server is shutting down" — before tritonserver's own ``--exit-timeout-secs`` runs out.
+    ``on_notice(grace)`` runs on a watcher thread.
 
     NOTE: the stub's own C handler ignores these signals. Python's replaces it; its C-level part writes the signal
     number to the wakeup fd at once, whatever the main thread is doing, and the watcher thread reads it there.
@@ -411,30 +413,10 @@ class ShutdownNotice:
             self._on_notice(self.grace)
 
 
-# tritonserver's default --exit-timeout-secs, and how long before it the models end what is still running (the
-# final responses, the clients closing their streams and the models unloading must all fit in this margin).
-TRITON_EXIT_TIMEOUT_S = 30.0
-SHUTDOWN_MARGIN_S = 5.0
-
-
 def shutdown_grace(parent_pid: int | None = None) -> float:
     """Seconds to keep serving after a shutdown signal: tritonserver's exit timeout (read from its command line,
-    as this process is its child) less a margin."""
-    exit_timeout = TRITON_EXIT_TIMEOUT_S
-    try:
-        with open(f"/proc/{parent_pid or os.getppid()}/cmdline", "rb") as f:
-            args = f.read().decode(errors="replace").split("\0")
-    except OSError:
-        args = []
-    for i, arg in enumerate(args):  # tritonserver keeps the last value given
-        value = args[i + 1] if arg == "--exit-timeout-secs" and i + 1 < len(args) else \
-            arg.split("=", 1)[1] if arg.startswith("--exit-timeout-secs=") else None
-        if value is not None:
-            try:
-                exit_timeout = float(value)
-            except ValueError:
-                pass
-    return max(0.0, exit_timeout - SHUTDOWN_MARGIN_S)
+    as this process is its child) less a margin (``backend.shutdown.drain_grace``)."""
+    return drain_grace(server_args(parent_pid or os.getppid()))
 
 
 # ---- test-only fault injection ------------------------------------------------------------------------------

@@ -282,18 +282,27 @@ class GrpcStreamUser(StreamingLLMUser):
 
     def on_start(self) -> None:
         self.client = grpcclient.InferenceServerClient(self.options.grpc_url or _default_grpc_url(self.host))
-        config = self.client.get_model_config(self.model, as_json=True)["config"]
+        try:
+            config = self.client.get_model_config(self.model, as_json=True)["config"]
+        except BaseException:
+            self.on_stop()  # Locust calls on_stop only for users that started
+            raise
         # NOTE: a model with max_batch_size > 0 (llm_dynamic) takes every input with a leading batch dimension.
         self.max_batch_size = int(config.get("max_batch_size", 0))
         super().on_start()
 
     def on_stop(self) -> None:
-        self.client.close()
+        # NOTE: drop the client now, while gevent runs: a client that is only garbage-collected at interpreter exit
+        # closes its gRPC channel again there (tritonclient's __del__), and that can hang the process for good.
+        client, self.client = self.client, None
+        if client is not None:
+            client.close()
 
     def stream(self, request: GenerationRequest, t0: float):
         responses = queue.Queue()
         self.client.start_stream(callback=lambda result, error: responses.put((time.perf_counter(), result, error)))
         deadline = t0 + self.options.request_timeout
+        ended = False  # the request's last response (its final one, or an error: our models end a request with it)
         try:
             self.client.async_stream_infer(
                 self.model, build_inputs(request, self.max_batch_size), enable_empty_final_response=True
@@ -304,12 +313,16 @@ class GrpcStreamUser(StreamingLLMUser):
                 except queue.Empty:
                     raise StreamError("timeout: no final response within --request-timeout") from None
                 if error is not None:
+                    ended = True
                     raise StreamError(f"error: {error}")
+                ended = result.get_response().parameters["triton_final_response"].bool_param
                 yield parse_chunk(result.as_numpy, t - t0)
-                if result.get_response().parameters["triton_final_response"].bool_param:
+                if ended:
                     return
         finally:
-            self.client.stop_stream(cancel_requests=True)
+            # NOTE: cancel only a request still running. Cancelling a stream right after its last response can leave
+            # the model unable to unload at shutdown (a race in Triton 2.51's gRPC frontend; backend/shutdown.py).
+            self.client.stop_stream(cancel_requests=not ended)
 
 
 class HttpStreamUser(StreamingLLMUser):

@@ -41,8 +41,9 @@ class TritonPythonModel:
         self.engine.fault_hook = self.faults
         self.metrics = TritonMetrics(pb_utils, args["model_name"], self.engine.runner.num_kv_blocks)
         self.failure = None  # set once the engine failed in a way a step cannot recover from
-        # On SIGTERM Triton refuses new requests itself; the batches it has queued still run until shortly before
-        # tritonserver's exit timeout, and whatever is still running then ends with "the server is shutting down".
+        # On SIGTERM the batch running goes on until shortly before tritonserver's exit timeout, and whatever is still
+        # running then ends with "the server is shutting down". Every later batch is refused at once: Triton 2.51
+        # still passes on requests that arrive over connections already open.
         self.shutdown = ShutdownNotice()
 
     def execute(self, requests):
@@ -50,7 +51,7 @@ class TritonPythonModel:
         batch = {}  # request id -> OpenRequest: exactly the requests Triton put in this batch
         for request in requests:
             sender = request.get_response_sender()
-            if self.failure is not None or self.shutdown.expired():
+            if self.failure is not None or self.shutdown.is_set():
                 send_error(pb_utils, sender, self.failure or SHUTTING_DOWN)
                 continue
             try:

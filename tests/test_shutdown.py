@@ -1,0 +1,309 @@
+"""Stopping the server under load (issue 14): `make serve`'s launcher, a real Locust run, SIGTERM or Ctrl-C.
+
+Each case runs the launcher's CLI (``python -m backend.serve``, what ``make serve`` runs) on the three models with
+the tiny Llama, Locust against llm_continuous (``--config loadtest/locust.conf``, gRPC and HTTP users, as a user
+would run it) and against llm_dynamic and llm_static, then signals. It checks what a user and a Kubernetes grace
+period rely on: exit status 0 well inside the exit timeout (30 s, Triton's default), every model unloaded, KV blocks
+and open requests back to 0 in every model, and every request a model accepted answered: the server's count of
+finished requests equals what the clients saw finish, none was cut off, and every request that had streamed a token
+ended with its last token or with "the server is shutting down".
+
+What tritonserver 2.51 does by itself on SIGTERM, and what backend/shutdown.py adds, is written at the top of that
+module. The small tests below check its parts without a server.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import requests
+
+from backend import probe, shutdown
+from tests.server_harness import LOCALHOST, REPO_ROOT, free_ports
+
+LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
+MODELS = ("llm_continuous", "llm_dynamic", "llm_static")
+# Tiny model in float32; a 512-token context (the tiny Llama's) and a small KV pool.
+TINY = {"dtype": "float32", "max_model_len": "512", "num_kv_blocks": "256"}
+SHUTTING_DOWN = "the server is shutting down"
+# Generous for a loaded 2-core machine (about 5 s here), and still short of the 20 s stall the issue saw.
+SHUTDOWN_BOUND_S = 15.0
+
+
+# ---- the parts, without a server ------------------------------------------------------------------------------
+
+
+def test_the_drain_grace_is_read_from_tritonservers_command_line():
+    assert shutdown.exit_timeout(["tritonserver"]) == 30.0
+    args = ["tritonserver", "--exit-timeout-secs", "20", "--http-port=9000", "--exit-timeout-secs=12"]
+    assert shutdown.exit_timeout(args) == 12.0  # the last one wins, as in tritonserver
+    assert shutdown.drain_grace(args) == 12.0 - shutdown.SHUTDOWN_MARGIN_S
+    assert shutdown.drain_grace(["tritonserver", "--exit-timeout-secs", "3"]) == 0.0
+    assert shutdown.server_args(os.getpid())[0].endswith(("python", "python3", Path(sys.executable).name))
+
+
+class _Pages(http.server.BaseHTTPRequestHandler):
+    pages: dict[str, tuple[int, str]] = {}
+
+    def do_GET(self):  # noqa: N802
+        status, body = self.pages.get(self.path, (404, ""))
+        self.send_response(status)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def pages():
+    """A loopback HTTP server answering ``pages[path] = (status, body)``; yields ``(base_url, pages)``."""
+    server = http.server.ThreadingHTTPServer((LOCALHOST, 0), _Pages)
+    _Pages.pages = {}
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://{LOCALHOST}:{server.server_address[1]}", _Pages.pages
+    server.shutdown()
+    server.server_close()
+
+
+METRICS = """# HELP llm_num_requests_running x
+llm_num_requests_running{model="llm_continuous"} 2
+llm_num_requests_waiting{model="llm_continuous"} 1
+nv_inference_pending_request_count{model="llm_dynamic",version="1"} 3
+llm_kv_blocks_used{model="llm_continuous"} 40
+llm_engine_healthy{model="llm_continuous"} 1
+llm_engine_healthy{model="llm_dynamic"} 0
+"""
+
+
+def test_open_requests_and_failed_engines_are_read_from_the_metrics(pages):
+    url, table = pages
+    table["/metrics"] = (200, METRICS)
+    assert shutdown.open_requests(f"{url}/metrics") == (3, 3)  # running + waiting; Triton's own queue
+    assert shutdown.open_requests(f"http://{LOCALHOST}:{free_ports(1)[0]}/metrics") is None
+    assert probe.failed_engines(METRICS) == ["llm_dynamic"]
+
+    table["/v2/health/ready"] = (200, "")
+    assert "llm_dynamic" in probe.check("ready", url, f"{url}/metrics")
+    assert probe.check("live", url, f"{url}/metrics") == "/v2/health/live answered 404"
+    table["/metrics"] = (200, METRICS.replace('"llm_dynamic"} 0', '"llm_dynamic"} 1'))
+    assert probe.check("ready", url, f"{url}/metrics") is None
+    table["/v2/health/ready"] = (400, "")
+    assert probe.check("ready", url, f"{url}/metrics") == "/v2/health/ready answered 400"
+
+
+HOLDER = """
+import socket, sys, time
+listener = socket.create_server(("127.0.0.1", 0))
+print(listener.getsockname()[1], flush=True)
+conn, _ = listener.accept()
+print("accepted", flush=True)
+print("read", conn.recv(10), flush=True)  # b"" once the connection is shut down
+time.sleep(30)
+"""
+
+
+@pytest.mark.timeout(30)
+def test_a_childs_client_connections_are_found_and_shut_down():
+    """What shutdown.stop does to the keep-alive connections tritonserver waits for: found by port, shut down from
+    outside; the child's next read ends and the client sees the connection closed."""
+    child = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(child.stdout.readline())
+        client = socket.create_connection((LOCALHOST, port), timeout=10)
+        assert child.stdout.readline().strip() == "accepted"
+        fds = shutdown.client_connections(child.pid, [port])
+        assert len(fds) == 1 and shutdown.client_connections(child.pid, [port + 1]) == []
+        assert shutdown.shut_down_connections(child.pid, fds, min_idle_s=60) == 0  # not idle for that long
+        assert shutdown.shut_down_connections(child.pid, fds) == 1
+        assert child.stdout.readline().strip() == "read b''"
+        assert client.recv(10) == b""
+        client.close()
+    finally:
+        child.kill()
+        child.wait()
+
+
+# ---- the real server, the real Locust ---------------------------------------------------------------------------
+
+
+def make_repository(dst: Path) -> Path:
+    """model_repository/'s three models with the ``TINY`` settings."""
+    for model in MODELS:
+        shutil.copytree(REPO_ROOT / "model_repository" / model, dst / model, symlinks=False,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        path = dst / model / "config.pbtxt"
+        text = path.read_text()
+        for key, value in TINY.items():
+            line = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
+            text, found = re.subn(rf'parameters: \{{ key: "{key}", value: \{{ string_value: "[^"]*" \}} \}}\n', line,
+                                  text)
+            if not found:
+                text += line
+        path.write_text(text)
+    return dst
+
+
+class MetricsTrail:
+    """Scrapes the metrics port every 0.1 s until it stops answering; keeps each model's last sample."""
+
+    NAMES = ("llm_kv_blocks_used", "llm_num_requests_running", "llm_num_requests_waiting", "llm_request_success_total")
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.last: dict[str, dict[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set() and failures < 20:
+            try:
+                text = requests.get(self.url, timeout=2).text
+            except requests.RequestException:
+                failures += 1
+                time.sleep(0.1)
+                continue
+            sample: dict[str, dict[str, float]] = {}
+            for line in text.splitlines():
+                if line.startswith(self.NAMES):
+                    key, value = line.rsplit(" ", 1)
+                    model = re.search(r'model="([^"]+)"', key)[1]
+                    name = key.split("{", 1)[0]
+                    sample.setdefault(model, Counter())[name] += float(value)
+            self.last.update(sample)
+            time.sleep(0.1)
+
+    def stop(self) -> dict[str, dict[str, float]]:
+        self._stop.set()
+        self._thread.join(10)
+        return self.last
+
+
+def start_locust(server_urls: tuple[str, str], model: str, users: int, out: Path) -> subprocess.Popen:
+    http_url, grpc_url = server_urls
+    command = [
+        sys.executable, "-m", "locust", "--config", "loadtest/locust.conf", "-f", str(LOCUSTFILE), "--headless",
+        "--only-summary", "-u", str(users), "-r", str(users), "--run-time", "60s", "--stop-timeout", "30",
+        "--host", http_url, "--grpc-url", grpc_url, "--model", model, "--length-scale", "0.25",
+        "--max-requests", "1500", "--request-timeout", "60", "--records-file", str(out / f"{model}.jsonl"),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONFAULTHANDLER": "1"}
+    log = open(out / f"locust-{model}.log", "w")
+    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def unload_times(log_lines: list[str], signalled_at: str) -> dict[str, float]:
+    """Seconds from the first log line after the signal to each "successfully unloaded" line."""
+    def seconds(line: str) -> float | None:
+        m = re.match(r"[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+)", line)
+        return int(m[1]) * 3600 + int(m[2]) * 60 + float(m[3]) if m else None
+
+    after = log_lines[next(i for i, line in enumerate(log_lines) if line.startswith(signalled_at)):]
+    t0 = next(seconds(line) for line in after if seconds(line) is not None)
+    return {m[1]: round(seconds(line) - t0, 1) for line in after if (m := re.search(r"unloaded '(\w+)'", line))}
+
+
+def requests_of(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "index" in r] if path.exists() else []
+
+
+# NOTE: the three ways the issue stopped `make serve` under load. Locust's own SIGTERM lets its users finish the
+# request they are in (--stop-timeout), so in the first two cases the clients wait for their answers; in the third
+# they go on sending (and meet refusals, then closed connections) until their request budget is spent.
+CASES = {
+    "locust_stopped_1s_before": (signal.SIGTERM, 1.0),
+    "locust_and_server_together": (signal.SIGINT, 0.0),  # Ctrl-C
+    "locust_left_running": (signal.SIGTERM, None),
+}
+
+
+@pytest.mark.server
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("case", list(CASES))
+def test_stopping_make_serve_under_locust_load(case, tiny_llama_dir, tmp_path):
+    sig, locust_lead = CASES[case]
+    http_port, grpc_port, metrics_port = free_ports(3)
+    repo = make_repository(tmp_path / "model_repository")
+    command = [sys.executable, "-m", "backend.serve", "--model-repository", str(repo), "--model", str(tiny_llama_dir),
+               "--address", LOCALHOST, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+               "--metrics-port", str(metrics_port), "--max-restarts", "0"]
+    serve_log = tmp_path / "serve.log"
+    serve = subprocess.Popen(command, cwd=REPO_ROOT, stdout=open(serve_log, "w"), stderr=subprocess.STDOUT)
+    locusts: dict[str, subprocess.Popen] = {}
+    try:
+        deadline = time.monotonic() + 180
+        while "[serve] ready" not in serve_log.read_text():
+            assert serve.poll() is None and time.monotonic() < deadline, serve_log.read_text()[-3000:]
+            time.sleep(0.2)
+        urls = (f"http://{LOCALHOST}:{http_port}", f"{LOCALHOST}:{grpc_port}")
+        for model, users in (("llm_continuous", 4), ("llm_dynamic", 2), ("llm_static", 2)):
+            locusts[model] = start_locust(urls, model, users, tmp_path)
+        time.sleep(6)  # load: the engines are busy and keep-alive connections are open
+        assert all(p.poll() is None for p in locusts.values()), "a Locust run ended before the signal"
+        trail = MetricsTrail(f"http://{LOCALHOST}:{metrics_port}/metrics")
+
+        if locust_lead is not None:
+            for locust in locusts.values():
+                locust.send_signal(signal.SIGTERM)
+            time.sleep(locust_lead)
+        t0 = time.monotonic()
+        serve.send_signal(sig)
+        code = serve.wait(60)
+        shutdown_s = time.monotonic() - t0
+        last = trail.stop()
+        for model, locust in locusts.items():
+            # NOTE: a Locust process has been seen to print its summary (every user had ended and written its
+            # records) and then hang at interpreter exit, closing a gRPC channel while garbage-collecting (the
+            # locustfile now drops its clients earlier). That is the load generator's problem, not the server's:
+            # end it, leaving its stacks in its log.
+            try:
+                locust.wait(20)
+            except subprocess.TimeoutExpired:
+                locust.send_signal(signal.SIGABRT)
+                locust.wait(10)
+                assert "Response time percentiles" in (tmp_path / f"locust-{model}.log").read_text(), model
+    finally:
+        for process in (serve, *locusts.values()):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+    lines = serve_log.read_text().splitlines()
+    unloaded = unload_times(lines, "Signal (")
+    print(f"\n{case}: exit status {code}, stopped {shutdown_s:.1f} s after the signal; unloaded {unloaded}; "
+          + "; ".join(line for line in lines if line.startswith("[serve] stopping")))
+    assert code == 0, "\n".join(lines[-40:])
+    assert shutdown_s < SHUTDOWN_BOUND_S, "\n".join(lines[-40:])
+    assert set(unloaded) == set(MODELS), unloaded
+
+    for model in MODELS:
+        records = requests_of(tmp_path / f"{model}.jsonl")
+        final = last[model]
+        outcomes = Counter("ok" if r["ok"] else "cut" if r["cut"] else "shutting down" if SHUTTING_DOWN in
+                           (r["error"] or "") else "other error" for r in records)
+        print(f"  {model}: {dict(outcomes)}; server at unload: {dict(final)}")
+        assert final["llm_kv_blocks_used"] == final["llm_num_requests_running"] == 0, (model, final)
+        assert final["llm_num_requests_waiting"] == 0, (model, final)
+        assert outcomes["ok"] > 0 and outcomes["cut"] == 0, (model, outcomes)
+        streamed = [r for r in records if r["num_output_tokens"] > 0]
+        unanswered = [r for r in streamed if not r["ok"] and SHUTTING_DOWN not in (r["error"] or "")]
+        assert not unanswered, (model, unanswered[:3])
+        # Every request a model accepted was answered once: the model's count of finished requests is what the
+        # clients saw finish (a request that ran must have streamed a token: the tiny model makes one in ms).
+        assert final["llm_request_success_total"] == len(streamed), (model, final, len(streamed))
