@@ -33,6 +33,7 @@ from packaging.requirements import Requirement
 from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
+from backend import shutdown
 from backend.config import EngineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,7 +157,7 @@ def test_triton_image_layers_serving_setup_and_order():
     assert f"PYTHONPATH={workdir}" in env, "the models' model.py imports backend/ from PYTHONPATH"
 
     assert set(args["EXPOSE"].split()) == {"8000", "8001", "8002"}
-    assert "/v2/health/ready" in args["HEALTHCHECK"]
+    assert json.loads(args["HEALTHCHECK"].split("CMD", 1)[1]) == ["python3", f"{workdir}/backend/probe.py", "ready"]
     user = [a for k, a in instructions if k == "USER"][-1]
     assert user.split(":")[0] not in ("root", "0")
     assert "--shm-size" in text, "the Python backend's shared-memory note belongs in the Dockerfile"
@@ -557,10 +558,12 @@ def test_kubernetes_triton_replicas_probes_gpu_and_shm():
     named_ports = {p["name"]: p["containerPort"] for p in triton["ports"]}
     assert set(named_ports.values()) == {8000, 8001, 8002}
 
-    for probe, path in (("readinessProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live"),
-                        ("startupProbe", "/v2/health/ready")):
-        get = triton[probe]["httpGet"]
-        assert get["path"] == path and named_ports[get["port"]] == 8000, probe
+    get = triton["startupProbe"]["httpGet"]
+    assert get["path"] == "/v2/health/ready" and named_ports[get["port"]] == 8000
+    # Ready and live also see a dead engine (backend/probe.py reads llm_engine_healthy).
+    for probe, kind in (("readinessProbe", "ready"), ("livenessProbe", "live")):
+        assert triton[probe]["exec"]["command"] == ["python3", "/opt/llm/backend/probe.py", kind], probe
+        assert triton[probe]["timeoutSeconds"] >= 3, probe
 
     assert str(triton["resources"]["limits"]["nvidia.com/gpu"]) == "1"
     (shm,) = [m for m in triton["volumeMounts"] if m["mountPath"] == "/dev/shm"]
@@ -573,6 +576,26 @@ def test_kubernetes_triton_replicas_probes_gpu_and_shm():
     service = manifests[("Service", "triton")]
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(named_ports)
+
+
+def test_stopping_fits_the_exit_timeout_in_compose_and_kubernetes():
+    """The exit timeout is given explicitly, and Docker and Kubernetes wait longer than it before they kill."""
+    cmd = json.loads(dict(dockerfile_instructions(DOCKERFILES["triton"]))["CMD"])
+    assert cmd[:2] == ["bash", "/opt/llm/docker/triton-serve.sh"]
+    exit_timeout = float(shutdown.option_value(cmd, "--exit-timeout-secs"))
+    triton_service = load_compose()["services"]["triton"]
+    assert "command" not in triton_service  # the image's CMD, with its exit timeout
+    grace = triton_service["stop_grace_period"]
+    assert grace.endswith("s") and float(grace[:-1]) >= exit_timeout + 5
+
+    deployment = load_manifests()[("Deployment", "triton")]
+    pod = deployment["spec"]["template"]["spec"]
+    triton = container(deployment)
+    assert float(shutdown.option_value(triton["args"], "--exit-timeout-secs")) == exit_timeout
+    pre_stop = triton["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + exit_timeout + 5
+    assert shutdown.drain_grace(cmd) < exit_timeout  # the models end their requests before Triton gives up
 
 
 def test_kubernetes_locust_master_and_workers_reach_their_services():

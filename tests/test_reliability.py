@@ -30,6 +30,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
+from backend import probe
 from loadtest import soak
 from loadtest.soak import gauge, grpc_generate, grpc_inputs, scrape_metrics, start_grpc_stream, tree_rss
 from tests.server_harness import REPO_ROOT
@@ -550,6 +551,7 @@ def test_a_failing_step_fails_its_requests_and_a_broken_engine_fails_every_reque
     after = grpc_generate(server.grpc_url, model, "after the fault", max_tokens=6, **GREEDY)
     assert after.error is None and len(after.token_ids) == 6
     assert metric(server, "llm_engine_healthy", model) == 1
+    assert model not in (probe.check("ready", server.http_url, server.metrics_url) or "")
 
     # A fault no step can recover from: every open request gets a final error, every later one is refused at once.
     bystander = start_grpc_stream(server.grpc_url, model, "a bystander", max_tokens=200, **GREEDY)
@@ -574,6 +576,9 @@ def test_a_failing_step_fails_its_requests_and_a_broken_engine_fails_every_reque
     if metric(server, "llm_engine_healthy", other) == 1:  # the other model is untouched
         assert len(grpc_generate(server.grpc_url, other, "Hello", max_tokens=4, **GREEDY).token_ids) == 4
     assert is_ready(server)  # Triton 2.51 gives a Python model no way to report itself not-ready; see README
+    # The probes Docker and Kubernetes run (backend/probe.py) read the engine's health too.
+    assert model in probe.check("ready", server.http_url, server.metrics_url)
+    assert model in probe.check("live", server.http_url, server.metrics_url)
 
 
 @pytest.mark.timeout(120)
@@ -625,7 +630,7 @@ def test_unload_and_reload_leave_no_process_or_memory_behind(tiny_llama_dir, tmp
 
 
 def sigterm_with_streams(server, max_tokens: int) -> tuple[list, float, int]:
-    """Four continuous streams and two dynamic ones, then SIGTERM to tritonserver's process group (as the launcher
+    """Four continuous streams and two dynamic ones, then SIGTERM to tritonserver's process group (as backend.shutdown
     sends it: the stubs must hear it too). Each client closes its stream once it has its final response."""
     streams = [start_grpc_stream(server.grpc_url, "llm_continuous", f"story {i}", max_tokens=max_tokens, **GREEDY)
                for i in range(4)]

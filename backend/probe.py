@@ -1,0 +1,74 @@
+"""Health probes for Kubernetes and Docker that also see a dead engine.
+
+    python3 backend/probe.py ready   # /v2/health/ready answers 200 and no model's engine has failed
+    python3 backend/probe.py live    # /v2/health/live answers 200 and no model's engine has failed
+
+Triton 2.51 keeps a Python model READY after its engine failed: the model then refuses every request with "the
+engine failed ...; restart the server" and sets ``llm_engine_healthy`` to 0 on the metrics port, but it cannot mark
+itself unready, so ``/v2/health/ready`` stays 200. These probes read that gauge too. Exit status 0 when healthy,
+1 otherwise, with the reason on stdout (``kubectl describe pod`` shows it). New connections only: during a shutdown
+tritonserver refuses them, so the probes fail at once. Standard library only; run it as a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+
+ENGINE_GAUGE = "llm_engine_healthy"
+
+
+def get(url: str, timeout: float) -> tuple[int, str]:
+    """``(status, body)``; status 0 when nothing answered."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, ""
+    except (urllib.error.URLError, OSError):
+        return 0, ""
+
+
+def failed_engines(metrics_text: str) -> list[str]:
+    """Models whose ``llm_engine_healthy`` gauge is 0."""
+    failed = []
+    for line in metrics_text.splitlines():
+        if line.startswith(ENGINE_GAUGE + "{"):
+            labels, _, value = line.rpartition(" ")
+            if float(value) == 0:
+                model = labels.split('model="', 1)[1].split('"', 1)[0] if 'model="' in labels else labels
+                failed.append(model)
+    return sorted(failed)
+
+
+def check(kind: str, url: str, metrics_url: str, timeout: float = 3.0) -> str | None:
+    """None when healthy, else why not."""
+    status, _ = get(f"{url.rstrip('/')}/v2/health/{kind}", timeout)
+    if status != 200:
+        return f"/v2/health/{kind} answered {status or 'nothing'}"
+    status, text = get(metrics_url, timeout)
+    if status != 200:
+        return f"the metrics port ({metrics_url}) answered {status or 'nothing'}: cannot tell whether the engines run"
+    failed = failed_engines(text)
+    if failed:
+        return f"the engine of {', '.join(failed)} failed ({ENGINE_GAUGE} 0); it refuses every request until restarted"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="probe.py", description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind", choices=("ready", "live"))
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="Triton's HTTP endpoint (default: %(default)s)")
+    parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics", help="default: %(default)s")
+    parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request (default: %(default)s)")
+    args = parser.parse_args(argv)
+    problem = check(args.kind, args.url, args.metrics_url, args.timeout)
+    print(problem or f"{args.kind}: ok")
+    return 1 if problem else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
