@@ -282,7 +282,7 @@ def stop(pid: int, sig: int = signal.SIGTERM, *, host: str = "127.0.0.1", log: L
                 "tritonserver waits for them up to its --exit-timeout-secs")
             return drained
         time.sleep(poll)
-    message = f"{drained}; closed {closed} idle client connection{'s' * (closed != 1)}" if closed else drained
+    message = f"{drained}; closed {closed} client connection{'s' * (closed != 1)} left open" if closed else drained
     log(message)
     return message
 
