@@ -253,6 +253,10 @@ class LLMClient:
                     if error is not None:
                         if generation.cancelled:  # the stream ends with "Locally cancelled by application!"
                             return
+                        # NOTE: an error ends the request (the models send it as the final response; Triton's own
+                        # refusals come before the request starts), so nothing is left to cancel: cancelling a
+                        # finished request can leave its model unable to unload in Triton 2.51 (README, stopping).
+                        generation.ended_at = arrived
                         raise GenerationError(f"'{model}': {error.message()}")
                     chunk = parse_chunk(result.as_numpy, arrived - started)
                     if chunk.num_tokens or chunk.finish_reason:
