@@ -631,7 +631,11 @@ def test_unload_and_reload_leave_no_process_or_memory_behind(tiny_llama_dir, tmp
 
 def sigterm_with_streams(server, max_tokens: int) -> tuple[list, float, int]:
     """Four continuous streams and two dynamic ones, then SIGTERM to tritonserver's process group (as backend.shutdown
-    sends it: the stubs must hear it too). Each client closes its stream once it has its final response."""
+    sends it: the stubs must hear it too). Each client closes its stream once it has its final response.
+
+    Returns (streams running at the signal, streams not started yet, seconds to exit, exit status). The second
+    dynamic request may still wait in Triton's queue behind the first batch: a batcher model starts no batch after
+    the signal, so such a request gets "the server is shutting down" and no token."""
     streams = [start_grpc_stream(server.grpc_url, "llm_continuous", f"story {i}", max_tokens=max_tokens, **GREEDY)
                for i in range(4)]
     streams += [start_grpc_stream(server.grpc_url, "llm_dynamic", f"note {i}", max_tokens=max_tokens, **GREEDY)
@@ -639,6 +643,7 @@ def sigterm_with_streams(server, max_tokens: int) -> tuple[list, float, int]:
     for stream in streams[:5]:
         assert stream.wait_tokens(1, timeout=60)
     t0 = time.monotonic()
+    running = [stream for stream in streams if stream.chunks]
     os.killpg(server.pid, signal.SIGTERM)
     time.sleep(0.5)  # the signal is handled asynchronously
     late = grpc_generate(server.grpc_url, "llm_continuous", "too late", max_tokens=4, timeout=30)
@@ -647,7 +652,7 @@ def sigterm_with_streams(server, max_tokens: int) -> tuple[list, float, int]:
         assert stream.wait(60), "a stream got no final response"
         stream.close()
     code = server.wait(60)
-    return streams, time.monotonic() - t0, code
+    return running, [s for s in streams if s not in running], time.monotonic() - t0, code
 
 
 @pytest.mark.timeout(300)
@@ -655,9 +660,13 @@ def test_sigterm_drains_the_streams_in_flight_and_exits_in_time(tiny_llama_dir, 
     """With an exit timeout of 25 s the models keep serving for 20 s: every stream completes."""
     server = start_server(make_repository(tmp_path / "model_repository"), model=tiny_llama_dir,
                           extra_args=["--exit-timeout-secs", "25"])
-    streams, exited_after, code = sigterm_with_streams(server, max_tokens=200)
-    for stream in streams:
+    running, queued, exited_after, code = sigterm_with_streams(server, max_tokens=200)
+    assert len(running) >= 5
+    for stream in running:
         assert stream.error is None and len(stream.token_ids) == 200
+    for stream in queued:  # the second dynamic request, if it was not in the first batch
+        assert (stream.error is None and len(stream.token_ids) == 200) or (
+            not stream.token_ids and "the server is shutting down" in stream.error), stream
     assert code == 0 and exited_after < 25
 
 
@@ -667,8 +676,8 @@ def test_sigterm_ends_what_cannot_finish_with_an_error_and_exits_in_time(tiny_ll
     shutting down", and the server exits within its exit timeout."""
     server = start_server(make_repository(tmp_path / "model_repository"), model=tiny_llama_dir,
                           extra_args=["--exit-timeout-secs", "5"])
-    streams, exited_after, code = sigterm_with_streams(server, max_tokens=250)
-    for stream in streams:
+    running, queued, exited_after, code = sigterm_with_streams(server, max_tokens=250)
+    for stream in running + queued:
         assert stream.error is not None and "the server is shutting down" in stream.error, stream.error
         assert stream.final_at - stream.sent_at < 30
     assert code == 0 and exited_after < 5
