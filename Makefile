@@ -33,9 +33,9 @@ AIPERF_VENV ?= .venv-aiperf
 AIPERF_STAMP := $(AIPERF_VENV)/.installed
 AIPERF_MODEL ?= llm_continuous
 AIPERF_ARTIFACTS ?= reports/aiperf-$(AIPERF_MODEL)
-# OpenMP threads sleep instead of spinning while they wait (see backend/__init__.py for why).
-OMP_WAIT_POLICY ?= PASSIVE
-export HTTP_PORT GRPC_PORT METRICS_PORT MODEL OMP_WAIT_POLICY
+# How OpenMP threads wait (a bounded spin) is set in backend/__init__.py; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the
+# environment (or on make's command line) override it.
+export HTTP_PORT GRPC_PORT METRICS_PORT MODEL
 
 .PHONY: venv venv310 aiperf-venv model serve test compare slo locust bench soak gpu-check aiperf clean
 

@@ -1,6 +1,8 @@
-"""Offline engine benchmark: the engine beside HF ``generate``, continuous beside static batching, scheduler cost.
+"""Engine benchmark: the engine beside HF ``generate`` and beside its memory floor, served through a real
+tritonserver beside offline, continuous beside static batching, scheduler cost, and issue 16's targets judged.
 
-    python -m backend.bench --model models/smollm2-135m-instruct [--quick] [--hf-batches 1,8,32] [--out reports/bench.json]
+    python -m backend.bench --model models/smollm2-135m-instruct [--quick] [--hf-batches 1,8,32]
+        [--served-models llm_continuous,llm_dynamic] [--out reports/bench.json]
 
 Prints one table from one run and writes the same figures to ``--out`` (JSON). Every figure has its baseline from
 the same run beside it. Keys of the JSON file:
@@ -13,6 +15,24 @@ the same run beside it. Keys of the JSON file:
     ``hf_tok_s`` (HF ``generate`` on the same prompts, same dtype and threads, static batch; ``null`` where skipped);
     ``ratio`` (``engine_tok_s / hf_tok_s`` or ``null``); ``engine_decode_step_ms`` (median decode step of the engine).
     Engine and HF alternate at each batch size and each keeps its best of ``config.repeats`` runs.
+    Sampled runs of the same prompts (each request seeded): ``sampled_decode_step_ms`` (temperature 1.0),
+    ``top_p_decode_step_ms`` (temperature 1.0, top_p 0.9); ``sample_ms`` (median time per decode step spent in the
+    sampler: ``greedy``, ``t1``, ``t1_top_p``); ``decode_tok_s`` (``batch`` / greedy decode step);
+    ``floor_ms`` (the memory floor at this batch) and ``step_over_floor`` (greedy decode step / floor).
+``memory_floor``
+    ``bandwidth_gbs`` (best read bandwidth of ``threads`` threads summing a 1 GiB buffer), ``weight_bytes`` (every
+    weight read once per step, LM head included), ``kv_bytes_per_token`` (K and V of one token, all layers),
+    ``mean_context`` (the fixed batches' mean context) and ``step_ms`` (batch -> the time to read the weights and every
+    sequence's cached K/V at that bandwidth: no decode step can be faster).
+``served`` (``null`` with ``--served-models ''``)
+    the fixed batches' decode workloads through a real tritonserver: ``models``, ``new_tokens``, ``prompt_len``;
+    ``runs``, one per model, batch and ``temperature`` (0 or 1): ``itl_ms`` (median inter-token gap of the streams,
+    best of ``config.repeats``), ``itl_p90_ms``, ``tok_s``, ``client_cpu`` and ``server_cpu`` (cores used by this
+    process as the client and by tritonserver with its stubs), ``offline_step_ms`` (the fixed batches' median decode
+    step at that batch and sampling) and ``ratio`` (``itl_ms / offline_step_ms``). See ``backend/bench_served.py``.
+``targets``
+    issue 16's targets: ``name``, ``value`` (``null`` if not measured), ``goal``, ``met`` (``null``: not judged),
+    ``detail``.
 ``workload``
     the same request mix (all at t=0, prompt and output lengths drawn with a fixed seed, ``ignore_eos``) run under
     both scheduling policies at the same ``max_num_seqs``: ``num_requests``, ``max_num_seqs``,
@@ -42,11 +62,14 @@ from pathlib import Path
 
 import torch
 
+from backend.bench_served import SERVED_MODELS, served_column
 from backend.block_manager import BlockManager
 from backend.config import EngineConfig, SamplingParams
 from backend.engine import LLMEngine
+from backend.model_runner import read_model_shape
 from backend.request import Request, RequestStatus
 from backend.scheduler import Scheduler
+from backend.stats import StepRecord
 
 
 @dataclass
@@ -68,6 +91,7 @@ class BenchSettings:
     repeats: int = 2  # fixed batches: best of this many runs, engine and HF alike (the machine may be shared)
     seed: int = 0
     quick: bool = False
+    served_models: tuple[str, ...] = SERVED_MODELS  # the served column's models; () skips it
 
     @classmethod
     def quick_settings(cls, model: str, **overrides) -> BenchSettings:
@@ -87,8 +111,13 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
     return [[rng.randrange(100, vocab_size - 100) for _ in range(length)] for _ in range(num)]
 
 
+# Each fixed batch also runs sampled (one seed per request): temperature 1.0 (the served default), and with top-p.
+SAMPLED_RUNS = {"t1": {"temperature": 1.0}, "t1_top_p": {"temperature": 1.0, "top_p": 0.9}}
+
+
 def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float]:
-    """Engine and HF tok/s per batch size, plus the engine's median decode step (ms) at the largest batch.
+    """Engine and HF tok/s per batch size, the engine's decode step greedy and sampled with the time it spent
+    sampling, plus the engine's median decode step (ms) at the largest batch.
 
     Engine and HF runs alternate at each batch size and each keeps its best of ``s.repeats``, so both see the same
     background load on a shared machine.
@@ -108,28 +137,88 @@ def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float]:
     rows, step_ms = [], 0.0
     for batch in s.batches:
         prompts = random_prompts(batch, s.prompt_len, vocab, s.seed + batch)
-        engine_tok_s, hf_tok_s, step = 0.0, None, float("nan")
+        sampled_params = {
+            name: [SamplingParams(max_tokens=s.new_tokens, ignore_eos=True, seed=s.seed + i, **kwargs)
+                   for i in range(batch)]
+            for name, kwargs in SAMPLED_RUNS.items()
+        }
+        engine_tok_s, hf_tok_s, greedy_steps = 0.0, None, []
+        sampled_steps: dict[str, list[StepRecord]] = {}
         for _ in range(s.repeats):
-            first_step = engine.stats.num_steps
-            start = time.perf_counter()
-            outputs = engine.generate(prompts, params)
-            elapsed = time.perf_counter() - start
-            if sum(len(o.token_ids) for o in outputs) / elapsed > engine_tok_s:
-                engine_tok_s = sum(len(o.token_ids) for o in outputs) / elapsed
-                steps = engine.stats.recent_steps()[-(engine.stats.num_steps - first_step):]
-                decode_steps = [r.times.total for r in steps if r.num_tokens == r.num_seqs == batch]
-                step = statistics.median(decode_steps) * 1e3 if decode_steps else float("nan")
+            tok_s, steps = _timed_generate(engine, prompts, params, batch)
+            if tok_s > engine_tok_s:
+                engine_tok_s, greedy_steps = tok_s, steps
+            for name, run_params in sampled_params.items():
+                _, steps = _timed_generate(engine, prompts, run_params, batch)
+                if name not in sampled_steps or _median_ms(steps) < _median_ms(sampled_steps[name]):
+                    sampled_steps[name] = steps
             if hf is not None and batch in hf_batches:
                 hf_tok_s = max(hf_tok_s or 0.0, hf.tok_s(prompts, s.new_tokens))
+        step = _median_ms(greedy_steps)
+        sample_ms = {"greedy": _median_ms(greedy_steps, "sample")}
+        sample_ms.update({name: _median_ms(steps, "sample") for name, steps in sampled_steps.items()})
         rows.append({
             "batch": batch, "engine_tok_s": engine_tok_s, "hf_tok_s": hf_tok_s,
             "ratio": engine_tok_s / hf_tok_s if hf_tok_s else None, "engine_decode_step_ms": step,
+            "decode_tok_s": batch * 1e3 / step, "sampled_decode_step_ms": _median_ms(sampled_steps["t1"]),
+            "top_p_decode_step_ms": _median_ms(sampled_steps["t1_top_p"]), "sample_ms": sample_ms,
         })
         hf_text = f"HF {hf_tok_s:.1f} tok/s" if hf_tok_s else "HF skipped"
-        log(f"      B={batch}: engine {engine_tok_s:.1f} tok/s (decode step {step:.1f} ms), {hf_text}")
+        log(f"      B={batch}: engine {engine_tok_s:.1f} tok/s (decode step {step:.1f} ms greedy, "
+            f"{rows[-1]['sampled_decode_step_ms']:.1f} ms at temperature 1), {hf_text}")
         if batch == biggest:
             step_ms = step
     return rows, step_ms
+
+
+def _timed_generate(engine: LLMEngine, prompts: list[list[int]], params, batch: int) -> tuple[float, list[StepRecord]]:
+    """Output tok/s of one ``generate`` (prefill included) and its decode steps at the full batch."""
+    first_step = engine.stats.num_steps
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    steps = engine.stats.recent_steps()[-(engine.stats.num_steps - first_step):]
+    decode_steps = [r for r in steps if r.num_tokens == r.num_seqs == batch]
+    return sum(len(o.token_ids) for o in outputs) / elapsed, decode_steps
+
+
+def _median_ms(steps: list[StepRecord], phase: str = "total") -> float:
+    return statistics.median(getattr(r.times, phase) for r in steps) * 1e3 if steps else float("nan")
+
+
+# ---- the memory floor ---------------------------------------------------------------------------------------------
+
+
+def read_bandwidth_gbs(threads: int, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """The best read bandwidth of ``threads`` threads summing a buffer far larger than any cache (GB/s)."""
+    torch.set_num_threads(threads)
+    buffer = torch.ones(num_bytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best / 1e9
+
+
+def memory_floor(s: BenchSettings, bandwidth_gbs: float) -> dict:
+    """What one decode step must read (every weight once, each sequence's cached K and V once) at the measured
+    bandwidth: no step can be faster. The context is the fixed batches' mean (prompt plus half the new tokens)."""
+    shape = read_model_shape(s.model)
+    dtype_bytes = EngineConfig(dtype=s.dtype).dtype_bytes
+    d, qkv = shape.hidden_size, (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    per_layer = d * qkv + shape.num_heads * shape.head_dim * d + 3 * d * shape.intermediate_size + 2 * d
+    weight_bytes = (shape.num_layers * per_layer + shape.vocab_size * d + d) * dtype_bytes  # LM head included
+    kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
+    mean_context = s.prompt_len + (s.new_tokens + 1) / 2
+    return {
+        "bandwidth_gbs": bandwidth_gbs, "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
+        "mean_context": mean_context,
+        "step_ms": {
+            batch: (weight_bytes + batch * mean_context * kv_bytes_per_token) / (bandwidth_gbs * 1e9) * 1e3
+            for batch in s.batches
+        },
+    }
 
 
 class HFGenerate:
@@ -272,12 +361,24 @@ def real_step_ms(s: BenchSettings, num_seqs: int, context: int = 64, repeats: in
 
 
 def run_bench(s: BenchSettings, log=print) -> dict:
-    """Run all three parts and return the JSON-ready figures (keys documented in the module docstring)."""
+    """Run every part and return the JSON-ready figures (keys documented in the module docstring)."""
     torch.set_num_threads(s.threads)
-    log(f"[1/3] fixed batches {list(s.batches)}: engine and HF generate, best of {s.repeats} ...")
+    log(f"[1/5] fixed batches {list(s.batches)}: engine and HF generate, best of {s.repeats} ...")
     engine_rows, biggest_step_ms = fixed_batches(s, log)
+    floor = memory_floor(s, read_bandwidth_gbs(s.threads))
+    for row in engine_rows:
+        row["floor_ms"] = floor["step_ms"][row["batch"]]
+        row["step_over_floor"] = row["engine_decode_step_ms"] / row["floor_ms"]
+    log(f"      memory floor: {floor['weight_bytes'] / 1e6:.0f} MB of weights per step at "
+        f"{floor['bandwidth_gbs']:.1f} GB/s = {floor['step_ms'][min(s.batches)]:.1f} ms")
 
-    log(f"[2/3] workload: {s.workload_requests} requests, continuous vs static ...")
+    served = None
+    if s.served_models:
+        log(f"[2/5] served: {', '.join(s.served_models)} on a real tritonserver, gRPC streaming ...")
+        served = served_column(s.model, s.dtype, s.served_models, s.batches, s.prompt_len, s.new_tokens, s.repeats,
+                               s.seed, engine_rows, log)
+
+    log(f"[3/5] workload: {s.workload_requests} requests, continuous vs static ...")
     vocab = json.loads((Path(s.model) / "config.json").read_text())["vocab_size"]
     requests = workload_requests(s, vocab)
     cont = run_workload(s, "continuous", requests)
@@ -304,7 +405,7 @@ def run_bench(s: BenchSettings, log=print) -> dict:
         "static_decode_s": stat["decode_s"],
     }
 
-    log(f"[3/3] scheduler cost at {s.scheduler_seqs} sequences ...")
+    log(f"[4/5] scheduler cost at {s.scheduler_seqs} sequences ...")
     us = scheduler_us_per_step(s.scheduler_seqs)
     step_ms = real_step_ms(s, s.scheduler_seqs)
     scheduler = {
@@ -320,7 +421,52 @@ def run_bench(s: BenchSettings, log=print) -> dict:
         "prompt_len": s.prompt_len,
         "new_tokens": s.new_tokens, "torch": torch.__version__, "cpu_count": os.cpu_count(),
     }
-    return {"config": config, "fixed_batches": engine_rows, "workload": workload, "scheduler": scheduler}
+    result = {"config": config, "fixed_batches": engine_rows, "memory_floor": floor, "served": served,
+              "workload": workload, "scheduler": scheduler}
+    log("[5/5] targets")
+    result["targets"] = judge_targets(result)
+    return result
+
+
+# Issue 16's targets for this machine, judged on the run's own figures.
+SERVED_TARGET = 1.10  # served ITL / offline decode step, batch 1, 8 and 32, greedy and temperature 1.0
+FLOOR_TARGET, FLOOR_MOONSHOT = 1.5, 1.2  # offline decode step at batch 1 / the memory floor
+SAMPLING_TARGET = 0.03  # sampling's share of the step at batch 32, temperature 1.0, top_p 0.9
+BATCH64_TARGET = 1500.0  # output tok/s of the decode step at batch 64
+
+
+def judge_targets(result: dict) -> list[dict]:
+    """One entry per target: ``name``, ``value`` (``None`` when this run did not measure it), ``goal``, ``met``."""
+    rows = {row["batch"]: row for row in result["fixed_batches"]}
+    targets = []
+
+    def judge(name: str, value: float | None, goal: str, met: bool | None, detail: str = "") -> None:
+        targets.append({"name": name, "value": value, "goal": goal, "met": met, "detail": detail})
+
+    served = [r for r in (result["served"] or {}).get("runs", []) if r["batch"] in (1, 8, 32)]
+    if served:
+        worst = max(served, key=lambda r: r["ratio"])
+        judge("served ITL / offline step (batch 1, 8, 32; greedy and T=1)", worst["ratio"], f"<= {SERVED_TARGET}x",
+              worst["ratio"] <= SERVED_TARGET,
+              f"worst: {worst['model']} batch {worst['batch']} T={worst['temperature']:g}")
+    else:
+        judge("served ITL / offline step", None, f"<= {SERVED_TARGET}x", None, "no served column in this run")
+    if 1 in rows:
+        ratio = rows[1]["step_over_floor"]
+        judge("offline decode step at batch 1 / memory floor", ratio,
+              f"<= {FLOOR_TARGET}x (moonshot {FLOOR_MOONSHOT}x)", ratio <= FLOOR_TARGET,
+              "moonshot met" if ratio <= FLOOR_MOONSHOT else "")
+    if 32 in rows:
+        row = rows[32]
+        share = row["sample_ms"]["t1_top_p"] / row["top_p_decode_step_ms"]
+        judge("sampling share of the step at batch 32 (T=1, top_p=0.9)", share, f"<= {SAMPLING_TARGET:.0%}",
+              share <= SAMPLING_TARGET, f"{row['sample_ms']['t1_top_p']:.2f} ms of {row['top_p_decode_step_ms']:.1f}")
+    if 64 in rows:
+        tok_s = rows[64]["decode_tok_s"]
+        judge("decode output tok/s at batch 64 (offline)", tok_s, f">= {BATCH64_TARGET:.0f}", tok_s >= BATCH64_TARGET)
+    judge("served vs llama.cpp's llama-server", None, "batch 1 <= 1.5x its ITL; batch 8 >= 1.5x faster", None,
+          "llama.cpp is not run by this benchmark")
+    return targets
 
 
 def format_table(result: dict) -> str:
@@ -337,9 +483,41 @@ def format_table(result: dict) -> str:
             f"   {row['batch']:>5}  {row['engine_tok_s']:>12.1f}  {fmt(row['hf_tok_s'], '9.1f'):>9}  "
             f"{fmt(row['ratio'], '5.2f') + ('x' if row['ratio'] else ''):>6}  {row['engine_decode_step_ms']:>21.1f}"
         )
+    f = result["memory_floor"]
     lines += [
         "",
-        f"2. Workload: {w['num_requests']} requests at t=0, {w['num_prompt_tokens']} prompt tokens, "
+        f"   Decode step against the memory floor (weights {f['weight_bytes'] / 1e6:.0f} MB and each sequence's cached"
+        f" K/V, {f['mean_context']:.0f} tokens on average, read once per step at the measured "
+        f"{f['bandwidth_gbs']:.1f} GB/s), and the step's sampling time (T=1 rows seeded per request):",
+        f"   {'batch':>5}  {'floor ms':>8}  {'greedy step ms':>14}  {'x floor':>7}  {'decode tok/s':>12}  "
+        f"{'T=1 step ms':>11}  {'sampling ms: greedy':>19}  {'T=1':>5}  {'T=1 top_p 0.9':>13}",
+    ]
+    for row in result["fixed_batches"]:
+        sample = row["sample_ms"]
+        lines.append(
+            f"   {row['batch']:>5}  {row['floor_ms']:>8.1f}  {row['engine_decode_step_ms']:>14.1f}  "
+            f"{row['step_over_floor']:>6.2f}x  {row['decode_tok_s']:>12.0f}  {row['sampled_decode_step_ms']:>11.1f}  "
+            f"{sample['greedy']:>19.2f}  {sample['t1']:>5.2f}  {sample['t1_top_p']:>13.2f}"
+        )
+    served = result["served"]
+    if served:
+        lines += [
+            "",
+            f"2. Served: the same decode workloads through a real tritonserver (gRPC streaming, one stream per "
+            f"sequence, about {served['prompt_len']}-token prompts, {served['new_tokens']} new tokens), client in this"
+            " process on the same cores",
+            f"   {'model':>14}  {'batch':>5}  {'sampling':>8}  {'served ITL ms':>13}  {'offline step ms':>15}  "
+            f"{'served / offline':>16}  {'ITL p90 ms':>10}  {'client CPU':>10}  {'server CPU':>10}",
+        ]
+        for r in sorted(served["runs"], key=lambda r: (r["model"], r["batch"], r["temperature"])):
+            sampling = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
+            lines.append(
+                f"   {r['model']:>14}  {r['batch']:>5}  {sampling:>8}  {r['itl_ms']:>13.1f}  "
+                f"{r['offline_step_ms']:>15.1f}  {r['ratio']:>15.2f}x  {r['itl_p90_ms']:>10.1f}  {r['client_cpu']:>10.0%}  {r['server_cpu']:>10.0%}"
+            )
+    lines += [
+        "",
+        f"3. Workload: {w['num_requests']} requests at t=0, {w['num_prompt_tokens']} prompt tokens, "
         f"{w['num_output_tokens']} output tokens, max_num_seqs {w['max_num_seqs']}",
         f"   {'policy':>10}  {'output tok/s':>12}  {'mean batch':>10}  {'steps':>6}  {'KV fragmentation':>16}"
         f"  {'prefill steps s':>15}  {'decode steps s':>14}",
@@ -351,9 +529,16 @@ def format_table(result: dict) -> str:
         f"  {w['static_decode_s']:>14.1f}",
         f"   continuous / static: {w['speedup']:.2f}x",
         "",
-        f"3. Scheduler: schedule + update with {sc['num_seqs']} running decodes: {sc['us_per_step']:.0f} us/step = "
+        f"4. Scheduler: schedule + update with {sc['num_seqs']} running decodes: {sc['us_per_step']:.0f} us/step = "
         f"{sc['share_of_step']:.2%} of a {sc['step_ms']:.1f} ms step ({sc['step_source']})",
+        "",
+        "5. Targets (issue 16), judged on this run's figures",
     ]
+    for t in result["targets"]:
+        verdict = {True: "met", False: "MISSED", None: "not judged"}[t["met"]]
+        value = "-" if t["value"] is None else f"{t['value']:.1%}" if t["goal"].endswith("%") else f"{t['value']:.2f}"
+        detail = f" ({t['detail']})" if t["detail"] else ""
+        lines.append(f"   {verdict:>10}  {t['name']}: {value}, goal {t['goal']}{detail}")
     return "\n".join(lines)
 
 
@@ -366,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", help="comma-separated fixed batch sizes (default 1,8,32,64; quick 1,8)")
     parser.add_argument("--hf-batches", help="comma-separated batch sizes at which to run HF generate (default all)")
     parser.add_argument("--repeats", type=int, help="fixed batches: best of N runs, engine and HF alike (default 2)")
+    parser.add_argument("--served-models", help="comma-separated models for the served column "
+                        f"(default {','.join(SERVED_MODELS)}; empty: no served column)")
     parser.add_argument("--out", default="reports/bench.json")
     args = parser.parse_args(argv)
     overrides = {"dtype": args.dtype, "threads": args.threads}
@@ -373,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides["batches"] = tuple(int(b) for b in args.batches.split(","))
     if args.repeats:
         overrides["repeats"] = args.repeats
+    if args.served_models is not None:
+        overrides["served_models"] = tuple(m for m in args.served_models.split(",") if m)
     if args.hf_batches is not None:
         overrides["hf_batches"] = tuple(int(b) for b in args.hf_batches.split(",") if b)
     settings = (BenchSettings.quick_settings if args.quick else BenchSettings)(model=args.model, **overrides)

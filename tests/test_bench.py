@@ -12,18 +12,34 @@ def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
         model=str(tiny_llama_dir), dtype="float32", threads=2, batches=(1, 2), hf_batches=(1,), prompt_len=8,
         new_tokens=4, repeats=1, workload_requests=6, workload_prompt_range=(4, 24), workload_short_range=(2, 4),
         workload_long_range=(8, 10), workload_long_share=0.3, workload_max_num_seqs=2, scheduler_seqs=8, quick=True,
+        served_models=("llm_continuous",),
     )
     result = bench.run_bench(settings, log=lambda msg: None)
     out = tmp_path / "bench.json"
     out.write_text(json.dumps(result))
     result = json.loads(out.read_text())
 
-    assert set(result) == {"config", "fixed_batches", "workload", "scheduler"}
+    assert set(result) == {"config", "fixed_batches", "memory_floor", "served", "workload", "scheduler", "targets"}
     rows = result["fixed_batches"]
     assert [r["batch"] for r in rows] == [1, 2]
     for row in rows:
-        assert {"batch", "engine_tok_s", "hf_tok_s", "ratio", "engine_decode_step_ms"} <= set(row)
+        assert {"batch", "engine_tok_s", "hf_tok_s", "ratio", "engine_decode_step_ms", "sampled_decode_step_ms",
+                "top_p_decode_step_ms", "decode_tok_s", "floor_ms", "step_over_floor"} <= set(row)
         assert row["engine_tok_s"] > 0
+        assert set(row["sample_ms"]) == {"greedy", "t1", "t1_top_p"} and all(v > 0 for v in row["sample_ms"].values())
+        assert 0 < row["floor_ms"] < row["engine_decode_step_ms"]  # nothing beats reading the weights once
+    floor = result["memory_floor"]
+    assert floor["bandwidth_gbs"] > 0 and floor["weight_bytes"] > 0 and floor["kv_bytes_per_token"] > 0
+    assert rows[1]["floor_ms"] > rows[0]["floor_ms"]  # a second sequence reads its own K/V
+
+    served = result["served"]["runs"]
+    assert {(r["model"], r["batch"], r["temperature"]) for r in served} == {
+        ("llm_continuous", b, t) for b in (1, 2) for t in (0.0, 1.0)}
+    for run in served:
+        assert run["itl_ms"] > 0 and run["ratio"] == run["itl_ms"] / run["offline_step_ms"]
+        assert run["client_cpu"] >= 0 and run["server_cpu"] > 0
+    targets = {t["name"]: t for t in result["targets"]}
+    assert len(targets) == len(result["targets"]) and all(t["met"] in (True, False, None) for t in targets.values())
     assert rows[0]["hf_tok_s"] > 0 and rows[0]["ratio"] > 0
     assert rows[1]["hf_tok_s"] is None and rows[1]["ratio"] is None  # skipped: not in hf_batches
 
@@ -38,4 +54,6 @@ def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
     assert {"us_per_step", "share_of_step", "step_ms", "step_source"} <= set(scheduler)
     assert scheduler["us_per_step"] > 0 and 0 < scheduler["share_of_step"] < 1
 
-    assert "continuous / static" in bench.format_table(result)
+    table = bench.format_table(result)
+    assert "continuous / static" in table and "served / offline" in table and "x floor" in table
+    assert "Targets (issue 16)" in table

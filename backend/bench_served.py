@@ -1,0 +1,229 @@
+"""The served column of ``make bench``: the benchmark's decode workloads sent through a real tritonserver.
+
+A workload is ``batch`` streams started together, each a prompt of about ``prompt_len`` tokens and exactly
+``new_tokens`` new ones (``ignore_eos``), greedy or sampled. Each stream is one gRPC bidirectional stream, as a
+tritonclient user sends it; all are opened before the first request goes out, so that a batcher sees them together.
+The inter-token latency (ITL) is the median gap between two consecutive tokens of a stream, over every stream once
+the first two tokens are out (prefill done): one engine step as a client sees it, transport included.
+
+The client runs in this process, on the same cores as the server, as a load generator would; the CPU it used and
+the server's (tritonserver and its stubs) are reported beside each workload, so a server that starves its
+neighbours shows.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import random
+import re
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import tritonclient.grpc as grpcclient
+
+from backend.serve import TritonServer, process_group_members
+from client.schema import GenerationRequest, build_inputs
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SERVED_MODELS = ("llm_continuous", "llm_dynamic")
+# The dynamic batcher waits this long for a whole workload's requests (they are sent back to back, within
+# milliseconds; the shipped 2 ms would split a batch of 64 and serialise it).
+BATCHER_DELAY_US = 200_000
+
+
+@dataclass(frozen=True)
+class ServedWorkload:
+    model: str
+    batch: int
+    temperature: float
+    new_tokens: int
+
+
+def served_repository(
+    out_dir: Path, models: tuple[str, ...], max_num_seqs: int, dtype: str = "bfloat16", max_model_len: int = 2048
+) -> Path:
+    """A copy of the shipped models in ``dtype`` with room for ``max_num_seqs`` sequences (a batcher that size)."""
+    repository = out_dir / "model_repository"
+    for model in models:
+        source = REPO_ROOT / "model_repository" / model
+        config = (source / "config.pbtxt").read_text()
+        config = _set_parameter(config, "dtype", dtype)
+        config = _set_parameter(config, "max_num_seqs", max_num_seqs)
+        config = _set_parameter(config, "max_model_len", max_model_len)
+        config = _set_parameter(config, "max_num_batched_tokens", max(2048, max_num_seqs * 64))
+        config = re.sub(r"max_batch_size: [1-9]\d*", f"max_batch_size: {max_num_seqs}", config)
+        config = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {BATCHER_DELAY_US}",
+                        config)
+        (repository / model / "1").mkdir(parents=True, exist_ok=True)
+        (repository / model / "config.pbtxt").write_text(config)
+        shutil.copy((source / "1" / "model.py").resolve(), repository / model / "1" / "model.py")
+    return repository
+
+
+def _set_parameter(config: str, key: str, value: int) -> str:
+    pattern = rf'(key: "{key}", value: {{ string_value: ")[^"]*(")'
+    if not re.search(pattern, config):
+        raise ValueError(f"the model config has no parameter {key!r} to set")
+    return re.sub(pattern, rf"\g<1>{value}\g<2>", config)
+
+
+def text_prompts(tokenizer, num: int, length: int, seed: int) -> list[str]:
+    """Prompts of about ``length`` tokens: random vocabulary ids, decoded (the offline bench sends the ids)."""
+    rng = random.Random(seed)
+    vocab = len(tokenizer)
+    prompts = []
+    for _ in range(num):
+        ids = [rng.randrange(100, vocab - 100) for _ in range(length)]
+        prompts.append(tokenizer.decode(tokenizer.encode(tokenizer.decode(ids))[:length]))
+    return prompts
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def start_server(repository: Path, model_dir: str, log_path: Path, env: dict[str, str] | None = None) -> TritonServer:
+    http_port, grpc_port, metrics_port = free_ports(3)
+    server = TritonServer(
+        repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, address="127.0.0.1",
+        model=model_dir, extra_args=["--exit-timeout-secs", "5"], env=env, log_path=log_path,
+    )
+    server.start()
+    try:
+        server.wait_ready(timeout=300)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def run_workload(server: TritonServer, workload: ServedWorkload, prompts: list[str], seed: int,
+                 timeout: float = 300.0) -> dict:
+    """Send the workload's streams together and return its ITL and the CPU the client and the server used."""
+    max_batch_size = 0 if workload.model == "llm_continuous" else workload.batch
+    streams = []
+    for i, prompt in enumerate(prompts[: workload.batch]):
+        request = GenerationRequest(prompt, max_tokens=workload.new_tokens, temperature=workload.temperature,
+                                    seed=seed + i, ignore_eos=True, stream=True)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        responses: queue.SimpleQueue = queue.SimpleQueue()
+        client.start_stream(callback=functools.partial(_on_response, responses))
+        streams.append((client, responses, build_inputs(request, max_batch_size)))
+    server_pids = process_group_members(server.pid)
+    client_cpu, server_cpu, started = _own_cpu_seconds(), _cpu_seconds(server_pids), time.perf_counter()
+    for client, _, inputs in streams:
+        client.async_stream_infer(workload.model, inputs, enable_empty_final_response=True)
+    token_times: list[list[float]] = []
+    try:
+        for _, responses, _ in streams:
+            times = []
+            while True:
+                arrived, result, error = responses.get(timeout=timeout)
+                if error is not None:
+                    raise RuntimeError(f"{workload.model}: {error}")
+                ids = result.as_numpy("output_ids")
+                times += [arrived] * (0 if ids is None else ids.size)
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            token_times.append(times)
+    finally:
+        for client, _, _ in streams:
+            client.stop_stream()
+            client.close()
+    wall = max(t[-1] for t in token_times if t) - started
+    client_cpu, server_cpu = _own_cpu_seconds() - client_cpu, _cpu_seconds(server_pids) - server_cpu
+    if any(len(t) != workload.new_tokens for t in token_times):
+        raise RuntimeError(f"{workload.model}: a stream did not return exactly {workload.new_tokens} tokens")
+    skip = 2 if workload.new_tokens > 3 else 0  # the first tokens may share steps with the others' prefill
+    gaps = sorted(b - a for t in token_times for a, b in zip(t[skip:], t[skip + 1:]))
+    return {
+        "itl_ms": statistics.median(gaps) * 1e3,
+        "itl_p90_ms": gaps[int(0.9 * (len(gaps) - 1))] * 1e3,
+        "tok_s": workload.batch * workload.new_tokens / wall,
+        "client_cpu": client_cpu / wall,  # cores (1.0 = one core busy)
+        "server_cpu": server_cpu / wall,
+    }
+
+
+def _on_response(responses: queue.SimpleQueue, result, error) -> None:
+    responses.put((time.perf_counter(), result, error))
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def served_column(
+    model_dir: str,
+    dtype: str,
+    models: tuple[str, ...],
+    batches: tuple[int, ...],
+    prompt_len: int,
+    new_tokens: int,
+    repeats: int,
+    seed: int,
+    offline_rows: list[dict],
+    log=print,
+) -> dict:
+    """Every (model, batch, greedy or temperature 1.0) workload through one server, best ITL of ``repeats``, beside
+    the offline engine's median decode step for the same batch and sampling (``offline_rows`` from the fixed
+    batches): ``ratio`` is served ITL / offline step. Models alternate at each point, so background load hits both."""
+    from backend.tokenizer import load_tokenizer
+
+    offline = {row["batch"]: row for row in offline_rows}
+    best: dict[tuple[str, int, float], dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-served-") as tmp:
+        # Room for the prompts (text re-encoded: a few tokens more or less than prompt_len) and the new tokens.
+        max_model_len = 2 * prompt_len + new_tokens + 64
+        repository = served_repository(Path(tmp), models, max(batches), dtype, max_model_len)
+        prompts = text_prompts(load_tokenizer(model_dir).hf, max(batches), prompt_len, seed)
+        server = start_server(repository, model_dir, Path(tmp) / "tritonserver.log")
+        try:
+            for model in models:  # warm-up: first requests pay one-time costs
+                run_workload(server, ServedWorkload(model, 2, 0.0, 4), prompts, seed)
+            for _ in range(repeats):
+                for batch in batches:
+                    for temperature in (0.0, 1.0):
+                        for model in models:
+                            result = run_workload(server, ServedWorkload(model, batch, temperature, new_tokens),
+                                                  prompts, seed)
+                            key = (model, batch, temperature)
+                            if key not in best or result["itl_ms"] < best[key]["itl_ms"]:
+                                best[key] = result
+                log(f"      served: {len(best)} workloads, "
+                    + ", ".join(f"{m} B={b} T={t:g} {r['itl_ms']:.1f} ms" for (m, b, t), r in best.items() if b == 1))
+        finally:
+            server.stop()
+    runs = []
+    for (model, batch, temperature), result in best.items():
+        row = offline[batch]
+        step = row["engine_decode_step_ms"] if temperature == 0 else row["sampled_decode_step_ms"]
+        runs.append({"model": model, "batch": batch, "temperature": temperature, **result,
+                     "offline_step_ms": step, "ratio": result["itl_ms"] / step})
+    return {"models": list(models), "new_tokens": new_tokens, "prompt_len": prompt_len, "runs": runs}

@@ -1,0 +1,75 @@
+"""The engine gives the same tokens whichever thread loads and steps it, under the OpenMP wait settings that
+``backend/__init__.py`` sets (a bounded spin) and under sleeping waits: threading changes speed (``make bench``
+measures it), never tokens. Each setting runs in its own process, since OpenMP reads it once, when torch loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import backend
+
+pytestmark = pytest.mark.smollm2
+
+SCRIPT = r"""
+import json, os, sys, threading
+
+import backend  # sets the OpenMP wait policy before torch loads
+from backend.config import EngineConfig, SamplingParams
+from backend.engine import LLMEngine
+from backend.engine_loop import EngineLoop
+
+PROMPTS = ["The history of the printing press begins", "def fibonacci(n):", "Paris is the capital of"]
+PARAMS = [
+    SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=16, temperature=0.8, top_k=40, seed=8, ignore_eos=True),
+]
+
+
+def make_engine():
+    return LLMEngine(EngineConfig(model=sys.argv[1], dtype="bfloat16", num_threads=2, max_num_seqs=4,
+                                  max_model_len=256, num_kv_blocks=64))
+
+
+def generate(engine):
+    return [output.token_ids for output in engine.generate(PROMPTS, PARAMS)]
+
+
+tokens = {"loaded and run on the main thread": generate(make_engine())}
+engine, box = make_engine(), {}
+thread = threading.Thread(target=lambda: box.update(tokens=generate(engine)))
+thread.start()
+thread.join()
+tokens["loaded on the main thread, run on another"] = box["tokens"]
+loop = EngineLoop.build(make_engine)  # as llm_continuous serves: loaded and stepped on the loop's thread
+streams = [loop.submit(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS))]
+tokens["loaded and stepped on the engine loop's thread"] = [[t for out in s for t in out.token_ids] for s in streams]
+loop.shutdown()
+settings = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+print(json.dumps({"settings": settings, "tokens": tokens}))
+"""
+
+
+def run_engines(model_dir, **settings) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir)], env={**env, **settings},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_same_tokens_on_every_thread_spinning_or_sleeping(smollm2_dir):
+    spinning = run_engines(smollm2_dir)
+    assert spinning["settings"] == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(backend.OPENMP_SPIN_COUNT)}
+    sleeping = run_engines(smollm2_dir, OMP_WAIT_POLICY="PASSIVE")
+    assert sleeping["settings"] == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
+    reference = spinning["tokens"]["loaded and run on the main thread"]
+    assert len(set(map(tuple, reference))) == 3 and all(len(t) == 16 for t in reference)
+    for result in (spinning, sleeping):
+        for where, tokens in result["tokens"].items():
+            assert tokens == reference, (result["settings"], where)
