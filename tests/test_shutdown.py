@@ -213,7 +213,13 @@ def unload_times(log_lines: list[str], signalled_at: str) -> dict[str, float]:
         m = re.match(r"[IWE]\d{4} (\d\d):(\d\d):(\d\d\.\d+)", line)
         return int(m[1]) * 3600 + int(m[2]) * 60 + float(m[3]) if m else None
 
-    after = log_lines[next(i for i, line in enumerate(log_lines) if line.startswith(signalled_at)):]
+    # NOTE: tritonserver's "Signal (15) received." shares the log with the stubs' and the launcher's output and has
+    # been seen glued to another line's end on CI, so it is searched anywhere in a line; the launcher's own
+    # "[serve] stopping" line (written just before it signals tritonserver) stands in if it is missing.
+    marks = [i for i, line in enumerate(log_lines) if signalled_at in line]
+    marks = marks or [i for i, line in enumerate(log_lines) if line.startswith("[serve] stopping")]
+    assert marks, "no sign of the signal in the log:\n" + "\n".join(log_lines[-40:])
+    after = log_lines[marks[0]:]
     t0 = next(seconds(line) for line in after if seconds(line) is not None)
     return {m[1]: round(seconds(line) - t0, 1) for line in after if (m := re.search(r"unloaded '(\w+)'", line))}
 
