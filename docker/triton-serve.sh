@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start tritonserver with its admin APIs behind a key, as `python -m backend.serve` does outside a container.
+# Start tritonserver with its admin APIs behind a key, as `python -m backend.triton.serve` does outside a container.
 #
 #   bash docker/triton-serve.sh --model-repository=/opt/llm/model_repository [more tritonserver options]
 #
@@ -7,7 +7,7 @@
 # only requests whose header admin-key (gRPC: triton-grpc-protocol-admin-key) is $TRITON_ADMIN_KEY. Without
 # TRITON_ADMIN_KEY a random key is made at each start and never printed, so those APIs stay closed. An option
 # --http-restricted-api or --grpc-restricted-protocol given here replaces this script's for that protocol.
-# tests/test_security.py checks that this script and backend/serve.py pass the same flags.
+# tests/test_security.py checks that this script and backend/triton/serve.py pass the same flags.
 set -euo pipefail
 
 apis="shared-memory,trace,logging"
@@ -44,7 +44,7 @@ fi
 if ! $own_grpc; then
     restrict+=("--grpc-restricted-protocol=$apis:admin-key=$key")
 fi
-# tritonserver runs under backend/shutdown.py: SIGTERM (docker stop, Kubernetes) reaches the models' stubs too, they
+# tritonserver runs under backend/triton/shutdown.py: SIGTERM (docker stop, Kubernetes) reaches the models' stubs too, they
 # drain, and the client connections still open afterwards are closed, so the models unload and the exit status is 0.
-# (Run as a file, not as -m backend.shutdown: importing the package would set its OpenMP variables for the server.)
-exec python3 "$(dirname "${BASH_SOURCE[0]}")/../backend/shutdown.py" run -- tritonserver "$@" "${restrict[@]}"
+# (Run as a file, not as -m backend.triton.shutdown: importing the package would set its OpenMP variables for the server.)
+exec python3 "$(dirname "${BASH_SOURCE[0]}")/../backend/triton/shutdown.py" run -- tritonserver "$@" "${restrict[@]}"

@@ -321,7 +321,7 @@ class GrpcStreamUser(StreamingLLMUser):
                     return
         finally:
             # NOTE: cancel only a request still running. Cancelling a stream right after its last response can leave
-            # the model unable to unload at shutdown (a race in Triton 2.51's gRPC frontend; backend/shutdown.py).
+            # the model unable to unload at shutdown (a race in Triton 2.51's gRPC frontend; backend/triton/shutdown.py).
             self.client.stop_stream(cancel_requests=not ended)
 
 

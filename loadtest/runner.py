@@ -1,7 +1,7 @@
 """Run one load point: a headless Locust subprocess against one model, with the metrics port sampled meanwhile.
 
 Shared by ``loadtest.compare`` (a sweep per model) and ``loadtest.slo`` (step up until an SLO breaks). The server
-is either started here through the launcher (``backend.serve.TritonServer``, on free 127.0.0.1 ports) or an
+is either started here through the launcher (``backend.triton.serve.TritonServer``, on free 127.0.0.1 ports) or an
 already-running one given by URL.
 """
 
@@ -98,7 +98,7 @@ def _free_ports(count: int) -> list[int]:
 @contextlib.contextmanager
 def serve(model_repository: Path, model_folder: str | None, log_path: Path, ready_timeout: float = 600.0):
     """Start tritonserver through the launcher on free 127.0.0.1 ports; stop it on exit."""
-    from backend.serve import TritonServer
+    from backend.triton.serve import TritonServer
 
     http_port, grpc_port, metrics_port = _free_ports(3)
     server = TritonServer(

@@ -617,7 +617,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from backend.serve import TritonServer
+    from backend.triton.serve import TritonServer
 
     args = parse_args(argv)
     out = Path(args.out) if args.out else REPO_ROOT / "reports" / time.strftime("soak-%Y%m%d-%H%M%S")

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from backend.prepare_model import ensure_model
+from backend.tools.prepare_model import ensure_model
 from tests import server_harness
 
 _TEST_STARTED = pytest.StashKey[float]()

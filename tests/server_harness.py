@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from backend.serve import PortInUse, TritonServer
+from backend.triton.serve import PortInUse, TritonServer
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"

@@ -1,10 +1,10 @@
-"""``backend.bench`` end to end on the tiny random Llama with the smallest settings: it runs and writes every key."""
+"""``backend.tools.bench`` end to end on the tiny random Llama with the smallest settings: it runs and writes every key."""
 
 from __future__ import annotations
 
 import json
 
-from backend import bench
+from backend.tools import bench
 
 
 def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend.block_manager import BlockManager
-from backend.request import Request
+from backend.engine.block_manager import BlockManager
+from backend.engine.request import Request
 
 
 def make_request(request_id: str, token_ids: list[int]) -> Request:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend import cpu_kernels
-from backend.attention import decode_gather_indices, paged_decode_attention
+from backend.engine.attention import decode_gather_indices, paged_decode_attention
+from backend.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
 

@@ -33,8 +33,8 @@ from packaging.requirements import Requirement
 from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
-from backend import shutdown
-from backend.config import EngineConfig
+from backend.engine.config import EngineConfig
+from backend.triton import shutdown
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -44,7 +44,7 @@ IMAGE_REQUIREMENTS = {"triton": DOCKER / "requirements-gpu.txt", "locust": DOCKE
 MODELS = sorted(p.parent.name for p in (ROOT / "model_repository").glob("*/config.pbtxt"))
 PROJECT_PACKAGES = ("backend", "client", "loadtest", "tests", "model_repository")
 # Modules the engine's scheduling is built from: no third-party import allowed (CONVENTIONS.md, rule 2).
-PURE_MODULES = ("backend.config", "backend.request", "backend.block_manager", "backend.scheduler", "backend.stats")
+PURE_MODULES = ("backend.engine.config", "backend.engine.request", "backend.engine.block_manager", "backend.engine.scheduler", "backend.engine.stats")
 # Triton release yy.mm -> server 2.N: one minor version a month (24.01 is 2.42.0, 24.10 is 2.51.0).
 TRITON_RELEASE_ANCHOR = ((24, 1), 42)
 # The default model's shape (SmolLM2-135M-Instruct), for the KV-capacity example in docker/README.md.
@@ -157,7 +157,7 @@ def test_triton_image_layers_serving_setup_and_order():
     assert f"PYTHONPATH={workdir}" in env, "the models' model.py imports backend/ from PYTHONPATH"
 
     assert set(args["EXPOSE"].split()) == {"8000", "8001", "8002"}
-    assert json.loads(args["HEALTHCHECK"].split("CMD", 1)[1]) == ["python3", f"{workdir}/backend/probe.py", "ready"]
+    assert json.loads(args["HEALTHCHECK"].split("CMD", 1)[1]) == ["python3", f"{workdir}/backend/triton/probe.py", "ready"]
     user = [a for k, a in instructions if k == "USER"][-1]
     assert user.split(":")[0] not in ("root", "0")
     assert "--shm-size" in text, "the Python backend's shared-memory note belongs in the Dockerfile"
@@ -560,9 +560,9 @@ def test_kubernetes_triton_replicas_probes_gpu_and_shm():
 
     get = triton["startupProbe"]["httpGet"]
     assert get["path"] == "/v2/health/ready" and named_ports[get["port"]] == 8000
-    # Ready and live also see a dead engine (backend/probe.py reads llm_engine_healthy).
+    # Ready and live also see a dead engine (backend/triton/probe.py reads llm_engine_healthy).
     for probe, kind in (("readinessProbe", "ready"), ("livenessProbe", "live")):
-        assert triton[probe]["exec"]["command"] == ["python3", "/opt/llm/backend/probe.py", kind], probe
+        assert triton[probe]["exec"]["command"] == ["python3", "/opt/llm/backend/triton/probe.py", kind], probe
         assert triton[probe]["timeoutSeconds"] >= 3, probe
 
     assert str(triton["resources"]["limits"]["nvidia.com/gpu"]) == "1"
@@ -694,11 +694,11 @@ def test_every_project_file_compiles_on_python310(python310):
 _SMOKE = """
 import json, re, sys
 sys.path.insert(0, sys.argv[1])
-from backend.block_manager import BlockManager
-from backend.config import EngineConfig, SamplingParams
-from backend.request import Request
-from backend.scheduler import Scheduler
-import backend.stats
+from backend.engine.block_manager import BlockManager
+from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.request import Request
+from backend.engine.scheduler import Scheduler
+import backend.engine.stats
 
 # Engine settings parsed exactly as the Triton adapter parses them (string values, typed by the annotations).
 for path in sys.argv[2:]:

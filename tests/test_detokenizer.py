@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.detokenizer import IncrementalDetokenizer
+from backend.engine.detokenizer import IncrementalDetokenizer
 
 DECODE_KW = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
 MULTIBYTE_TEXTS = [

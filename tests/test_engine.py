@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.config import EngineConfig, SamplingParams
-from backend.engine import LLMEngine
+from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.smollm2
 
@@ -204,7 +204,7 @@ GIB, MIB = 1 << 30, 1 << 20
 
 
 def test_gpu_kv_blocks_are_what_utilization_leaves_after_weights_activations_and_other_memory():
-    from backend.model_runner import num_gpu_kv_blocks
+    from backend.engine.model_runner import num_gpu_kv_blocks
 
     # 0.9 of 80 GiB = 72 GiB; minus 16 (weights), 4 (activation peak), 1 (CUDA context) = 51 GiB of 2 MiB blocks.
     assert num_gpu_kv_blocks(80 * GIB, 0.9, 16 * GIB, 4 * GIB, 1 * GIB, 2 * MIB) == 51 * 512
@@ -224,7 +224,7 @@ def test_gpu_kv_sizing_profiles_the_largest_step(
 ):
     """The pool is sized after one forward at the largest step (every sequence sampled), on a scratch pool whose bytes
     are not counted as activations; torch.cuda's memory figures are stood in for."""
-    from backend.model_runner import ModelRunner, num_gpu_kv_blocks
+    from backend.engine.model_runner import ModelRunner, num_gpu_kv_blocks
 
     runner = ModelRunner(EngineConfig(
         model=str(tiny_llama_dir), dtype="float32", num_threads=2, num_kv_blocks=4, gpu_memory_utilization=0.5,
@@ -265,7 +265,7 @@ def test_gpu_kv_sizing_profiles_the_largest_step(
 
 
 def test_device_auto_takes_cuda_when_torch_sees_one_else_the_cpu(monkeypatch):
-    from backend.model_runner import resolve_device
+    from backend.engine.model_runner import resolve_device
 
     assert EngineConfig().device == "cpu" and EngineConfig().dtype == "bfloat16"
     for bad in ("gpu", "cuda:", "cuda:x"):

@@ -19,9 +19,9 @@ SCRIPT = r"""
 import json, os, sys, threading
 
 import backend  # sets the OpenMP wait policy before torch loads
-from backend.config import EngineConfig, SamplingParams
-from backend.engine import LLMEngine
-from backend.engine_loop import EngineLoop
+from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.engine_loop import EngineLoop
 
 PROMPTS = ["The history of the printing press begins", "def fibonacci(n):", "Paris is the capital of"]
 PARAMS = [

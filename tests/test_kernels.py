@@ -22,8 +22,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of backend.kernels
 
-from backend import cpu_kernels, kernels
-from backend.attention import (
+from backend import kernels
+from backend.engine.attention import (
     TORCH_ATTENTION,
     AttentionMetadata,
     PrefillChunk,
@@ -32,12 +32,13 @@ from backend.attention import (
     prefill_attention,
     write_kv,
 )
-from backend.config import EngineConfig, SamplingParams
-from backend.engine import LLMEngine
+from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.model_runner import CPU_ATTENTION, ModelRunner, select_attention
+from backend.engine.request import Request
+from backend.kernels import cpu_kernels
 from backend.kernels._common import is_interpreted
 from backend.kernels.decode_attention import _decode_kernel
-from backend.model_runner import CPU_ATTENTION, ModelRunner, select_attention
-from backend.request import Request
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and not is_interpreted(_decode_kernel):

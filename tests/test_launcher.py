@@ -1,4 +1,4 @@
-"""The launcher (backend.serve) and model preparation (backend.prepare_model).
+"""The launcher (backend.triton.serve) and model preparation (backend.tools.prepare_model).
 
 Server tests start a real tritonserver on a small Python-backend repository written here: ``upper`` (one
 response per request) and ``words`` (decoupled: one response per word, then an empty final response).
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import requests
 
-from backend import prepare_model
-from backend.serve import (
+from backend.tools import prepare_model
+from backend.triton.serve import (
     LauncherError,
     ServerError,
     TritonServer,
@@ -148,7 +148,7 @@ def stub_shm_regions(pids) -> list[Path]:
 
 def run_launcher(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "backend.serve", *args],
+        [sys.executable, "-m", "backend.triton.serve", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -243,7 +243,7 @@ def test_cli_serves_empty_repository_and_stops_on_sigterm(tmp_path, signum):
     repository.mkdir()
     admin_key = "cli-test-key-" + os.urandom(8).hex()
     process = subprocess.Popen(
-        [sys.executable, "-m", "backend.serve", *launcher_args(repository, fake_model_folder(tmp_path / "model"))],
+        [sys.executable, "-m", "backend.triton.serve", *launcher_args(repository, fake_model_folder(tmp_path / "model"))],
         cwd=REPO_ROOT,
         env={**os.environ, "TRITON_ADMIN_KEY": admin_key},
         stdout=subprocess.PIPE,
@@ -326,7 +326,7 @@ def test_cli_second_signal_kills_the_whole_process_group(tmp_path):
     write_model(repository, "stuck", _STUCK)
     args = [*launcher_args(repository, fake_model_folder(tmp_path / "model")), "--exit-timeout-secs", "60"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "backend.serve", *args],
+        [sys.executable, "-m", "backend.triton.serve", *args],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -357,7 +357,7 @@ def test_cli_starts_a_crashed_server_again_on_the_same_ports(tmp_path):
     ports = free_ports(3)
     args = launcher_args(write_echo_repository(tmp_path / "repository"), fake_model_folder(tmp_path / "model"), ports)
     process = subprocess.Popen(
-        [sys.executable, "-m", "backend.serve", *args, "--max-restarts", "1"],
+        [sys.executable, "-m", "backend.triton.serve", *args, "--max-restarts", "1"],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -560,7 +560,7 @@ def test_model_fixtures(smollm2_dir, tiny_llama_dir):
 
 
 def test_cli_passes_unknown_options_and_everything_after_dashes_to_tritonserver(monkeypatch):
-    from backend.serve import parse_args
+    from backend.triton.serve import parse_args
 
     monkeypatch.setenv("HTTP_PORT", "18080")
     monkeypatch.setenv("MODEL", "models/other")

@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from backend.config import EngineConfig
-from backend.model_runner import ModelRunner
-from backend.request import Request
+from backend.engine.config import EngineConfig
+from backend.engine.model_runner import ModelRunner
+from backend.engine.request import Request
 
 BLOCK_SIZE = 4
 ATOL = 2e-4

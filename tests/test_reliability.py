@@ -20,8 +20,8 @@ import subprocess
 import sys
 import textwrap
 import threading
-import warnings
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +30,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from backend import probe
+from backend.triton import probe
 from loadtest import soak
 from loadtest.soak import gauge, grpc_generate, grpc_inputs, scrape_metrics, start_grpc_stream, tree_rss
 from tests.server_harness import REPO_ROOT
@@ -576,7 +576,7 @@ def test_a_failing_step_fails_its_requests_and_a_broken_engine_fails_every_reque
     if metric(server, "llm_engine_healthy", other) == 1:  # the other model is untouched
         assert len(grpc_generate(server.grpc_url, other, "Hello", max_tokens=4, **GREEDY).token_ids) == 4
     assert is_ready(server)  # Triton 2.51 gives a Python model no way to report itself not-ready; see README
-    # The probes Docker and Kubernetes run (backend/probe.py) read the engine's health too.
+    # The probes Docker and Kubernetes run (backend/triton/probe.py) read the engine's health too.
     assert model in probe.check("ready", server.http_url, server.metrics_url)
     assert model in probe.check("live", server.http_url, server.metrics_url)
 
@@ -630,7 +630,7 @@ def test_unload_and_reload_leave_no_process_or_memory_behind(tiny_llama_dir, tmp
 
 
 def sigterm_with_streams(server, max_tokens: int) -> tuple[list, float, int]:
-    """Four continuous streams and two dynamic ones, then SIGTERM to tritonserver's process group (as backend.shutdown
+    """Four continuous streams and two dynamic ones, then SIGTERM to tritonserver's process group (as backend.triton.shutdown
     sends it: the stubs must hear it too). Each client closes its stream once it has its final response.
 
     Returns (streams running at the signal, streams not started yet, seconds to exit, exit status). The second
@@ -695,7 +695,7 @@ def test_soak_shows_the_crash_when_the_server_dies(tmp_path):
 
 
 def test_soak_names_the_function_a_tritonserver_crash_happened_in():
-    from backend.serve import server_distribution
+    from backend.triton.serve import server_distribution
 
     binary = server_distribution()[0] / "bin" / "tritonserver"
     symbols = subprocess.run(["nm", "-C", str(binary)], capture_output=True, text=True, check=True).stdout
@@ -754,9 +754,9 @@ def tiny_engine_config(tiny_llama_dir):
 
 
 def run_loop(config: dict, fault_hook=None):
-    from backend.config import EngineConfig
-    from backend.engine import LLMEngine
-    from backend.engine_loop import EngineLoop
+    from backend.engine.config import EngineConfig
+    from backend.engine.engine_loop import EngineLoop
+    from backend.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(**config))
     engine.fault_hook = fault_hook
@@ -775,8 +775,8 @@ def run_loop(config: dict, fault_hook=None):
 
 @pytest.mark.timeout(120)
 def test_the_loop_bounds_its_queue_and_every_request_gets_exactly_one_final_output(tiny_engine_config):
-    from backend.config import SamplingParams
-    from backend.engine_loop import EngineOverloaded, EngineUnavailable
+    from backend.engine.config import SamplingParams
+    from backend.engine.engine_loop import EngineOverloaded, EngineUnavailable
 
     engine, loop, finals = run_loop({**tiny_engine_config, "max_queue_size": 8})
     params = SamplingParams(max_tokens=200, ignore_eos=True)
@@ -804,9 +804,9 @@ def test_the_loop_bounds_its_queue_and_every_request_gets_exactly_one_final_outp
 
 @pytest.mark.timeout(120)
 def test_a_fatal_engine_error_gives_every_open_request_a_final_error(tiny_engine_config):
-    from backend.config import SamplingParams
-    from backend.engine_loop import EngineUnavailable
-    from backend.triton_adapter import FaultInjector
+    from backend.engine.config import SamplingParams
+    from backend.engine.engine_loop import EngineUnavailable
+    from backend.triton.triton_adapter import FaultInjector
 
     faults = FaultInjector({"fatal_error": "<<boom>>"})
     engine, loop, finals = run_loop(tiny_engine_config, fault_hook=faults)

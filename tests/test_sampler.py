@@ -7,9 +7,9 @@ import collections
 import pytest
 import torch
 
-from backend import cpu_kernels
-from backend.config import SamplingParams
-from backend.sampler import Sampler, sample_rows
+from backend.engine.config import SamplingParams
+from backend.engine.sampler import Sampler, sample_rows
+from backend.kernels import cpu_kernels
 
 VOCAB = 1000
 STEPS = 24
@@ -117,7 +117,7 @@ def test_banned_tokens_are_never_picked_greedy_or_sampled(sampling_path):
 
 
 def test_min_tokens_bans_eos_and_stop_tokens_until_reached():
-    from backend.request import Request
+    from backend.engine.request import Request
 
     eos, stop = 2, 7
     request = Request("r", [5, 6], SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[stop]), (eos,))

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backend.block_manager import BlockManager
-from backend.config import EngineConfig, SamplingParams
-from backend.request import FinishReason, Request, RequestStatus
-from backend.scheduler import Scheduler, SchedulerOutput
+from backend.engine.block_manager import BlockManager
+from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.request import FinishReason, Request, RequestStatus
+from backend.engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 0
 

@@ -1,6 +1,6 @@
 """The admin APIs that can make the server open a name or a path, or load a model, need the admin key.
 
-The launcher passes Triton's own ``--http-restricted-api`` / ``--grpc-restricted-protocol`` flags (backend.serve).
+The launcher passes Triton's own ``--http-restricted-api`` / ``--grpc-restricted-protocol`` flags (backend.triton.serve).
 The restriction is in Triton's HTTP and gRPC front ends, before any model runs, so the small echo repository of
 tests/test_launcher.py stands in for the LLM models here (its stubs do not import torch).
 """
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import requests
 
-from backend.serve import ADMIN_KEY_ENV_VAR, TritonServer, restricted_api_args
+from backend.triton.serve import ADMIN_KEY_ENV_VAR, TritonServer, restricted_api_args
 from tests.server_harness import REPO_ROOT
 from tests.test_launcher import write_echo_repository
 

@@ -1,6 +1,6 @@
 """Stopping the server under load (issue 14): `make serve`'s launcher, a real Locust run, SIGTERM or Ctrl-C.
 
-Each case runs the launcher's CLI (``python -m backend.serve``, what ``make serve`` runs) on the three models with
+Each case runs the launcher's CLI (``python -m backend.triton.serve``, what ``make serve`` runs) on the three models with
 the tiny Llama, Locust against llm_continuous (``--config loadtest/locust.conf``, gRPC and HTTP users, as a user
 would run it) and against llm_dynamic and llm_static, then signals. It checks what a user and a Kubernetes grace
 period rely on: exit status 0 well inside the exit timeout (30 s, Triton's default), every model unloaded, KV blocks
@@ -8,7 +8,7 @@ and open requests back to 0 in every model, and every request a model accepted a
 finished requests equals what the clients saw finish, none was cut off, and every request that had streamed a token
 ended with its last token or with "the server is shutting down".
 
-What tritonserver 2.51 does by itself on SIGTERM, and what backend/shutdown.py adds, is written at the top of that
+What tritonserver 2.51 does by itself on SIGTERM, and what backend/triton/shutdown.py adds, is written at the top of that
 module. The small tests below check its parts without a server.
 """
 
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from backend import probe, shutdown
+from backend.triton import probe, shutdown
 from tests.server_harness import LOCALHOST, REPO_ROOT, free_ports
 
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
@@ -246,7 +246,7 @@ def test_stopping_make_serve_under_locust_load(case, tiny_llama_dir, tmp_path):
     sig, locust_lead = CASES[case]
     http_port, grpc_port, metrics_port = free_ports(3)
     repo = make_repository(tmp_path / "model_repository")
-    command = [sys.executable, "-m", "backend.serve", "--model-repository", str(repo), "--model", str(tiny_llama_dir),
+    command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(repo), "--model", str(tiny_llama_dir),
                "--address", LOCALHOST, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
                "--metrics-port", str(metrics_port), "--max-restarts", "0"]
     serve_log = tmp_path / "serve.log"

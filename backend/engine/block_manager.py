@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from backend.request import Request
+from backend.engine.request import Request
 
 
 class BlockManager:

@@ -18,9 +18,9 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 
-from backend.config import SamplingParams
-from backend.engine import LLMEngine, RequestOutput
-from backend.request import FinishReason
+from backend.engine.config import SamplingParams
+from backend.engine.llm_engine import LLMEngine, RequestOutput
+from backend.engine.request import FinishReason
 
 log = logging.getLogger(__name__)
 

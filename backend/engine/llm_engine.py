@@ -1,7 +1,7 @@
 """The engine: one step = schedule → run the model → sample → update → emit outputs.
 
 ``LLMEngine`` is single-threaded and synchronous (offline ``generate`` and the dynamic-batcher model use it as is);
-``backend.engine_loop.EngineLoop`` runs it on a thread for the continuous model.
+``backend.engine.engine_loop.EngineLoop`` runs it on a thread for the continuous model.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from backend.block_manager import BlockManager
-from backend.config import EngineConfig, SamplingParams
-from backend.detokenizer import IncrementalDetokenizer
-from backend.model_runner import ModelRunner
-from backend.request import FinishReason, Request, RequestTimings
-from backend.sampler import Sampler
-from backend.scheduler import Scheduler
-from backend.stats import EngineStats, StepTimes
-from backend.tokenizer import load_tokenizer
+from backend.engine.block_manager import BlockManager
+from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.detokenizer import IncrementalDetokenizer
+from backend.engine.model_runner import ModelRunner
+from backend.engine.request import FinishReason, Request, RequestTimings
+from backend.engine.sampler import Sampler
+from backend.engine.scheduler import Scheduler
+from backend.engine.stats import EngineStats, StepTimes
+from backend.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ projections are fused so each layer reads its attention weights in one matmul.
 
 On CPU every projection runs through oneDNN with its weight laid out once at load time (``Linear``), and the
 elementwise work that follows a matmul (SiLU, the gate product, the residual add) is fused into it, so a decode step
-is little more than one pass over the weights. RMSNorm uses the C kernel of ``backend.cpu_kernels`` where it builds.
+is little more than one pass over the weights. RMSNorm uses the C kernel of ``backend.kernels.cpu_kernels`` where it builds.
 Attention is whichever ``AttentionBackend`` the model runner chose for the device (the OpenAI Triton kernels on CUDA,
 the C decode kernel or the torch reference on CPU): every layer calls it with the step's metadata.
 """
@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from backend import cpu_kernels
-from backend.attention import TORCH_ATTENTION, AttentionBackend, AttentionMetadata
+from backend.engine.attention import TORCH_ATTENTION, AttentionBackend, AttentionMetadata
+from backend.kernels import cpu_kernels
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

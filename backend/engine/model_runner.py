@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-from backend import cpu_kernels
-from backend.attention import (
+from backend.engine.attention import (
     TORCH_ATTENTION,
     AttentionBackend,
     AttentionMetadata,
@@ -25,9 +24,10 @@ from backend.attention import (
     decode_gather_indices,
     paged_attention,
 )
-from backend.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from backend.model import LlamaModel, ModelShape
-from backend.request import Request
+from backend.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from backend.engine.model import LlamaModel, ModelShape
+from backend.engine.request import Request
+from backend.kernels import cpu_kernels
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -9,7 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from backend.config import SamplingParams
+from backend.engine.config import SamplingParams
 
 
 class RequestStatus(enum.Enum):

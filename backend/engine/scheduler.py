@@ -20,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 
-from backend.block_manager import BlockManager
-from backend.config import EngineConfig
-from backend.request import FinishReason, Request, RequestStatus
+from backend.engine.block_manager import BlockManager
+from backend.engine.config import EngineConfig
+from backend.engine.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
 /*
  * CPU kernels for the two places where eager torch spends more time on overhead than on work. Both are C twins of
- * torch code (same inputs, same result within float rounding); backend/cpu_kernels.py builds this file at first use
+ * torch code (same inputs, same result within float rounding); backend/kernels/cpu_kernels.py builds this file at first use
  * (-O3 -march=native -ffast-math) and falls back to the torch code where it cannot.
  *
- * paged_decode_attention (twin of backend.attention.paged_decode_attention): one query token per sequence reads its
+ * paged_decode_attention (twin of backend.engine.attention.paged_decode_attention): one query token per sequence reads its
  * keys and values straight from the paged pool through its block table, so nothing is gathered into a temporary
  * copy first (the torch path copies every sequence's K/V once per layer, then reads the copy again). A work item is
  * one (sequence, KV head): its GROUP query heads share every K/V row it reads.
@@ -179,7 +179,7 @@ void rms_norm(const void* x, int64_t x_st, const void* weight, void* out, int64_
 }
 
 /*
- * sample_rows (twin of backend.sampler.sample_rows): one token per row of logits [*, V] (row stride `stride`), for
+ * sample_rows (twin of backend.engine.sampler.sample_rows): one token per row of logits [*, V] (row stride `stride`), for
  * the R rows named in `rows`: argmax where temperature is 0, else a draw from softmax(x / T) restricted to its top-k
  * and top-p prefix, by inverse CDF with the row's own uniform number u in [0, 1), scanning tokens in index order.
  * Rows are independent (a row's token never depends on its batch-mates). Non-finite logits (-inf: banned) weigh 0.

@@ -1,6 +1,6 @@
 """C twins of two torch hot spots, for CPUs: built at first use, loaded with ctypes.
 
-``cpu_decode_attention`` takes the same inputs as ``backend.attention.paged_decode_attention`` and returns the same
+``cpu_decode_attention`` takes the same inputs as ``backend.engine.attention.paged_decode_attention`` and returns the same
 result (float32 arithmetic; bf16 rounded once at the end). It reads K/V through the block tables in place, where the
 torch path first copies every sequence's K/V out of the pool once per layer; at batch 64 that copy and SDPA's
 small-query overhead cost a tenth of a decode step.
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backend.attention import paged_decode_attention
+from backend.engine.attention import paged_decode_attention
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ def cpu_sample_rows(
     top_p: torch.Tensor,  # [R] float32, 1 = off
     uniform: torch.Tensor,  # [R] float64 in [0, 1), each row's own random number
 ) -> torch.Tensor:  # [R] int64
-    """The C twin of ``backend.sampler.sample_rows``; the caller checks :func:`supports_sampling` first."""
+    """The C twin of ``backend.engine.sampler.sample_rows``; the caller checks :func:`supports_sampling` first."""
     num_rows = rows.shape[0]
     out = torch.empty(num_rows, dtype=torch.int64)
     if num_rows:

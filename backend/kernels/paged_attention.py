@@ -1,8 +1,8 @@
-"""One layer's attention for a whole step on the GPU: the kernel twin of ``backend.attention.paged_attention``."""
+"""One layer's attention for a whole step on the GPU: the kernel twin of ``backend.engine.attention.paged_attention``."""
 
 import torch
 
-from backend.attention import AttentionBackend, AttentionMetadata, PrefillTables
+from backend.engine.attention import AttentionBackend, AttentionMetadata, PrefillTables
 from backend.kernels.decode_attention import cuda_decode_attention
 from backend.kernels.prefill_attention import block_table_from_slots, paged_prefill_attention
 from backend.kernels.reshape_and_cache import cuda_write_kv

@@ -141,10 +141,10 @@ def cuda_prefill_attention(
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    chunk,  # backend.attention.PrefillChunk
+    chunk,  # backend.engine.attention.PrefillChunk
     scale: float,
 ) -> torch.Tensor:  # [n, num_heads, head_dim]
-    """The kernel twin of ``backend.attention.prefill_attention``: one chunk, same inputs, same result."""
+    """The kernel twin of ``backend.engine.attention.prefill_attention``: one chunk, same inputs, same result."""
     n = query.shape[0]
     device = query.device
     if chunk.context_slots is None:

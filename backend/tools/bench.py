@@ -1,7 +1,7 @@
 """Engine benchmark: the engine beside HF ``generate`` and beside its memory floor, served through a real
 tritonserver beside offline, continuous beside static batching, scheduler cost, and issue 16's targets judged.
 
-    python -m backend.bench --model models/smollm2-135m-instruct [--quick] [--hf-batches 1,8,32]
+    python -m backend.tools.bench --model models/smollm2-135m-instruct [--quick] [--hf-batches 1,8,32]
         [--served-models llm_continuous,llm_dynamic] [--out reports/bench.json]
 
 Prints one table from one run and writes the same figures to ``--out`` (JSON). Every figure has its baseline from
@@ -29,7 +29,7 @@ the same run beside it. Keys of the JSON file:
     ``runs``, one per model, batch and ``temperature`` (0 or 1): ``itl_ms`` (median inter-token gap of the streams,
     best of ``config.repeats``), ``itl_p90_ms``, ``tok_s``, ``client_cpu`` and ``server_cpu`` (cores used by this
     process as the client and by tritonserver with its stubs), ``offline_step_ms`` (the fixed batches' median decode
-    step at that batch and sampling) and ``ratio`` (``itl_ms / offline_step_ms``). See ``backend/bench_served.py``.
+    step at that batch and sampling) and ``ratio`` (``itl_ms / offline_step_ms``). See ``backend/tools/bench_served.py``.
 ``targets``
     issue 16's targets: ``name``, ``value`` (``null`` if not measured), ``goal``, ``met`` (``null``: not judged),
     ``detail``.
@@ -62,14 +62,14 @@ from pathlib import Path
 
 import torch
 
-from backend.bench_served import SERVED_MODELS, served_column
-from backend.block_manager import BlockManager
-from backend.config import EngineConfig, SamplingParams
-from backend.engine import LLMEngine
-from backend.model_runner import read_model_shape
-from backend.request import Request, RequestStatus
-from backend.scheduler import Scheduler
-from backend.stats import StepRecord
+from backend.engine.block_manager import BlockManager
+from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.engine.model_runner import read_model_shape
+from backend.engine.request import Request, RequestStatus
+from backend.engine.scheduler import Scheduler
+from backend.engine.stats import StepRecord
+from backend.tools.bench_served import SERVED_MODELS, served_column
 
 
 @dataclass

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from backend.serve import TritonServer, process_group_members
+from backend.triton.serve import TritonServer, process_group_members
 from client.schema import GenerationRequest, build_inputs
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVED_MODELS = ("llm_continuous", "llm_dynamic")
 # The dynamic batcher waits this long for a whole workload's requests (they are sent back to back, within
 # milliseconds; the shipped 2 ms would split a batch of 64 and serialise it).
@@ -194,7 +194,7 @@ def served_column(
     """Every (model, batch, greedy or temperature 1.0) workload through one server, best ITL of ``repeats``, beside
     the offline engine's median decode step for the same batch and sampling (``offline_rows`` from the fixed
     batches): ``ratio`` is served ITL / offline step. Models alternate at each point, so background load hits both."""
-    from backend.tokenizer import load_tokenizer
+    from backend.engine.tokenizer import load_tokenizer
 
     offline = {row["batch"]: row for row in offline_rows}
     best: dict[tuple[str, int, float], dict] = {}

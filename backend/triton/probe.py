@@ -1,7 +1,7 @@
 """Health probes for Kubernetes and Docker that also see a dead engine.
 
-    python3 backend/probe.py ready   # /v2/health/ready answers 200 and no model's engine has failed
-    python3 backend/probe.py live    # /v2/health/live answers 200 and no model's engine has failed
+    python3 backend/triton/probe.py ready   # /v2/health/ready answers 200 and no model's engine has failed
+    python3 backend/triton/probe.py live    # /v2/health/live answers 200 and no model's engine has failed
 
 Triton 2.51 keeps a Python model READY after its engine failed: the model then refuses every request with "the
 engine failed ...; restart the server" and sets ``llm_engine_healthy`` to 0 on the metrics port, but it cannot mark

@@ -1,6 +1,6 @@
 """Launch a real Triton Inference Server on a model repository, without Docker.
 
-    python -m backend.serve --model-repository model_repository --model models/smollm2-135m-instruct \\
+    python -m backend.triton.serve --model-repository model_repository --model models/smollm2-135m-instruct \\
         --http-port 8000 --grpc-port 8001 --metrics-port 8002 [-- extra tritonserver args]
 
 The ``tritonserver`` binary comes from the nvidia-pytriton wheel (only the binary; PyTriton's Python API is not
@@ -13,7 +13,7 @@ on) answer only requests that carry the header ``admin-key`` (gRPC: ``triton-grp
 value of ``$TRITON_ADMIN_KEY``, or of a random key made for each launch when that is unset.
 
 The server runs in its own session: ``stop()`` (and Ctrl-C or SIGTERM to the CLI) stops it gracefully with
-``backend.shutdown.stop`` (tritonserver and its stubs get the signal, the models drain, idle client connections are
+``backend.triton.shutdown.stop`` (tritonserver and its stubs get the signal, the models drain, idle client connections are
 closed so the models can unload at once) and, if it has to escalate, SIGKILLs the whole process group, so no stub
 outlives it.
 
@@ -47,10 +47,10 @@ import urllib.request
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from backend import shutdown
-from backend.shutdown import option_value
+from backend.triton import shutdown
+from backend.triton.shutdown import option_value
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_LAYOUT_ROOT = REPO_ROOT / ".triton"
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 MODEL_ENV_VAR = "LLM_MODEL"
@@ -205,7 +205,7 @@ def check_model_folder(path: str | os.PathLike) -> Path:
         what = "does not exist" if not path.exists() else "has no config.json"
         raise LauncherError(
             f"model folder {path} {what}; prepare it with `make model` "
-            f"(python -m backend.prepare_model --out {DEFAULT_MODEL})"
+            f"(python -m backend.tools.prepare_model --out {DEFAULT_MODEL})"
         )
     return path
 
@@ -537,7 +537,7 @@ class TritonServer:
             self._process.send_signal(sig)
 
     def begin_stop(self, sig: int = signal.SIGTERM) -> None:
-        """Start a graceful stop (``backend.shutdown.stop``) on a thread and return: tritonserver and its stubs get
+        """Start a graceful stop (``backend.triton.shutdown.stop``) on a thread and return: tritonserver and its stubs get
         ``sig``, the models drain, and the client connections left open are closed once nothing is open. Once only."""
         if not self.is_running or self._stopper is not None:
             return
@@ -631,7 +631,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         split = argv.index("--")
         argv, after_dashes = argv[:split], argv[split + 1 :]
     parser = argparse.ArgumentParser(
-        prog="python -m backend.serve",
+        prog="python -m backend.triton.serve",
         description="Serve a model repository on a real Triton Inference Server. "
         "Options it does not know (and anything after --) go to tritonserver unchanged.",
         allow_abbrev=False,

@@ -22,7 +22,7 @@ the HTTP port and the idle ones on the gRPC port, so that tritonserver goes on a
 exit. A client still connected then sees its connection closed (every request it sent already has its final
 response).
 
-``python -m backend.shutdown run -- tritonserver ARGS...`` runs a server under this stop (the container's entry).
+``python -m backend.triton.shutdown run -- tritonserver ARGS...`` runs a server under this stop (the container's entry).
 Standard library only: it runs in the container's Python without the engine's dependencies.
 """
 
@@ -324,7 +324,7 @@ def run(command: Sequence[str], log: Log | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backend.shutdown", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m backend.triton.shutdown", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True)
     run_parser = sub.add_parser("run", help="run tritonserver (the command after --) and stop it gracefully")
     run_parser.add_argument("command", nargs=argparse.REMAINDER)

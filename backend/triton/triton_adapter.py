@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from backend.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, EngineConfig, SamplingParams
-from backend.engine import RequestOutput
-from backend.shutdown import drain_grace, server_args
+from backend.engine.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, EngineConfig, SamplingParams
+from backend.engine.llm_engine import RequestOutput
+from backend.triton.shutdown import drain_grace, server_args
 
 log = logging.getLogger(__name__)
 
@@ -375,7 +375,7 @@ class ShutdownNotice:
 
     Triton 2.51 tells a Python model nothing until it finalizes it, and by then the model can no longer respond
     (and it finalizes a model only once every client stream that used it is closed). So whoever stops the server
-    signals the stubs too (``backend.shutdown.stop``: the launcher, the container's entry, the tests), and the
+    signals the stubs too (``backend.triton.shutdown.stop``: the launcher, the container's entry, the tests), and the
     model drains: it refuses new requests, lets the ones it has run for ``grace`` seconds, and then ends the rest
     with "the server is shutting down" — before tritonserver's own ``--exit-timeout-secs`` runs out.
     ``on_notice(grace)`` runs on a watcher thread.
@@ -415,7 +415,7 @@ class ShutdownNotice:
 
 def shutdown_grace(parent_pid: int | None = None) -> float:
     """Seconds to keep serving after a shutdown signal: tritonserver's exit timeout (read from its command line,
-    as this process is its child) less a margin (``backend.shutdown.drain_grace``)."""
+    as this process is its child) less a margin (``backend.triton.shutdown.drain_grace``)."""
     return drain_grace(server_args(parent_pid or os.getppid()))
 
 

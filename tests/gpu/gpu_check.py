@@ -152,10 +152,10 @@ def engine_vs_hf(model: Path, device, dry_run: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from backend.config import EngineConfig, SamplingParams
-    from backend.engine import LLMEngine
+    from backend.engine.config import EngineConfig, SamplingParams
+    from backend.engine.llm_engine import LLMEngine
+    from backend.engine.tokenizer import load_tokenizer
     from backend.kernels import TRITON_ATTENTION
-    from backend.tokenizer import load_tokenizer
 
     new_tokens = 6 if dry_run else 32
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -246,7 +246,7 @@ def copy_bandwidth(device, num_bytes: int) -> float:
 def measure_decode(name, batch, context, num_heads, num_kv_heads, head_dim, block_size, device) -> dict:
     import torch
 
-    from backend.attention import paged_decode_attention
+    from backend.engine.attention import paged_decode_attention
     from backend.kernels import cuda_decode_attention
 
     num_blocks = batch * context // block_size
@@ -298,9 +298,9 @@ def throughput(model: Path, device, dry_run: bool, deadline: float) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from backend.attention import TORCH_ATTENTION
-    from backend.config import EngineConfig, SamplingParams
-    from backend.engine import LLMEngine
+    from backend.engine.attention import TORCH_ATTENTION
+    from backend.engine.config import EngineConfig, SamplingParams
+    from backend.engine.llm_engine import LLMEngine
     from backend.kernels import TRITON_ATTENTION
 
     batches = [1, 2] if dry_run else [1, 32, 128, 256]

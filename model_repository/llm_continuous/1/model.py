@@ -12,13 +12,22 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
-from backend.engine import LLMEngine
-from backend.engine_loop import REFUSED, EngineLoop, EngineOverloaded, EngineUnavailable
-from backend.triton_adapter import (
-    FaultInjector, OpenRequest, RequestLimits, ShutdownNotice, TritonMetrics, engine_config_from_triton,
-    model_is_decoupled, parse_request, read_inputs, read_parameters, send_error, send_output,
+from backend.engine.engine_loop import REFUSED, EngineLoop, EngineOverloaded, EngineUnavailable
+from backend.engine.llm_engine import LLMEngine
+from backend.triton.triton_adapter import (
+    FaultInjector,
+    OpenRequest,
+    RequestLimits,
+    ShutdownNotice,
+    TritonMetrics,
+    engine_config_from_triton,
+    model_is_decoupled,
+    parse_request,
+    read_inputs,
+    read_parameters,
+    send_error,
+    send_output,
 )
-
 
 WAITING_CANCEL_CHECK_S = 0.25
 

@@ -15,11 +15,20 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
-from backend.engine import LLMEngine
-from backend.engine_loop import SHUTTING_DOWN
-from backend.triton_adapter import (
-    FaultInjector, OpenRequest, RequestLimits, ShutdownNotice, TritonMetrics,
-    engine_config_from_triton, model_is_decoupled, parse_request, read_inputs, read_parameters, send_error,
+from backend.engine.llm_engine.engine_loop import SHUTTING_DOWN
+from backend.engine.llm_engine.llm_engine import LLMEngine
+from backend.triton.triton_adapter import (
+    FaultInjector,
+    OpenRequest,
+    RequestLimits,
+    ShutdownNotice,
+    TritonMetrics,
+    engine_config_from_triton,
+    model_is_decoupled,
+    parse_request,
+    read_inputs,
+    read_parameters,
+    send_error,
     send_output,
 )
 
