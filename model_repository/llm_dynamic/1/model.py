@@ -15,8 +15,8 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
-from backend.engine.llm_engine.engine_loop import SHUTTING_DOWN
-from backend.engine.llm_engine.llm_engine import LLMEngine
+from backend.engine.engine_loop import SHUTTING_DOWN
+from backend.engine.llm_engine import LLMEngine
 from backend.triton.triton_adapter import (
     FaultInjector,
     OpenRequest,
