@@ -1,14 +1,15 @@
 # One-command entry points. Every target sets up what it needs (virtual environment, default model) first.
 #   make serve     serve model_repository/ on a real Triton server (HTTP 8000, gRPC 8001, metrics 8002)
 #   make test      the whole test suite (starts and stops its own servers on free ports)
-#   make compare   serve both models and compare them under the same Locust load (report in reports/)
+#   make compare   serve the models, compare llm_dynamic and llm_continuous under the same Locust load (reports/)
 #   make slo       highest load each model sustains within TTFT/TPOT p99 SLOs
 #   make locust    Locust's web UI (:8089) against a running `make serve`
 #   make soak      mixed load with cancellations and bad requests, 10 min; RSS/KV report in reports/soak-<time>/
 #   make bench     offline engine benchmark (reports/bench.json)
 #   make venv310   Python 3.10 test environment (the Docker image's Python), used by tests/test_deploy.py
 #   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
-#   make aiperf    NVIDIA's aiperf against a running `make serve` (AIPERF_MODEL, default llm_continuous; ARGS for aiperf)
+#   make aiperf    NVIDIA's aiperf against a running `make serve` (AIPERF_MODEL, default llm_continuous;
+#                  ARGS for aiperf)
 # Overrides (also as environment variables): HTTP_PORT GRPC_PORT METRICS_PORT MODEL ARGS PYTEST_ARGS TORCH
 #   TORCH=cpu      torch's CPU build from PyTorch's CPU wheel index (TORCH_CPU_INDEX), no CUDA libraries; the rest
 #                  from the normal index. Default (empty): the pins as they resolve: the CUDA 13 build on a public
@@ -89,7 +90,7 @@ test: model venv310 aiperf-venv
 compare: model
 	$(PY) -m loadtest.compare --model "$(MODEL)" $(ARGS)
 
-# The highest load each model sustains within TTFT/TPOT p99 limits (the seed document's tuning procedure).
+# The highest load each model sustains within TTFT/TPOT p99 limits (the tuning procedure of docs/batching.md).
 slo: model
 	$(PY) -m loadtest.slo --model "$(MODEL)" $(ARGS)
 

@@ -44,7 +44,8 @@ fi
 if ! $own_grpc; then
     restrict+=("--grpc-restricted-protocol=$apis:admin-key=$key")
 fi
-# tritonserver runs under backend/triton/shutdown.py: SIGTERM (docker stop, Kubernetes) reaches the models' stubs too, they
-# drain, and the client connections still open afterwards are closed, so the models unload and the exit status is 0.
-# (Run as a file, not as -m backend.triton.shutdown: importing the package would set its OpenMP variables for the server.)
+# tritonserver runs under backend/triton/shutdown.py: SIGTERM (docker stop, Kubernetes) reaches the models' stubs
+# too, they drain, and the client connections still open afterwards are closed, so the models unload and the exit
+# status is 0. (Run as a file, not as -m backend.triton.shutdown: importing the package would set its OpenMP
+# variables for the server.)
 exec python3 "$(dirname "${BASH_SOURCE[0]}")/../backend/triton/shutdown.py" run -- tritonserver "$@" "${restrict[@]}"
