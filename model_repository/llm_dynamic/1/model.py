@@ -17,20 +17,12 @@ import triton_python_backend_utils as pb_utils
 
 from backend.engine.engine_loop import SHUTTING_DOWN
 from backend.engine.llm_engine import LLMEngine
-from backend.triton.triton_adapter import (
-    FaultInjector,
-    OpenRequest,
-    RequestLimits,
-    ShutdownNotice,
-    TritonMetrics,
-    engine_config_from_triton,
-    model_is_decoupled,
-    parse_request,
-    read_inputs,
-    read_parameters,
-    send_error,
-    send_output,
-)
+from backend.triton.faults import FaultInjector
+from backend.triton.metrics import TritonMetrics
+from backend.triton.model_config import engine_config_from_triton, model_is_decoupled
+from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
+from backend.triton.responses import OpenRequest, send_error, send_output
+from backend.triton.shutdown_notice import ShutdownNotice
 
 
 class TritonPythonModel:

@@ -1,0 +1,67 @@
+"""Test-only engine faults, armed by a model parameter and an environment variable together."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+# A model parameter that is read only when this environment variable is "1" (tests inject engine faults).
+FAULTS_ENV_VAR = "LLM_TEST_FAULTS"
+FAULTS_PARAMETER = "fault_injection"
+
+
+class InjectedFatalError(BaseException):
+    """Test-only: a fault the engine cannot recover from. Not an ``Exception``, so no step's handler catches it."""
+
+
+class FaultInjector:
+    """Test-only engine faults for requests whose prompt contains a marker; the engine's ``fault_hook``.
+
+    Active only when config.pbtxt has the parameter ``fault_injection`` (a JSON object such as
+    ``{"step_error": "<<fail-step>>", "fatal_error": "<<kill-engine>>"}``) *and* the server runs with
+    ``LLM_TEST_FAULTS=1``. ``step_error`` makes the step that runs the request raise, as a failing forward would:
+    that step's requests fail and serving goes on. ``fatal_error`` raises past the step's error handling, as a
+    broken engine would: the model must fail every open request and refuse new ones.
+    """
+
+    KINDS = ("step_error", "fatal_error")
+
+    def __init__(self, markers: dict[str, str]) -> None:
+        unknown = sorted(set(markers) - set(self.KINDS))
+        if unknown or not all(isinstance(m, str) and m for m in markers.values()):
+            raise ValueError(f"{FAULTS_PARAMETER} must map {' / '.join(self.KINDS)} to non-empty marker strings")
+        self.markers = markers
+        self._armed: dict[str, str] = {}  # request id -> kind; written by execute(), read by the engine thread
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, model_config: dict) -> FaultInjector | None:
+        raw = model_config.get("parameters", {}).get(FAULTS_PARAMETER, {}).get("string_value", "")
+        if not raw:
+            return None
+        if os.environ.get(FAULTS_ENV_VAR) != "1":
+            log.warning("ignoring the %s parameter: it is read only when %s=1", FAULTS_PARAMETER, FAULTS_ENV_VAR)
+            return None
+        try:
+            markers = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{FAULTS_PARAMETER} is not valid JSON: {exc.msg}") from None
+        return cls(markers)
+
+    def watch(self, request_id: str, prompt: str) -> None:
+        for kind, marker in self.markers.items():
+            if marker in prompt:
+                with self._lock:
+                    self._armed[request_id] = kind
+
+    def __call__(self, requests: list) -> None:
+        with self._lock:
+            hits = {r.request_id: self._armed.pop(r.request_id) for r in requests if r.request_id in self._armed}
+        if "fatal_error" in hits.values():
+            raise InjectedFatalError(f"injected fatal engine fault (requests {sorted(hits)})")
+        if hits:
+            raise RuntimeError(f"injected step fault (requests {sorted(hits)})")

@@ -1,0 +1,87 @@
+"""The models' custom metrics on Triton's metrics port (``llm_*``, labelled by model)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from backend.engine.llm_engine import RequestOutput
+
+_LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+_BATCH_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256]
+
+
+class TritonMetrics:
+    """Custom metrics on Triton's metrics port, labelled by model. Updated from the one thread that runs the engine.
+
+    NOTE: each MetricFamily must stay referenced while its metrics are used (Triton deletes it otherwise).
+    """
+
+    def __init__(self, pb, model_name: str, num_kv_blocks: int) -> None:
+        F = pb.MetricFamily
+        labels = {"model": model_name}
+        self._labels = labels
+
+        def family(name: str, doc: str, kind) -> Any:
+            fam = F(name=name, description=doc, kind=kind)
+            self._families.append(fam)
+            return fam
+
+        self._families: list = []
+        self._finished = family("llm_request_success_total", "Requests finished, by finish_reason", F.COUNTER)
+        self._finished_by_reason: dict[str, Any] = {}
+        self.prompt_tokens = family("llm_prompt_tokens_total", "Prompt tokens processed", F.COUNTER).Metric(labels)
+        self.generation_tokens = family("llm_generation_tokens_total", "Tokens generated", F.COUNTER).Metric(labels)
+        self.preemptions = family("llm_preemptions_total", "Sequences preempted (recompute)", F.COUNTER).Metric(labels)
+        self.running = family("llm_num_requests_running", "Sequences in the running batch", F.GAUGE).Metric(labels)
+        self.waiting = family("llm_num_requests_waiting", "Requests waiting to be scheduled", F.GAUGE).Metric(labels)
+        self.kv_used = family("llm_kv_blocks_used", "KV-cache blocks in use", F.GAUGE).Metric(labels)
+        self.kv_total = family("llm_kv_blocks_total", "KV-cache blocks in the pool", F.GAUGE).Metric(labels)
+        self.kv_total.set(num_kv_blocks)
+        self.engine_healthy = family(
+            "llm_engine_healthy", "1 while the engine serves; 0 once it failed and refuses every request "
+            "(Triton 2.51 lets a Python model report this nowhere else)", F.GAUGE).Metric(labels)
+        self.engine_healthy.set(1)
+
+        def histogram(name: str, doc: str, buckets: list) -> Any:
+            return family(name, doc, F.HISTOGRAM).Metric(labels, buckets=buckets)
+
+        self.ttft = histogram("llm_time_to_first_token_seconds", "Time to first token (server side)", _LATENCY_BUCKETS)
+        self.tpot = histogram("llm_time_per_output_token_seconds", "Mean time per output token after the first",
+                              _LATENCY_BUCKETS)
+        self.e2e = histogram("llm_e2e_request_latency_seconds", "Request latency (server side)", _LATENCY_BUCKETS)
+        self.queue = histogram("llm_queue_time_seconds", "Time from arrival to first scheduling", _LATENCY_BUCKETS)
+        self.batch_size = histogram("llm_batch_size", "Sequences in each forward step", _BATCH_BUCKETS)
+        self._num_steps_seen = 0
+
+    def on_finished(self, output: RequestOutput, arrival: float) -> None:
+        reason = output.finish_reason or "error"
+        counter = self._finished_by_reason.get(reason)
+        if counter is None:
+            counter = self._finished_by_reason[reason] = self._finished.Metric({**self._labels, "finish_reason": reason})
+        counter.increment(1)
+        self.prompt_tokens.increment(output.num_prompt_tokens)
+        self.generation_tokens.increment(output.num_output_tokens)
+        t = output.timings
+        if t is None or t.finished is None:
+            return
+        self.e2e.observe(t.finished - arrival)
+        if t.first_scheduled is not None:
+            self.queue.observe(max(t.first_scheduled - arrival, 0.0))
+        if t.first_token is not None:
+            self.ttft.observe(t.first_token - arrival)
+            if output.num_output_tokens > 1:
+                self.tpot.observe((t.finished - t.first_token) / (output.num_output_tokens - 1))
+
+    def on_steps(self, engine) -> None:
+        """Observe the engine steps recorded since the last call, and refresh the gauges."""
+        stats = engine.stats
+        new = stats.num_steps - self._num_steps_seen
+        if new > 0:
+            for record in list(stats.steps)[-min(new, len(stats.steps)):]:
+                self.batch_size.observe(record.num_seqs)
+                if record.num_preempted:
+                    self.preemptions.increment(record.num_preempted)
+            self._num_steps_seen = stats.num_steps
+        self.running.set(engine.scheduler.num_running)
+        self.waiting.set(engine.scheduler.num_waiting)
+        self.kv_used.set(engine.block_manager.num_used_blocks)

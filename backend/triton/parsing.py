@@ -1,0 +1,186 @@
+"""Request parsing: a Triton request's input tensors and parameters -> prompt, ``SamplingParams``, stream flag.
+
+Plain Python on numpy arrays (``read_inputs`` receives ``triton_python_backend_utils`` as ``pb`` instead of importing
+it), so it runs without a server. Every refusal is a ``ValueError`` whose message goes to the client as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from backend.engine.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+
+# Inputs every model declares (model_repository/README.md). Anything else is refused by Triton itself.
+SAMPLING_INPUTS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+# Input names other Triton LLM backends use for a sampling setting (TensorRT-LLM's), sent as they are by their clients.
+SAMPLING_INPUT_ALIASES = {"min_length": "min_tokens"}
+# vllm_backend's switches for optional outputs. Ours are returned unless a request turns them off.
+RETURN_INPUTS = {
+    "return_num_input_tokens": "num_input_tokens",
+    "return_num_output_tokens": "num_output_tokens",
+    "return_finish_reason": "finish_reason",
+}
+ALL_INPUTS = (
+    "text_input", *SAMPLING_INPUTS, *SAMPLING_INPUT_ALIASES, "stop", "stream", "sampling_parameters",
+    "exclude_input_in_output", *RETURN_INPUTS,
+)
+SAMPLING_KEYS = tuple(sorted(f.name for f in fields(SamplingParams)))
+DEFAULT_MAX_TOKENS = 16
+# A prompt is refused before tokenising when its UTF-8 bytes exceed this many per token of max_model_len
+# (no tokenizer needs more), so a 10 MB text_input costs no tokenizer time and no memory spike.
+MAX_PROMPT_BYTES_PER_TOKEN = 16
+# sampling_parameters and the request parameters are small JSON objects; 16 stop strings of 256 characters,
+# JSON-escaped, fit with room to spare.
+MAX_PARAMETERS_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of this model; every refusal names the limit it hit."""
+
+    max_model_len: int
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        return MAX_PROMPT_BYTES_PER_TOKEN * self.max_model_len
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str
+    params: SamplingParams
+    stream: bool
+    omitted_outputs: frozenset[str] = frozenset()  # optional outputs the request turned off (return_*: false)
+
+
+def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, parameters: str = "") -> ParsedRequest:
+    """Validate one request: its input tensors (``name -> numpy array``, missing optional inputs absent) and its
+    request parameters (a JSON object; Triton's HTTP /generate passes JSON fields that are not inputs there).
+
+    Sampling settings are layered: input tensors, then request parameters, then the ``sampling_parameters`` JSON.
+    Keys that are not sampling settings are refused wherever they appear.
+    """
+    if "text_input" not in inputs:
+        raise ValueError("missing required input 'text_input'")
+    texts = inputs["text_input"].reshape(-1)
+    if texts.size != 1:
+        raise ValueError(f"text_input must hold exactly one prompt per request; got {texts.size}")
+    raw = texts[0]
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8")
+    if len(raw) > limits.max_prompt_bytes:
+        raise ValueError(
+            f"text_input is {len(raw)} bytes; the limit is {limits.max_prompt_bytes} bytes "
+            f"({MAX_PROMPT_BYTES_PER_TOKEN} per token of max_model_len {limits.max_model_len})"
+        )
+    try:
+        prompt = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"text_input is not valid UTF-8 (byte {exc.start})") from None
+    if not prompt:
+        raise ValueError("text_input is empty")
+
+    values: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
+    for name in SAMPLING_INPUTS:
+        if name in inputs:
+            values[name] = _scalar(name, inputs[name])
+    for alias, name in SAMPLING_INPUT_ALIASES.items():
+        if alias in inputs:
+            if name in inputs:
+                raise ValueError(f"send either '{name}' or '{alias}' (the same setting), not both")
+            values[name] = _scalar(alias, inputs[alias])
+    if "stop" in inputs:
+        values["stop"] = _stop_strings(inputs["stop"])
+    values.update(_json_object("the request parameters", parameters))
+    if "sampling_parameters" in inputs:
+        text = _text("sampling_parameters", _scalar("sampling_parameters", inputs["sampling_parameters"]))
+        values.update(_json_object("sampling_parameters", text))
+    stream = bool(_scalar("stream", inputs["stream"])) if "stream" in inputs else False
+    params = SamplingParams.from_dict(values)
+    omitted = frozenset(out for name, out in RETURN_INPUTS.items() if name in inputs and not _scalar(name, inputs[name]))
+    if params.max_tokens is not None and params.max_tokens >= limits.max_model_len:
+        raise ValueError(
+            f"max_tokens is {params.max_tokens}, beyond this model's max_model_len ({limits.max_model_len}): "
+            f"prompt and output together must fit in max_model_len, so at most {limits.max_model_len - 1} tokens "
+            "can be generated"
+        )
+    return ParsedRequest(prompt, params, stream, omitted)
+
+
+def _json_object(source: str, text: str) -> dict[str, Any]:
+    """A JSON object of sampling settings (numbers may be strings, as genai-perf sends them)."""
+    if not text:
+        return {}
+    if len(text) > MAX_PARAMETERS_BYTES:
+        raise ValueError(f"{source} is {len(text)} characters; the limit is {MAX_PARAMETERS_BYTES}")
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source} is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source} must be a JSON object")
+    unknown = sorted(set(raw) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"unknown key(s) in {source}: {', '.join(unknown)}; known: {', '.join(SAMPLING_KEYS)}")
+    return raw
+
+
+def _stop_strings(array: np.ndarray) -> list[str]:
+    flat = array.reshape(-1)
+    if flat.size > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed; got {flat.size}")
+    for value in flat:  # refuse a huge one before decoding it (4 bytes per character at most)
+        if isinstance(value, (bytes, np.bytes_)) and len(value) > 4 * MAX_STOP_STRING_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters; "
+                             f"got one of {len(value)} bytes")
+    return [_text("stop", s) for s in flat]
+
+
+def _scalar(name: str, array: np.ndarray) -> Any:
+    flat = array.reshape(-1)
+    if flat.size != 1:
+        raise ValueError(f"input '{name}' must hold one value; got {flat.size}")
+    value = flat[0]
+    if isinstance(value, np.floating) and not np.isfinite(value):
+        raise ValueError(f"input '{name}' must be a finite number; got {value}")
+    return value.item() if isinstance(value, np.generic) and not isinstance(value, np.bytes_) else value
+
+
+def _text(name: str, value: Any) -> str:
+    if isinstance(value, (bytes, np.bytes_)):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"input '{name}' is not valid UTF-8") from None
+    return str(value)
+
+
+def read_inputs(pb, request) -> dict[str, np.ndarray]:
+    """The request's input tensors by name; optional inputs that were not sent are absent.
+
+    Element counts are checked on the shape, before a tensor becomes numpy objects (a ``stop`` input may have
+    any length in config.pbtxt; a million stop strings must not become a million Python objects).
+    """
+    inputs = {}
+    for name in ALL_INPUTS:
+        tensor = pb.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            continue
+        count = int(np.prod(tensor.shape()))
+        limit = MAX_STOP_STRINGS if name == "stop" else 1
+        if count > limit:
+            what = f"at most {MAX_STOP_STRINGS} stop strings are allowed" if name == "stop" else \
+                f"input '{name}' must hold one value per request"
+            raise ValueError(f"{what}; got {count}")
+        inputs[name] = tensor.as_numpy()
+    return inputs
+
+
+def read_parameters(request) -> str:
+    """The request parameters as a JSON object string ("" when none were sent)."""
+    text = request.parameters()
+    return "" if text in ("", "{}") else text
