@@ -21,7 +21,7 @@ import json, os, sys, threading
 import backend  # sets the OpenMP wait policy before torch loads
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.engine_loop import EngineLoop
+from backend.engine.batching import EngineLoop
 
 PROMPTS = ["The history of the printing press begins", "def fibonacci(n):", "Paris is the capital of"]
 PARAMS = [

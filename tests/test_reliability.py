@@ -755,7 +755,7 @@ def tiny_engine_config(tiny_llama_dir):
 
 def run_loop(config: dict, fault_hook=None):
     from backend.engine.config import EngineConfig
-    from backend.engine.engine_loop import EngineLoop
+    from backend.engine.batching import EngineLoop
     from backend.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(**config))
@@ -776,7 +776,7 @@ def run_loop(config: dict, fault_hook=None):
 @pytest.mark.timeout(120)
 def test_the_loop_bounds_its_queue_and_every_request_gets_exactly_one_final_output(tiny_engine_config):
     from backend.engine.config import SamplingParams
-    from backend.engine.engine_loop import EngineOverloaded, EngineUnavailable
+    from backend.engine.batching import EngineOverloaded, EngineUnavailable
 
     engine, loop, finals = run_loop({**tiny_engine_config, "max_queue_size": 8})
     params = SamplingParams(max_tokens=200, ignore_eos=True)
@@ -805,7 +805,7 @@ def test_the_loop_bounds_its_queue_and_every_request_gets_exactly_one_final_outp
 @pytest.mark.timeout(120)
 def test_a_fatal_engine_error_gives_every_open_request_a_final_error(tiny_engine_config):
     from backend.engine.config import SamplingParams
-    from backend.engine.engine_loop import EngineUnavailable
+    from backend.engine.batching import EngineUnavailable
     from backend.triton.faults import FaultInjector
 
     faults = FaultInjector({"fatal_error": "<<boom>>"})

@@ -1,13 +1,18 @@
-"""The engine on its own thread: a thread-safe streaming front for the server (continuous batching).
+"""The ways of driving a batch through the engine, side by side. Who decides the batch is this project's subject.
 
-Other threads ``submit`` and ``abort``; only the loop thread touches the engine. The loop sleeps on a condition
-variable when there is nothing to do (no busy spinning) and wakes on submit. Every output, errors included, leaves
-through one sink, so a server adapter sends responses from exactly one place.
+* :func:`run_to_completion` (``llm_dynamic``, ``llm_static``): Triton's batcher has formed the batch; step the
+  engine on the caller's thread until every member has its final output. Nothing joins a running batch.
+* :class:`EngineLoop` (``llm_continuous``): the engine on a thread of its own decides the batch; requests join and
+  leave at every step.
+* (next) one step per Triton iteration (iterative sequence batching) belongs here too.
 
-Every request submitted gets exactly one final output, whatever happens: it finishes, it is aborted, the engine
-refuses it (``finish_reason == REFUSED``), a step fails (``"error"``), or the loop stops and every request still
-open gets a final output carrying an error (``"abort"`` on shutdown, ``"error"`` when the engine failed). The one
-exception is ``shutdown(notify=False)``, for a server that can no longer deliver anything.
+They live in ``backend/engine``, free of Triton, because what differs between them is engine logic (when to step,
+when requests may join, how open requests end), and their tests need no server. The server's part comes in as
+callables: a ``sink`` that receives every output, a cancellation check, the shutdown deadline, a metrics hook;
+``backend/triton`` and the ``model.py`` files supply them. All follow one rule: every request handed over gets
+exactly one final output, whatever happens: it finishes, it is aborted, the engine refuses it
+(``FinishReason.REFUSED``), a step fails (``ERROR``), the server shuts down (``ABORT`` with :data:`SHUTTING_DOWN`),
+or the engine breaks (``ERROR`` with :func:`engine_failed`); :func:`end_all` is the one way to end open requests.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future
 
 from backend.engine.config import SamplingParams
@@ -26,9 +31,73 @@ log = logging.getLogger(__name__)
 
 OutputSink = Callable[[RequestOutput], None]
 
-# finish_reason of the final output of a request the engine would not take (bad prompt, can never fit).
-REFUSED = "refused"
 SHUTTING_DOWN = "the server is shutting down"
+
+
+def engine_failed(exc: BaseException) -> str:
+    """The error every request gets once the engine broke in a way no step can contain."""
+    return f"the engine failed and cannot go on ({exc!r}); restart the server"
+
+
+def end_all(engine: LLMEngine, request_ids: Iterable[str], message: str, reason: FinishReason, sink: OutputSink) -> None:
+    """Give each request its final output now, ``message`` as its error; the engine frees what it held."""
+    for request_id in request_ids:
+        try:
+            engine.abort(request_id, reason)
+        except Exception:  # after a fatal error the engine's state may be broken; the error still goes out
+            log.exception("aborting %s failed", request_id)
+        deliver(sink, RequestOutput(request_id, "", [], finished=True, finish_reason=reason.value, error=message))
+
+
+def deliver(sink: OutputSink, output: RequestOutput) -> None:
+    try:
+        sink(output)
+    except Exception:  # a broken client connection must not stop the batch or the loop
+        log.exception("sending output for %s failed", output.request_id)
+
+
+# ---- run a batch to completion (llm_dynamic, llm_static) ----------------------------------------------------
+
+
+def run_to_completion(
+    engine: LLMEngine,
+    request_ids: Iterable[str],
+    sink: OutputSink,
+    cancelled: Callable[[Collection[str]], Iterable[str]] = lambda ids: (),
+    expired: Callable[[], bool] = lambda: False,
+    after_step: Callable[[], None] = lambda: None,
+) -> BaseException | None:
+    """Step the engine on this thread until every request of the batch (already added) has its final output.
+
+    Before each step, ``cancelled(open_ids)`` names the requests whose client went away (they are aborted) and
+    ``expired()`` says whether the shutdown deadline passed (every open request then ends with
+    :data:`SHUTTING_DOWN`). Returns the exception that broke the engine, after every open request got
+    :func:`engine_failed` as its error; the caller then refuses whatever comes next.
+    """
+    open_ids = set(request_ids)
+
+    def emit(output: RequestOutput) -> None:
+        if output.finished:
+            open_ids.discard(output.request_id)
+        deliver(sink, output)
+
+    try:
+        while engine.has_unfinished():  # until the longest member of the batch is done
+            if expired():
+                end_all(engine, sorted(open_ids), SHUTTING_DOWN, FinishReason.ABORT, emit)
+                return None
+            outputs = [engine.abort(request_id) for request_id in list(cancelled(open_ids))]
+            for output in filter(None, outputs + engine.step()):
+                emit(output)
+            after_step()
+    except BaseException as exc:  # the engine cannot go on: nobody may wait forever
+        log.exception("engine failed")
+        end_all(engine, sorted(open_ids), engine_failed(exc), FinishReason.ERROR, emit)
+        return exc
+    return None
+
+
+# ---- the engine's own loop thread (llm_continuous) ----------------------------------------------------------
 
 
 class EngineUnavailable(RuntimeError):
@@ -61,6 +130,14 @@ class RequestStream:
 
 
 class EngineLoop:
+    """The engine on its own thread (continuous batching): a thread-safe streaming front for the server.
+
+    Other threads ``submit`` and ``abort``; only the loop thread touches the engine. The loop sleeps on a condition
+    variable when there is nothing to do (no busy spinning) and wakes on submit. Every output, errors included,
+    leaves through one sink. The one exception to "exactly one final output" is ``shutdown(notify=False)``, for a
+    server that can no longer deliver anything.
+    """
+
     def __init__(
         self,
         engine: LLMEngine,
@@ -82,8 +159,6 @@ class EngineLoop:
         self._inbox: list[tuple[str, str | list[int], SamplingParams, float | None]] = []
         self._aborts: list[str] = []
         self._open: set[str] = set()  # submitted and not yet given their final output
-        # Requests waiting for a first step: the inbox plus the scheduler's waiting queue, as the loop last saw it.
-        self._num_waiting = 0
         self._cv = threading.Condition()
         self._stopping = False
         self._draining = False
@@ -141,11 +216,12 @@ class EngineLoop:
         stream = RequestStream(request_id)
         with self._cv:
             if self.fatal_error is not None:
-                raise EngineUnavailable(f"the engine failed and cannot serve requests ({self.fatal_error!r}); "
-                                        "restart the server")
+                raise EngineUnavailable(engine_failed(self.fatal_error))
             if self._stopping or self._draining or not self._thread.is_alive():
                 raise EngineUnavailable(SHUTTING_DOWN)
-            num_waiting = self._num_waiting + len(self._inbox)
+            # NOTE: the inbox moves into the scheduler under this lock, so every request is counted in one of the
+            # two; len() of the scheduler's deque is atomic, and the loop thread only pops from it.
+            num_waiting = len(self._inbox) + self.engine.scheduler.num_waiting
             if num_waiting >= self.max_queue_size:
                 raise EngineOverloaded(
                     f"the server is overloaded: {num_waiting} requests are already waiting "
@@ -195,25 +271,17 @@ class EngineLoop:
                         self._cv.wait()
                     if self._stopping:
                         break
-                    inbox, self._inbox = self._inbox, []
+                    refused = [self._add(*request) for request in self._inbox]
+                    self._inbox = []
                     aborts, self._aborts = self._aborts, []
-                    self._num_waiting += len(inbox)  # they wait in the scheduler from now on
-                for request_id, prompt, params, arrival in inbox:
-                    try:
-                        engine.add_request(request_id, prompt, params, arrival)
-                    except ValueError as exc:  # a request the engine cannot take fails alone
-                        self._emit(RequestOutput(request_id, "", [], finished=True, finish_reason=REFUSED,
-                                                 error=str(exc)))
+                for output in filter(None, refused):
+                    self._emit(output)
                 aborts += self._call(self._before_step) or ()
-                for request_id in aborts:
-                    output = engine.abort(request_id)
-                    if output is not None:
-                        self._emit(output)
+                for output in filter(None, map(engine.abort, aborts)):
+                    self._emit(output)
                 if engine.has_unfinished():
                     for output in engine.step():
                         self._emit(output)
-                with self._cv:
-                    self._num_waiting = engine.scheduler.num_waiting
                 self._call(self._after_step)
         except BaseException as exc:  # the engine cannot go on: nobody may wait forever
             log.exception("engine loop failed")
@@ -222,22 +290,26 @@ class EngineLoop:
         if self.fatal_error is None and not self._notify_on_stop:
             return
         if self.fatal_error is None:
-            self._fail_all(SHUTTING_DOWN, "abort")
+            self._fail_all(SHUTTING_DOWN, FinishReason.ABORT)
         else:
-            self._fail_all(f"the engine failed and cannot go on ({self.fatal_error!r}); restart the server", "error")
+            self._fail_all(engine_failed(self.fatal_error), FinishReason.ERROR)
 
-    def _fail_all(self, message: str, finish_reason: str) -> None:
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival: float | None):
+        """Hand one submitted request to the engine; a request it cannot take fails alone (its final output)."""
+        try:
+            self.engine.add_request(request_id, prompt, params, arrival)
+        except ValueError as exc:
+            return RequestOutput(request_id, "", [], finished=True, finish_reason=FinishReason.REFUSED.value,
+                                 error=str(exc))
+        return None
+
+    def _fail_all(self, message: str, reason: FinishReason) -> None:
         """Give every request still open its final output: ``message`` as an error."""
         with self._cv:
             self._stopping = True
             self._inbox = []
             pending = sorted(self._open)
-        for request_id in pending:
-            try:
-                self.engine.abort(request_id, FinishReason.ABORT)  # frees its KV blocks
-            except Exception:  # after a fatal error the engine's state may be broken; the error still goes out
-                log.exception("aborting %s failed", request_id)
-            self._emit(RequestOutput(request_id, "", [], finished=True, finish_reason=finish_reason, error=message))
+        end_all(self.engine, pending, message, reason, self._emit)
         self._call(self._after_step)
 
     @staticmethod
@@ -255,10 +327,7 @@ class EngineLoop:
         if output.finished:
             with self._cv:
                 self._open.discard(output.request_id)
-        try:
-            self._sink(output)
-        except Exception:  # a broken client connection must not stop the loop
-            log.exception("sending output for %s failed", output.request_id)
+        deliver(self._sink, output)
 
     def _to_stream(self, output: RequestOutput) -> None:
         with self._cv:

@@ -1,7 +1,7 @@
 """The engine: one step = schedule → run the model → sample → update → emit outputs.
 
-``LLMEngine`` is single-threaded and synchronous (offline ``generate`` and the dynamic-batcher model use it as is);
-``backend.engine.engine_loop.EngineLoop`` runs it on a thread for the continuous model.
+``LLMEngine`` is single-threaded and synchronous (offline ``generate`` uses it as is); ``backend.engine.batching``
+drives it for the server: a batch run to completion, or the engine's own loop thread.
 """
 
 from __future__ import annotations
@@ -39,6 +39,18 @@ class RequestOutput:
     timings: RequestTimings | None = None
     num_preemptions: int = 0
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What a server may read about the engine between steps (metrics, cancellation checks)."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_steps: int
+    running_request_ids: tuple[str, ...]
 
 
 @dataclass
@@ -114,8 +126,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def unfinished_request_ids(self) -> list[str]:
-        return [r.request_id for r in (*self.scheduler.running, *self.scheduler.waiting)]
+    def snapshot(self) -> EngineSnapshot:
+        """Read it on the thread that steps the engine."""
+        return EngineSnapshot(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks_used=self.block_manager.num_used_blocks,
+            num_kv_blocks_total=self.block_manager.num_blocks,
+            num_steps=self.stats.num_steps,
+            running_request_ids=tuple(r.request_id for r in self.scheduler.running),
+        )
 
     def _fail(self, request: Request, exc: Exception) -> RequestOutput:
         self.scheduler.finish(request.request_id, FinishReason.ERROR)

@@ -23,6 +23,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"  # cancelled by the client or the server
     ERROR = "error"  # the engine failed while running this request
+    REFUSED = "refused"  # the engine would not take it (a prompt too long, a request that can never fit)
 
 
 @dataclass

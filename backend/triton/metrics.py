@@ -16,7 +16,7 @@ class TritonMetrics:
     NOTE: each MetricFamily must stay referenced while its metrics are used (Triton deletes it otherwise).
     """
 
-    def __init__(self, pb, model_name: str, num_kv_blocks: int) -> None:
+    def __init__(self, pb, model_name: str) -> None:
         F = pb.MetricFamily
         labels = {"model": model_name}
         self._labels = labels
@@ -36,7 +36,6 @@ class TritonMetrics:
         self.waiting = family("llm_num_requests_waiting", "Requests waiting to be scheduled", F.GAUGE).Metric(labels)
         self.kv_used = family("llm_kv_blocks_used", "KV-cache blocks in use", F.GAUGE).Metric(labels)
         self.kv_total = family("llm_kv_blocks_total", "KV-cache blocks in the pool", F.GAUGE).Metric(labels)
-        self.kv_total.set(num_kv_blocks)
         self.engine_healthy = family(
             "llm_engine_healthy", "1 while the engine serves; 0 once it failed and refuses every request "
             "(Triton 2.51 lets a Python model report this nowhere else)", F.GAUGE).Metric(labels)
@@ -73,15 +72,17 @@ class TritonMetrics:
                 self.tpot.observe((t.finished - t.first_token) / (output.num_output_tokens - 1))
 
     def on_steps(self, engine) -> None:
-        """Observe the engine steps recorded since the last call, and refresh the gauges."""
-        stats = engine.stats
-        new = stats.num_steps - self._num_steps_seen
+        """Observe the engine steps recorded since the last call, and refresh the gauges. Call it on the thread
+        that steps the engine."""
+        snapshot = engine.snapshot()
+        new = snapshot.num_steps - self._num_steps_seen
         if new > 0:
-            for record in list(stats.steps)[-min(new, len(stats.steps)):]:
+            for record in engine.stats.recent_steps()[-new:]:
                 self.batch_size.observe(record.num_seqs)
                 if record.num_preempted:
                     self.preemptions.increment(record.num_preempted)
-            self._num_steps_seen = stats.num_steps
-        self.running.set(engine.scheduler.num_running)
-        self.waiting.set(engine.scheduler.num_waiting)
-        self.kv_used.set(engine.block_manager.num_used_blocks)
+            self._num_steps_seen = snapshot.num_steps
+        self.running.set(snapshot.num_running)
+        self.waiting.set(snapshot.num_waiting)
+        self.kv_used.set(snapshot.num_kv_blocks_used)
+        self.kv_total.set(snapshot.num_kv_blocks_total)

@@ -3,13 +3,16 @@ and error responses. Every request gets exactly one response flagged final."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from backend.engine.llm_engine import RequestOutput
+from backend.engine.request import FinishReason
 
 
 @dataclass
@@ -22,6 +25,50 @@ class OpenRequest:
     omitted_outputs: frozenset[str] = frozenset()
     text: list[str] = field(default_factory=list)  # non-streaming: the whole text, sent at the end
     token_ids: list[int] = field(default_factory=list)
+
+
+class OpenRequests:
+    """The requests a model accepted and has not answered finally, by request id: the one place that sends.
+
+    ``send`` is the engine's sink (it runs on the thread that drives the engine); ``add`` and ``cancelled`` may run
+    on any thread.
+    """
+
+    def __init__(self, pb, metrics, batched: bool) -> None:
+        self._pb = pb
+        self._metrics = metrics
+        self._batched = batched  # a model with max_batch_size > 0 answers with a batch dimension
+        self._open: dict[str, OpenRequest] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def add(self, request_id: str, open_request: OpenRequest) -> None:
+        with self._lock:
+            self._open[request_id] = open_request
+
+    def discard(self, request_id: str) -> None:
+        with self._lock:
+            self._open.pop(request_id, None)
+
+    def send(self, output: RequestOutput) -> None:
+        """Send what ``output`` means for its request; a final output closes the request (and is counted)."""
+        with self._lock:
+            open_request = self._open.pop(output.request_id, None) if output.finished else self._open.get(output.request_id)
+        if open_request is None:
+            return
+        if output.finished and output.finish_reason != FinishReason.REFUSED:
+            self._metrics.on_finished(output, open_request.arrival)
+        send_output(self._pb, open_request, output, self._batched)
+
+    def cancelled(self, request_ids: Iterable[str] | None = None) -> list[str]:
+        """Those of ``request_ids`` (default: every open request) whose client cancelled. NOTE: ``is_cancelled()``
+        is an IPC round trip (~35 us) per request."""
+        with self._lock:
+            candidates = list(self._open.items()) if request_ids is None else \
+                [(rid, self._open[rid]) for rid in request_ids if rid in self._open]
+        return [rid for rid, r in candidates if r.sender.is_cancelled()]
 
 
 def send_output(pb, open_request: OpenRequest, output: RequestOutput, batched: bool) -> None:

@@ -1,24 +1,24 @@
 """llm_continuous: in-flight (continuous) batching. The engine's loop, on its own thread, decides the batch.
 
-A thin adapter: execute() validates each request and hands it to the engine loop, then returns at once; responses
-are sent from one place (the loop's sink); cancellations are checked before every step. Every request gets exactly
-one final response: its last token, or an error (refused, overloaded, a failed step, shutdown, a failed engine).
+A thin adapter: execute() validates each request and hands it to the engine loop (``EngineLoop``,
+backend/engine/batching.py), then returns at once; responses are sent from one place (the loop's sink); cancellations
+are checked before every step. Every request gets exactly one final response: its last token, or an error (refused,
+overloaded, a failed step, shutdown, a failed engine).
 """
 
 import json
-import threading
 import time
 import uuid
 
 import triton_python_backend_utils as pb_utils
 
-from backend.engine.engine_loop import REFUSED, EngineLoop, EngineOverloaded, EngineUnavailable
+from backend.engine.batching import EngineLoop, EngineOverloaded, EngineUnavailable
 from backend.engine.llm_engine import LLMEngine
 from backend.triton.faults import FaultInjector
 from backend.triton.metrics import TritonMetrics
 from backend.triton.model_config import engine_config_from_triton, model_is_decoupled
 from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
-from backend.triton.responses import OpenRequest, send_error, send_output
+from backend.triton.responses import OpenRequest, OpenRequests, send_error
 from backend.triton.shutdown_notice import ShutdownNotice
 
 WAITING_CANCEL_CHECK_S = 0.25
@@ -36,16 +36,16 @@ class TritonPythonModel:
         if config.scheduling_policy != "continuous":
             raise pb_utils.TritonModelException("llm_continuous needs scheduling_policy 'continuous'")
         self.faults = FaultInjector.from_config(model_config)
-        self.open = {}  # request id -> OpenRequest; written by execute(), read and emptied by the loop thread
-        self.lock = threading.Lock()
+        self.metrics = TritonMetrics(pb_utils, args["model_name"])
+        self.open = OpenRequests(pb_utils, self.metrics, batched=False)
         self.next_cancel_sweep = 0.0
         # The engine is loaded on the loop's own thread, the one that steps it: one OpenMP thread team per process.
-        self.loop = EngineLoop.build(lambda: LLMEngine(config), sink=self._send, before_step=self._cancelled,
+        self.loop = EngineLoop.build(lambda: LLMEngine(config), sink=self.open.send, before_step=self._cancelled,
                                      after_step=self._observe)
         self.engine = self.loop.engine
         self.engine.fault_hook = self.faults
         self.limits = RequestLimits(self.engine.max_model_len)
-        self.metrics = TritonMetrics(pb_utils, args["model_name"], self.engine.runner.num_kv_blocks)
+        self.metrics.on_steps(self.engine)  # the loop is idle until the first request
         # On SIGTERM: new requests are refused; open ones run on until shortly before tritonserver's exit timeout,
         # and whatever is still running then ends with "the server is shutting down".
         self.shutdown = ShutdownNotice(on_notice=self.loop.drain)
@@ -60,41 +60,26 @@ class TritonPythonModel:
                 continue
             request_id = uuid.uuid4().hex
             open_request = OpenRequest(sender, parsed.stream, time.perf_counter(), parsed.omitted_outputs)
-            with self.lock:
-                self.open[request_id] = open_request
+            self.open.add(request_id, open_request)
             if self.faults is not None:
                 self.faults.watch(request_id, parsed.prompt)
             try:
                 self.loop.submit(request_id, parsed.prompt, parsed.params, open_request.arrival)
             except (EngineOverloaded, EngineUnavailable) as exc:  # refused at once: nothing was queued
-                with self.lock:
-                    self.open.pop(request_id, None)
+                self.open.discard(request_id)
                 send_error(pb_utils, sender, str(exc))
         return None
 
     # ---- the engine thread ------------------------------------------------------------------------------------
 
-    def _send(self, output):
-        with self.lock:
-            open_request = self.open.pop(output.request_id, None) if output.finished else self.open.get(output.request_id)
-        if open_request is None:
-            return
-        if output.finished and output.finish_reason != REFUSED:
-            self.metrics.on_finished(output, open_request.arrival)
-        send_output(pb_utils, open_request, output, batched=False)
-
     def _cancelled(self):
-        # NOTE: is_cancelled() is an IPC round trip (~35 us). A running request costs a forward every step, so it is
-        # checked every step; a waiting one costs nothing but its queue slot, so the waiting are swept every 0.25 s.
+        # A running request costs a forward every step, so it is checked every step; a waiting one costs nothing but
+        # its queue slot, so all open requests are swept every 0.25 s.
         now = time.monotonic()
-        sweep = now >= self.next_cancel_sweep
-        if sweep:
+        if now >= self.next_cancel_sweep:
             self.next_cancel_sweep = now + WAITING_CANCEL_CHECK_S
-        running_ids = [r.request_id for r in self.engine.scheduler.running]  # the loop thread owns the engine
-        with self.lock:
-            candidates = list(self.open.items()) if sweep else \
-                [(rid, self.open[rid]) for rid in running_ids if rid in self.open]
-        return [rid for rid, r in candidates if r.sender.is_cancelled()]
+            return self.open.cancelled()
+        return self.open.cancelled(self.engine.snapshot().running_request_ids)  # the loop thread owns the engine
 
     def _observe(self):
         self.metrics.on_steps(self.engine)

@@ -3,10 +3,12 @@
 llm_static's 1/model.py is a link to this file: the two differ only in their config.pbtxt (llm_static asks the
 batcher for full batches and waits up to a second for one).
 
-Nothing can join while execute() runs, so the batch shrinks as short answers finish and Triton queues later
-requests until it returns (up to default_queue_policy's max_queue_size; beyond it Triton refuses them at once).
-Tokens still stream (the model is decoupled) as each step makes them. Every request gets exactly one final
-response: its last token, or an error (refused, cancelled, a failed step, shutdown, a failed engine).
+A thin adapter: parse each request, hand the batch to the engine, and send from one place while
+``run_to_completion`` (backend/engine/batching.py) steps it. Nothing can join while execute() runs, so the batch
+shrinks as short answers finish and Triton queues later requests until it returns (up to default_queue_policy's
+max_queue_size; beyond it Triton refuses them at once). Tokens still stream (the model is decoupled) as each step
+makes them. Every request gets exactly one final response: its last token, or an error (refused, cancelled, a
+failed step, shutdown, a failed engine).
 """
 
 import json
@@ -15,13 +17,13 @@ import uuid
 
 import triton_python_backend_utils as pb_utils
 
-from backend.engine.engine_loop import SHUTTING_DOWN
+from backend.engine.batching import SHUTTING_DOWN, engine_failed, run_to_completion
 from backend.engine.llm_engine import LLMEngine
 from backend.triton.faults import FaultInjector
 from backend.triton.metrics import TritonMetrics
 from backend.triton.model_config import engine_config_from_triton, model_is_decoupled
 from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
-from backend.triton.responses import OpenRequest, send_error, send_output
+from backend.triton.responses import OpenRequest, OpenRequests, send_error
 from backend.triton.shutdown_notice import ShutdownNotice
 
 
@@ -40,7 +42,9 @@ class TritonPythonModel:
         self.limits = RequestLimits(self.engine.max_model_len)
         self.faults = FaultInjector.from_config(model_config)
         self.engine.fault_hook = self.faults
-        self.metrics = TritonMetrics(pb_utils, args["model_name"], self.engine.runner.num_kv_blocks)
+        self.metrics = TritonMetrics(pb_utils, self.name)
+        self.metrics.on_steps(self.engine)
+        self.open = OpenRequests(pb_utils, self.metrics, batched=True)
         self.failure = None  # set once the engine failed in a way a step cannot recover from
         # On SIGTERM the batch running goes on until shortly before tritonserver's exit timeout, and whatever is still
         # running then ends with "the server is shutting down". Every later batch is refused at once: Triton 2.51
@@ -49,7 +53,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         arrival = time.perf_counter()
-        batch = {}  # request id -> OpenRequest: exactly the requests Triton put in this batch
+        batch = []  # the ids of exactly the requests Triton put in this batch
         for request in requests:
             sender = request.get_response_sender()
             if self.failure is not None or self.shutdown.is_set():
@@ -64,47 +68,16 @@ class TritonPythonModel:
             except ValueError as exc:
                 send_error(pb_utils, sender, str(exc))
                 continue
-            batch[request_id] = OpenRequest(sender, parsed.stream, arrival, parsed.omitted_outputs)
+            self.open.add(request_id, OpenRequest(sender, parsed.stream, arrival, parsed.omitted_outputs))
+            batch.append(request_id)
 
-        try:
-            self._run_to_completion(batch)
-        except BaseException as exc:  # the engine cannot go on: fail this batch, refuse every later request
-            self._fail(batch, exc)
+        error = run_to_completion(
+            self.engine, batch, sink=self.open.send, cancelled=self.open.cancelled, expired=self.shutdown.expired,
+            after_step=lambda: self.metrics.on_steps(self.engine),
+        )
+        if error is not None:  # every member got its final error; refuse every later request
+            self.failure = engine_failed(error)
+            pb_utils.Logger.log_error(f"{self.name}: {self.failure}")
+            self.metrics.engine_healthy.set(0)
         self.metrics.on_steps(self.engine)
         return None
-
-    def _run_to_completion(self, batch):
-        while self.engine.has_unfinished():  # until the longest member of the batch is done
-            if self.shutdown.expired():
-                self._abort_all(batch, SHUTTING_DOWN)
-                return
-            outputs = [self.engine.abort(rid) for rid, r in batch.items() if r.sender.is_cancelled()]
-            outputs += self.engine.step()
-            self.metrics.on_steps(self.engine)
-            for output in filter(None, outputs):
-                open_request = batch.pop(output.request_id) if output.finished else batch[output.request_id]
-                if output.finished:
-                    self.metrics.on_finished(output, open_request.arrival)
-                try:
-                    send_output(pb_utils, open_request, output, batched=True)
-                except Exception as exc:  # a vanished client must not stop the rest of the batch
-                    pb_utils.Logger.log_warn(f"{self.name}: sending to {output.request_id} failed: {exc}")
-
-    def _fail(self, batch, exc):
-        self.failure = f"the engine failed and cannot go on ({exc!r}); restart the server"
-        pb_utils.Logger.log_error(f"{self.name}: {self.failure}")
-        self.metrics.engine_healthy.set(0)
-        self._abort_all(batch, self.failure)
-
-    def _abort_all(self, batch, message):
-        """End every open member of the batch with an error response."""
-        for request_id, open_request in batch.items():
-            try:
-                self.engine.abort(request_id)  # frees its KV blocks if the engine's state still allows it
-            except Exception:
-                pass
-            try:
-                send_error(pb_utils, open_request.sender, message)
-            except Exception as exc:
-                pb_utils.Logger.log_warn(f"{self.name}: sending to {request_id} failed: {exc}")
-        batch.clear()
