@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.engine.attention import decode_gather_indices, paged_decode_attention
+from backend.engine.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    decode_gather_indices,
+    paged_decode_attention,
+    rope_paged_attention,
+)
 from backend.kernels import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
@@ -78,6 +84,62 @@ def test_unsupported_inputs_fall_back_to_torch():
     assert not cpu_kernels.supports(query, k_cache, v_cache)
     out = cpu_kernels.cpu_decode_attention(query, k_cache, v_cache, tables, lens, 0.125)
     assert torch.equal(out, paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125))
+
+
+def rope_step_case(decode_lens, chunks, dtype, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=0):
+    """One step as the runner lays it out (decodes, then prefill chunks ``(num_cached, num_query)``) over a pool of
+    random values with shuffled blocks: the QKV projection's output, positions, rope tables, pool and metadata."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = list(decode_lens) + [c + n for c, n in chunks]
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (2 * torch.randn(shape, generator=gen)).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
+    slots_of = lambda table, n: torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])  # noqa: E731
+    positions, slot_mapping, prefills = [n - 1 for n in decode_lens], [], []
+    slot_mapping = [slots_of(t, n)[-1:] for t, n in zip(tables, decode_lens)]
+    start = len(decode_lens)
+    for table, (cached, n) in zip(tables[len(decode_lens):], chunks):
+        slots = slots_of(table, cached + n)
+        slot_mapping.append(slots[cached:])
+        prefills.append(PrefillChunk(start, n, cached, slots if cached else None))
+        positions += range(cached, cached + n)
+        start += n
+    width = max((len(t) for t in tables[: len(decode_lens)]), default=0)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slot_mapping).long(), num_decode_tokens=len(decode_lens),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[: len(decode_lens)]],
+                                  dtype=torch.int32).view(len(decode_lens), width),
+        context_lens=torch.tensor(decode_lens, dtype=torch.int32), decode_slots=None, decode_mask=None,
+        prefills=tuple(prefills), scale=head_dim**-0.5,
+    )
+    qkv = torch.randn(start, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    angles = torch.arange(256)[:, None] * (1e4 ** (-torch.arange(head_dim // 2) / (head_dim // 2)))[None, :]
+    half_sin = torch.sin(angles)
+    cos = torch.cat([torch.cos(angles)] * 2, dim=-1).to(dtype)
+    sin_signed = torch.cat([-half_sin, half_sin], dim=-1).to(dtype)
+    return qkv, torch.tensor(positions), cos, sin_signed, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "decode_lens, chunks",
+    [([70], []), ([5, 16, 17, 40, 1, 130, 33, 64, 9, 2], []), ([5, 16, 40], [(0, 20), (33, 40)]), ([], [(0, 7)])],
+    ids=["one-decode", "ten-decodes", "decodes-and-chunks", "one-chunk"],
+)
+def test_rope_attention_kernel_matches_torch_reference(decode_lens, chunks, dtype):
+    """Rotary embedding, K/V write and attention in one C call equal the torch ops they replace: the output, the
+    rotated q and k left in the QKV buffer, and the pool."""
+    qkv, positions, cos, sin, k_cache, v_cache, meta = rope_step_case(decode_lens, chunks, dtype)
+    k_ref, v_ref = k_cache.float(), v_cache.float()
+    ref = rope_paged_attention(qkv.float(), positions, cos.float(), sin.float(), k_ref, v_ref, meta, 9)
+    out = cpu_kernels.cpu_rope_paged_attention(qkv, positions, cos, sin, k_cache, v_cache, meta, 9)
+    assert out.shape == ref.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(k_cache.float(), k_ref, **TOLERANCE[dtype])
+    torch.testing.assert_close(v_cache.float(), v_ref, atol=0, rtol=0)  # values are copied, not rotated
 
 
 def hf_rms_norm(x, weight, eps):

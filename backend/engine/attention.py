@@ -69,18 +69,23 @@ class AttentionMetadata:
 
 
 AttentionFn = Callable[..., torch.Tensor]  # (query, key, value, k_cache, v_cache, meta) -> [T, num_heads, head_dim]
+# (qkv, positions, cos, sin_signed, k_cache, v_cache, meta, num_heads) -> [T, num_heads, head_dim]
+RopeAttentionFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
     """One layer's attention for a whole step, chosen once by device, and the optional metadata it reads.
 
-    ``forward`` has ``paged_attention``'s signature. The flags tell the model runner which per-step extras to build,
-    once per step rather than once per layer.
+    ``forward`` has ``paged_attention``'s signature. ``rope_forward``, where a backend has one, takes the layer from
+    its QKV projection instead (``rope_paged_attention``'s signature: rotary embedding, K/V write and attention in one
+    call); the model then uses it. The flags tell the model runner which per-step extras to build, once per step
+    rather than once per layer.
     """
 
     name: str
     forward: AttentionFn
+    rope_forward: RopeAttentionFn | None = None
     reads_decode_gather: bool = False  # decode_slots / decode_mask: the torch decode reference's gather indices
     reads_prefill_tables: bool = False  # prefill_tables: the kernels' block tables of the prefill chunks
 
@@ -214,6 +219,20 @@ def paged_attention(
             query[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, meta.scale,
             meta.decode_slots, meta.decode_mask,
         )
+    attend_prefills(out, query, key, value, k_cache, v_cache, meta)
+    return out
+
+
+def attend_prefills(
+    out: torch.Tensor,  # [T, num_heads, head_dim], written at the prefill chunks' rows
+    query: torch.Tensor,  # [T, num_heads, head_dim]
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim], already written to the cache
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """The step's prefill chunks: runs of fresh equal-length chunks in one call, any other chunk alone."""
     for group in _prefill_groups(meta.prefills):
         first = group[0]
         span = slice(first.token_start, first.token_start + first.num_query_tokens * len(group))
@@ -221,7 +240,39 @@ def paged_attention(
             out[span] = _fresh_prefill_attention(query[span], key[span], value[span], len(group), meta.scale)
         else:
             out[span] = prefill_attention(query[span], key[span], value[span], k_cache, v_cache, first, meta.scale)
-    return out
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in HF's non-interleaved layout: x * cos + rotate_half(x) * sin.  x: (T, heads, hd).
+
+    ``sin_signed`` is ``[-sin_lo, sin_hi]``: rotate_half(x) * sin == swap_halves(x) * sin_signed, so the rotation is
+    three ops; ``cos`` and ``sin_signed`` are (T, 1, hd), each token's rows of the tables.
+    """
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (T, heads, hd)
+    return torch.addcmul(x * cos, swapped, sin_signed)
+
+
+def rope_paged_attention(
+    qkv: torch.Tensor,  # [T, (num_heads + 2 num_kv_heads) head_dim], the QKV projection's output
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [max_len, head_dim] the whole table
+    sin_signed: torch.Tensor,  # [max_len, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    num_heads: int,
+    attention_fn: AttentionFn = paged_attention,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """One layer's attention from its QKV projection: the rotary embedding on q and k, then ``attention_fn`` (which
+    writes K/V and attends). The torch reference of the C kernel that does all of it in one call."""
+    num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+    num_kv_heads = k_cache.shape[2]
+    qk_size = (num_heads + num_kv_heads) * head_dim
+    rows = lambda table: table.index_select(0, positions)[:, None, :]  # noqa: E731  (T, 1, hd)
+    qk = rotate(qkv[:, :qk_size].view(num_tokens, num_heads + num_kv_heads, head_dim), rows(cos), rows(sin_signed))
+    value = qkv[:, qk_size:].view(num_tokens, num_kv_heads, head_dim)  # (T, kvh, hd)
+    return attention_fn(qk[:, :num_heads], qk[:, num_heads:], value, k_cache, v_cache, meta)
 
 
 def _prefill_groups(prefills: tuple[PrefillChunk, ...]) -> list[list[PrefillChunk]]:

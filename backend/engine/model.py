@@ -8,7 +8,8 @@ On CPU every projection runs through oneDNN with its weight laid out once at loa
 elementwise work that follows a matmul (SiLU, the gate product, the residual add) is fused into it, so a decode step
 is little more than one pass over the weights. RMSNorm uses the C kernel of ``backend.kernels.cpu_kernels`` where it builds.
 Attention is whichever ``AttentionBackend`` the model runner chose for the device (the OpenAI Triton kernels on CUDA,
-the C decode kernel or the torch reference on CPU): every layer calls it with the step's metadata.
+the C kernels or the torch reference on CPU): every layer calls it with the step's metadata. On CPU one C call per
+layer takes the QKV projection's output to the attention output (rotary embedding, K/V write, decode attention).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from backend.engine.attention import TORCH_ATTENTION, AttentionBackend, AttentionMetadata
+from backend.engine.attention import TORCH_ATTENTION, AttentionBackend, AttentionMetadata, rotate
 from backend.kernels import cpu_kernels
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -174,15 +175,20 @@ class LlamaModel:
         num_tokens = input_ids.shape[0]
         num_qk_heads = s.num_heads + s.num_kv_heads
         h = self.embed.index_select(0, input_ids)  # (T, D)
-        cos = self.cos.index_select(0, positions)[:, None, :]  # (T, 1, hd), shared by every layer
-        sin = self.sin_signed.index_select(0, positions)[:, None, :]
+        rope_forward = self.attention.rope_forward
+        if rope_forward is None:
+            cos = self.cos.index_select(0, positions)[:, None, :]  # (T, 1, hd), shared by every layer
+            sin = self.sin_signed.index_select(0, positions)[:, None, :]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = self.rms_norm(h, (s.hidden_size,), layer.input_norm, s.rms_norm_eps)
             qkv = layer.qkv(x)  # (T, (H + 2 kvh) hd)
-            qk = _rotate(qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, s.head_dim), cos, sin)
-            q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]  # (T, H, hd), (T, kvh, hd)
-            v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)  # (T, kvh, hd)
-            attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)  # (T, H, hd), K/V written to the cache
+            if rope_forward is not None:  # rotary embedding, K/V write and attention in one call
+                attn = rope_forward(qkv, positions, self.cos, self.sin_signed, k_cache, v_cache, meta, s.num_heads)
+            else:
+                qk = rotate(qkv[:, : self.q_size + self.kv_size].view(num_tokens, num_qk_heads, s.head_dim), cos, sin)
+                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]  # (T, H, hd), (T, kvh, hd)
+                v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, s.num_kv_heads, s.head_dim)  # (T, kvh, hd)
+                attn = self.attention.forward(q, k, v, k_cache, v_cache, meta)  # (T, H, hd), K/V written to the cache
             h = layer.o.add(attn.reshape(num_tokens, self.q_size), h)  # h + o(attn)
             x = self.rms_norm(h, (s.hidden_size,), layer.post_norm, s.rms_norm_eps)
             h = layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)  # h + down(silu(gate x) * up x)
@@ -190,13 +196,6 @@ class LlamaModel:
         h = h.index_select(0, logits_indices)  # (S, D)
         h = self.rms_norm(h, (s.hidden_size,), self.final_norm, s.rms_norm_eps)
         return self.lm_head(h)  # (S, V)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in HF's non-interleaved layout: x * cos + rotate_half(x) * sin.  x: (T, heads, hd)."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (T, heads, hd)
-    return torch.addcmul(x * cos, swapped, sin_signed)
 
 
 def _rope_tables(model_dir: Path, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

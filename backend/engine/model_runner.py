@@ -32,8 +32,12 @@ from backend.kernels import cpu_kernels
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-# The torch reference with the C decode kernel (it reads K/V in place through the block tables).
-CPU_ATTENTION = AttentionBackend("cpu", functools.partial(paged_attention, decode_fn=cpu_kernels.cpu_decode_attention))
+# The torch reference with the C decode kernel (it reads K/V in place through the block tables); from the QKV
+# projection, one C call per layer rotates q and k, writes K/V and attends the decodes.
+CPU_ATTENTION = AttentionBackend(
+    "cpu", functools.partial(paged_attention, decode_fn=cpu_kernels.cpu_decode_attention),
+    rope_forward=cpu_kernels.cpu_rope_paged_attention,
+)
 
 
 def resolve_device(device: str) -> torch.device:

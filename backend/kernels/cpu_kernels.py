@@ -1,9 +1,13 @@
-"""C twins of two torch hot spots, for CPUs: built at first use, loaded with ctypes.
+"""C twins of torch hot spots, for CPUs: built at first use, loaded with ctypes.
 
 ``cpu_decode_attention`` takes the same inputs as ``backend.engine.attention.paged_decode_attention`` and returns the same
 result (float32 arithmetic; bf16 rounded once at the end). It reads K/V through the block tables in place, where the
 torch path first copies every sequence's K/V out of the pool once per layer; at batch 64 that copy and SDPA's
 small-query overhead cost a tenth of a decode step.
+
+``cpu_rope_paged_attention`` is ``rope_paged_attention``'s twin: one call per layer from the QKV projection's output
+rotates q and k, writes K/V to the pool and attends the decodes, where the torch ops took a dozen calls (the rotary
+embedding alone cost as much as the attention at batch 64).
 
 ``cpu_rms_norm`` is HF's LlamaRMSNorm in one pass per row; ``F.rms_norm`` on bf16 runs eight tensor ops (widening
 the whole input to float32), which cost more than the layer's attention at batch 1 and 2.5x a layer_norm in prefill.
@@ -18,6 +22,7 @@ model keeps the torch code.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -29,13 +34,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backend.engine.attention import paged_decode_attention
+from backend.engine.attention import (
+    AttentionMetadata,
+    attend_prefills,
+    paged_attention,
+    paged_decode_attention,
+    rope_paged_attention,
+)
 
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.c")
 # -ffast-math lets the compiler vectorise the float dot products (reassociation); inputs are finite by construction.
-_FLAGS = ("-O3", f"-march={os.environ.get('LLM_CPU_MARCH', 'native')}", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = ("-O3", f"-march={os.environ.get('LLM_CPU_MARCH', 'native')}", "-mprefer-vector-width=512", "-Wno-psabi", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _lock = threading.Lock()
@@ -80,6 +91,12 @@ def _build_and_load() -> ctypes.CDLL:
         ptr, i64, i64, ctypes.c_int, ctypes.c_int,  # out, dtype, num_threads
     ]
     lib.paged_decode_attention.restype = None
+    lib.rope_paged_attention.argtypes = [
+        ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,  # qkv, positions, tables, slots, caches
+        i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, i64,  # decodes, block tables, H, KVH, D, scale
+        ptr, i64, i64, ctypes.c_int, ctypes.c_int,  # out, dtype, num_threads
+    ]
+    lib.rope_paged_attention.restype = None
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.rms_norm.restype = None
     lib.sample_rows.argtypes = [ptr, i64, ctypes.c_int, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
@@ -145,6 +162,47 @@ def cpu_decode_attention(
         batch, num_heads, num_kv_heads, head_dim, block_size, scale, tables.shape[1] * block_size,
         out.data_ptr(), out.stride(0), out.stride(1), _DTYPE_CODES[query.dtype], torch.get_num_threads(),
     )
+    return out
+
+
+def cpu_rope_paged_attention(
+    qkv: torch.Tensor,  # [T, (num_heads + 2 num_kv_heads) head_dim]; q and k are rotated in place
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor,  # [max_len, head_dim]
+    sin_signed: torch.Tensor,  # [max_len, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    num_heads: int,
+) -> torch.Tensor:  # [T, num_heads, head_dim]
+    """The C twin of ``rope_paged_attention``: rotary embedding, K/V write and the decodes' attention in one call (the
+    prefill chunks, if any, then attend in torch); falls back to the torch reference for inputs it does not handle."""
+    num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+    num_kv_heads = k_cache.shape[2]
+    query = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    if not (
+        qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+        and supports(query, k_cache, v_cache) and cos.dtype == sin_signed.dtype == qkv.dtype
+        and cos.is_contiguous() and sin_signed.is_contiguous() and cos.shape[1] == head_dim
+        and positions.dtype == meta.slot_mapping.dtype == torch.int64
+    ):
+        cpu_attention = functools.partial(paged_attention, decode_fn=cpu_decode_attention)
+        return rope_paged_attention(qkv, positions, cos, sin_signed, k_cache, v_cache, meta, num_heads, cpu_attention)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
+    tables, lens = meta.block_tables.to(torch.int32).contiguous(), meta.context_lens.to(torch.int32).contiguous()
+    positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
+    block_size = k_cache.shape[1]
+    _lib.rope_paged_attention(
+        qkv.data_ptr(), qkv.stride(0), num_tokens, positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
+        slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), meta.num_decode_tokens, tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_heads,
+        num_kv_heads, head_dim, block_size, meta.scale, tables.shape[1] * block_size, out.data_ptr(), out.stride(0),
+        out.stride(1), _DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
+    )
+    if meta.prefills:  # q and k were rotated in place and every token's K/V is in the cache
+        qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)
+        value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
+        attend_prefills(out, qk[:, :num_heads], qk[:, num_heads:], value, k_cache, v_cache, meta)
     return out
 
 
