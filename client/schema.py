@@ -151,7 +151,7 @@ def describe_batching(config: Mapping[str, Any]) -> str:
     """Who forms the batch, from a model config (HTTP or gRPC JSON form)."""
     max_batch_size = int(config.get("max_batch_size", 0))
     decoupled = bool(config.get("model_transaction_policy", {}).get("decoupled", False))
-    policy = config.get("parameters", {}).get("scheduling_policy", {}).get("string_value")
+    policy = config.get("parameters", {}).get("batching", {}).get("string_value")
     if "dynamic_batching" in config:
         # NOTE: not preferred_batch_size: Triton's auto-complete fills it in (= max_batch_size) for every batcher.
         delay_us = int(config["dynamic_batching"].get("max_queue_delay_microseconds", 0))

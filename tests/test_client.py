@@ -133,7 +133,7 @@ STAND_INS = {
     "echo_continuous": dict(
         max_batch_size=0,
         batching="",
-        parameters='parameters: { key: "scheduling_policy", value: { string_value: "continuous" } }',
+        parameters='parameters: { key: "batching", value: { string_value: "continuous" } }',
     ),
 }
 BOTH = pytest.mark.parametrize("model", sorted(STAND_INS))
@@ -243,7 +243,7 @@ def test_describe_batching_tells_the_two_modes_apart():
     dynamic = {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_microseconds": "2000"}}  # gRPC JSON: str
     continuous = {
         "model_transaction_policy": {"decoupled": True},
-        "parameters": {"scheduling_policy": {"string_value": "continuous"}},
+        "parameters": {"batching": {"string_value": "continuous"}},
     }
     assert describe_batching(dynamic) == "dynamic batcher (max_batch_size 8, max_queue_delay 2000 µs)"
     assert describe_batching(continuous) == "decoupled, engine-side continuous batching"

@@ -636,6 +636,30 @@ def test_readme_kv_capacity_example_matches_the_model_configs():
         assert f"max_num_seqs = {config.max_num_seqs}" in readme
 
 
+# How each model.py drives its engine (backend/engine/batching.py); initialize() refuses any other setting.
+MODEL_BATCHING = {"llm_continuous": "continuous", "llm_dynamic": "run_to_completion", "llm_static": "run_to_completion"}
+
+
+def test_each_model_config_sets_the_batching_its_model_checks_and_the_check_refuses_the_other():
+    from backend.triton.model_config import check_model
+
+    assert sorted(MODEL_BATCHING) == MODELS
+    decoupled = {"model_transaction_policy": {"decoupled": True}}
+    for model, batching in MODEL_BATCHING.items():
+        text = (ROOT / "model_repository" / model / "config.pbtxt").read_text()
+        params = dict(re.findall(r'key: "(\w+)", value: \{ string_value: "([^"]*)" \}', text))
+        assert params["batching"] == batching, model
+        assert f'batching="{batching}"' in (ROOT / "model_repository" / model / "1" / "model.py").read_text()
+        check_model(model, decoupled, EngineConfig(batching=batching), batching)
+        other = "continuous" if batching == "run_to_completion" else "run_to_completion"
+        with pytest.raises(ValueError, match=f"{model} drives its engine as '{batching}' batching.*'{other}'"):
+            check_model(model, decoupled, EngineConfig(batching=other), batching)
+        with pytest.raises(ValueError, match=f"{model} streams tokens and must be decoupled"):
+            check_model(model, {}, EngineConfig(batching=batching), batching)
+    with pytest.raises(ValueError, match="batching must be 'continuous' or 'run_to_completion'; got 'static'"):
+        EngineConfig(batching="static")
+
+
 # ---- Python 3.10 (the image's Python) ------------------------------------------------------------------------
 
 
@@ -707,11 +731,11 @@ for path in sys.argv[2:]:
     EngineConfig.from_dict(params)
 
 results = {}
-for policy in ("continuous", "static"):
+for policy in ("continuous", "run_to_completion"):
     config = EngineConfig(block_size=4, max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64,
-                          scheduling_policy=policy)
+                          batching=policy)
     blocks = BlockManager(16, 4)
-    scheduler = Scheduler(config, blocks, 64)
+    scheduler = Scheduler(config, blocks)
     for i in range(5):
         scheduler.add_request(Request(f"r{i}", [1 + i] * (3 + i), SamplingParams(max_tokens=4), eos_token_ids=(0,)))
     outputs, steps = {}, 0

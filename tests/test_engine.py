@@ -1,5 +1,5 @@
 """The whole engine on the real SmolLM2-135M in float32: greedy text equals HF ``generate`` and does not depend on
-batching, token budget, preemption, prefix caching or the scheduling policy; stop strings, lengths, streaming
+batching, token budget, preemption, prefix caching or the way of batching; stop strings, lengths, streaming
 deltas and failing steps behave as documented.
 
 One engine per configuration (module-scoped), and the reference generations are computed once.
@@ -118,8 +118,8 @@ def test_prefix_cache_hit_equals_alone(smollm2_dir, reference):
     assert first.output_token_ids == second.output_token_ids == reference[2]
 
 
-def test_static_policy_equals_continuous(smollm2_dir, reference):
-    engine = make_engine(smollm2_dir, scheduling_policy="static", max_num_seqs=2)
+def test_run_to_completion_equals_continuous(smollm2_dir, reference):
+    engine = make_engine(smollm2_dir, batching="run_to_completion", max_num_seqs=2)
     # Different lengths so the static batch waits for its longest member before the next one starts.
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (NEW_TOKENS, 8, NEW_TOKENS, 4)]
     outputs = engine.generate(PROMPTS, params)
@@ -196,6 +196,50 @@ def test_failing_step_fails_only_its_requests(engine):
         assert pool.num_free_blocks == pool.num_blocks
     finally:
         engine.fault_hook = None
+
+
+class FatalFault(BaseException):
+    """Not an ``Exception``: no step's handler contains it, as with a broken engine."""
+
+
+def test_run_to_completion_gives_every_member_one_final_output_whatever_happens(engine):
+    from backend.engine.batching import SHUTTING_DOWN, run_to_completion
+
+    def run(ids, cancel=(), expire_after=None, fault=None):
+        finals, steps = {}, []
+        for request_id in ids:
+            engine.add_request(request_id, PROMPTS[0], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        engine.fault_hook = fault
+
+        def sink(output):
+            if output.finished:
+                assert output.request_id not in finals, "a second final output"
+                finals[output.request_id] = output
+
+        try:
+            error = run_to_completion(
+                engine, ids, sink, cancelled=lambda open_ids: [i for i in cancel if i in open_ids and steps],
+                expired=lambda: expire_after is not None and len(steps) >= expire_after,
+                after_step=lambda: steps.append(1),
+            )
+        finally:
+            engine.fault_hook = None
+        assert sorted(finals) == sorted(ids) and not engine.has_unfinished()
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        return error, finals
+
+    error, finals = run(["done", "cancelled"], cancel=["cancelled"])
+    assert error is None and finals["done"].finish_reason == "length" and finals["done"].num_output_tokens == 6
+    assert finals["cancelled"].finish_reason == "abort" and finals["cancelled"].error is None
+    error, finals = run(["late-1", "late-2"], expire_after=2)
+    assert error is None and all(o.error == SHUTTING_DOWN and o.finish_reason == "abort" for o in finals.values())
+
+    def fatal(requests):
+        raise FatalFault("broken")
+
+    error, finals = run(["broken-1", "broken-2"], fault=fatal)
+    assert isinstance(error, FatalFault)
+    assert all(o.finish_reason == "error" and "restart the server" in o.error for o in finals.values())
 
 
 # ---- KV-pool sizing on a GPU (memory figures injected: the arithmetic and the profiling step run on the CPU) --------

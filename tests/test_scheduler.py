@@ -1,4 +1,4 @@
-"""The scheduler: budget, seats, chunked prefill, preemption, abort, both policies, and random runs."""
+"""The scheduler: budget, seats, chunked prefill, preemption, abort, both ways of batching, and random runs."""
 
 import random
 
@@ -22,7 +22,7 @@ def make_scheduler(
     max_num_batched_tokens: int = 64,
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = False,
-    scheduling_policy: str = "continuous",
+    batching: str = "continuous",
     max_model_len: int = 64,
 ) -> Scheduler:
     config = EngineConfig(
@@ -31,9 +31,10 @@ def make_scheduler(
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
         enable_prefix_caching=enable_prefix_caching,
-        scheduling_policy=scheduling_policy,
+        batching=batching,
+        max_model_len=max_model_len,
     )
-    return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching), max_model_len)
+    return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching))
 
 
 def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int | None = 4, first_token: int = 1) -> Request:
@@ -126,7 +127,7 @@ def test_preemption_takes_the_newest_puts_it_first_and_it_resumes():
     assert plan(output) == [("a", 1), ("b", 1)]
     assert [r.request_id for r in scheduler.waiting] == ["c", "d"]
     assert (c.status, c.num_computed_tokens, c.block_ids, c.num_preemptions) == (RequestStatus.WAITING, 0, [], 1)
-    assert scheduler.num_preemptions == 1 and scheduler.stats().num_preemptions == 1
+    assert scheduler.num_preemptions == 1
     c_tokens = list(c.token_ids)
 
     for _ in range(50):
@@ -160,12 +161,13 @@ def test_abort_frees_blocks_at_once_whether_running_or_waiting():
     scheduler.add_request(b := make_request("b", 9))
     step(scheduler)
     assert scheduler.block_manager.num_used_blocks == 3
-    assert scheduler.abort("a") is a
+    assert scheduler.finish("a", FinishReason.ABORT) is a
     assert (a.status, a.finish_reason, a.block_ids) == (RequestStatus.FINISHED, FinishReason.ABORT, [])
     assert a.timings.finished is not None
     assert scheduler.block_manager.num_used_blocks == 0
-    assert scheduler.abort("b") is b and not scheduler.has_unfinished()
-    assert scheduler.abort("b") is None and scheduler.abort("nobody") is None
+    assert scheduler.finish("b", FinishReason.ABORT) is b and not scheduler.has_unfinished()
+    assert scheduler.finish("b", FinishReason.ABORT) is None
+    assert scheduler.finish("nobody", FinishReason.ABORT) is None
 
 
 def test_update_skips_a_request_aborted_after_schedule():
@@ -173,7 +175,7 @@ def test_update_skips_a_request_aborted_after_schedule():
     scheduler.add_request(a := make_request("a", 5))
     scheduler.add_request(b := make_request("b", 5))
     output = scheduler.schedule()
-    scheduler.abort("a")
+    scheduler.finish("a", FinishReason.ABORT)
     assert scheduler.update(output, {"a": 7, "b": 7}) == [b]
     assert a.num_output_tokens == 0 and a.num_computed_tokens == 0
     scheduler.block_manager.check_invariants([a, b])
@@ -197,9 +199,9 @@ def test_eos_finishes_and_is_returned_once():
     assert scheduler.schedule().is_empty
 
 
-def run_two_then_one(policy: str) -> dict[str, int]:
+def run_two_then_one(batching: str) -> dict[str, int]:
     """a (1 token) and b (6 tokens) run together; c arrives at once. Returns the step that first scheduled c."""
-    scheduler = make_scheduler(max_num_seqs=2, scheduling_policy=policy)
+    scheduler = make_scheduler(max_num_seqs=2, batching=batching)
     scheduler.add_request(make_request("a", 2, max_tokens=1))
     scheduler.add_request(make_request("b", 2, max_tokens=6))
     scheduler.add_request(make_request("c", 2, max_tokens=1))
@@ -211,13 +213,15 @@ def run_two_then_one(policy: str) -> dict[str, int]:
     return first_step
 
 
-def test_static_policy_admits_nobody_until_the_batch_is_done_while_continuous_refills_at_once():
+def test_run_to_completion_admits_nobody_until_the_batch_is_done_while_continuous_refills_at_once():
     assert run_two_then_one("continuous") == {"a": 0, "b": 0, "c": 1}
-    assert run_two_then_one("static") == {"a": 0, "b": 0, "c": 6}
+    assert run_two_then_one("run_to_completion") == {"a": 0, "b": 0, "c": 6}
 
 
-def test_static_policy_readmits_a_preempted_member_but_no_newcomer():
-    scheduler = make_scheduler(num_blocks=6, block_size=2, max_num_seqs=3, scheduling_policy="static", max_model_len=12)
+def test_run_to_completion_readmits_a_preempted_member_but_no_newcomer():
+    scheduler = make_scheduler(
+        num_blocks=6, block_size=2, max_num_seqs=3, batching="run_to_completion", max_model_len=12
+    )
     for i, name in enumerate("abc"):
         scheduler.add_request(make_request(name, 3, max_tokens=5, first_token=10 * i + 1))
     scheduler.add_request(make_request("new", 1, max_tokens=1))
@@ -226,11 +230,11 @@ def test_static_policy_readmits_a_preempted_member_but_no_newcomer():
     assert step(scheduler).preempted_ids == ["c"]
     admitted = []
     for _ in range(30):  # until the whole batch is done
-        if not any(scheduler.get_request(name) for name in "abc"):
+        if not any(name in scheduler.requests for name in "abc"):
             break
         admitted += [s.request.request_id for s in step(scheduler).scheduled]
     assert "c" in admitted and "new" not in admitted
-    assert scheduler.get_request("new").status is RequestStatus.WAITING
+    assert scheduler.requests["new"].status is RequestStatus.WAITING
     assert plan(step(scheduler)) == [("new", 1)]
 
 
@@ -281,30 +285,19 @@ def test_a_request_that_can_never_fit_is_refused():
     assert scheduler.num_waiting == 1
 
 
-def test_a_full_queue_refuses_new_requests():
-    scheduler = make_scheduler()
-    scheduler.config.max_queue_size = 2
-    scheduler.add_request(make_request("a", 3))
-    scheduler.add_request(make_request("b", 3))
-    with pytest.raises(ValueError, match="overloaded"):
-        scheduler.add_request(make_request("c", 3))
-    step(scheduler)  # a and b start running, so the queue has room again
-    scheduler.add_request(make_request("c", 3))
-
-
 def test_without_chunked_prefill_the_budget_must_cover_max_model_len():
     with pytest.raises(ValueError, match="enable_chunked_prefill"):
         make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False, max_model_len=32)
 
 
-def test_stats_and_kv_bounded_concurrency():
+def test_counts_and_kv_bounded_concurrency():
     scheduler = make_scheduler(num_blocks=100, block_size=16, max_num_seqs=64, max_model_len=2048)
     scheduler.add_request(make_request("a", 20))
     scheduler.add_request(make_request("b", 20))
     step(scheduler)
-    stats = scheduler.stats()
-    assert (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used, stats.num_kv_blocks_total) == (2, 0, 4, 100)
-    assert stats.kv_cache_usage == pytest.approx(0.04)
+    pool = scheduler.block_manager  # what the engine's snapshot reads
+    assert (scheduler.num_running, scheduler.num_waiting, pool.num_used_blocks, pool.num_blocks) == (2, 0, 4, 100)
+    assert pool.usage == pytest.approx(0.04)
     # 1,000 tokens per sequence need 63 blocks: the pool holds one such sequence, whatever max_num_seqs says.
     assert scheduler.max_concurrency_by_kv(1000) == 1
     assert scheduler.max_concurrency_by_kv(16) == 100
@@ -332,7 +325,7 @@ def engine_setups(draw):
         max_num_batched_tokens=draw(st.integers(min_budget, min_budget + 16)),
         num_blocks=draw(st.integers(min_blocks, min_blocks + 3)),
         enable_prefix_caching=draw(st.booleans()),
-        scheduling_policy=draw(st.sampled_from(["continuous", "static"])),
+        batching=draw(st.sampled_from(["continuous", "run_to_completion"])),
     )
 
 
@@ -372,7 +365,7 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput, requests: list[Req
             assert s.samples
     for request in scheduler.waiting:
         assert request.status is RequestStatus.WAITING and request.num_computed_tokens == 0 and not request.block_ids
-    if config.scheduling_policy == "static":
+    if config.batching == "run_to_completion":
         assert {r.request_id for r in scheduler.running} <= scheduler.current_batch_ids
     scheduler.block_manager.check_invariants(requests)
 
@@ -382,7 +375,7 @@ def check_after_update(scheduler: Scheduler, requests: list[Request]) -> None:
         assert request.num_computed_tokens <= request.num_tokens <= scheduler.max_model_len
         if request.is_finished:
             assert request.finish_reason is not None and not request.block_ids
-            assert scheduler.get_request(request.request_id) is None
+            assert request.request_id not in scheduler.requests
     scheduler.block_manager.check_invariants(requests)
 
 
@@ -417,7 +410,7 @@ def test_random_runs_never_leak_blocks_break_limits_or_starve(setup, arrivals, s
         for _ in range(num_steps):
             random_step(scheduler, requests, rng)
         if abort_index is not None:
-            scheduler.abort(requests[abort_index % len(requests)].request_id)
+            scheduler.finish(requests[abort_index % len(requests)].request_id, FinishReason.ABORT)
             check_after_update(scheduler, requests)
 
     # Liveness: each step the oldest running request progresses and is never preempted, so every request

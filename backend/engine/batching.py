@@ -39,7 +39,9 @@ def engine_failed(exc: BaseException) -> str:
     return f"the engine failed and cannot go on ({exc!r}); restart the server"
 
 
-def end_all(engine: LLMEngine, request_ids: Iterable[str], message: str, reason: FinishReason, sink: OutputSink) -> None:
+def end_all(
+    engine: LLMEngine, request_ids: Iterable[str], message: str, reason: FinishReason, sink: OutputSink
+) -> None:
     """Give each request its final output now, ``message`` as its error; the engine frees what it held."""
     for request_id in request_ids:
         try:

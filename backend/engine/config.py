@@ -5,14 +5,14 @@ Both raise ``ValueError`` with a message a user can act on; ``assert`` would van
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-SchedulingPolicy = Literal["continuous", "static"]
+Batching = Literal["continuous", "run_to_completion"]
+BATCHING = ("continuous", "run_to_completion")
 _DTYPES = ("bfloat16", "float16", "float32")
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -36,11 +36,11 @@ def _parse_bool(value: Any) -> bool:
 class EngineConfig:
     """Everything the engine needs to know before it loads a model.
 
-    ``max_model_len=None`` means "the model's own ``max_position_embeddings``"; it is resolved by
-    :meth:`resolve` once the model's config is known. The KV pool is sized from ``num_kv_blocks`` if given,
-    else from ``kv_cache_memory_bytes``, else on CUDA from what ``gpu_memory_utilization`` of the device's memory
-    leaves once the weights and the activation peak of a forward at ``max_num_batched_tokens`` are counted (as vLLM
-    does), else on CPU ``DEFAULT_CPU_KV_CACHE_BYTES``.
+    ``max_model_len=None`` means "the model's own ``max_position_embeddings``"; the engine resolves it once
+    (:meth:`resolve`) when it reads the model's config, and every part reads it from here. The KV pool is sized
+    from ``num_kv_blocks`` if given, else from ``kv_cache_memory_bytes``, else on CUDA from what
+    ``gpu_memory_utilization`` of the device's memory leaves once the weights and the activation peak of a forward
+    at ``max_num_batched_tokens`` are counted (as vLLM does), else on CPU ``DEFAULT_CPU_KV_CACHE_BYTES``.
     """
 
     model: str = ""
@@ -55,7 +55,10 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
-    scheduling_policy: SchedulingPolicy = "continuous"
+    # Who may join the running batch: anyone, every step (continuous), or nobody until the batch in flight has
+    # finished (run_to_completion: what Triton's dynamic batcher gives a generation model). Not vLLM's
+    # scheduling_policy (fcfs / priority): the queue is always first come, first served.
+    batching: Batching = "continuous"
     num_threads: int | None = None  # torch intra-op threads; None = all cores
     max_queue_size: int = 1024  # waiting requests beyond this are refused ("overloaded")
     seed: int = 0
@@ -83,15 +86,20 @@ class EngineConfig:
                 f"({self.max_num_seqs}): every running sequence needs one token of budget per decode step"
             )
         if self.max_model_len is not None:
-            _positive("max_model_len", self.max_model_len)
-            self._check_prefill_budget()
-        if self.scheduling_policy not in ("continuous", "static"):
-            raise ValueError(f"scheduling_policy must be 'continuous' or 'static'; got {self.scheduling_policy!r}")
+            self._check_max_model_len()
+        if self.batching not in BATCHING:
+            raise ValueError(f"batching must be 'continuous' or 'run_to_completion'; got {self.batching!r}")
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
         _positive("max_queue_size", self.max_queue_size)
 
-    def _check_prefill_budget(self) -> None:
+    def _check_max_model_len(self) -> None:
+        """The limits that depend on max_model_len: the one place each is checked."""
+        _positive("max_model_len", self.max_model_len)
+        if self.max_model_len < 2:
+            raise ValueError(
+                f"max_model_len must be >= 2 (a prompt token and a generated one); got {self.max_model_len}"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
@@ -99,8 +107,9 @@ class EngineConfig:
                 "raise max_num_batched_tokens, lower max_model_len, or set enable_chunked_prefill=true"
             )
 
-    def resolve(self, model_max_len: int) -> None:
-        """Fill in ``max_model_len`` from the model and check it against what the model supports."""
+    def resolve(self, model_max_len: int) -> int:
+        """Fill in ``max_model_len`` from the model and check it against what the model supports; returns it.
+        The engine calls this once, before it builds anything that reads ``max_model_len``."""
         if self.max_model_len is None:
             self.max_model_len = model_max_len
             if not self.enable_chunked_prefill:
@@ -109,7 +118,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings ({model_max_len})"
             )
-        self._check_prefill_budget()
+        self._check_max_model_len()
+        return self.max_model_len
 
     @property
     def dtype_bytes(self) -> int:
@@ -220,17 +230,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
-
-    @classmethod
-    def from_json(cls, text: str, base: dict[str, Any] | None = None) -> SamplingParams:
-        """Parse vllm_backend's ``sampling_parameters`` JSON; numbers may arrive as strings (genai-perf does this)."""
-        try:
-            raw = json.loads(text) if text else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"sampling_parameters is not valid JSON: {exc.msg} at position {exc.pos}") from None
-        if not isinstance(raw, dict):
-            raise ValueError("sampling_parameters must be a JSON object")
-        return cls.from_dict({**(base or {}), **raw})
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.detokenizer import IncrementalDetokenizer
-from backend.engine.model_runner import ModelRunner
+from backend.engine.model_runner import ModelRunner, read_model_shape
 from backend.engine.request import FinishReason, Request, RequestTimings
 from backend.engine.sampler import Sampler
 from backend.engine.scheduler import Scheduler
@@ -70,9 +70,10 @@ class CompletionOutput:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # NOTE: the one place max_model_len is resolved; the runner and the scheduler read it from the config.
+        self.max_model_len = config.resolve(read_model_shape(config.model).max_position_embeddings)
         self.tokenizer = load_tokenizer(config.model)
-        self.runner = ModelRunner(config)  # resolves config.max_model_len from the model
-        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        self.runner = ModelRunner(config)
         capacity = self.runner.num_kv_blocks * config.block_size
         if capacity < self.max_model_len:
             raise ValueError(
@@ -80,7 +81,7 @@ class LLMEngine:
                 "sequence could never finish; give the KV cache more memory or lower max_model_len"
             )
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.stats = EngineStats()
@@ -104,13 +105,8 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty: it encodes to zero tokens")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}, "
-                "which must also leave room for at least one generated token"
-            )
         request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
-        self.scheduler.add_request(request)  # may refuse: queue full, or the prompt can never fit in the KV pool
+        self.scheduler.add_request(request)  # refuses what can never fit: max_model_len, the KV pool
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer.hf, token_ids, params.stop, params.min_tokens
         )

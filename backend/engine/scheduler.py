@@ -4,13 +4,15 @@ Each request has ``num_computed_tokens`` (K/V in the cache) and ``num_tokens``; 
 the second within a token budget. A prompt, a prompt chunk, a decode and a resume after preemption are all that
 rule. Pure Python: the model runner reads the returned :class:`SchedulerOutput` and never the queues.
 
-The two policies compared by this project differ only in who may join the running batch:
+The two ways of batching compared by this project (``EngineConfig.batching``) differ only in who may join the
+running batch:
 
 * ``continuous`` (in-flight batching): waiting requests are admitted every step, as soon as a slot, budget and KV
   blocks allow.
-* ``static``: when nothing is in flight, up to ``max_num_seqs`` requests at the head of the queue become the batch,
-  and no newcomer joins until every member has finished (members that miss the budget or the KV cache join over
-  the next steps; a preempted member goes back in). This is what Triton's dynamic batcher gives a generation model.
+* ``run_to_completion``: when nothing is in flight, up to ``max_num_seqs`` requests at the head of the queue become
+  the batch, and no newcomer joins until every member has finished (members that miss the budget or the KV cache
+  join over the next steps; a preempted member goes back in). This is what Triton's dynamic batcher gives a
+  generation model.
 """
 
 from __future__ import annotations
@@ -50,55 +52,38 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_kv_blocks_used: int
-    num_kv_blocks_total: int
-    kv_cache_usage: float
-    num_preemptions: int
-
-
 class Scheduler:
     """Owns the waiting and running queues; the engine calls ``schedule()``, runs the model, then ``update()``."""
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int) -> None:
-        if max_model_len <= 1:
-            raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one); got {max_model_len}")
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
-                f"({max_model_len}) with chunked prefill off, so a long sequence could never be scheduled; "
-                "raise max_num_batched_tokens, lower max_model_len, or set enable_chunked_prefill=true"
-            )
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        """``config.max_model_len`` must be resolved (the config checks the limits that depend on it)."""
+        if config.max_model_len is None:
+            raise ValueError("the scheduler needs a resolved max_model_len (EngineConfig.resolve)")
         self.config = config
         self.block_manager = block_manager
-        self.max_model_len = max_model_len
+        self.max_model_len = config.max_model_len
         self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
-        self.current_batch_ids: set[str] = set()  # static policy: unfinished members of the batch in flight
+        self.current_batch_ids: set[str] = set()  # run_to_completion: unfinished members of the batch in flight
         self.num_preemptions = 0
 
     # ---- queues ---------------------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; ``ValueError`` if it could never run (the engine reports that to this request only)."""
+        """Queue a request; ``ValueError`` if it could never run (the engine reports that to this request only).
+
+        NOTE: how many may wait is the front door's limit (``EngineLoop.submit``, ``max_queue_size``), not this."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
             raise ValueError(f"request {request.request_id!r} is not a new request")
-        if len(self.waiting) >= self.config.max_queue_size:
-            raise ValueError(
-                f"the server is overloaded: {len(self.waiting)} requests are already waiting "
-                f"(max_queue_size={self.config.max_queue_size}); retry later"
-            )
         self._check_fits(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def _check_fits(self, request: Request) -> None:
+        """The one check of a request against max_model_len and the KV pool."""
         num_prompt = request.num_prompt_tokens
         if num_prompt >= self.max_model_len:
             raise ValueError(
@@ -122,12 +107,9 @@ class Scheduler:
                 "lower max_tokens"
             )
 
-    def abort(self, request_id: str) -> Request | None:
-        """Cancel a waiting or running request and free its blocks now; ``None`` if it is unknown or done."""
-        return self.finish(request_id, FinishReason.ABORT)
-
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:
-        """Finish a request from outside the step (abort, stop string); ``None`` if it is unknown or done."""
+        """Finish a request from outside the step (abort, stop string, a failed step) and free its blocks now;
+        ``None`` if it is unknown or done."""
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -157,9 +139,6 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-    def get_request(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id)
 
     # ---- the step -------------------------------------------------------------------------------------------
 
@@ -204,13 +183,13 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         """Admit from the head of the queue (FCFS, never skipping it) while seats, budget and blocks allow."""
-        static = self.config.scheduling_policy == "static"
-        if static and not self.current_batch_ids:
+        fixed_batch = self.config.batching == "run_to_completion"
+        if fixed_batch and not self.current_batch_ids:
             # Nothing in flight: the next batch is the head of the queue, fixed until all of it finishes.
             self.current_batch_ids = {r.request_id for r in islice(self.waiting, self.config.max_num_seqs)}
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.waiting[0]
-            if static and request.request_id not in self.current_batch_ids:
+            if fixed_batch and request.request_id not in self.current_batch_ids:
                 break  # members (incl. preempted ones) sit at the front, so the rest are newcomers
             num_cached = self.block_manager.get_computed_blocks(request)
             request.num_computed_tokens = num_cached
@@ -276,18 +255,7 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
-    # ---- statistics -----------------------------------------------------------------------------------------
-
-    def stats(self) -> SchedulerStats:
-        pool = self.block_manager
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_kv_blocks_used=pool.num_used_blocks,
-            num_kv_blocks_total=pool.num_blocks,
-            kv_cache_usage=pool.usage,
-            num_preemptions=self.num_preemptions,
-        )
+    # ---- capacity -------------------------------------------------------------------------------------------
 
     def max_concurrency_by_kv(self, tokens_per_seq: int) -> int:
         """How many sequences of ``tokens_per_seq`` tokens the KV pool holds at once (before max_num_seqs)."""

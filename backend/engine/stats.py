@@ -25,7 +25,7 @@ class StepTimes:
 
 @dataclass(frozen=True)
 class StepRecord:
-    num_seqs: int  # sequences in this forward (the batch size the seed document talks about)
+    num_seqs: int  # sequences in this forward (the batch size that static, dynamic and continuous batching differ in)
     num_tokens: int  # tokens scheduled this step (prefill chunks + decodes)
     num_running: int
     num_waiting: int
@@ -42,8 +42,6 @@ class EngineStats:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
-    finished_by_reason: collections.Counter = field(default_factory=collections.Counter)
-    sum_times: dict = field(default_factory=lambda: collections.defaultdict(float))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -63,15 +61,11 @@ class EngineStats:
             self.steps.append(record)
             self.num_steps += 1
             self.num_preemptions += record.num_preempted
-            for name in ("schedule", "prepare", "forward", "sample", "update"):
-                self.sum_times[name] += getattr(times, name)
 
     def record_finish(self, request) -> None:
         with self._lock:
             self.num_prompt_tokens += request.num_prompt_tokens
             self.num_generation_tokens += request.num_output_tokens
-            reason = request.finish_reason.value if request.finish_reason else "unknown"
-            self.finished_by_reason[reason] += 1
 
     def recent_steps(self) -> list[StepRecord]:
         with self._lock:

@@ -16,9 +16,6 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self.hf.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer(model_dir)

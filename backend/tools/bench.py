@@ -263,7 +263,7 @@ def run_workload(s: BenchSettings, policy: str, requests: list[tuple[list[int], 
     longest = s.workload_prompt_range[1] + max(s.workload_long_range[1], s.workload_short_range[1])
     engine = LLMEngine(EngineConfig(
         model=s.model, dtype=s.dtype, num_threads=s.threads, max_num_seqs=s.workload_max_num_seqs,
-        max_model_len=longest + 16, scheduling_policy=policy, seed=s.seed,
+        max_model_len=longest + 16, batching=policy, seed=s.seed,
     ))
     for i, (prompt, output_len) in enumerate(requests):
         engine.add_request(f"w{i}", prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
@@ -307,7 +307,7 @@ def scheduler_us_per_step(num_seqs: int, steps: int = 200, block_size: int = 16)
     """schedule() + update() with ``num_seqs`` running decodes; a fake model returns token 7 for everyone."""
     config = EngineConfig(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs), max_model_len=4096)
     pool = BlockManager(num_seqs * (4096 // block_size), block_size)
-    scheduler = Scheduler(config, pool, 4096)
+    scheduler = Scheduler(config, pool)
     params = SamplingParams(max_tokens=3000, ignore_eos=True)
     for i in range(num_seqs):
         request = Request(f"s{i}", [1 + (i + j) % 1000 for j in range(64)], params)
@@ -383,7 +383,7 @@ def run_bench(s: BenchSettings, log=print) -> dict:
     requests = workload_requests(s, vocab)
     cont = run_workload(s, "continuous", requests)
     log(f"      continuous: {cont['tok_s']:.1f} tok/s, mean batch {cont['mean_batch']:.1f}")
-    stat = run_workload(s, "static", requests)
+    stat = run_workload(s, "run_to_completion", requests)
     log(f"      static: {stat['tok_s']:.1f} tok/s, mean batch {stat['mean_batch']:.1f}")
     workload = {
         "num_requests": len(requests),

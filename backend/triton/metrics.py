@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from backend.engine.llm_engine import RequestOutput
+from backend.engine.request import FinishReason
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 _BATCH_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256]
@@ -53,7 +54,7 @@ class TritonMetrics:
         self._num_steps_seen = 0
 
     def on_finished(self, output: RequestOutput, arrival: float) -> None:
-        reason = output.finish_reason or "error"
+        reason = output.finish_reason or FinishReason.ERROR.value
         counter = self._finished_by_reason.get(reason)
         if counter is None:
             counter = self._finished_by_reason[reason] = self._finished.Metric({**self._labels, "finish_reason": reason})

@@ -31,3 +31,18 @@ def engine_config_from_triton(model_config: dict, model_dir: str) -> EngineConfi
 
 def model_is_decoupled(model_config: dict) -> bool:
     return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+def check_model(model_name: str, model_config: dict, config: EngineConfig, batching: str) -> None:
+    """What every model checks in ``initialize()``: it streams tokens, so it must be decoupled, and its engine must
+    batch the way its ``model.py`` drives it (``batching``). Raises ``ValueError`` with the line to fix."""
+    if not model_is_decoupled(model_config):
+        raise ValueError(
+            f"{model_name} streams tokens and must be decoupled: "
+            "set model_transaction_policy { decoupled: true } in config.pbtxt"
+        )
+    if config.batching != batching:
+        raise ValueError(
+            f"{model_name} drives its engine as '{batching}' batching, but config.pbtxt sets batching to "
+            f"'{config.batching}': set parameters: {{ key: \"batching\", value: {{ string_value: \"{batching}\" }} }}"
+        )

@@ -55,7 +55,10 @@ class OpenRequests:
     def send(self, output: RequestOutput) -> None:
         """Send what ``output`` means for its request; a final output closes the request (and is counted)."""
         with self._lock:
-            open_request = self._open.pop(output.request_id, None) if output.finished else self._open.get(output.request_id)
+            if output.finished:
+                open_request = self._open.pop(output.request_id, None)
+            else:
+                open_request = self._open.get(output.request_id)
         if open_request is None:
             return
         if output.finished and output.finish_reason != FinishReason.REFUSED:

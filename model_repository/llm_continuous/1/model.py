@@ -16,7 +16,7 @@ from backend.engine.batching import EngineLoop, EngineOverloaded, EngineUnavaila
 from backend.engine.llm_engine import LLMEngine
 from backend.triton.faults import FaultInjector
 from backend.triton.metrics import TritonMetrics
-from backend.triton.model_config import engine_config_from_triton, model_is_decoupled
+from backend.triton.model_config import check_model, engine_config_from_triton
 from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
 from backend.triton.responses import OpenRequest, OpenRequests, send_error
 from backend.triton.shutdown_notice import ShutdownNotice
@@ -27,14 +27,8 @@ WAITING_CANCEL_CHECK_S = 0.25
 class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
-        if not model_is_decoupled(model_config):
-            raise pb_utils.TritonModelException(
-                "llm_continuous streams from its own engine thread and must be decoupled: "
-                "set model_transaction_policy { decoupled: true } in config.pbtxt"
-            )
         config = engine_config_from_triton(model_config, args["model_repository"])
-        if config.scheduling_policy != "continuous":
-            raise pb_utils.TritonModelException("llm_continuous needs scheduling_policy 'continuous'")
+        check_model(args["model_name"], model_config, config, batching="continuous")
         self.faults = FaultInjector.from_config(model_config)
         self.metrics = TritonMetrics(pb_utils, args["model_name"])
         self.open = OpenRequests(pb_utils, self.metrics, batched=False)

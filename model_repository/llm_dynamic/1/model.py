@@ -21,7 +21,7 @@ from backend.engine.batching import SHUTTING_DOWN, engine_failed, run_to_complet
 from backend.engine.llm_engine import LLMEngine
 from backend.triton.faults import FaultInjector
 from backend.triton.metrics import TritonMetrics
-from backend.triton.model_config import engine_config_from_triton, model_is_decoupled
+from backend.triton.model_config import check_model, engine_config_from_triton
 from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
 from backend.triton.responses import OpenRequest, OpenRequests, send_error
 from backend.triton.shutdown_notice import ShutdownNotice
@@ -30,9 +30,8 @@ from backend.triton.shutdown_notice import ShutdownNotice
 class TritonPythonModel:
     def initialize(self, args):
         model_config = json.loads(args["model_config"])
-        if not model_is_decoupled(model_config):
-            raise pb_utils.TritonModelException(f"{args['model_name']} streams tokens and must be decoupled")
         config = engine_config_from_triton(model_config, args["model_repository"])
+        check_model(args["model_name"], model_config, config, batching="run_to_completion")
         if config.max_num_seqs < model_config.get("max_batch_size", 0):
             raise pb_utils.TritonModelException(
                 f"max_num_seqs ({config.max_num_seqs}) must be >= max_batch_size so a whole batch runs together"
