@@ -33,6 +33,7 @@ from loadtest.runner import (
     Plan,
     Target,
     check_models,
+    command_parser,
     max_num_seqs,
     open_target,
     run_load_point,
@@ -51,24 +52,10 @@ MODES = {
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.compare",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    p = command_parser("python -m loadtest.compare", __doc__)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_const", dest="mode", const="quick", help="~2-3 minutes")
     mode.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="~1 minute, for CI")
-    p.add_argument("--url", default=None, help="use this running server (HTTP URL) instead of starting one")
-    p.add_argument("--grpc-url", default=None, help="host:port (default: --url's host, port 8001)")
-    p.add_argument("--metrics-url", default=None, help="default: http://<--url's host>:8002/metrics")
-    p.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
-    p.add_argument(
-        "--model",
-        default=os.environ.get("MODEL") or None,
-        help="HF model folder for a server started here (default: $MODEL, else the repository's own)",
-    )
     p.add_argument(
         "--models",
         default="llm_dynamic,llm_continuous",
@@ -192,15 +179,7 @@ def main(argv=None) -> int:
     log(f"{args.mode} run: {', '.join(models)} at {loads}; {workload.describe()}; report in {out_dir}")
     started = time.perf_counter()
     try:
-        with open_target(
-            args.url,
-            args.grpc_url,
-            args.metrics_url,
-            args.model_repository,
-            args.model,
-            out_dir / "tritonserver.log",
-            say=log,
-        ) as target:
+        with open_target(args, out_dir / "tritonserver.log", say=log) as target:
             meta["server"] = {
                 "url": target.http_url,
                 "started_here": target.server is not None,

@@ -7,10 +7,10 @@ already-running one given by URL.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -82,59 +82,52 @@ class Plan:
     extra_locust_args: list = field(default_factory=list)
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 @contextlib.contextmanager
 def serve(model_repository: Path, model_folder: str | None, log_path: Path, ready_timeout: float = 600.0):
     """Start tritonserver through the launcher on free 127.0.0.1 ports; stop it on exit."""
-    from backend.triton.serve import TritonServer
+    from backend.triton.serve import start_on_free_ports
 
-    http_port, grpc_port, metrics_port = _free_ports(3)
-    server = TritonServer(
+    with start_on_free_ports(
         model_repository,
-        http_port=http_port,
-        grpc_port=grpc_port,
-        metrics_port=metrics_port,
-        address="127.0.0.1",
         model=model_folder,
         extra_args=["--exit-timeout-secs", "10"],
         log_path=log_path,
-    )
-    server.start()
-    try:
-        server.wait_ready(ready_timeout)
+        ready_timeout=ready_timeout,
+    ) as server:
         yield Target(server.http_url, server.grpc_url, server.metrics_url, server, str(server.model or ""))
-    finally:
-        server.stop()
+
+
+def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of a load command (``make compare``, ``make slo``): ``doc``'s first paragraph as its description,
+    the rest as its epilog, and the options that say which server to load: a running one (``--url``), or one
+    started here."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=doc.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=doc.split("\n\n", 1)[1],
+    )
+    parser.add_argument("--url", default=None, help="use this running server (HTTP URL) instead of starting one")
+    parser.add_argument("--grpc-url", default=None, help="host:port (default: --url's host, port 8001)")
+    parser.add_argument("--metrics-url", default=None, help="default: http://<--url's host>:8002/metrics")
+    parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
+    parser.add_argument(
+        "--model",
+        default=os.environ.get("MODEL") or None,
+        help="HF model folder for a server started here (default: $MODEL, else the repository's own)",
+    )
+    return parser
 
 
 @contextlib.contextmanager
-def open_target(
-    url: str | None,
-    grpc_url: str | None,
-    metrics_url: str | None,
-    model_repository: Path,
-    model_folder: str | None,
-    log_path: Path,
-    say=print,
-):
-    """The running server at ``url``, or one started here (and stopped on exit) when ``url`` is None."""
-    if url:
-        yield Target.from_url(url, grpc_url, metrics_url)
+def open_target(args: argparse.Namespace, log_path: Path, say=print):
+    """The running server at ``args.url``, or one started here (and stopped on exit) when it is None; ``args`` has
+    the server options of :func:`command_parser`."""
+    if args.url:
+        yield Target.from_url(args.url, args.grpc_url, args.metrics_url)
         return
-    say(f"starting tritonserver on {model_repository} (log: {log_path}) ...")
-    with serve(model_repository, model_folder, log_path) as target:
+    say(f"starting tritonserver on {args.model_repository} (log: {log_path}) ...")
+    with serve(args.model_repository, args.model, log_path) as target:
         say(f"server ready: {target.http_url}")
         yield target
 

@@ -15,25 +15,28 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.report import fmt
-from loadtest.runner import REPO_ROOT, LoadPoint, Plan, check_models, open_target, run_load_point, warm_up
+from loadtest.runner import (
+    REPO_ROOT,
+    LoadPoint,
+    Plan,
+    check_models,
+    command_parser,
+    open_target,
+    run_load_point,
+    warm_up,
+)
 from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.slo",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("\n\n", 1)[1],
-    )
+    p = command_parser("python -m loadtest.slo", __doc__)
     p.add_argument(
         "--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, help="TTFT p99 limit (default: %(default)s)"
     )
@@ -49,11 +52,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load per point (default: %(default)s)")
     p.add_argument("--max-requests", type=int, default=1000, help="at most this many requests per point")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
-    p.add_argument("--url", default=None, help="use this running server (HTTP URL) instead of starting one")
-    p.add_argument("--grpc-url", default=None)
-    p.add_argument("--metrics-url", default=None)
-    p.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
-    p.add_argument("--model", default=os.environ.get("MODEL") or None, help="HF model folder for a server started here")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "reports")
     return p.parse_args(argv)
 
@@ -118,15 +116,7 @@ def main(argv=None) -> int:
         f"ladder {', '.join(p.label for p in points)}; {args.workload} workload; {args.duration:g} s per point"
     )
     try:
-        with open_target(
-            args.url,
-            args.grpc_url,
-            args.metrics_url,
-            args.model_repository,
-            args.model,
-            out_dir / "tritonserver.log",
-            say=say,
-        ) as target:
+        with open_target(args, out_dir / "tritonserver.log", say=say) as target:
             check_models(target, models)
             for model in models:
                 warm_up(target, model)

@@ -1,4 +1,4 @@
-"""Test infrastructure: free ports, real tritonserver processes started through the launcher, tiny models.
+"""Test infrastructure: real tritonserver processes started through the launcher, their repositories, tiny models.
 
 Every server started here is stopped: by the fixture that asked for it, by the session factory at the end, and
 by an ``atexit`` hook as a last resort (the launcher also makes the server die with the test process).
@@ -7,40 +7,27 @@ by an ``atexit`` hook as a last resort (the launcher also makes the server die w
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
+import re
 import shutil
-import socket
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from backend.triton.serve import PortInUse, TritonServer
+from backend.triton.serve import LOOPBACK, TritonServer, copy_model_repository, start_on_free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
-LOCALHOST = "127.0.0.1"
+LOCALHOST = LOOPBACK
 # Tests never wait 30 s (tritonserver's default) for in-flight work at shutdown.
 DEFAULT_SERVER_ARGS = ("--exit-timeout-secs", "5")
+COMPARED_MODELS = ("llm_dynamic", "llm_continuous")
+# The tiny Llama in float32, a 256-token context and a small KV pool (256 blocks of 16 tokens).
+TINY_SETTINGS = {"dtype": "float32", "max_model_len": "256", "num_kv_blocks": "256"}
 
 _servers: list[TritonServer] = []
-
-
-def free_ports(count: int = 1) -> list[int]:
-    """``count`` distinct ports free on 127.0.0.1 right now (all held open together, so never duplicates)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((LOCALHOST, 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
+_log_numbers = itertools.count()
 
 
 class ServerFactory:
@@ -60,38 +47,44 @@ class ServerFactory:
         ready_timeout: float = 300.0,
     ) -> TritonServer:
         """Start a server through the launcher's API and wait until ready; raises ServerError with its errors."""
-        for attempt in range(3):
-            http_port, grpc_port, metrics_port = free_ports(3)
-            server = TritonServer(
-                model_repository,
-                http_port=http_port,
-                grpc_port=grpc_port,
-                metrics_port=metrics_port,
-                address=LOCALHOST,
-                model=model,
-                extra_args=[*DEFAULT_SERVER_ARGS, *extra_args],
-                env=env,
-                log_path=self.log_dir / f"{Path(model_repository).name}-{http_port}.log",
-            )
-            try:
-                server.start()
-            except PortInUse:  # another process took a port between choosing and binding it
-                if attempt == 2:
-                    raise
-                continue
-            break
+        server = start_on_free_ports(
+            model_repository,
+            model=model,
+            extra_args=[*DEFAULT_SERVER_ARGS, *extra_args],
+            env=env,
+            log_path=self.log_dir / f"{Path(model_repository).name}-{next(_log_numbers)}.log",
+            ready_timeout=ready_timeout,
+        )
         self.servers.append(server)
-        _servers.append(server)
-        try:
-            server.wait_ready(ready_timeout)
-        except BaseException:
-            server.stop()
-            raise
-        return server
+        _servers.append(server)  # before it is ready: a server that fails to start has a log to show
+        return server.__enter__()  # waits until ready; a server that is not is stopped, and ServerError raised
 
     def stop_all(self) -> None:
         for server in self.servers:
             server.stop()
+
+
+def make_repository(
+    dst: Path,
+    params: dict[str, str] | None = None,
+    *,
+    models: Iterable[str] = COMPARED_MODELS,
+    max_batch_size: int | None = None,
+    dynamic_queue_size: int | None = None,
+) -> Path:
+    """A copy of model_repository/'s ``models`` (by default the two compared ones) for the tiny Llama: ``TINY_SETTINGS``,
+    then ``params``, set in their configs. ``max_batch_size`` and ``dynamic_queue_size`` change llm_dynamic's batch
+    size and Triton's queue bound."""
+    copy_model_repository(dst, models, {**TINY_SETTINGS, **(params or {})})
+    path = dst / "llm_dynamic" / "config.pbtxt"
+    if path.exists() and (max_batch_size is not None or dynamic_queue_size is not None):
+        text = path.read_text()
+        if max_batch_size is not None:
+            text = re.sub(r"^max_batch_size: \d+", f"max_batch_size: {max_batch_size}", text, flags=re.M)
+        if dynamic_queue_size is not None:
+            text = re.sub(r"max_queue_size: \d+ \}", f"max_queue_size: {dynamic_queue_size} }}", text)
+        path.write_text(text)
+    return dst
 
 
 def servers_alive_since(t0: float) -> list[TritonServer]:

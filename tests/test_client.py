@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.triton.serve import free_ports
 from client import (
     Chunk,
     GenerationError,
@@ -27,7 +28,7 @@ from client import (
     build_inputs,
     describe_batching,
 )
-from tests.server_harness import REPO_ROOT, free_port
+from tests.server_harness import REPO_ROOT
 
 STAND_IN_MODEL = '''
 import json
@@ -253,7 +254,7 @@ def test_describe_batching_tells_the_two_modes_apart():
 @BOTH_PROTOCOLS
 @pytest.mark.timeout(30)
 def test_server_down_message(protocol):
-    port = free_port()
+    port = free_ports(1)[0]
     client = LLMClient(f"127.0.0.1:{port}", f"127.0.0.1:{port}", protocol=protocol)
     with pytest.raises(ServerUnavailable, match=rf"no Triton server at 127\.0\.0\.1:{port} — start one with `make serve`"):
         client.generate("llm_continuous", GenerationRequest("hi"))
@@ -263,7 +264,7 @@ def test_server_down_message(protocol):
 
 @pytest.mark.timeout(60)
 def test_cli_server_down_exits_with_one_line():
-    port = free_port()
+    port = free_ports(1)[0]
     done = run_cli("generate", "--url", f"127.0.0.1:{port}", "hello")
     assert done.returncode == 1
     assert done.stderr.strip() == f"client: error: no Triton server at 127.0.0.1:{port} — start one with `make serve`"

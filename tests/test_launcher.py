@@ -25,11 +25,12 @@ from backend.triton.serve import (
     ServerError,
     TritonServer,
     find_stub,
+    free_ports,
     prepare_server_home,
     server_distribution,
     stub_versions,
 )
-from tests.server_harness import LOCALHOST, REPO_ROOT, free_ports
+from tests.server_harness import LOCALHOST, REPO_ROOT
 
 _CONFIG = """\
 name: "{name}"

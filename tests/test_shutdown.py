@@ -18,7 +18,6 @@ import http.server
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -32,12 +31,13 @@ import pytest
 import requests
 
 from backend.triton import probe, shutdown
-from tests.server_harness import LOCALHOST, REPO_ROOT, free_ports
+from backend.triton.serve import free_ports
+from tests.server_harness import LOCALHOST, REPO_ROOT, make_repository
 
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
 MODELS = ("llm_continuous", "llm_dynamic", "llm_static")
-# Tiny model in float32; a 512-token context (the tiny Llama's) and a small KV pool.
-TINY = {"dtype": "float32", "max_model_len": "512", "num_kv_blocks": "256"}
+# The tiny model's settings (tests/server_harness.py) with a 512-token context (the tiny Llama's).
+CONTEXT = {"max_model_len": "512"}
 SHUTTING_DOWN = "the server is shutting down"
 # Generous for a loaded 2-core machine (about 5 s here), and still short of the 20 s stall the issue saw.
 SHUTDOWN_BOUND_S = 15.0
@@ -140,23 +140,6 @@ def test_a_childs_client_connections_are_found_and_shut_down():
 # ---- the real server, the real Locust ---------------------------------------------------------------------------
 
 
-def make_repository(dst: Path) -> Path:
-    """model_repository/'s three models with the ``TINY`` settings."""
-    for model in MODELS:
-        shutil.copytree(REPO_ROOT / "model_repository" / model, dst / model, symlinks=False,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        path = dst / model / "config.pbtxt"
-        text = path.read_text()
-        for key, value in TINY.items():
-            line = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
-            text, found = re.subn(rf'parameters: \{{ key: "{key}", value: \{{ string_value: "[^"]*" \}} \}}\n', line,
-                                  text)
-            if not found:
-                text += line
-        path.write_text(text)
-    return dst
-
-
 class MetricsTrail:
     """Scrapes the metrics port every 0.1 s until it stops answering; keeps each model's last sample."""
 
@@ -245,7 +228,7 @@ CASES = {
 def test_stopping_make_serve_under_locust_load(case, tiny_llama_dir, tmp_path):
     sig, locust_lead = CASES[case]
     http_port, grpc_port, metrics_port = free_ports(3)
-    repo = make_repository(tmp_path / "model_repository")
+    repo = make_repository(tmp_path / "model_repository", CONTEXT, models=MODELS)
     command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(repo), "--model", str(tiny_llama_dir),
                "--address", LOCALHOST, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
                "--metrics-port", str(metrics_port), "--max-restarts", "0"]

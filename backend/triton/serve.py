@@ -17,9 +17,11 @@ The server runs in its own session: ``stop()`` (and Ctrl-C or SIGTERM to the CLI
 closed so the models can unload at once) and, if it has to escalate, SIGKILLs the whole process group, so no stub
 outlives it.
 
-:class:`TritonServer` is the same code path as a small API (the tests use it)::
+:class:`TritonServer` is the same code path as a small API, and :func:`start_on_free_ports` the one way the tests,
+``make compare`` and the soak start a server (free loopback ports, on a copy from :func:`copy_model_repository` if
+they change settings)::
 
-    with TritonServer("model_repository", http_port=18000, grpc_port=18001, metrics_port=18002) as server:
+    with start_on_free_ports("model_repository", model="models/smollm2-135m-instruct") as server:
         requests.get(f"{server.http_url}/v2/health/ready")
 """
 
@@ -47,6 +49,8 @@ import urllib.request
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+import psutil
+
 from backend.triton import shutdown
 from backend.triton.shutdown import option_value
 
@@ -56,6 +60,7 @@ DEFAULT_MODEL = "models/smollm2-135m-instruct"
 MODEL_ENV_VAR = "LLM_MODEL"
 LAYOUT_MARKER = ".complete"
 STUB_NAME = "triton_python_backend_stub"
+LOOPBACK = "127.0.0.1"
 
 ADMIN_KEY_ENV_VAR = "TRITON_ADMIN_KEY"
 ADMIN_HEADER = "admin-key"
@@ -210,7 +215,30 @@ def check_model_folder(path: str | os.PathLike) -> Path:
     return path
 
 
-def port_is_free(port: int, address: str = "127.0.0.1") -> bool:
+def copy_model_repository(
+    dst: str | os.PathLike,
+    models: Iterable[str],
+    parameters: Mapping[str, str] | None = None,
+    source: str | os.PathLike = REPO_ROOT / "model_repository",
+) -> Path:
+    """A copy of ``models`` from ``source`` in ``dst``, each config.pbtxt with ``parameters`` set (replaced where the
+    config has the key, appended where it does not). For servers that need other settings than the shipped ones."""
+    dst = Path(dst)
+    for model in models:
+        shutil.copytree(Path(source) / model, dst / model, ignore=shutil.ignore_patterns("__pycache__"))
+        path = dst / model / "config.pbtxt"
+        text = path.read_text()
+        for key, value in (parameters or {}).items():
+            line = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
+            text, found = re.subn(rf'parameters: \{{ key: "{key}", value: \{{ string_value: "[^"]*" \}} \}}\n',
+                                  line.replace("\\", "\\\\"), text)
+            if not found:
+                text += line
+        path.write_text(text)
+    return dst
+
+
+def port_is_free(port: int, address: str = LOOPBACK) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         # SO_REUSEADDR: a port left in TIME_WAIT by a server that just stopped is free; a listener is not.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -219,6 +247,20 @@ def port_is_free(port: int, address: str = "127.0.0.1") -> bool:
         except OSError:
             return False
     return True
+
+
+def free_ports(count: int, address: str = LOOPBACK) -> list[int]:
+    """``count`` distinct ports free on ``address`` right now (all held open together, so never duplicates)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((address, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def check_ports(ports: Mapping[str, int], address: str) -> None:
@@ -271,6 +313,38 @@ def process_group_members(pgid: int) -> list[int]:
     return members
 
 
+def _process_tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def tree_rss(pid: int) -> dict[int, int]:
+    """Resident bytes of a process and all its descendants (tritonserver and its Python-backend stubs)."""
+    out = {}
+    for proc in _process_tree(pid):
+        try:
+            out[proc.pid] = proc.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            pass
+    return out
+
+
+def process_names(pid: int) -> dict[int, str]:
+    """``pid -> what it is`` for a process and its descendants: "tritonserver", or the model a stub serves."""
+    names = {}
+    for proc in _process_tree(pid):
+        try:
+            cmdline = proc.cmdline()
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+        stub = next((part for part in cmdline if part.endswith("model.py")), None)
+        names[proc.pid] = Path(stub).parent.parent.name if stub else Path(cmdline[0]).name if cmdline else "?"
+    return names
+
+
 def _stub_shm_regions(pids: Iterable[int]) -> list[str]:
     """Shared-memory regions of the Python-backend stubs among ``pids`` (each stub's third argument names it)."""
     regions = []
@@ -318,7 +392,7 @@ class TritonServer:
     ``start()`` validates, lays out the binary and starts the process in its own session; ``wait_ready()`` polls
     ``/v2/health/ready``; ``stop()`` sends SIGTERM and escalates to SIGKILL for the whole process group. Output goes
     to ``log_path`` (a temporary file if not given), or with ``echo=True`` to this process's stdout. As a context
-    manager it starts, waits until ready, and always stops.
+    manager it starts (unless already started), waits until ready (``ready_timeout``), and always stops.
 
     ``admin_key`` is ``$TRITON_ADMIN_KEY`` (from ``env``, else this process's environment) or a random key;
     ``admin_headers`` and ``admin_grpc_headers`` carry it for the restricted APIs.
@@ -339,6 +413,7 @@ class TritonServer:
         echo: bool = False,
         python_version: str | None = None,
         layout_root: Path = DEFAULT_LAYOUT_ROOT,
+        ready_timeout: float = 300.0,
     ) -> None:
         self.model_repository = Path(model_repository).absolute()
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
@@ -351,6 +426,7 @@ class TritonServer:
         self.echo = echo
         self.python_version = python_version
         self.layout_root = layout_root
+        self.ready_timeout = ready_timeout
         self.started_at: float | None = None
         self.stopped_at: float | None = None
         self._process: subprocess.Popen | None = None
@@ -485,13 +561,15 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def wait_ready(self, timeout: float = 300.0) -> float:
-        """Block until ``/v2/health/ready`` answers 200; return seconds since start.
+    def wait_ready(self, timeout: float | None = None) -> float:
+        """Block until ``/v2/health/ready`` answers 200 (at most ``timeout``, default ``ready_timeout`` s); return
+        seconds since start.
 
         Raises :class:`ServerError` with the server's own error lines if it exits first or times out.
         """
         if self._process is None or self.started_at is None:
             raise RuntimeError("call start() first")
+        timeout = self.ready_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
             if self._process.poll() is not None:
@@ -599,7 +677,8 @@ class TritonServer:
         return self.wait()
 
     def __enter__(self) -> "TritonServer":
-        self.start()
+        if self._process is None:
+            self.start()
         try:
             self.wait_ready()
         except BaseException:
@@ -613,6 +692,26 @@ class TritonServer:
     def __repr__(self) -> str:
         state = "running" if self.is_running else f"exited {self.returncode}" if self._process else "not started"
         return f"TritonServer({self.model_repository}, http={self.http_port}, grpc={self.grpc_port}, {state})"
+
+
+def start_on_free_ports(model_repository: str | os.PathLike, *, attempts: int = 3, **options) -> TritonServer:
+    """A :class:`TritonServer` (``options`` as its keywords) started on three :func:`free_ports` of the loopback
+    address, and on new ones if another process takes one between choosing and binding (``attempts`` in all).
+
+    Returns once the process is started; ``with start_on_free_ports(...) as server:`` waits until it is ready (or
+    stops it and raises :class:`ServerError`) and always stops it.
+    """
+    address = options.pop("address", LOOPBACK)
+    for attempt in range(attempts):
+        http_port, grpc_port, metrics_port = free_ports(3, address)
+        server = TritonServer(model_repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                              address=address, **options)
+        try:
+            return server.start()
+        except PortInUse:
+            if attempt == attempts - 1:
+                raise
+    raise ValueError(f"attempts must be at least 1, not {attempts}")
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -662,20 +761,11 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, extra_args = parse_args(sys.argv[1:] if argv is None else argv)
+    # Every option but --max-restarts (this loop's own) is one of TritonServer's keywords, under the same name.
+    options = {name: value for name, value in vars(args).items() if name != "max_restarts"}
 
     def new_server(env: Mapping[str, str] | None = None) -> TritonServer:
-        return TritonServer(
-            args.model_repository,
-            http_port=args.http_port,
-            grpc_port=args.grpc_port,
-            metrics_port=args.metrics_port,
-            address=args.address,
-            model=args.model,
-            extra_args=extra_args,
-            env=env,
-            echo=True,
-            python_version=args.python_version,
-        )
+        return TritonServer(**options, extra_args=extra_args, env=env, echo=True)
 
     server = new_server()
     try:
@@ -701,7 +791,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     restarts = 0
     while True:
         try:
-            seconds = server.wait_ready(args.ready_timeout)
+            seconds = server.wait_ready()
         except ServerError as exc:
             if signals_received:
                 print("[serve] stopped before the server was ready", file=sys.stderr)
