@@ -17,7 +17,6 @@ is sent. An ``LLMClient`` may be shared by threads: each generation has its own 
 from __future__ import annotations
 
 import json
-import queue
 import threading
 import time
 import uuid
@@ -28,6 +27,7 @@ import requests
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from client.grpc_stream import GrpcStream
 from client.schema import (
     Chunk,
     GenerationRequest,
@@ -239,39 +239,26 @@ class LLMClient:
 
     def _grpc_stream(self, model: str, inputs: list[grpcclient.InferInput]) -> Generation:
         # NOTE: a tritonclient InferenceServerClient holds at most one stream, so each generation gets its own.
-        client = grpcclient.InferenceServerClient(self.url)
-        responses: queue.Queue = queue.Queue()
-        client.start_stream(lambda result, error: responses.put((time.perf_counter(), result, error)))
+        stream = GrpcStream.start(self.url, model, inputs, request_id=uuid.uuid4().hex)
 
         def chunks() -> Iterator[Chunk]:
             try:
-                while True:
-                    try:
-                        arrived, result, error = responses.get(timeout=self.timeout)
-                    except queue.Empty:
-                        raise GenerationError(f"no response from '{model}' within {self.timeout:g} s") from None
-                    if error is not None:
-                        if generation.cancelled:  # the stream ends with "Locally cancelled by application!"
-                            return
-                        # NOTE: an error ends the request (the models send it as the final response; Triton's own
-                        # refusals come before the request starts), so nothing is left to cancel: cancelling a
-                        # finished request can leave its model unable to unload in Triton 2.51 (README, stopping).
-                        generation.ended_at = arrived
-                        raise GenerationError(f"'{model}': {error.message()}")
-                    chunk = parse_chunk(result.as_numpy, arrived - started)
+                for chunk in stream.follow(self.timeout):
                     if chunk.num_tokens or chunk.finish_reason:
                         yield chunk
-                    if result.get_response().parameters["triton_final_response"].bool_param:
-                        generation.ended_at = arrived
-                        return
+            except TimeoutError as exc:
+                raise GenerationError(str(exc)) from None
             finally:
-                # Cancels the request unless its final response came (timeout, error, abandoned iteration).
-                client.stop_stream(cancel_requests=generation.ended_at is None)
-                client.close()
+                # Cancels the request unless its final response came (timeout, abandoned iteration). NOTE: an error
+                # ends the request (the models send it as the final response; Triton's own refusals come before the
+                # request starts), so nothing is left to cancel.
+                stream.close(cancel=not stream.final)
+            if stream.final:
+                generation.ended_at = stream.final_at
+            if stream.exception is not None and not generation.cancelled:
+                raise GenerationError(f"'{model}': {stream.exception.message()}")
 
-        started = time.perf_counter()
-        client.async_stream_infer(model, inputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True)
-        generation = Generation(chunks(), lambda: client.stop_stream(cancel_requests=True), started)
+        generation = Generation(chunks(), stream.cancel, stream.sent_at)
         return generation
 
     def _http_stream(self, model: str, request: GenerationRequest) -> Generation:

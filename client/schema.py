@@ -163,13 +163,28 @@ def describe_batching(config: Mapping[str, Any]) -> str:
 
 def build_inputs(request: GenerationRequest, max_batch_size: int) -> list[grpcclient.InferInput]:
     """The gRPC inputs for ``request``: shape ``[n]``, or ``[1, n]`` for a model with ``max_batch_size > 0``."""
+    return input_tensors(request.input_values(), max_batch_size)
+
+
+def raw_input_values(text_input: str | bytes | None, **values: Any) -> dict[str, list]:
+    """Input values as given, unchecked (a test's bad request too): ``text_input`` left out when None, ``stop`` a
+    list of strings, every other input one value."""
+    found: dict[str, list] = {} if text_input is None else {"text_input": [text_input]}
+    for name, value in values.items():
+        found[name] = list(value) if name == "stop" else [value]
+    return found
+
+
+def input_tensors(values: Mapping[str, Sequence[Any]], max_batch_size: int) -> list[grpcclient.InferInput]:
+    """gRPC input tensors of the types ``INPUT_TYPES`` gives, from each input's values (``str`` sent as UTF-8,
+    ``bytes`` as they are): shape ``[n]``, or ``[1, n]`` for a model with ``max_batch_size > 0``."""
     batch_dims = (1,) if max_batch_size > 0 else ()
     inputs = []
-    for name, values in request.input_values().items():
+    for name, values_of_input in values.items():
         datatype, dtype = INPUT_TYPES[name]
         if dtype is np.object_:
-            values = [v.encode("utf-8") for v in values]
-        array = np.array(values, dtype=dtype).reshape(batch_dims + (len(values),))
+            values_of_input = [v.encode("utf-8") if isinstance(v, str) else v for v in values_of_input]
+        array = np.array(values_of_input, dtype=dtype).reshape(batch_dims + (len(values_of_input),))
         tensor = grpcclient.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)

@@ -28,9 +28,9 @@ import grpc.experimental.gevent as grpc_gevent
 
 grpc_gevent.init_gevent()
 
+import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
-import queue  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
 from urllib.parse import urlparse  # noqa: E402
@@ -44,6 +44,7 @@ from locust.exception import StopUser  # noqa: E402
 from locust.runners import STATE_RUNNING, STATE_SPAWNING  # noqa: E402
 from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 
+from client.grpc_stream import GrpcStream  # noqa: E402
 from client.schema import GenerationRequest, build_inputs, parse_chunk  # noqa: E402
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS  # noqa: E402
 from loadtest.measure import Measurement, StreamError  # noqa: E402
@@ -299,30 +300,19 @@ class GrpcStreamUser(StreamingLLMUser):
             client.close()
 
     def stream(self, request: GenerationRequest, t0: float):
-        responses = queue.Queue()
-        self.client.start_stream(callback=lambda result, error: responses.put((time.perf_counter(), result, error)))
-        deadline = t0 + self.options.request_timeout
-        ended = False  # the request's last response (its final one, or an error: our models end a request with it)
+        stream = GrpcStream.start(self.client, self.model, build_inputs(request, self.max_batch_size))
         try:
-            self.client.async_stream_infer(
-                self.model, build_inputs(request, self.max_batch_size), enable_empty_final_response=True
-            )
-            while True:
-                try:
-                    t, result, error = responses.get(timeout=max(0.0, deadline - time.perf_counter()))
-                except queue.Empty:
-                    raise StreamError("timeout: no final response within --request-timeout") from None
-                if error is not None:
-                    ended = True
-                    raise StreamError(f"error: {error}")
-                ended = result.get_response().parameters["triton_final_response"].bool_param
-                yield parse_chunk(result.as_numpy, t - t0)
-                if ended:
-                    return
+            for chunk in stream.follow(self.options.request_timeout - (stream.sent_at - t0), from_start=True):
+                # Timed from t0, as the HTTP user times its requests.
+                yield dataclasses.replace(chunk, time_s=chunk.time_s + stream.sent_at - t0)
+        except TimeoutError:
+            raise StreamError("timeout: no final response within --request-timeout") from None
         finally:
-            # NOTE: cancel only a request still running. Cancelling a stream right after its last response can leave
-            # the model unable to unload at shutdown (a race in Triton 2.51's gRPC frontend; backend/triton/shutdown.py).
-            self.client.stop_stream(cancel_requests=not ended)
+            # NOTE: cancel only a request still running (the last response is its final one, or an error: our
+            # models end a request with it); see GrpcStream.close.
+            stream.close(cancel=not stream.final)
+        if stream.exception is not None:
+            raise StreamError(f"error: {stream.exception}")
 
 
 class HttpStreamUser(StreamingLLMUser):

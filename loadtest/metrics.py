@@ -20,6 +20,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+import requests
+
 PREFIXES = ("llm_", "nv_inference_")
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$")
@@ -74,6 +76,22 @@ def select(series: list[Series], model: str, prefixes=PREFIXES, buckets: bool = 
 def scrape(url: str, timeout: float = 2.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return response.read().decode("utf-8", errors="replace")
+
+
+def scrape_metrics(metrics_url: str) -> dict[str, float]:
+    """The ``llm_*`` samples of Triton's metrics port, keyed by name with labels as printed (``requests`` errors
+    propagate)."""
+    out = {}
+    for line in requests.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("llm_"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out
+
+
+def model_sample(samples: dict[str, float], name: str, model: str) -> float:
+    """``name{model="..."}`` from :func:`scrape_metrics`'s samples; NaN when absent."""
+    return samples.get(f'{name}{{model="{model}"}}', float("nan"))
 
 
 class CpuMeter:

@@ -25,25 +25,21 @@ import collections
 import json
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import psutil
 import requests
-import tritonclient.grpc as grpcclient
 
-from client.schema import INPUT_TYPES
+from backend.triton.serve import process_names, start_on_free_ports, tree_rss
+from client.grpc_stream import GrpcStream, generate, start_stream
+from loadtest.metrics import model_sample, scrape_metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODELS = ("llm_dynamic", "llm_continuous")
-BATCHED = {"llm_dynamic": True, "llm_continuous": False}
 PROMPTS = [
     "Tell me a story about a lighthouse keeper.",
     "List five prime numbers and explain why they are prime.",
@@ -52,203 +48,6 @@ PROMPTS = [
     "Count from one to twenty.",
     "Explain the difference between a list and a tuple in Python.",
 ]
-
-
-# ---- talking to the server (tests/test_reliability.py uses these too) -----------------------------------------
-
-
-def grpc_inputs(model: str, prompt: str | bytes | None, **values) -> list:
-    """Input tensors with the shapes the model expects (``[1]``, or ``[1, 1]`` with a batch dimension)."""
-    lead = (1,) if BATCHED[model] else ()
-    tensors = []
-    if prompt is not None:
-        raw = prompt if isinstance(prompt, bytes) else prompt.encode()
-        tensors.append(("text_input", "BYTES", np.array([raw], dtype=np.object_)))
-    for name, value in values.items():
-        if name == "stop":
-            tensors.append(("stop", "BYTES", np.array([s.encode() for s in value], dtype=np.object_)))
-            continue
-        dtype, np_type = INPUT_TYPES[name]
-        if np_type is np.object_:
-            value = value.encode() if isinstance(value, str) else value
-        tensors.append((name, dtype, np.array([value], dtype=np_type)))
-    inputs = []
-    for name, dtype, array in tensors:
-        array = array.reshape(lead + array.shape)
-        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
-
-
-@dataclass
-class GrpcStream:
-    """One request on its own gRPC stream: the responses as they arrive, and how it ended."""
-
-    model: str
-    chunks: list = field(default_factory=list)  # (perf_counter, text, token ids, finish_reason)
-    error: str | None = None
-    final: bool = False  # a response flagged final (or an error) arrived
-    done: threading.Event = field(default_factory=threading.Event)
-    client: grpcclient.InferenceServerClient | None = None
-    sent_at: float = 0.0
-    final_at: float | None = None  # perf_counter when the final response (or an error) arrived
-
-    @property
-    def text(self) -> str:
-        return "".join(c[1] for c in self.chunks)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t for c in self.chunks for t in c[2]]
-
-    @property
-    def finish_reason(self) -> str:
-        return self.chunks[-1][3] if self.chunks else ""
-
-    def _callback(self, result, error) -> None:
-        if error is not None:
-            self.error = str(error)
-            self._finish()
-            return
-        response = result.get_response()
-        text = result.as_numpy("text_output")
-        if text is not None:
-            self.chunks.append(
-                (
-                    time.perf_counter(),
-                    text.reshape(-1)[0].decode(),
-                    result.as_numpy("output_ids").reshape(-1).tolist(),
-                    result.as_numpy("finish_reason").reshape(-1)[0].decode(),
-                )
-            )
-        if response.parameters["triton_final_response"].bool_param:
-            self._finish()
-
-    def _finish(self) -> None:
-        self.final, self.final_at = True, time.perf_counter()
-        self.done.set()
-
-    def wait(self, timeout: float) -> bool:
-        return self.done.wait(timeout)
-
-    def wait_tokens(self, count: int, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while len(self.chunks) < count and not self.done.is_set():
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.002)
-        return len(self.chunks) >= count
-
-    def cancel(self) -> None:
-        """Cancel the request on the server (Triton's request cancellation) and close the stream."""
-        if self.client is not None:
-            self.client.stop_stream(cancel_requests=True)
-
-    def close(self) -> None:
-        if self.client is not None:
-            try:
-                self.client.stop_stream()
-            finally:
-                self.client.close()
-                self.client = None
-
-
-def start_grpc_stream(
-    grpc_url: str,
-    model: str,
-    prompt: str | bytes | None,
-    *,
-    inputs: list | None = None,
-    parameters: dict | None = None,
-    **values,
-) -> GrpcStream:
-    """Send one request on a new gRPC stream (``inputs`` replaces the tensors built from prompt and values)."""
-    stream = GrpcStream(model)
-    stream.client = grpcclient.InferenceServerClient(grpc_url)
-    stream.client.start_stream(callback=stream._callback)
-    stream.sent_at = time.perf_counter()
-    try:
-        stream.client.async_stream_infer(
-            model,
-            inputs if inputs is not None else grpc_inputs(model, prompt, **values),
-            parameters=parameters,
-            enable_empty_final_response=True,
-        )
-    except Exception as exc:  # refused by the client library before anything was sent
-        stream.error, stream.final = f"client: {exc}", True
-        stream.done.set()
-    return stream
-
-
-def grpc_generate(grpc_url: str, model: str, prompt: str | bytes | None, timeout: float = 120, **kwargs) -> GrpcStream:
-    stream = start_grpc_stream(grpc_url, model, prompt, **kwargs)
-    try:
-        stream.wait(timeout)
-    finally:
-        stream.close()
-    return stream
-
-
-def scrape_metrics(metrics_url: str) -> dict[str, float]:
-    """The ``llm_*`` samples of Triton's metrics port, keyed by name with labels."""
-    out = {}
-    for line in requests.get(metrics_url, timeout=10).text.splitlines():
-        if line.startswith("llm_"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
-def gauge(samples: dict[str, float], name: str, model: str) -> float:
-    return samples.get(f'{name}{{model="{model}"}}', float("nan"))
-
-
-def tree_rss(pid: int) -> dict[int, int]:
-    """Resident bytes of a process and all its descendants (tritonserver and its Python-backend stubs)."""
-    out = {}
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return out
-    for proc in procs:
-        try:
-            out[proc.pid] = proc.memory_info().rss
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-            pass
-    return out
-
-
-def process_names(pid: int) -> dict[int, str]:
-    """``pid -> what it is``: "tritonserver", or the model a Python-backend stub serves."""
-    names = {}
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return names
-    for proc in procs:
-        try:
-            cmdline = proc.cmdline()
-        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
-            continue
-        stub = next((part for part in cmdline if part.endswith("model.py")), None)
-        names[proc.pid] = Path(stub).parent.parent.name if stub else Path(cmdline[0]).name if cmdline else "?"
-    return names
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 # ---- the soak ----------------------------------------------------------------------------------------------------
@@ -307,7 +106,7 @@ class Soak:
             self.accounts.add("lost", f"{kind}:{model}", f"{type(exc).__name__}: {exc}")
 
     def _stream(self, rng, model, prompt, max_tokens) -> None:
-        stream = grpc_generate(
+        stream = generate(
             self.grpc_url,
             model,
             prompt,
@@ -337,7 +136,7 @@ class Soak:
             self.accounts.add("lost", kind, f"unexpected error: {error}")
 
     def _cancel(self, rng, model, prompt, max_tokens) -> None:
-        stream = start_grpc_stream(self.grpc_url, model, prompt, max_tokens=200, ignore_eos=True, stream=True)
+        stream = start_stream(self.grpc_url, model, prompt, max_tokens=200, ignore_eos=True, stream=True)
         try:
             stream.wait_tokens(rng.randint(0, 8), timeout=self.args.request_timeout)
             if stream.final and stream.error is not None:
@@ -402,7 +201,7 @@ class Soak:
         try:
             metrics = scrape_metrics(self.metrics_url)
             for name in ("llm_kv_blocks_used", "llm_num_requests_running", "llm_num_requests_waiting"):
-                row[name] = {m: gauge(metrics, name, m) for m in MODELS}
+                row[name] = {m: model_sample(metrics, name, m) for m in MODELS}
         except requests.RequestException as exc:
             row["metrics_error"] = str(exc)
         return row
@@ -617,29 +416,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from backend.triton.serve import TritonServer
-
     args = parse_args(argv)
     out = Path(args.out) if args.out else REPO_ROOT / "reports" / time.strftime("soak-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    http_port, grpc_port, metrics_port = free_ports(3)
-    server = TritonServer(
+    with start_on_free_ports(
         args.model_repository,
-        http_port=http_port,
-        grpc_port=grpc_port,
-        metrics_port=metrics_port,
         model=args.model,
         log_path=out / "tritonserver.log",
         extra_args=["--exit-timeout-secs", "10", *args.server_arg],
-    )
-    server.start()
-    try:
-        server.wait_ready(600)
+        ready_timeout=600,
+    ) as server:
         print(f"[soak] server ready (pid {server.pid}); {args.users} users for {args.duration:.0f} s", flush=True)
         soak = Soak(server.http_url, server.grpc_url, server.metrics_url, server.pid, args, lambda: server.returncode)
         report = soak.run()
-    finally:
-        server.stop()
     if report["server_exit"] is not None:
         report["server_log_tail"] = crash_lines(out / "tritonserver.log")
         report["server_crash_site"] = crash_site(report["server_log_tail"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from client.schema import Chunk
-from loadtest import metrics, report, stats
+from loadtest import metrics, report, soak, stats
 from loadtest.measure import Measurement, StreamError
 from loadtest.runner import LOCUSTFILE, REPO_ROOT, measurement_window
 from loadtest.slo import verdict
@@ -371,3 +371,30 @@ def test_compare_smoke_end_to_end(tmp_path, smollm2_dir):
         assert any("loadgen" in s["cpu"] for s in run["metrics"])
     assert (out_dir / "report.html").stat().st_size > 50_000
     assert (out_dir / "locust" / "llm_dynamic_u4_stats.csv").exists()
+
+
+# ---- the soak's crash report ----------------------------------------------------------------------------------
+
+
+def test_soak_shows_the_crash_when_the_server_dies(tmp_path):
+    log = tmp_path / "tritonserver.log"
+    log.write_text("I1129 started\nSignal (11) received.\n 0# 0x1 in tritonserver\n 1# 0x2 in libc.so.6\n")
+    assert soak.crash_lines(log) == ["Signal (11) received.", " 0# 0x1 in tritonserver", " 1# 0x2 in libc.so.6"]
+    log.write_text("".join(f"line {i}\n" for i in range(30)))
+    assert soak.crash_lines(log, count=3) == ["line 27", "line 28", "line 29"]
+
+
+def test_soak_names_the_function_a_tritonserver_crash_happened_in():
+    from backend.triton.serve import server_distribution
+
+    binary = server_distribution()[0] / "bin" / "tritonserver"
+    symbols = subprocess.run(["nm", "-C", str(binary)], capture_output=True, text=True, check=True).stdout
+    address = {line.split(" ", 2)[2]: int(line.split()[0], 16) for line in symbols.splitlines() if line[:1] != " "}
+    handler = address["triton::server::(anonymous namespace)::ErrorSignalHandler(int)"]
+    process = next(a for name, a in address.items() if name.startswith("triton::server::grpc::ModelStreamInferHandler"
+                                                                         "::Process("))
+    base = 0x5618B9F7C000  # where the binary was loaded: any page-aligned address
+    stack = ["Signal (11) received.", f" 0# 0x{base + handler + 0xBD:016X} in {binary}",
+             " 1# 0x00007F0DB4E5A050 in /lib/x86_64-linux-gnu/libc.so.6", f" 2# 0x{base + process + 0x3E:016X} in {binary}"]
+    assert soak.crash_site(stack).startswith("triton::server::grpc::ModelStreamInferHandler::Process(")
+    assert soak.crash_site(stack[:2]) is None and soak.crash_site(["Signal (11) received."]) is None

@@ -9,19 +9,17 @@ import json
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
-import numpy as np
 import pytest
 import requests
-import tritonclient.grpc as grpcclient
 
-from client.schema import INPUT_TYPES
+from client import grpc_stream
+from client.grpc_stream import GrpcStream, start_stream
+from loadtest.metrics import model_sample, scrape_metrics
 from tests.server_harness import REPO_ROOT
 
 pytestmark = [pytest.mark.server, pytest.mark.smollm2]
 MODELS = ("llm_dynamic", "llm_continuous")
-BATCHED = {"llm_dynamic": True, "llm_continuous": False, "llm_static": True}
 
 
 @pytest.fixture(scope="module")
@@ -29,92 +27,17 @@ def server(triton_server_factory, smollm2_dir):
     return triton_server_factory.start(REPO_ROOT / "model_repository", model=smollm2_dir)
 
 
-# ---- a minimal gRPC streaming caller (the tests check the server, not the client library) -------------------
+# ---- gRPC streams read with client/grpc_stream.py, bare requests (the tests check the server, not LLMClient) ---
 
 
-@dataclass
-class Stream:
-    chunks: list = field(default_factory=list)  # (perf_counter, text, ids, finish_reason)
-    sent_at: float = 0.0  # perf_counter when the request left, after the stream was open
-    error: str | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def text(self) -> str:
-        return "".join(c[1] for c in self.chunks)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t for c in self.chunks for t in c[2]]
-
-    @property
-    def finish_reason(self) -> str:
-        return self.chunks[-1][3] if self.chunks else ""
-
-
-def make_inputs(model: str, prompt: str, **values) -> list:
-    lead = (1,) if BATCHED[model] else ()
-    tensors = [("text_input", "BYTES", np.array([prompt.encode()], dtype=np.object_))]
-    for name, value in values.items():
-        dtype, np_type = INPUT_TYPES[name]
-        tensors.append((name, dtype, np.array([value], dtype=np_type)))
-    inputs = []
-    for name, dtype, array in tensors:
-        array = array.reshape(lead + array.shape)
-        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
-
-
-def start_stream(server, model: str, prompt: str, **values) -> tuple[grpcclient.InferenceServerClient, Stream]:
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    stream = Stream()
-
-    def callback(result, error):
-        if error is not None:
-            stream.error = str(error)
-            stream.done.set()
-            return
-        response = result.get_response()
-        final = response.parameters["triton_final_response"].bool_param
-        if result.as_numpy("text_output") is not None:
-            text = result.as_numpy("text_output").reshape(-1)[0].decode()
-            ids = result.as_numpy("output_ids").reshape(-1).tolist()
-            reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
-            stream.chunks.append((time.perf_counter(), text, ids, reason))
-        if final:
-            stream.done.set()
-
-    client.start_stream(callback=callback)
-    stream.sent_at = time.perf_counter()
-    client.async_stream_infer(model, make_inputs(model, prompt, **values), enable_empty_final_response=True)
-    return client, stream
-
-
-def generate(server, model: str, prompt: str, timeout: float = 300, **values) -> Stream:
-    client, stream = start_stream(server, model, prompt, **values)
-    try:
-        assert stream.done.wait(timeout), f"{model}: no final response within {timeout} s"
-    finally:
-        client.stop_stream()
-        client.close()
+def generate(server, model: str, prompt: str, timeout: float = 300, **values) -> GrpcStream:
+    stream = grpc_stream.generate(server.grpc_url, model, prompt, timeout=timeout, **values)
+    assert stream.final, f"{model}: no final response within {timeout} s"
     return stream
 
 
-def metrics(server) -> dict[str, float]:
-    """The ``llm_*`` samples on the metrics port, keyed by their full name with labels."""
-    text = requests.get(server.metrics_url, timeout=10).text
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("llm_"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
-
-
 def metric(server, name: str, model: str) -> float:
-    return metrics(server).get(f'{name}{{model="{model}"}}', float("nan"))
+    return model_sample(scrape_metrics(server.metrics_url), name, model)
 
 
 # ---- the schema over every protocol -------------------------------------------------------------------------
@@ -166,60 +89,56 @@ def test_sampling_parameters_json_as_genai_perf_sends_it(server):
 # ---- the defining behaviours ----------------------------------------------------------------------------------
 
 
-def wait_tokens(stream: Stream, count: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while len(stream.chunks) < count:
-        assert stream.error is None and time.monotonic() < deadline, f"stream stalled: {stream.error}"
-        time.sleep(0.005)
+def wait_tokens(stream: GrpcStream, count: int, timeout: float = 60) -> None:
+    assert stream.wait_tokens(count, timeout), f"stream stalled: {stream.error}"
+
+
+def short_during_long(server, model: str, long_tokens: int) -> tuple[GrpcStream, GrpcStream]:
+    """A long stream, and once it has 5 tokens a short request run to its end: ``(long, short)``."""
+    long = start_stream(server.grpc_url, model, "Tell me a long story.", max_tokens=long_tokens, ignore_eos=True,
+                        stream=True)
+    wait_tokens(long, 5)
+    return long, generate(server, model, "Hi", max_tokens=4, ignore_eos=True, stream=True)
 
 
 @pytest.mark.timeout(300)
 def test_continuous_admits_a_short_request_into_the_running_batch(server):
-    long_client, long = start_stream(server, "llm_continuous", "Tell me a long story.", max_tokens=160,
-                                     ignore_eos=True, stream=True)
-    wait_tokens(long, 5)
-    short = generate(server, "llm_continuous", "Hi", max_tokens=4, ignore_eos=True, stream=True)
-    first_short = short.chunks[0][0]
+    long, short = short_during_long(server, "llm_continuous", 160)
+    first_short = short.arrival_times[0]
     # NOTE: counted in steps of the long stream, not seconds: the step in flight, the short's prefill, slack for a
     # busy client machine.
-    steps_waited = sum(1 for t, *_ in long.chunks if short.sent_at < t < first_short)
+    steps_waited = sum(1 for t in long.arrival_times if short.sent_at < t < first_short)
     assert steps_waited <= 4, f"the short request waited {steps_waited} steps of the long one for its first token"
-    assert not long.done.is_set(), "the short request should finish while the long one is still generating"
-    assert long.done.wait(120) and len(long.token_ids) == 160
-    long_client.stop_stream()
-    long_client.close()
+    assert not long.final, "the short request should finish while the long one is still generating"
+    assert long.wait(120) and len(long.token_ids) == 160
+    long.close()
 
 
 @pytest.mark.timeout(300)
 def test_dynamic_queues_a_request_until_the_running_batch_finishes(server):
-    long_client, long = start_stream(server, "llm_dynamic", "Tell me a long story.", max_tokens=48,
-                                     ignore_eos=True, stream=True)
-    wait_tokens(long, 5)
-    short = generate(server, "llm_dynamic", "Hi", max_tokens=4, ignore_eos=True, stream=True)
-    assert long.done.wait(120) and len(long.token_ids) == 48
-    assert short.chunks[0][0] > long.chunks[-1][0], "the short request got a token before the batch finished"
-    long_client.stop_stream()
-    long_client.close()
+    long, short = short_during_long(server, "llm_dynamic", 48)
+    assert long.wait(120) and len(long.token_ids) == 48
+    assert short.arrival_times[0] > long.arrival_times[-1], "the short request got a token before the batch finished"
+    long.close()
 
 
 @pytest.mark.timeout(300)
 def test_static_waits_for_a_full_batch_then_runs_it_together(server):
     # Alone, a request waits out the batcher's max_queue_delay (1 s) for batch-mates that never come.
     alone = generate(server, "llm_static", "Hi", max_tokens=2, ignore_eos=True, stream=True)
-    assert alone.error is None and alone.chunks[0][0] - alone.sent_at >= 0.9
+    assert alone.error is None and alone.chunks[0].time_s >= 0.9
     # Eight at once fill the preferred batch: one batch, so every first token comes before anyone's second.
-    streams = [start_stream(server, "llm_static", f"Request {i}: count.", max_tokens=4 + 4 * i, ignore_eos=True,
-                            stream=True) for i in range(8)]
+    streams = [start_stream(server.grpc_url, "llm_static", f"Request {i}: count.", max_tokens=4 + 4 * i,
+                            ignore_eos=True, stream=True) for i in range(8)]
     try:
-        for i, (_, stream) in enumerate(streams):
-            assert stream.done.wait(120) and stream.error is None and len(stream.token_ids) == 4 + 4 * i
-        last_first = max(stream.chunks[0][0] for _, stream in streams)
-        first_second = min(stream.chunks[1][0] for _, stream in streams)
+        for i, stream in enumerate(streams):
+            assert stream.wait(120) and stream.error is None and len(stream.token_ids) == 4 + 4 * i
+        last_first = max(stream.arrival_times[0] for stream in streams)
+        first_second = min(stream.arrival_times[1] for stream in streams)
         assert last_first < first_second, "the eight requests did not run as one batch"
     finally:
-        for client, _ in streams:
-            client.stop_stream()
-            client.close()
+        for stream in streams:
+            stream.close()
 
 
 @pytest.mark.timeout(600)
@@ -242,7 +161,7 @@ def test_sixteen_concurrent_streams_of_mixed_lengths(server, model):
     for n, stream in done:
         assert stream.error is None
         assert len(stream.token_ids) == n and stream.finish_reason == "length"
-        assert stream.chunks[-1][3] == "length"
+        assert stream.chunks[-1].finish_reason == "length"
 
 
 # ---- cancellation, errors, metrics -----------------------------------------------------------------------------
@@ -260,12 +179,12 @@ def wait_metric(server, name: str, model: str, predicate, timeout: float = 30) -
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", MODELS)
 def test_cancellation_frees_kv_blocks_and_the_model_keeps_serving(server, model):
-    client, stream = start_stream(server, model, "Tell me a long story.", max_tokens=1000, ignore_eos=True,
-                                  stream=True)
+    stream = start_stream(server.grpc_url, model, "Tell me a long story.", max_tokens=1000, ignore_eos=True,
+                          stream=True)
     wait_tokens(stream, 3)
     assert metric(server, "llm_kv_blocks_used", model) > 0
-    client.stop_stream(cancel_requests=True)
-    client.close()
+    stream.cancel()
+    stream.close()
     assert wait_metric(server, "llm_kv_blocks_used", model, lambda v: v == 0) == 0
     assert wait_metric(server, "llm_num_requests_running", model, lambda v: v == 0) == 0
     assert len(stream.token_ids) < 1000
@@ -276,7 +195,7 @@ def test_cancellation_frees_kv_blocks_and_the_model_keeps_serving(server, model)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", MODELS)
 def test_bad_requests_fail_alone_while_a_good_stream_completes(server, model):
-    good_client, good = start_stream(server, model, "Count to twenty.", max_tokens=40, ignore_eos=True, stream=True)
+    good = start_stream(server.grpc_url, model, "Count to twenty.", max_tokens=40, ignore_eos=True, stream=True)
     wait_tokens(good, 2)
     empty = generate(server, model, "", max_tokens=4)
     assert empty.error is not None and "text_input is empty" in empty.error
@@ -285,9 +204,8 @@ def test_bad_requests_fail_alone_while_a_good_stream_completes(server, model):
     bad_json = requests.post(f"{server.http_url}/v2/models/{model}/generate", timeout=60,
                              json={"text_input": "Hi", "sampling_parameters": "{not json"})
     assert bad_json.status_code >= 400 and "sampling_parameters is not valid JSON" in bad_json.text
-    assert good.done.wait(120) and good.error is None and len(good.token_ids) == 40
-    good_client.stop_stream()
-    good_client.close()
+    assert good.wait(120) and good.error is None and len(good.token_ids) == 40
+    good.close()
     assert requests.get(f"{server.http_url}/v2/health/ready", timeout=10).status_code == 200
 
 
@@ -295,7 +213,7 @@ def test_bad_requests_fail_alone_while_a_good_stream_completes(server, model):
 def test_metrics_after_traffic(server):
     for model in MODELS:
         generate(server, model, "Hello there", max_tokens=6, ignore_eos=True)
-    samples = metrics(server)
+    samples = scrape_metrics(server.metrics_url)
     for model in MODELS:
         label = f'{{model="{model}"}}'
         assert samples[f"llm_generation_tokens_total{label}"] >= 6

@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,45 +29,19 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from backend.triton import probe
-from loadtest import soak
-from loadtest.soak import gauge, grpc_generate, grpc_inputs, scrape_metrics, start_grpc_stream, tree_rss
-from tests.server_harness import REPO_ROOT
+from backend.triton.serve import process_names, tree_rss
+from client.grpc_stream import generate, start_stream
+from client.schema import input_tensors, raw_input_values
+from loadtest.metrics import model_sample, scrape_metrics
+from tests.server_harness import REPO_ROOT, make_repository
 
 pytestmark = [pytest.mark.server]
 MODELS = ("llm_dynamic", "llm_continuous")
 GAUGES = ("llm_kv_blocks_used", "llm_num_requests_running", "llm_num_requests_waiting")
-# Every server here: the tiny model in float32, a 256-token context and a small KV pool (256 blocks of 16 tokens).
-TINY = {"dtype": "float32", "max_model_len": "256", "num_kv_blocks": "256"}
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 256  # tests/server_harness.py's TINY_SETTINGS
 
 
-# ---- model repositories and servers ---------------------------------------------------------------------------
-
-
-def make_repository(dst: Path, params: dict[str, str] | None = None, *, max_batch_size: int | None = None,
-                    dynamic_queue_size: int | None = None) -> Path:
-    """A copy of model_repository/'s two compared models with ``params`` (on top of ``TINY``) set in their configs.
-
-    ``max_batch_size`` and ``dynamic_queue_size`` change llm_dynamic's batch size and Triton's queue bound.
-    """
-    for model in MODELS:  # llm_static, the teaching baseline, has its own tests in tests/test_models.py
-        shutil.copytree(REPO_ROOT / "model_repository" / model, dst / model,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-    for model in MODELS:
-        path = dst / model / "config.pbtxt"
-        text = path.read_text()
-        for key, value in {**TINY, **(params or {})}.items():
-            line = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
-            text, found = re.subn(rf'parameters: \{{ key: "{key}", value: \{{ string_value: "[^"]*" \}} \}}\n',
-                                  line.replace("\\", "\\\\"), text)
-            if not found:
-                text += line
-        if model == "llm_dynamic" and max_batch_size is not None:
-            text = re.sub(r"^max_batch_size: \d+", f"max_batch_size: {max_batch_size}", text, flags=re.M)
-        if model == "llm_dynamic" and dynamic_queue_size is not None:
-            text = re.sub(r"max_queue_size: \d+ \}", f"max_queue_size: {dynamic_queue_size} }}", text)
-        path.write_text(text)
-    return dst
+# ---- servers ----------------------------------------------------------------------------------------------------
 
 
 def wait_gauges_zero(server, models=MODELS, timeout: float = 30.0) -> dict:
@@ -77,7 +49,7 @@ def wait_gauges_zero(server, models=MODELS, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         samples = scrape_metrics(server.metrics_url)
-        values = {(name, m): gauge(samples, name, m) for name in GAUGES for m in models}
+        values = {(name, m): model_sample(samples, name, m) for name in GAUGES for m in models}
         if all(v == 0 for v in values.values()) or time.monotonic() > deadline:
             return {f"{name}[{m}]": v for (name, m), v in values.items()}
 
@@ -100,7 +72,7 @@ def http_generate(server, model: str, body, timeout: float = 120) -> requests.Re
 
 def stub_pids(server) -> dict[str, int]:
     """model name -> pid of its Python-backend stub process."""
-    return {name: pid for pid, name in soak.process_names(server.pid).items() if name in MODELS}
+    return {name: pid for pid, name in process_names(server.pid).items() if name in MODELS}
 
 
 def process_gone(pid: int, timeout: float) -> bool:
@@ -135,8 +107,12 @@ def tensor(name: str, datatype: str, array: np.ndarray) -> grpcclient.InferInput
 
 
 def bad_grpc_requests(model: str) -> list[tuple[str, dict, tuple[str, ...]]]:
-    """(case, start_grpc_stream keyword arguments, pieces the error must contain)."""
+    """(case, start_stream keyword arguments, pieces the error must contain)."""
     lead = (1,) if model == "llm_dynamic" else ()
+
+    def grpc_inputs(prompt, **values) -> list:
+        return input_tensors(raw_input_values(prompt, **values), max_batch_size=len(lead))
+
     many = np.array([b"one", b"two", b"three"], dtype=np.object_)
     several_prompts = (
         {"inputs": [tensor("text_input", "BYTES", many.reshape(3, 1))]} if lead else
@@ -145,7 +121,7 @@ def bad_grpc_requests(model: str) -> list[tuple[str, dict, tuple[str, ...]]]:
     several_expected = ("text_input", "one value per request", "got 3") if lead else \
         ("unexpected shape for input 'text_input'", "Expected [1], got [3]")
     return [
-        ("missing text_input", {"inputs": grpc_inputs(model, None, max_tokens=4)}, ("missing required input 'text_input'",)),
+        ("missing text_input", {"inputs": grpc_inputs(None, max_tokens=4)}, ("missing required input 'text_input'",)),
         ("empty prompt", {"prompt": ""}, ("text_input is empty",)),
         ("invalid UTF-8", {"prompt": b"caf\xc3(\xff"}, ("not valid UTF-8",)),
         ("prompt longer than max_model_len", {"prompt": "hello " * 300},
@@ -156,7 +132,7 @@ def bad_grpc_requests(model: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("max_tokens negative", {"prompt": "Hi", "max_tokens": -5}, ("max_tokens must be a positive integer",)),
         ("max_tokens beyond the model length", {"prompt": "Hi", "max_tokens": 5000},
          ("max_tokens is 5000", "max_model_len (256)", "at most 255 tokens")),
-        ("max_tokens as FP32", {"inputs": grpc_inputs(model, "Hi") + [
+        ("max_tokens as FP32", {"inputs": grpc_inputs("Hi") + [
             tensor("max_tokens", "FP32", np.array([4.0], np.float32).reshape(lead + (1,)))]},
          ("max_tokens", "FP32", "INT32")),
         ("text_input as INT32", {"inputs": [tensor("text_input", "INT32", np.array([7], np.int32).reshape(lead + (1,)))]},
@@ -181,7 +157,7 @@ def bad_grpc_requests(model: str) -> list[tuple[str, dict, tuple[str, ...]]]:
          ("at most 16 stop strings", "got 17")),
         ("a million stop strings", {"prompt": "Hi", "stop": ["x"] * 1_000_000}, ("at most 16 stop strings",)),
         ("a very long stop string", {"prompt": "Hi", "stop": ["x" * 300]}, ("at most 256 characters",)),
-        ("undeclared input", {"inputs": grpc_inputs(model, "Hi") + [
+        ("undeclared input", {"inputs": grpc_inputs("Hi") + [
             tensor("model", "BYTES", np.array([b"/etc/passwd"], dtype=np.object_).reshape(lead + (1,)))]},
          ("unexpected inference input 'model'",)),
     ]
@@ -224,16 +200,16 @@ BAD_HTTP_REQUESTS = [
 def test_bad_requests_fail_alone_with_a_clear_error_while_a_good_stream_completes(tiny_server, model):
     server = tiny_server
     good = dict(prompt="The quick brown fox", max_tokens=200, **GREEDY)
-    reference = grpc_generate(server.grpc_url, model, **good)
+    reference = generate(server.grpc_url, model, **good)
     assert reference.error is None and len(reference.token_ids) == 200
 
-    running = start_grpc_stream(server.grpc_url, model, **good)
+    running = start_stream(server.grpc_url, model, **good)
     assert running.wait_tokens(2, timeout=60), running.error
     battery_start = time.perf_counter()
     failures = []
     for case, kwargs, expected in bad_grpc_requests(model):
         t0 = time.perf_counter()
-        result = grpc_generate(server.grpc_url, model, kwargs.pop("prompt", None), timeout=120, **kwargs)
+        result = generate(server.grpc_url, model, kwargs.pop("prompt", None), timeout=120, **kwargs)
         if not result.final:
             failures.append(f"gRPC {case}: no final response")
         elif result.error is None or not all(piece in result.error for piece in expected):
@@ -251,7 +227,7 @@ def test_bad_requests_fail_alone_with_a_clear_error_while_a_good_stream_complete
     assert not failures, "\n".join(failures)
     assert running.error is None and running.token_ids == reference.token_ids and running.text == reference.text
     if model == "llm_continuous":  # on llm_dynamic the bad requests wait in Triton's queue for the batch to finish
-        assert any(battery_start < t < battery_done for t, *_ in running.chunks), "the good stream ran alongside"
+        assert any(battery_start < t < battery_done for t in running.arrival_times), "the good stream ran alongside"
     assert is_ready(server)
     assert all(v == 0 for v in wait_gauges_zero(server, [model]).values())
 
@@ -277,7 +253,7 @@ def test_a_10_mb_prompt_is_refused_before_tokenising_without_a_memory_spike(tiny
         for model in MODELS:
             for _ in range(2):
                 t0 = time.perf_counter()
-                result = grpc_generate(server.grpc_url, model, huge, max_tokens=4)
+                result = generate(server.grpc_url, model, huge, max_tokens=4)
                 assert result.error is not None and "text_input is 10485760 bytes; the limit is 4096 bytes" in result.error
                 response = http_generate(server, model, {"text_input": huge, "max_tokens": 4})
                 assert response.status_code == 400 and "the limit is 4096 bytes" in response.text
@@ -305,7 +281,7 @@ def test_unknown_keys_are_refused_wherever_they_appear(tiny_server):
                      {"text_input": "Hi", "sampling_parameters": '{"n": 2}'}):
             response = http_generate(server, model, body)
             assert response.status_code == 400 and "unknown key(s)" in response.text and ": n;" in response.text
-        result = grpc_generate(server.grpc_url, model, "Hi", parameters={"n": 2})
+        result = generate(server.grpc_url, model, "Hi", parameters={"n": 2})
         assert result.error is not None and "unknown key(s) in the request parameters: n" in result.error
         # Known keys are honoured wherever they come from.
         for body in ({"text_input": "Hi", "max_tokens": 3, "ignore_eos": True},
@@ -313,7 +289,7 @@ def test_unknown_keys_are_refused_wherever_they_appear(tiny_server):
                      {"text_input": "Hi", "sampling_parameters": '{"max_tokens": "3", "ignore_eos": "true"}'}):
             response = http_generate(server, model, body)
             assert response.status_code == 200 and response.json()["num_output_tokens"] == 3, response.text
-        result = grpc_generate(server.grpc_url, model, "Hi", parameters={"max_tokens": 3, "ignore_eos": True})
+        result = generate(server.grpc_url, model, "Hi", parameters={"max_tokens": 3, "ignore_eos": True})
         assert result.error is None and len(result.token_ids) == 3
 
 
@@ -331,7 +307,7 @@ def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tiny_server
         streams = []
         for i in range(10):
             model = MODELS[(wave + i) % 2]
-            streams.append((model, rng.randint(0, 40), start_grpc_stream(
+            streams.append((model, rng.randint(0, 40), start_stream(
                 server.grpc_url, model, f"wave {wave} stream {i}: tell me a story", max_tokens=250,
                 ignore_eos=True, stream=True, temperature=0.8, seed=i)))
         for model, after_tokens, stream in streams:  # cancel each after a random number of tokens (0: at once)
@@ -347,16 +323,16 @@ def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tiny_server
         aborted = metric(server, "llm_request_success_total", model, finish_reason="abort") - aborted_before[model]
         # A stream cancelled while still in Triton's queue may be dropped there, before the model ever sees it.
         assert aborted >= 0.5 * cancelled[model], (model, aborted, cancelled[model])
-        result = grpc_generate(server.grpc_url, model, "Still there?", max_tokens=8, **GREEDY)
+        result = generate(server.grpc_url, model, "Still there?", max_tokens=8, **GREEDY)
         assert result.error is None and len(result.token_ids) == 8
     assert is_ready(server)
 
 
 KILLED_CLIENT = textwrap.dedent("""
     import sys, time
-    from loadtest.soak import start_grpc_stream
+    from client.grpc_stream import start_stream
     url = sys.argv[1]
-    streams = [start_grpc_stream(url, model, f"client {i}: tell me a story", max_tokens=250, ignore_eos=True,
+    streams = [start_stream(url, model, f"client {i}: tell me a story", max_tokens=250, ignore_eos=True,
                                  stream=True) for i in range(4) for model in ("llm_dynamic", "llm_continuous")]
     while sum(len(s.chunks) > 0 for s in streams) < 2:
         time.sleep(0.01)
@@ -381,7 +357,7 @@ def test_a_client_killed_mid_stream_frees_its_requests(tiny_server):
     aborted = sum(metric(server, "llm_request_success_total", m, finish_reason="abort") for m in MODELS) - aborted_before
     assert aborted >= 2  # the ones that were running; queued ones may be dropped by Triton before execute()
     for model in MODELS:
-        assert len(grpc_generate(server.grpc_url, model, "Hello", max_tokens=4, **GREEDY).token_ids) == 4
+        assert len(generate(server.grpc_url, model, "Hello", max_tokens=4, **GREEDY).token_ids) == 4
 
 
 @pytest.mark.timeout(300)
@@ -461,7 +437,7 @@ def small_server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
 def test_a_burst_of_ten_times_capacity_is_refused_at_once_and_the_model_recovers(small_server, model):
     server = small_server
     rss_before = sum(tree_rss(server.pid).values())
-    burst = [start_grpc_stream(server.grpc_url, model, f"burst request {i}", max_tokens=120, ignore_eos=True,
+    burst = [start_stream(server.grpc_url, model, f"burst request {i}", max_tokens=120, ignore_eos=True,
                                stream=True) for i in range(10 * CAPACITY)]
     refused, served = [], []
     for stream in burst:
@@ -480,7 +456,7 @@ def test_a_burst_of_ten_times_capacity_is_refused_at_once_and_the_model_recovers
         assert len(stream.token_ids) == 120 and stream.finish_reason == "length"
     assert rss_after - rss_before < 100 * 2**20, "memory grew with the burst"
     assert all(v == 0 for v in wait_gauges_zero(server, [model]).values())
-    result = grpc_generate(server.grpc_url, model, "After the burst", max_tokens=8, **GREEDY)
+    result = generate(server.grpc_url, model, "After the burst", max_tokens=8, **GREEDY)
     assert result.error is None and len(result.token_ids) == 8
 
 
@@ -494,11 +470,11 @@ def test_kv_pressure_preempts_and_greedy_outputs_match_an_unpressured_run(small_
     prompts = [f"Request {i}: " + "describe the sea in many words " * 4 for i in range(4)]
     params = dict(max_tokens=110, **GREEDY)
     preempted = metric(server, "llm_preemptions_total", model)
-    alone = [grpc_generate(server.grpc_url, model, p, **params) for p in prompts]  # one at a time: no pressure
+    alone = [generate(server.grpc_url, model, p, **params) for p in prompts]  # one at a time: no pressure
     assert all(r.error is None and len(r.token_ids) == 110 for r in alone)
     assert metric(server, "llm_preemptions_total", model) == preempted
 
-    together = [start_grpc_stream(server.grpc_url, model, p, **params) for p in prompts]
+    together = [start_stream(server.grpc_url, model, p, **params) for p in prompts]
     for stream in together:
         assert stream.wait(300)
         stream.close()
@@ -528,12 +504,12 @@ def fault_server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
 def test_a_failing_step_fails_its_requests_and_a_broken_engine_fails_every_request(fault_server, model):
     server = fault_server
     # A step that raises fails the requests it ran (the victim and its batch-mate), nothing else; serving goes on.
-    mate = start_grpc_stream(server.grpc_url, model, "a batch-mate", max_tokens=200, **GREEDY)
+    mate = start_stream(server.grpc_url, model, "a batch-mate", max_tokens=200, **GREEDY)
     assert mate.wait_tokens(2, timeout=60)
-    victim = start_grpc_stream(server.grpc_url, model, f"please {STEP_FAULT}", max_tokens=20, **GREEDY)
+    victim = start_stream(server.grpc_url, model, f"please {STEP_FAULT}", max_tokens=20, **GREEDY)
     if model == "llm_continuous":  # max_num_seqs is 2: this one waits in the queue, outside the failing step
         time.sleep(0.2)
-        waiting = start_grpc_stream(server.grpc_url, model, "waits for a free slot", max_tokens=10, **GREEDY)
+        waiting = start_stream(server.grpc_url, model, "waits for a free slot", max_tokens=10, **GREEDY)
     for stream in (mate, victim):
         assert stream.wait(120)
         stream.close()
@@ -543,20 +519,20 @@ def test_a_failing_step_fails_its_requests_and_a_broken_engine_fails_every_reque
         assert mate.error is not None and "injected step fault" in mate.error
     else:  # the mate's batch was running when the victim arrived; the victim ran in the next batch
         assert mate.error is None and len(mate.token_ids) == 200
-        waiting = start_grpc_stream(server.grpc_url, model, "the next batch", max_tokens=10, **GREEDY)
+        waiting = start_stream(server.grpc_url, model, "the next batch", max_tokens=10, **GREEDY)
     assert waiting.wait(120)
     waiting.close()
     assert waiting.error is None and len(waiting.token_ids) == 10
     assert all(v == 0 for v in wait_gauges_zero(server, [model]).values())
-    after = grpc_generate(server.grpc_url, model, "after the fault", max_tokens=6, **GREEDY)
+    after = generate(server.grpc_url, model, "after the fault", max_tokens=6, **GREEDY)
     assert after.error is None and len(after.token_ids) == 6
     assert metric(server, "llm_engine_healthy", model) == 1
     assert model not in (probe.check("ready", server.http_url, server.metrics_url) or "")
 
     # A fault no step can recover from: every open request gets a final error, every later one is refused at once.
-    bystander = start_grpc_stream(server.grpc_url, model, "a bystander", max_tokens=200, **GREEDY)
+    bystander = start_stream(server.grpc_url, model, "a bystander", max_tokens=200, **GREEDY)
     assert bystander.wait_tokens(2, timeout=60)
-    killer = start_grpc_stream(server.grpc_url, model, f"now {FATAL_FAULT}", max_tokens=20, **GREEDY)
+    killer = start_stream(server.grpc_url, model, f"now {FATAL_FAULT}", max_tokens=20, **GREEDY)
     for stream in (bystander, killer):
         assert stream.wait(120), "a request open when the engine failed got no final response"
         stream.close()
@@ -566,7 +542,7 @@ def test_a_failing_step_fails_its_requests_and_a_broken_engine_fails_every_reque
     else:  # its batch finished before the killer's batch started
         assert bystander.error is None and len(bystander.token_ids) == 200
     t0 = time.perf_counter()
-    later = grpc_generate(server.grpc_url, model, "anyone there?", max_tokens=4, timeout=30)
+    later = generate(server.grpc_url, model, "anyone there?", max_tokens=4, timeout=30)
     assert later.final and later.error is not None and "restart the server" in later.error
     assert time.perf_counter() - t0 < 10
     response = http_generate(server, model, {"text_input": "anyone there?", "max_tokens": 4})
@@ -574,7 +550,7 @@ def test_a_failing_step_fails_its_requests_and_a_broken_engine_fails_every_reque
     assert metric(server, "llm_engine_healthy", model) == 0
     other = MODELS[1 - MODELS.index(model)]
     if metric(server, "llm_engine_healthy", other) == 1:  # the other model is untouched
-        assert len(grpc_generate(server.grpc_url, other, "Hello", max_tokens=4, **GREEDY).token_ids) == 4
+        assert len(generate(server.grpc_url, other, "Hello", max_tokens=4, **GREEDY).token_ids) == 4
     assert is_ready(server)  # Triton 2.51 gives a Python model no way to report itself not-ready; see README
     # The probes Docker and Kubernetes run (backend/triton/probe.py) read the engine's health too.
     assert model in probe.check("ready", server.http_url, server.metrics_url)
@@ -587,7 +563,7 @@ def test_fault_injection_is_inert_without_the_environment_variable(tiny_llama_di
     repo = make_repository(tmp_path / "model_repository", {"fault_injection": faults})
     server = start_server(repo, model=tiny_llama_dir, env={"LLM_TEST_FAULTS": ""})
     for model in MODELS:
-        result = grpc_generate(server.grpc_url, model, f"please {STEP_FAULT}", max_tokens=4, **GREEDY)
+        result = generate(server.grpc_url, model, f"please {STEP_FAULT}", max_tokens=4, **GREEDY)
         assert result.error is None and len(result.token_ids) == 4
     assert "read only when LLM_TEST_FAULTS=1" in server.output_tail(400)
 
@@ -608,7 +584,7 @@ def test_unload_and_reload_leave_no_process_or_memory_behind(tiny_llama_dir, tmp
     for cycle in range(3):
         stubs = stub_pids(server)
         assert stubs.keys() == set(MODELS)
-        streams = [start_grpc_stream(server.grpc_url, model, "a long story", max_tokens=400, **GREEDY)
+        streams = [start_stream(server.grpc_url, model, "a long story", max_tokens=400, **GREEDY)
                    for model in MODELS]
         for stream in streams:
             assert stream.wait_tokens(2, timeout=60)
@@ -625,7 +601,7 @@ def test_unload_and_reload_leave_no_process_or_memory_behind(tiny_llama_dir, tmp
         for model in MODELS:
             assert requests.post(f"{url}/{model}/load", headers=server.admin_headers, timeout=300).status_code == 200
         for model in MODELS:
-            assert len(grpc_generate(server.grpc_url, model, "Hello", max_tokens=4, **GREEDY).token_ids) == 4
+            assert len(generate(server.grpc_url, model, "Hello", max_tokens=4, **GREEDY).token_ids) == 4
     assert server.output_tail(3000).count("llm_continuous: engine loop stopped") == 3
 
 
@@ -636,9 +612,9 @@ def sigterm_with_streams(server, max_tokens: int) -> tuple[list, float, int]:
     Returns (streams running at the signal, streams not started yet, seconds to exit, exit status). The second
     dynamic request may still wait in Triton's queue behind the first batch: a batcher model starts no batch after
     the signal, so such a request gets "the server is shutting down" and no token."""
-    streams = [start_grpc_stream(server.grpc_url, "llm_continuous", f"story {i}", max_tokens=max_tokens, **GREEDY)
+    streams = [start_stream(server.grpc_url, "llm_continuous", f"story {i}", max_tokens=max_tokens, **GREEDY)
                for i in range(4)]
-    streams += [start_grpc_stream(server.grpc_url, "llm_dynamic", f"note {i}", max_tokens=max_tokens, **GREEDY)
+    streams += [start_stream(server.grpc_url, "llm_dynamic", f"note {i}", max_tokens=max_tokens, **GREEDY)
                 for i in range(2)]
     for stream in streams[:5]:
         assert stream.wait_tokens(1, timeout=60)
@@ -646,7 +622,7 @@ def sigterm_with_streams(server, max_tokens: int) -> tuple[list, float, int]:
     running = [stream for stream in streams if stream.chunks]
     os.killpg(server.pid, signal.SIGTERM)
     time.sleep(0.5)  # the signal is handled asynchronously
-    late = grpc_generate(server.grpc_url, "llm_continuous", "too late", max_tokens=4, timeout=30)
+    late = generate(server.grpc_url, "llm_continuous", "too late", max_tokens=4, timeout=30)
     assert late.final and late.error is not None, "a request sent after SIGTERM must be refused"
     for stream in streams:
         assert stream.wait(60), "a stream got no final response"
@@ -684,30 +660,6 @@ def test_sigterm_ends_what_cannot_finish_with_an_error_and_exits_in_time(tiny_ll
 
 
 # ---- soak ------------------------------------------------------------------------------------------------------
-
-
-def test_soak_shows_the_crash_when_the_server_dies(tmp_path):
-    log = tmp_path / "tritonserver.log"
-    log.write_text("I1129 started\nSignal (11) received.\n 0# 0x1 in tritonserver\n 1# 0x2 in libc.so.6\n")
-    assert soak.crash_lines(log) == ["Signal (11) received.", " 0# 0x1 in tritonserver", " 1# 0x2 in libc.so.6"]
-    log.write_text("".join(f"line {i}\n" for i in range(30)))
-    assert soak.crash_lines(log, count=3) == ["line 27", "line 28", "line 29"]
-
-
-def test_soak_names_the_function_a_tritonserver_crash_happened_in():
-    from backend.triton.serve import server_distribution
-
-    binary = server_distribution()[0] / "bin" / "tritonserver"
-    symbols = subprocess.run(["nm", "-C", str(binary)], capture_output=True, text=True, check=True).stdout
-    address = {line.split(" ", 2)[2]: int(line.split()[0], 16) for line in symbols.splitlines() if line[:1] != " "}
-    handler = address["triton::server::(anonymous namespace)::ErrorSignalHandler(int)"]
-    process = next(a for name, a in address.items() if name.startswith("triton::server::grpc::ModelStreamInferHandler"
-                                                                         "::Process("))
-    base = 0x5618B9F7C000  # where the binary was loaded: any page-aligned address
-    stack = ["Signal (11) received.", f" 0# 0x{base + handler + 0xBD:016X} in {binary}",
-             " 1# 0x00007F0DB4E5A050 in /lib/x86_64-linux-gnu/libc.so.6", f" 2# 0x{base + process + 0x3E:016X} in {binary}"]
-    assert soak.crash_site(stack).startswith("triton::server::grpc::ModelStreamInferHandler::Process(")
-    assert soak.crash_site(stack[:2]) is None and soak.crash_site(["Signal (11) received."]) is None
 
 
 @pytest.mark.slow

@@ -17,9 +17,8 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from loadtest.soak import scrape_metrics
-from tests.server_harness import REPO_ROOT
-from tests.test_reliability import make_repository
+from loadtest.metrics import scrape_metrics
+from tests.server_harness import REPO_ROOT, make_repository
 
 pytestmark = pytest.mark.server
 MODELS = ("llm_dynamic", "llm_continuous")
