@@ -33,7 +33,7 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # a FinishReason value, on the final output
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     timings: RequestTimings | None = None
