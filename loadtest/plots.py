@@ -138,8 +138,7 @@ def batch_size_over_time(runs: list[dict], path: Path, max_num_seqs: int | None 
         running = metrics.gauge(run["metrics"], "llm_num_requests_running")
         if running:
             ax.step(
-                [t - t0 for t, _ in running],
-                [v for _, v in running],
+                *_since(running, t0),
                 where="post",
                 color=color(run["model"]),
                 lw=1.4,
@@ -158,8 +157,7 @@ def batch_size_over_time(runs: list[dict], path: Path, max_num_seqs: int | None 
         waiting = _waiting(run["metrics"])
         if waiting:
             ax.fill_between(
-                [t - t0 for t, _ in waiting],
-                [v for _, v in waiting],
+                *_since(waiting, t0),
                 step="post",
                 color="tab:red",
                 alpha=0.15,
@@ -185,8 +183,7 @@ def kv_blocks_over_time(runs: list[dict], path: Path) -> Path:
         used = metrics.gauge(run["metrics"], "llm_kv_blocks_used")
         if used:
             ax.plot(
-                [t - t0 for t, _ in used],
-                [v for _, v in used],
+                *_since(used, t0),
                 color=color(run["model"]),
                 label=f"{run['model']} at {run['load']}",
             )
@@ -235,6 +232,11 @@ def _le(le: str) -> str:
 
 def _s(ms):
     return None if ms is None else ms / 1000
+
+
+def _since(series: list[tuple[float, float]], t0: float) -> tuple[list[float], list[float]]:
+    """``(seconds since t0, values)`` of a gauge's ``(time, value)`` samples."""
+    return [t - t0 for t, _ in series], [v for _, v in series]
 
 
 def _test_start(run: dict) -> float:
