@@ -49,7 +49,6 @@ import urllib.request
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-import psutil
 
 from backend.triton import shutdown
 from backend.triton.shutdown import option_value
@@ -313,7 +312,11 @@ def process_group_members(pgid: int) -> list[int]:
     return members
 
 
-def _process_tree(pid: int) -> list[psutil.Process]:
+def _process_tree(pid: int) -> list:
+    # NOTE: imported here: the launcher itself needs only the standard library (tests/conftest.py loads it in the
+    # Python 3.10 environment too, which has no psutil).
+    import psutil
+
     try:
         root = psutil.Process(pid)
         return [root, *root.children(recursive=True)]
@@ -323,6 +326,8 @@ def _process_tree(pid: int) -> list[psutil.Process]:
 
 def tree_rss(pid: int) -> dict[int, int]:
     """Resident bytes of a process and all its descendants (tritonserver and its Python-backend stubs)."""
+    import psutil
+
     out = {}
     for proc in _process_tree(pid):
         try:
@@ -334,6 +339,8 @@ def tree_rss(pid: int) -> dict[int, int]:
 
 def process_names(pid: int) -> dict[int, str]:
     """``pid -> what it is`` for a process and its descendants: "tritonserver", or the model a stub serves."""
+    import psutil
+
     names = {}
     for proc in _process_tree(pid):
         try:
