@@ -11,7 +11,7 @@ import os
 # team per process: libgomp cuts the spin to almost nothing once it manages more threads than there are cores, so
 # the engine is loaded on the thread that steps it (EngineLoop.build). Where a CPU-bound process shares the cores,
 # spinning threads lose the scheduler's preference for threads that wake from sleep and a step is 2-3x slower than
-# with PASSIVE (README, "Served beside offline"): set OMP_WAIT_POLICY=PASSIVE there.
+# with PASSIVE (make bench's served column): set OMP_WAIT_POLICY=PASSIVE there.
 # This must be set before torch loads its OpenMP runtime, which is why it lives here, first in the package; a wait
 # policy or spin count set in the environment wins.
 OPENMP_SPIN_COUNT = 10000

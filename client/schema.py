@@ -1,6 +1,6 @@
 """What goes over the wire and what comes back: the request, its input tensors, response chunks, the result.
 
-Names follow the models' I/O schema (model_repository/README.md), shared by ``llm_dynamic`` and ``llm_continuous``.
+Names follow the models' I/O schema (model_repository/README.md), shared by every model the server loads.
 Nothing here talks to a server.
 """
 

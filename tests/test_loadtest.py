@@ -355,7 +355,7 @@ def test_streams_cut_off_by_the_drain_limit_are_recorded_not_failed(server, tmp_
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_compare_smoke_end_to_end(tmp_path, smollm2_dir):
-    """``python -m loadtest.compare --smoke``: its own server, both models, the report (about 1-2 minutes)."""
+    """``python -m loadtest.compare --smoke``: its own server, the default models, the report (about 1-2 minutes)."""
     command = [sys.executable, "-m", "loadtest.compare", "--smoke", "--model", str(smollm2_dir), "--out", str(tmp_path)]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

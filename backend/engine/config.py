@@ -173,7 +173,7 @@ def _positive(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
 
 
-# Limits that protect the server from a single request (see the README's "Limits" section).
+# Limits that protect the server from a single request (docs/server.md, "What a request may ask for").
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 

@@ -815,7 +815,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         code = server.wait()
         # NOTE: a signal nobody here sent is a crash (the bundled Triton's gRPC frontend can crash under heavy
-        # stream cancellation; see the README). Come back on the same ports with the same admin key.
+        # stream cancellation; docs/server.md). Come back on the same ports with the same admin key.
         if signals_received or code >= 0 or restarts >= args.max_restarts:
             break
         restarts += 1
@@ -835,7 +835,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if status and any("Exit timeout expired" in line for line in server.output_lines()[-50:]):
         print("[serve] tritonserver gave up waiting at --exit-timeout-secs: a model could not unload (a gRPC client "
               "that cancels a stream right after its final response can cause that in Triton 2.51), or a client "
-              "connection could not be closed; see the README, \"Stopping the server\"", file=sys.stderr)
+              "connection could not be closed; see docs/server.md, \"Stopping the server\"", file=sys.stderr)
     return status
 
 
