@@ -43,11 +43,12 @@ from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, get_workload
 
 # Per mode: the sweep and how long each point runs (then at most stop_timeout_s of drain). The shorter modes scale
-# prompt and output lengths down together so that the long tail still fits in their shorter points.
+# prompt and output lengths down together so that the long tail still fits in their shorter points. Each window is
+# long enough for the fewest users to finish well over stats.MIN_REQUESTS requests on a 2-core machine.
 MODES = {
-    "default": {"users": [1, 4, 8, 16], "plan": Plan(run_s=40, ramp_s=5, max_requests=2000, stop_timeout_s=60)},
-    "quick": {"users": [2, 8], "plan": Plan(length_scale=0.5, run_s=16, ramp_s=3, max_requests=600, stop_timeout_s=45)},
-    "smoke": {"users": [4], "plan": Plan(length_scale=0.125, run_s=8, ramp_s=1, max_requests=200, stop_timeout_s=20)},
+    "default": {"users": [1, 4, 8, 16], "plan": Plan(run_s=45, ramp_s=5, max_requests=2000, stop_timeout_s=60)},
+    "quick": {"users": [2, 8], "plan": Plan(length_scale=0.5, run_s=20, ramp_s=3, max_requests=600, stop_timeout_s=45)},
+    "smoke": {"users": [4], "plan": Plan(length_scale=0.125, run_s=12, ramp_s=1, max_requests=200, stop_timeout_s=20)},
 }
 
 
@@ -76,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="multiply prompt and output lengths (default per mode: 1, 0.5, 0.125)",
     )
     p.add_argument(
-        "--duration", type=float, default=None, help="seconds of load per point (default per mode: 40, 16, 8)"
+        "--duration", type=float, default=None, help="seconds of load per point (default per mode: 45, 20, 12)"
     )
     p.add_argument("--max-requests", type=int, default=None, help="at most this many requests per point")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc", help="GrpcStreamUser or HttpStreamUser")
@@ -140,6 +141,9 @@ def sweep(
             run = run_load_point(target, model, point, plan, out_dir)
             runs.append(run)
             row = summarize(run, plan.slo_ttft_ms, plan.slo_tpot_ms)
+            if row["not_measured"]:
+                log(f"    not measured: {row['not_measured']} ({time.perf_counter() - t0:.0f} s)")
+                continue
             log(
                 f"    {row['num_requests']} requests, {row['req_per_s']:.2f} req/s, "
                 f"{row['output_tok_per_s']:.0f} tok/s, "

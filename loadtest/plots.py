@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from loadtest import metrics  # noqa: E402
-from loadtest.stats import batch_size_distribution, started_in_window  # noqa: E402
+from loadtest.stats import batch_size_distribution, is_measured, started_in_window  # noqa: E402
 
 COLORS = {"llm_dynamic": "tab:orange", "llm_continuous": "tab:blue", "llm_static": "tab:gray"}
 
@@ -33,8 +33,8 @@ def _x_label(rows: list[dict]) -> str:
 
 
 def _load_axis(ax, rows: list[dict]) -> None:
-    """Ticks at the load points themselves (1, 4, 8, 16 users), on a log-2 axis when they span a wide range."""
-    xs = sorted({_x(r) for r in rows})
+    """Ticks at the measured load points (1, 4, 8, 16 users), on a log-2 axis when they span a wide range."""
+    xs = sorted({_x(r) for r in rows if is_measured(r)})
     if xs and xs[0] > 0 and xs[-1] / xs[0] >= 4:
         ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [f"{x:g}" for x in xs])
@@ -44,8 +44,9 @@ def _load_axis(ax, rows: list[dict]) -> None:
 
 
 def _by_model(rows: list[dict]) -> dict[str, list[dict]]:
+    """The measured rows per model, by load; a point whose window was not measured has nothing to plot."""
     grouped: dict[str, list[dict]] = {}
-    for row in rows:
+    for row in filter(is_measured, rows):
         grouped.setdefault(row["model"], []).append(row)
     return {m: sorted(rs, key=_x) for m, rs in grouped.items()}
 
@@ -101,9 +102,13 @@ def latency_vs_load(rows: list[dict], path: Path, slo_ttft_ms: float, slo_tpot_m
 
 
 def e2e_distribution(runs: list[dict], path: Path) -> Path:
-    """Empirical CDF of end-to-end latency, one panel per load point, one line per model."""
+    """Empirical CDF of end-to-end latency, one panel per load point, one line per model (``runs``: the measured
+    ones; the report leaves out those whose window was not measured)."""
     loads = sorted({(r.get("arrival_rate") or 0.0, r["users"]) for r in runs})
-    fig, axes = plt.subplots(1, len(loads), figsize=(3.6 * len(loads) + 1, 3.6), squeeze=False, sharey=True)
+    panels = max(1, len(loads))
+    fig, axes = plt.subplots(1, panels, figsize=(3.6 * panels + 1, 3.6), squeeze=False, sharey=True)
+    if not loads:
+        axes[0][0].text(0.5, 0.5, "no load point measured", ha="center", va="center")
     for ax, load in zip(axes[0], loads):
         for run in runs:
             if (run.get("arrival_rate") or 0.0, run["users"]) != load:
@@ -126,7 +131,7 @@ def e2e_distribution(runs: list[dict], path: Path) -> Path:
 
 
 def batch_size_over_time(runs: list[dict], path: Path, max_num_seqs: int | None = None) -> Path:
-    """The seed document's pictures, measured: the running batch over time, one row per model.
+    """The pictures of docs/batching.md, measured: the running batch over time, one row per model.
 
     Line: sequences in the running batch (the ``llm_num_requests_running`` gauge, sampled every 0.5 s). Dots: mean
     sequences per forward step between two samples (from the ``llm_batch_size`` histogram). Shaded: requests

@@ -16,11 +16,12 @@ import json
 from pathlib import Path
 
 from loadtest import plots
-from loadtest.stats import headline, headline_point, ratio, summarize
+from loadtest.stats import MIN_REQUESTS, MIN_WINDOW_S, headline, headline_point, is_measured, ratio, summarize
 
 BASELINE, CANDIDATE = "llm_dynamic", "llm_continuous"
-STATIC = "llm_static"  # optional third row: the seed document's static batching, a teaching baseline
-ORDER = {STATIC: 0, BASELINE: 1, CANDIDATE: 2}  # the seed document's order: static, dynamic, continuous
+STATIC = "llm_static"  # optional row: static batching, a teaching baseline
+ORDER = {STATIC: 0, BASELINE: 1, CANDIDATE: 2}  # the order of docs/batching.md: static, dynamic, continuous
+DESIGN_NOTE = "docs/batching.md (the design note on static, dynamic and continuous batching)"
 
 
 def model_order(model: str) -> tuple[int, str]:
@@ -61,18 +62,30 @@ def fmt(value, spec: str) -> str:
 
 
 def table_rows(rows: list[dict]) -> list[list[str]]:
-    return [[fmt(row.get(key), spec) for _, key, spec in COLUMNS] for row in rows]
+    """One line per row; a row whose window was not measured says so, with the reason, where its rate would be."""
+    out = []
+    for row in rows:
+        cells = [fmt(row.get(key), spec) for _, key, spec in COLUMNS]
+        if not is_measured(row):
+            cells[2] = f"not measured: {row['not_measured']}"
+        out.append(cells)
+    return out
 
 
 def comparison_rows(rows: list[dict], baseline: str = BASELINE, candidate: str = CANDIDATE) -> list[list[str]]:
-    """Per load point, the candidate beside the baseline: ratios of throughput and latency."""
+    """Per load point, the candidate beside the baseline: ratios of throughput and latency (or why there are none)."""
     out = []
-    loads = sorted({(r["arrival_rate"], r["users"]) for r in rows})
-    for load in loads:
-        pair = headline_point([r for r in rows if (r["arrival_rate"], r["users"]) == load], baseline, candidate)
-        if pair is None:
+    by_load: dict[tuple, dict[str, dict]] = {}
+    for row in rows:
+        by_load.setdefault((row["arrival_rate"], row["users"]), {})[row["model"]] = row
+    for load in sorted(by_load):
+        base, cand = by_load[load].get(baseline), by_load[load].get(candidate)
+        if base is None or cand is None:
             continue
-        base, cand = pair
+        unmeasured = [f"{r['model']}: {r['not_measured']}" for r in (cand, base) if not is_measured(r)]
+        if unmeasured:
+            out.append([cand["load"], "not measured (" + "; ".join(unmeasured) + ")"] + ["–"] * 6)
+            continue
         out.append([
             cand["load"],
             fmt(ratio(cand["output_tok_per_s"], base["output_tok_per_s"]), "{:.2f}x"),
@@ -112,7 +125,9 @@ def build(results: dict, out_dir: Path) -> dict:
     images = {
         "throughput": plots.throughput_vs_load(rows, out_dir / "throughput_vs_load.png"),
         "latency": plots.latency_vs_load(rows, out_dir / "latency_vs_load.png", slo_ttft, slo_tpot),
-        "e2e": plots.e2e_distribution(runs, out_dir / "e2e_latency_cdf.png"),
+        "e2e": plots.e2e_distribution(
+            [run for run, row in zip(runs, rows) if is_measured(row)], out_dir / "e2e_latency_cdf.png"
+        ),
     }
     if timeline_runs:
         images["batch"] = plots.batch_size_over_time(
@@ -135,15 +150,17 @@ def build(results: dict, out_dir: Path) -> dict:
 
 
 def _timeline_runs(runs: list[dict], rows: list[dict], max_num_seqs: int | None) -> list[dict]:
-    """The runs at the headline load point, one per model, for the time plots."""
+    """The measured runs at the headline load point, one per model, for the time plots."""
+    measured = {(r["model"], r["arrival_rate"], r["users"]) for r in rows if is_measured(r)}
     pair = headline_point(rows, BASELINE, CANDIDATE, max_num_seqs)
     if pair is not None:
         key = (pair[0]["arrival_rate"], pair[0]["users"])
-    elif rows:
-        key = max((r["arrival_rate"], r["users"]) for r in rows)
+    elif measured:
+        key = max((rate, users) for _, rate, users in measured)
     else:
         return []
-    chosen = [run for run in runs if ((run.get("arrival_rate") or 0.0), run["users"]) == key]
+    chosen = [run for run in runs if (run["model"], run.get("arrival_rate") or 0.0, run["users"]) in measured]
+    chosen = [run for run in chosen if ((run.get("arrival_rate") or 0.0), run["users"]) == key]
     return sorted(chosen, key=lambda run: model_order(run["model"]))
 
 
@@ -160,9 +177,9 @@ def _sections(
         s.append(
             (
                 "p",
-                f"Both models run at most {meta['max_num_seqs']} sequences at once. The headline is taken at the "
+                f"Every model runs at most {meta['max_num_seqs']} sequences at once. The headline is taken at the "
                 f"highest load with no more users than that, where every request could be in the batch together; "
-                "above it both models queue, and the tables below show by how much.",
+                "above it every model queues, and the tables below show by how much.",
             )
         )
     s.append(("p", _setup_text(meta, runs)))
@@ -177,8 +194,8 @@ def _sections(
             (
                 "p",
                 f"{STATIC} is the same engine behind Triton's batcher told to wait (up to its max_queue_delay) for a "
-                "full batch before it runs one, and to run that batch to its longest member: the seed document's "
-                "static batching, kept as a teaching baseline.",
+                "full batch before it runs one, and to run that batch to its longest member: the static batching "
+                f"of {DESIGN_NOTE}, kept as a teaching baseline.",
             ),
             ("table", (header, against_static)),
         ]
@@ -193,8 +210,22 @@ def _sections(
             "adds the engine's queue and Triton's own queue in front of the model; 'cut off': requests still "
             "streaming when the drain limit ended the run (not failures; their TTFT counts, their E2E cannot); "
             "'steps/s' are forward steps per second; 'server CPU' is tritonserver with its Python-backend stubs and "
-            "'loadgen CPU' the Locust process (100% = one core).",
+            "'loadgen CPU' the Locust process, both in percent of one core (100% = one core fully busy).",
         ),
+    ]
+    unmeasured = [row for row in rows if not is_measured(row)]
+    if unmeasured:
+        s.append(
+            (
+                "p",
+                f"**Not measured:** a load point gives figures only when at least {MIN_REQUESTS} requests started "
+                f"in a measurement window of at least {MIN_WINDOW_S:g} s; below that a rate or a percentile is "
+                "noise, so the tables give none and the plots leave the point out: "
+                + "; ".join(f"{row['model']} at {row['load']} ({row['not_measured']})" for row in unmeasured)
+                + ".",
+            )
+        )
+    s += [
         ("h2", "Throughput and latency against load"),
         ("img", (images["throughput"], "output tokens/s and requests/s against load")),
         ("img", (images["latency"], "TTFT and TPOT p50/p99 against load")),
@@ -206,7 +237,7 @@ def _sections(
             ("h2", f"Why: batch size over time at {load}"),
             (
                 "p",
-                "The seed document's pictures, measured. "
+                f"The pictures of {DESIGN_NOTE}, measured. "
                 + (
                     "Static batching: the batcher waits for a full batch, which then runs to its longest member. "
                     if any(run["model"] == STATIC for run in timeline_runs)
@@ -222,8 +253,10 @@ def _sections(
             ("img", (images["batch_hist"], "forward steps by batch size")),
             (
                 "p",
-                "KV-cache blocks: a dynamic batch holds its members' blocks until the whole batch returns; the "
-                "continuous engine frees a sequence's blocks the step it finishes and hands them to the next request.",
+                "KV-cache blocks: under every policy the scheduler frees a sequence's blocks the step it finishes. "
+                "A dynamic batch's KV use therefore falls as its members finish, and the freed blocks sit idle until "
+                "the whole batch returns, because no waiting request can join it; the continuous engine hands them "
+                "to a waiting request at the next step, so its KV use stays up while there is work.",
             ),
             ("img", (images["kv"], "KV-cache blocks in use over time")),
         ]
@@ -253,7 +286,7 @@ def _step_text(rows: list[dict], timeline_runs: list[dict]) -> str:
 def _setup_text(meta: dict, runs: list[dict]) -> str:
     server = meta.get("server", {})
     parts = [
-        f"Workload {meta['workload']} (max_tokens with ignore_eos, so both models generate exactly the same tokens; "
+        f"Workload {meta['workload']} (max_tokens with ignore_eos, so every model generates exactly the same tokens; "
         f"seed {meta.get('seed', 0)}).",
         f"Closed loop: N users each send the next request when the last one ends; "
         f"{meta.get('run_s', '?')} s per load point, the first {meta.get('ramp_s', '?')} s left out, "
@@ -272,7 +305,7 @@ def _setup_text(meta: dict, runs: list[dict]) -> str:
         if cpus and max(loads) > 0.75 * cpus:
             parts.append(
                 f"**Warning:** other work was running on this {cpus}-CPU machine; absolute numbers are lower "
-                "than on an idle one, and both models were measured under the same conditions only roughly."
+                "than on an idle one, and the models were measured under the same conditions only roughly."
             )
     return " ".join(parts)
 
@@ -288,7 +321,10 @@ def _loadgen_text(rows: list[dict]) -> str:
         "measured with psutil on its process every 0.5 s."
     )
     if server:
-        text += f" The server (tritonserver and its Python-backend stubs) used {min(server):.0f}–{max(server):.0f}%."
+        text += (
+            f" The server (tritonserver and its Python-backend stubs) used {min(server):.0f}–{max(server):.0f}% of one "
+            "core (a server busy on two cores shows 200%)."
+        )
     text += (
         " Locust's gevent loop is single-threaded: while it stays well below 100% of a core it is not what limits"
         " the measured throughput."

@@ -4,9 +4,14 @@
     python -m loadtest.slo --slo-ttft-ms 1000 --slo-tpot-ms 80 --users 1,2,4,8,16,32
     python -m loadtest.slo --url http://127.0.0.1:8000 --rates 0.5,1,2,4 # open loop: highest request rate
 
-The tuning procedure of the seed document (section 7), automated: for each model, step the load up (closed-loop
-users, or Poisson arrival rates) and stop at the first load point whose p99 TTFT or p99 TPOT breaks its limit or
-that has failures. The answer is the last load point that held. Every point is bounded like ``loadtest.compare``'s.
+The tuning procedure of docs/batching.md (the design note on static, dynamic and continuous batching; its section on
+settings and tuning), automated: for each model, step the load up (closed-loop users, or Poisson arrival rates) and
+stop at the first load point whose p99 TTFT or p99 TPOT breaks its limit or that has failures. The answer is the
+last load point that held. Every point is bounded like ``loadtest.compare``'s.
+
+A point with too few requests in its measurement window (``loadtest.stats.not_measured``) is "not measured": it
+neither holds nor breaks. The ladder goes on past it, unless the request budget (--max-requests) ran out, which a
+higher load only spends sooner: then it stops there.
 """
 
 from __future__ import annotations
@@ -57,9 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def verdict(row: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> str | None:
-    """None when the load point held; otherwise what broke."""
-    if row["num_requests"] == 0:
-        return "no request completed"
+    """None when a measured load point held; otherwise what broke."""
     broken = []
     if row["num_failed"]:
         broken.append(f"{row['num_failed']} failures")
@@ -71,12 +74,19 @@ def verdict(row: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> str | None:
 
 
 def search(target, model: str, points: list[LoadPoint], plan: Plan, out_dir: Path, say=print) -> dict:
-    """Step up through ``points`` until one breaks the SLO; return the best that held and the first that broke."""
-    best, broke, rows = None, None, []
+    """Step up through ``points`` until one breaks the SLO; return the best that held, the first that broke and
+    those not measured."""
+    best, broke, unmeasured, rows = None, None, [], []
     for point in points:
         run = run_load_point(target, model, point, plan, out_dir)
         row = summarize(run, plan.slo_ttft_ms, plan.slo_tpot_ms)
         rows.append(row)
+        if row["not_measured"]:
+            say(f"  {model} at {point.label}: not measured: {row['not_measured']}")
+            unmeasured.append({"load": point.label, "why": row["not_measured"], "budget_spent": row["budget_spent"]})
+            if row["budget_spent"]:
+                break
+            continue
         why = verdict(row, plan.slo_ttft_ms, plan.slo_tpot_ms)
         outcome = "ok" if why is None else f"BROKEN: {why}"
         say(
@@ -88,7 +98,27 @@ def search(target, model: str, points: list[LoadPoint], plan: Plan, out_dir: Pat
             broke = {"load": point.label, "why": why}
             break
         best = row
-    return {"model": model, "best": best, "first_violation": broke, "rows": rows}
+    return {"model": model, "best": best, "first_violation": broke, "not_measured": unmeasured, "rows": rows}
+
+
+def outcome_line(result: dict) -> str:
+    """One model's answer: the highest load that held, where the ladder broke or stopped, and what went unmeasured."""
+    best, broke, unmeasured = result["best"], result["first_violation"], result.get("not_measured", [])
+    if best is not None:
+        parts = [
+            f"{best['load']} ({best['output_tok_per_s']:.0f} tok/s, {best['req_per_s']:.2f} req/s, "
+            f"TTFT p99 {fmt(best['ttft_p99_ms'], 'ms')}, TPOT p99 {fmt(best['tpot_p99_ms'], 'ms')})"
+        ]
+    else:
+        parts = ["none of the ladder" if broke else "no load point measured"]
+    if broke:
+        parts.append(f"broke at {broke['load']}: {broke['why']}")
+    elif best is not None:
+        parts.append("every measured point held" if unmeasured else "the whole ladder held")
+    parts += [f"not measured at {point['load']}: {point['why']}" for point in unmeasured]
+    if any(point["budget_spent"] for point in unmeasured):
+        parts[-1] += " (raise --max-requests to measure higher loads)"
+    return f"{result['model']:16s} " + "; ".join(parts)
 
 
 def main(argv=None) -> int:
@@ -128,17 +158,7 @@ def main(argv=None) -> int:
     print()
     print(f"Highest load within TTFT p99 <= {args.slo_ttft_ms:g} ms and TPOT p99 <= {args.slo_tpot_ms:g} ms:")
     for result in results:
-        best, broke = result["best"], result["first_violation"]
-        held = (
-            "none of the ladder"
-            if best is None
-            else (
-                f"{best['load']} ({best['output_tok_per_s']:.0f} tok/s, {best['req_per_s']:.2f} req/s, "
-                f"TTFT p99 {fmt(best['ttft_p99_ms'], 'ms')}, TPOT p99 {fmt(best['tpot_p99_ms'], 'ms')})"
-            )
-        )
-        after = f"; broke at {broke['load']}: {broke['why']}" if broke else "; the whole ladder held"
-        print(f"  {result['model']:16s} {held}{after}")
+        print(f"  {outcome_line(result)}")
     print(f"details: {out_dir / 'slo.json'}")
     return 0
 

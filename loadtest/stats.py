@@ -7,6 +7,9 @@ followed to its end, even after the window closed, up to the drain limit); throu
 completions that *arrived* in the window, divided by its length. So a long request that outlives the window still
 counts fully in the latency percentiles, and the load generator's start-up burst is left out. A request still
 streaming at the drain limit is "cut off": its TTFT counts, its TPOT and E2E are unknown.
+
+A window too short or too sparse to mean anything (:func:`not_measured`) gives no figures at all: the row keeps its
+counts and says why, and the tables, plots, headline and ``make slo`` report it as "not measured".
 """
 
 from __future__ import annotations
@@ -16,6 +19,17 @@ import numpy as np
 from loadtest import metrics
 
 PERCENTILES = (50, 90, 99)
+
+# Below these a load point's rate and percentiles are noise: a p99 of 15 requests is their maximum, and a rate over a
+# window of a second or two is one request more or less.
+MIN_REQUESTS = 20
+MIN_WINDOW_S = 5.0
+
+# What a row keeps when its window is not measured: who, at what load, how many requests, and why.
+COUNTS = (
+    "model", "load", "users", "arrival_rate", "window_s", "num_requests", "num_failed", "num_failed_total",
+    "num_unfinished", "errors", "budget_spent", "not_measured",
+)  # fmt: skip
 
 
 def percentile(values, q: float) -> float | None:
@@ -27,8 +41,33 @@ def started_in_window(run: dict) -> list[dict]:
     return [r for r in run["requests"] if start <= r["t_start"] < end]
 
 
+def budget_spent(run: dict) -> bool:
+    """Whether the load generator stopped issuing because its request budget (``--max-requests``) ran out."""
+    return any(e.get("event") == "stop_issuing" and e.get("reason") == "max_requests" for e in run.get("events", []))
+
+
+def not_measured(num_requests: int, window_s: float, spent: bool = False) -> str | None:
+    """Why a load point's window gives no figures (no rate, no percentile, no SLO verdict), or None when it does.
+
+    ``num_requests`` started in a window of ``window_s`` seconds; ``spent``: the request budget ran out, which is
+    what ended the window. A spent budget with enough requests in a long enough window is measured as usual.
+    """
+    if num_requests >= MIN_REQUESTS and window_s >= MIN_WINDOW_S:
+        return None
+    seen = f"{num_requests} request{'' if num_requests == 1 else 's'} in {window_s:.3g} s"
+    if spent:
+        return f"request budget spent ({seen})"
+    if num_requests < MIN_REQUESTS:
+        return f"{seen}: too few to measure"
+    return f"{seen}: window too short to measure"
+
+
 def summarize(run: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
-    """One table row: throughput, latency percentiles, failures, goodput, and what the server's metrics said."""
+    """One table row: throughput, latency percentiles, failures, goodput, and what the server's metrics said.
+
+    ``row["not_measured"]`` is None, or the reason the window gives no figures; then every figure is None and only
+    the keys in :data:`COUNTS` keep their values.
+    """
     start, end = run["window"]
     span = max(end - start, 1e-9)
     measured = started_in_window(run)
@@ -53,7 +92,7 @@ def summarize(run: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
         "load": run["load"],
         "users": run["users"],
         "arrival_rate": run.get("arrival_rate") or 0.0,
-        "window_s": span,
+        "window_s": end - start,
         "num_requests": len(measured),
         "num_failed": len(failed),
         "num_failed_total": sum(1 for r in run["requests"] if not r["ok"] and not r.get("cut")),
@@ -64,6 +103,7 @@ def summarize(run: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
         "goodput_fraction": len(within_slo) / len(measured) if measured else None,
         "mean_output_tokens": float(np.mean([r["num_output_tokens"] for r in ok])) if ok else None,
         "errors": sorted({r["error"] for r in failed if r["error"]})[:5],
+        "budget_spent": budget_spent(run),
     }
     for q in PERCENTILES:
         row[f"ttft_p{q}_ms"] = percentile(ttft, q)
@@ -71,7 +111,14 @@ def summarize(run: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
         row[f"e2e_p{q}_ms"] = percentile(e2e, q)
     row.update(server_view(run["metrics"], start, end))
     row.update(cpu_view(run["metrics"], start, end))
+    row["not_measured"] = not_measured(len(measured), end - start, row["budget_spent"])
+    if row["not_measured"]:
+        row = {key: (value if key in COUNTS else None) for key, value in row.items()}
     return row
+
+
+def is_measured(row: dict) -> bool:
+    return not row.get("not_measured")
 
 
 def server_view(samples: list[dict], start: float, end: float) -> dict:
@@ -127,11 +174,11 @@ def batch_size_distribution(run: dict) -> dict[str, float]:
 def headline_point(
     rows: list[dict], baseline: str, candidate: str, max_num_seqs: int | None = None
 ) -> tuple[dict, dict] | None:
-    """The pair of rows at the saturation point both models ran: the highest load with no more users than
-    ``max_num_seqs`` (every user fits in the batch at once; beyond that both models queue), else the highest load.
+    """The pair of rows at the saturation point both models were measured at: the highest load with no more users than
+    ``max_num_seqs`` (every user fits in the batch at once; beyond that every model queues), else the highest load.
     """
     by_load = {}
-    for row in rows:
+    for row in filter(is_measured, rows):
         by_load.setdefault((row["arrival_rate"], row["users"]), {})[row["model"]] = row
     common = [key for key, models in by_load.items() if baseline in models and candidate in models]
     fitting = [(rate, users) for rate, users in common if not rate and max_num_seqs and users <= max_num_seqs]
@@ -153,7 +200,7 @@ def headline(
     """E.g. ``continuous vs dynamic at 8 users: 2.7x output tokens/s, 14x lower TTFT p99``."""
     pair = headline_point(rows, baseline, candidate, max_num_seqs)
     if pair is None:
-        return f"no load point ran both {baseline} and {candidate}"
+        return f"no load point measured both {baseline} and {candidate}"
     base, cand = pair
     tok = ratio(cand["output_tok_per_s"], base["output_tok_per_s"])
     ttft = ratio(base["ttft_p99_ms"], cand["ttft_p99_ms"])

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from client.schema import Chunk
-from loadtest import metrics, report, soak, stats
+from loadtest import metrics, report, slo, soak, stats
 from loadtest.measure import Measurement, StreamError
-from loadtest.runner import LOCUSTFILE, REPO_ROOT, measurement_window
+from loadtest.runner import LOCUSTFILE, REPO_ROOT, LoadPoint, Plan, measurement_window
 from loadtest.slo import verdict
 from loadtest.workloads import WORKLOADS, get_workload, make_request
 
@@ -168,7 +168,9 @@ def record(t_start: float, token_ms: list[float], error: str | None = None, cut:
 
 
 @pytest.mark.timeout(10)
-def test_window_counts_tokens_that_arrived_in_it_and_latency_of_requests_started_in_it():
+def test_window_counts_tokens_that_arrived_in_it_and_latency_of_requests_started_in_it(monkeypatch):
+    monkeypatch.setattr(stats, "MIN_REQUESTS", 1)  # four requests in 4 s: the arithmetic, not the rule below
+    monkeypatch.setattr(stats, "MIN_WINDOW_S", 1.0)
     early = record(99.0, [500.0, 1000.0, 1500.0])  # tokens at 99.5, 100.0, 100.5; done at 100.501
     inside = record(101.0, [100.0, 4900.0])  # its second token comes after the window
     failed = record(102.0, [], error="error: boom")
@@ -193,6 +195,95 @@ def test_window_counts_tokens_that_arrived_in_it_and_latency_of_requests_started
         [{"event": "test_start", "t": 5.0}, {"event": "stop_issuing", "t": 20.0}, {"event": "test_stop", "t": 30.0}],
         ramp_s=3,
     ) == (8.0, 20.0)
+
+
+def steady_run(num_requests: int, window_s: float, stop_reason: str = "stopping", model: str = "m") -> dict:
+    """A closed-loop run whose ``num_requests`` requests start evenly in a window of ``window_s`` seconds from 100 s,
+    each with four tokens 100 ms apart."""
+    step = window_s / num_requests if num_requests else window_s
+    return {
+        "model": model,
+        "users": 8,
+        "arrival_rate": 0.0,
+        "load": "8 users",
+        "requests": [record(100.0 + i * step, [50.0, 150.0, 250.0, 350.0]) for i in range(num_requests)],
+        "events": [
+            {"event": "test_start", "t": 95.0},
+            {"event": "stop_issuing", "t": 100.0 + window_s, "reason": stop_reason},
+            {"event": "test_stop", "t": 101.0 + window_s},
+        ],
+        "metrics": [],
+        "window": (100.0, 100.0 + window_s),
+    }
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "num_requests,window_s,stop_reason,reason",
+    [
+        (3, 30.0, "stopping", "3 requests in 30 s: too few to measure"),
+        (3, 0.48, "stopping", "3 requests in 0.48 s: too few to measure"),
+        (40, 2.5, "stopping", "40 requests in 2.5 s: window too short to measure"),
+        (3, 0.48, "max_requests", "request budget spent (3 requests in 0.48 s)"),
+        (0, 0.0, "max_requests", "request budget spent (0 requests in 0 s)"),
+    ],
+)
+def test_a_window_too_short_or_too_sparse_gives_no_figures(num_requests, window_s, stop_reason, reason):
+    row = stats.summarize(steady_run(num_requests, window_s, stop_reason), slo_ttft_ms=2000, slo_tpot_ms=100)
+    assert row["not_measured"] == reason
+    assert (row["num_requests"], row["window_s"]) == (num_requests, pytest.approx(window_s))  # the counts stay
+    figures = ("req_per_s", "output_tok_per_s", "goodput_req_per_s", "ttft_p99_ms", "tpot_p50_ms", "e2e_p99_ms")
+    assert all(row[key] is None for key in figures)
+    cells = report.table_rows([row])[0]
+    assert cells[2] == f"not measured: {reason}" and set(cells[3:11]) == {"–"}
+
+
+@pytest.mark.timeout(10)
+def test_a_normal_window_is_measured_even_when_its_budget_ran_out():
+    for stop_reason in ("stopping", "max_requests"):
+        row = stats.summarize(steady_run(40, 20.0, stop_reason), slo_ttft_ms=2000, slo_tpot_ms=100)
+        assert row["not_measured"] is None and row["budget_spent"] == (stop_reason == "max_requests")
+        assert (row["req_per_s"], row["output_tok_per_s"], row["ttft_p99_ms"]) == (2.0, 8.0, 50.0)
+        assert verdict(row, 2000, 100) is None
+        assert report.table_rows([row])[0][2] == "2.00"
+
+
+@pytest.mark.timeout(10)
+def test_slo_ladder_skips_a_sparse_point_and_stops_where_the_budget_ran_out(monkeypatch):
+    runs = iter([steady_run(5, 30.0), steady_run(40, 20.0), steady_run(3, 0.48, "max_requests"), steady_run(40, 20.0)])
+    monkeypatch.setattr(slo, "run_load_point", lambda *args: next(runs))
+    said = []
+    points = [LoadPoint(u) for u in (1, 4, 8, 12)]
+    result = slo.search(None, "m", points, Plan(), Path("unused"), say=said.append)
+    assert result["best"]["load"] == "8 users" and result["first_violation"] is None  # the fixture calls all "8 users"
+    assert [p["load"] for p in result["not_measured"]] == ["1 users", "8 users"] and len(result["rows"]) == 3
+    assert said[0] == "  m at 1 users: not measured: 5 requests in 30 s: too few to measure"
+    assert said[2] == "  m at 8 users: not measured: request budget spent (3 requests in 0.48 s)"
+    assert not any("BROKEN" in line for line in said)
+    line = slo.outcome_line(result)
+    assert "every measured point held; not measured at 1 users: 5 requests in 30 s: too few to measure" in line
+    assert line.endswith("not measured at 8 users: request budget spent (3 requests in 0.48 s) (raise --max-requests "
+                         "to measure higher loads)")
+
+
+@pytest.mark.timeout(60)
+def test_report_marks_points_not_measured_and_leaves_them_out_of_the_plots(tmp_path):
+    results = json.loads(FIXTURE.read_text())
+    sparse = next(run for run in results["runs"] if run["model"] == "llm_dynamic" and run["users"] == 4)
+    start = sparse["window"][0]
+    sparse["window"] = [start, start + 0.48]  # a handful of requests in half a second
+    built = report.build(results, tmp_path)
+
+    assert built["headline"].startswith("continuous vs dynamic at 2 users:")  # the pair both models measured
+    row = next(r for r in built["rows"] if r["model"] == "llm_dynamic" and r["users"] == 4)
+    reason = row["not_measured"]
+    assert reason.endswith("in 0.48 s: too few to measure")
+    md = (tmp_path / "report.md").read_text()
+    assert f"| llm_dynamic | 4 users | not measured: {reason} | – |" in md
+    assert f"| 4 users | not measured (llm_dynamic: {reason}) |" in md
+    assert f"llm_dynamic at 4 users ({reason})" in md.split("**Not measured:**")[1]
+    assert "## Why: batch size over time at 2 users" in md
+    assert (tmp_path / "throughput_vs_load.png").stat().st_size > 15_000
 
 
 @pytest.mark.timeout(60)
