@@ -322,8 +322,8 @@ def _loadgen_text(rows: list[dict]) -> str:
     )
     if server:
         text += (
-            f" The server (tritonserver and its Python-backend stubs) used {min(server):.0f}–{max(server):.0f}% of one "
-            "core (a server busy on two cores shows 200%)."
+            " The server (tritonserver and its Python-backend stubs) used "
+            f"{min(server):.0f}–{max(server):.0f}% of one core (a server busy on two cores shows 200%)."
         )
     text += (
         " Locust's gevent loop is single-threaded: while it stays well below 100% of a core it is not what limits"
