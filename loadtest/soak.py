@@ -1,4 +1,5 @@
-"""Soak: mixed load with cancellations and bad requests against both models, watching memory and the KV cache.
+"""Soak: mixed load with cancellations and bad requests against llm_dynamic and llm_continuous, watching memory and
+the KV cache.
 
     python -m loadtest.soak [--duration 600] [--users 8] [--model DIR] [--model-repository DIR] [--out DIR]
 

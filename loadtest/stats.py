@@ -174,8 +174,9 @@ def batch_size_distribution(run: dict) -> dict[str, float]:
 def headline_point(
     rows: list[dict], baseline: str, candidate: str, max_num_seqs: int | None = None
 ) -> tuple[dict, dict] | None:
-    """The pair of rows at the saturation point both models were measured at: the highest load with no more users than
-    ``max_num_seqs`` (every user fits in the batch at once; beyond that every model queues), else the highest load.
+    """The rows of ``baseline`` and ``candidate`` at the saturation point where both were measured: the highest load
+    with no more users than ``max_num_seqs`` (every user fits in the batch at once; beyond that every model queues),
+    else the highest load.
     """
     by_load = {}
     for row in filter(is_measured, rows):

@@ -1,6 +1,6 @@
 """Named workloads: how long prompts are and how many tokens each request must generate.
 
-Every request is fixed by ``max_tokens`` with ``ignore_eos``, so two models given the same workload do exactly the
+Every request is fixed by ``max_tokens`` with ``ignore_eos``, so every model given the same workload does exactly the
 same work. Request ``i`` of a workload is a pure function of ``(workload, seed, i)``: the same prompt and the same
 length on every run, in every process, for every model. Prompts are words drawn from a fixed list (each is about
 one token for SmolLM2's tokenizer), so the prompt length is controlled without any data download.
@@ -119,7 +119,7 @@ WORKLOADS = {
             "long_tailed",
             Uniform(16, 128),
             Mixture(((0.9, Uniform(16, 64)), (0.1, Uniform(256, 512)))),
-            "most answers short, one in ten very long: the case the seed document is about",
+            "most answers short, one in ten very long: a dynamic batch waits on its longest member (docs/batching.md)",
         ),
         Workload(
             "bimodal",

@@ -274,7 +274,7 @@ def test_report_marks_points_not_measured_and_leaves_them_out_of_the_plots(tmp_p
     sparse["window"] = [start, start + 0.48]  # a handful of requests in half a second
     built = report.build(results, tmp_path)
 
-    assert built["headline"].startswith("continuous vs dynamic at 2 users:")  # the pair both models measured
+    assert built["headline"].startswith("continuous vs dynamic at 2 users:")  # the highest load with both measured
     row = next(r for r in built["rows"] if r["model"] == "llm_dynamic" and r["users"] == 4)
     reason = row["not_measured"]
     assert reason.endswith("in 0.48 s: too few to measure")
