@@ -4,11 +4,17 @@
     python -m loadtest.compare --quick               # ~2-3 min: 2 and 8 users, shorter outputs
     python -m loadtest.compare --smoke               # ~1 min: one load point, tiny outputs (CI)
     python -m loadtest.compare --url http://127.0.0.1:8000 --models llm_dynamic,llm_continuous --users 4,8
+    python -m loadtest.compare --quick --dynamic-instances 2 --dynamic-max-queue-delay-us 50000
 
 Without ``--url`` it starts its own tritonserver on ``model_repository/`` (free 127.0.0.1 ports) through the
 launcher. For each model and load point it runs headless Locust (a subprocess; its CPU use is measured), samples
 the metrics port every 0.5 s, and writes ``reports/<timestamp>/``: ``results.json`` (everything measured),
 ``report.md``, a self-contained ``report.html``, PNG plots, and Locust's own CSVs and logs in ``locust/``.
+
+``--dynamic-instances`` and ``--dynamic-max-queue-delay-us`` serve ``llm_dynamic`` with another instance_group count
+or max_queue_delay_microseconds: the compared models are copied (the launcher's ``copy_model_repository``) into the
+report's ``model_repository/`` with those settings, and that copy is served. The report's configuration table
+states every batcher setting of each model as the server served it.
 
 Goodput counts the requests with TTFT <= --slo-ttft-ms (default 2000) and TPOT <= --slo-tpot-ms (default 100);
 ``python -m loadtest.slo`` holds a load point's p99s to the same limits.
@@ -22,6 +28,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -32,6 +39,7 @@ from loadtest.runner import (
     LoadPoint,
     Plan,
     Target,
+    batcher_settings,
     check_models,
     command_parser,
     max_num_seqs,
@@ -48,7 +56,7 @@ from loadtest.workloads import WORKLOADS, get_workload
 MODES = {
     "default": {"users": [1, 4, 8, 16], "plan": Plan(run_s=45, ramp_s=5, max_requests=2000, stop_timeout_s=60)},
     "quick": {"users": [2, 8], "plan": Plan(length_scale=0.5, run_s=20, ramp_s=3, max_requests=600, stop_timeout_s=45)},
-    "smoke": {"users": [4], "plan": Plan(length_scale=0.125, run_s=12, ramp_s=1, max_requests=200, stop_timeout_s=20)},
+    "smoke": {"users": [4], "plan": Plan(length_scale=0.125, run_s=15, ramp_s=1, max_requests=200, stop_timeout_s=20)},
 }
 
 
@@ -77,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="multiply prompt and output lengths (default per mode: 1, 0.5, 0.125)",
     )
     p.add_argument(
-        "--duration", type=float, default=None, help="seconds of load per point (default per mode: 45, 20, 12)"
+        "--duration", type=float, default=None, help="seconds of load per point (default per mode: 45, 20, 15)"
     )
     p.add_argument("--max-requests", type=int, default=None, help="at most this many requests per point")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc", help="GrpcStreamUser or HttpStreamUser")
@@ -85,9 +93,56 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS)
     p.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO_TPOT_MS)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "reports", help="reports go in OUT/<timestamp>/")
+    p.add_argument(
+        "--dynamic-instances", type=int, default=None, help="serve llm_dynamic with this instance_group count"
+    )
+    p.add_argument(
+        "--dynamic-max-queue-delay-us",
+        type=int,
+        default=None,
+        help="serve llm_dynamic with this max_queue_delay_microseconds (shipped: 2000)",
+    )
     args = p.parse_args(argv)
     args.mode = args.mode or "default"
+    if args.dynamic_instances is not None and args.dynamic_instances < 1:
+        p.error("--dynamic-instances must be at least 1")
+    if args.dynamic_max_queue_delay_us is not None and args.dynamic_max_queue_delay_us < 0:
+        p.error("--dynamic-max-queue-delay-us must be 0 or more")
+    if tunes_dynamic(args) and args.url:
+        p.error("--dynamic-* options serve a copy of the repository; with --url, set them on that server instead")
+    if tunes_dynamic(args) and DYNAMIC not in args.models.split(","):
+        p.error(f"--dynamic-* options need {DYNAMIC} among --models")
     return args
+
+
+DYNAMIC = "llm_dynamic"
+
+
+def tunes_dynamic(args) -> bool:
+    return args.dynamic_instances is not None or args.dynamic_max_queue_delay_us is not None
+
+
+def tuned_repository(
+    source: Path, dst: Path, models: list[str], instances: int | None, max_queue_delay_us: int | None
+) -> Path:
+    """A copy of ``models`` from ``source`` in ``dst``, with llm_dynamic's instance_group count and
+    max_queue_delay_microseconds replaced where given."""
+    from backend.triton.serve import copy_model_repository
+
+    copy_model_repository(dst, models, source=source)
+    path = dst / DYNAMIC / "config.pbtxt"
+    text = path.read_text()
+    for value, pattern, replacement in (
+        (instances, r"(instance_group \[ \{ count: )\d+", rf"\g<1>{instances}"),
+        (max_queue_delay_us, r"(max_queue_delay_microseconds: )\d+", rf"\g<1>{max_queue_delay_us}"),
+    ):
+        if value is None:
+            continue
+        text, found = re.subn(pattern, replacement, text)
+        if found != 1:
+            raise RuntimeError(f"{path}: expected one {pattern!r} to replace, found {found}")
+    path.write_text(text)
+    return dst
 
 
 def make_plan(args) -> tuple[Plan, list[LoadPoint]]:
@@ -129,6 +184,7 @@ def sweep(
 ) -> list[dict]:
     configs = check_models(target, models)
     meta["max_num_seqs"] = next((n for n in map(max_num_seqs, configs.values()) if n), None)
+    meta["configs"] = {model: batcher_settings(config) for model, config in configs.items()}
     for model in models:
         log(f"warming up {model} ({warm_up(target, model, concurrency=meta['max_num_seqs'] or 8):.1f} s)")
     runs, total = [], len(models) * len(points)
@@ -183,6 +239,14 @@ def main(argv=None) -> int:
     log(f"{args.mode} run: {', '.join(models)} at {loads}; {workload.describe()}; report in {out_dir}")
     started = time.perf_counter()
     try:
+        if tunes_dynamic(args):
+            args.model_repository = tuned_repository(
+                args.model_repository,
+                out_dir / "model_repository",
+                models,
+                args.dynamic_instances,
+                args.dynamic_max_queue_delay_us,
+            )
         with open_target(args, out_dir / "tritonserver.log", say=log) as target:
             meta["server"] = {
                 "url": target.http_url,

@@ -15,7 +15,7 @@ import html
 import json
 from pathlib import Path
 
-from loadtest import plots
+from loadtest import metrics, plots
 from loadtest.stats import MIN_REQUESTS, MIN_WINDOW_S, headline, headline_point, is_measured, ratio, summarize
 
 BASELINE, CANDIDATE = "llm_dynamic", "llm_continuous"
@@ -111,6 +111,50 @@ COMPARISON_HEADER = [
 ]
 
 
+CONFIG_HEADER = [
+    "model",
+    "batcher",
+    "max_batch_size",
+    "preferred_batch_size",
+    "max_queue_delay",
+    "instances",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "KV blocks",
+]
+
+
+def config_rows(configs: dict[str, dict], runs: list[dict]) -> list[list[str]]:
+    """One line per model of ``configs`` (``runner.batcher_settings``), in the report's order."""
+    out = []
+    for model in sorted(configs, key=model_order):
+        c = configs[model]
+        samples = [sample for run in runs if run["model"] == model for sample in run["metrics"]]
+        totals = [v for _, v in metrics.gauge(samples, "llm_kv_blocks_total")]
+        if totals:
+            kv = f"{totals[-1]:.0f}"
+        elif c.get("num_kv_blocks"):
+            kv = c["num_kv_blocks"]
+        elif c.get("kv_cache_memory_bytes"):
+            kv = f"{int(c['kv_cache_memory_bytes']) / 2**20:g} MiB"
+        else:
+            kv = "–"
+        delay = c.get("max_queue_delay_microseconds")
+        preferred = c.get("preferred_batch_size")
+        out.append([
+            model,
+            c.get("batcher") or "–",
+            fmt(c.get("max_batch_size"), "{}"),
+            ", ".join(map(str, preferred)) if preferred else "–",
+            "–" if delay is None else (f"{delay / 1000:g} ms" if delay >= 1000 else f"{delay} µs"),
+            fmt(c.get("instance_count"), "{}"),
+            c.get("max_num_seqs") or "–",
+            c.get("max_num_batched_tokens") or "–",
+            kv,
+        ])  # fmt: skip
+    return out
+
+
 def build(results: dict, out_dir: Path) -> dict:
     """Write the plots, report.md and report.html into ``out_dir``; return the rows, the headline and the paths."""
     out_dir = Path(out_dir)
@@ -183,6 +227,18 @@ def _sections(
             )
         )
     s.append(("p", _setup_text(meta, runs)))
+    if meta.get("configs"):
+        s += [
+            ("h2", "Configurations served"),
+            ("table", (CONFIG_HEADER, config_rows(meta["configs"], runs))),
+            (
+                "p",
+                "Read from each model's config as the server served it (/v2/models/<model>/config). Triton's batcher: "
+                "max_batch_size, preferred_batch_size, max_queue_delay and the instance count (each instance runs its "
+                "own engine and KV pool); the engine's: max_num_seqs, max_num_batched_tokens and the KV-cache blocks "
+                "(per instance, as the engine reported them on the metrics port, else as configured).",
+            ),
+        ]
     comparison = comparison_rows(rows)
     if comparison:
         s += [("h2", "Continuous beside dynamic, per load point"), ("table", (COMPARISON_HEADER, comparison))]

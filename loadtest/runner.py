@@ -179,6 +179,36 @@ def max_num_seqs(config: dict) -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
+def batcher_settings(config: dict) -> dict:
+    """Every setting that decides a model's batch, from the config the server serves (``/v2/models/<m>/config``):
+    Triton's batcher (max_batch_size, preferred_batch_size, max_queue_delay_microseconds, instance count) and the
+    engine's (max_num_seqs, max_num_batched_tokens, the KV pool as configured). None where a setting is not set."""
+    dynamic = config.get("dynamic_batching")
+    sequence = config.get("sequence_batching")
+    if dynamic is not None:
+        batcher = "dynamic"
+    elif sequence is not None:
+        batcher = "sequence (iterative)" if sequence.get("iterative_sequence") else "sequence"
+        dynamic = sequence.get("oldest")  # the sequence batcher's "oldest" strategy batches like the dynamic one
+    else:
+        batcher = "none: the model's own loop"
+    # NOTE: Triton completes a served config: a dynamic batcher shipped without preferred_batch_size is served with
+    # [max_batch_size], which is why these come from the server and not from config.pbtxt.
+    queue_delay = (dynamic or {}).get("max_queue_delay_microseconds")
+    parameters = {key: value.get("string_value") for key, value in config.get("parameters", {}).items()}
+    return {
+        "batcher": batcher,
+        "max_batch_size": config.get("max_batch_size"),
+        "preferred_batch_size": (dynamic or {}).get("preferred_batch_size") or None,
+        "max_queue_delay_microseconds": int(queue_delay) if queue_delay is not None else None,
+        "instance_count": sum(int(group.get("count", 1)) for group in config.get("instance_group", [])) or None,
+        "max_num_seqs": parameters.get("max_num_seqs"),
+        "max_num_batched_tokens": parameters.get("max_num_batched_tokens"),
+        "num_kv_blocks": parameters.get("num_kv_blocks"),
+        "kv_cache_memory_bytes": parameters.get("kv_cache_memory_bytes"),
+    }
+
+
 # ---- one load point -----------------------------------------------------------------------------------------
 
 

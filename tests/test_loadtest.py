@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from client.schema import Chunk
-from loadtest import metrics, report, slo, soak, stats
+from loadtest import compare, metrics, report, slo, soak, stats
 from loadtest.measure import Measurement, StreamError
-from loadtest.runner import LOCUSTFILE, REPO_ROOT, LoadPoint, Plan, measurement_window
+from loadtest.runner import LOCUSTFILE, REPO_ROOT, LoadPoint, Plan, batcher_settings, measurement_window
 from loadtest.slo import verdict
 from loadtest.workloads import WORKLOADS, get_workload, make_request
 
@@ -284,6 +284,85 @@ def test_report_marks_points_not_measured_and_leaves_them_out_of_the_plots(tmp_p
     assert f"llm_dynamic at 4 users ({reason})" in md.split("**Not measured:**")[1]
     assert "## Why: batch size over time at 2 users" in md
     assert (tmp_path / "throughput_vs_load.png").stat().st_size > 15_000
+
+
+# As /v2/models/<model>/config answers (Triton fills in preferred_batch_size when config.pbtxt has none).
+SERVED_CONFIGS = {
+    "llm_dynamic": {
+        "name": "llm_dynamic",
+        "max_batch_size": 8,
+        "dynamic_batching": {"preferred_batch_size": [8], "max_queue_delay_microseconds": 2000},
+        "instance_group": [{"name": "llm_dynamic_0", "kind": "KIND_CPU", "count": 2}],
+        "parameters": {
+            "max_num_seqs": {"string_value": "8"},
+            "max_num_batched_tokens": {"string_value": "2048"},
+            "kv_cache_memory_bytes": {"string_value": "536870912"},
+        },
+    },
+    "llm_continuous": {
+        "name": "llm_continuous",
+        "max_batch_size": 0,
+        "instance_group": [{"name": "llm_continuous_0", "kind": "KIND_CPU", "count": 1}],
+        "parameters": {"max_num_seqs": {"string_value": "8"}, "num_kv_blocks": {"string_value": "300"}},
+    },
+}
+
+
+@pytest.mark.timeout(60)
+def test_report_states_every_batcher_setting_as_served(tmp_path):
+    settings = batcher_settings(SERVED_CONFIGS["llm_dynamic"])
+    assert settings == {
+        "batcher": "dynamic",
+        "max_batch_size": 8,
+        "preferred_batch_size": [8],
+        "max_queue_delay_microseconds": 2000,
+        "instance_count": 2,
+        "max_num_seqs": "8",
+        "max_num_batched_tokens": "2048",
+        "num_kv_blocks": None,
+        "kv_cache_memory_bytes": "536870912",
+    }
+    assert batcher_settings(SERVED_CONFIGS["llm_continuous"])["batcher"] == "none: the model's own loop"
+    iterative = {"max_batch_size": 8, "sequence_batching": {"iterative_sequence": True, "oldest": {
+        "max_candidate_sequences": 8, "preferred_batch_size": [8], "max_queue_delay_microseconds": 0}}}
+    assert batcher_settings(iterative)["batcher"] == "sequence (iterative)"
+    assert batcher_settings(iterative)["max_queue_delay_microseconds"] == 0
+    results = json.loads(FIXTURE.read_text())
+    results["meta"]["configs"] = {model: batcher_settings(config) for model, config in SERVED_CONFIGS.items()}
+    for run in results["runs"]:
+        if run["model"] == "llm_dynamic":  # the KV pool as the engine reported it wins over the configured bytes
+            run["metrics"] = [s for s in run["metrics"] if "llm_kv_blocks_total" not in s["values"]]
+    report.build(results, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    table = md.split("## Configurations served")[1].split("\n\n")[1].splitlines()
+    assert table[0] == (
+        "| model | batcher | max_batch_size | preferred_batch_size | max_queue_delay | instances | max_num_seqs | "
+        "max_num_batched_tokens | KV blocks |"
+    )
+    assert table[2] == "| llm_dynamic | dynamic | 8 | 8 | 2 ms | 2 | 8 | 2048 | 512 MiB |"
+    assert table[3].startswith("| llm_continuous | none: the model's own loop | 0 | – | – | 1 | 8 | – | ")
+
+
+@pytest.mark.timeout(10)
+def test_compare_serves_llm_dynamic_with_another_instance_count_and_queue_delay(tmp_path):
+    args = compare.parse_args(["--smoke", "--dynamic-instances", "3", "--dynamic-max-queue-delay-us", "50000"])
+    served = compare.tuned_repository(
+        args.model_repository,
+        tmp_path / "repo",
+        ["llm_dynamic", "llm_continuous"],
+        args.dynamic_instances,
+        args.dynamic_max_queue_delay_us,
+    )
+    config = (served / "llm_dynamic" / "config.pbtxt").read_text()
+    assert "instance_group [ { count: 3, kind: KIND_CPU } ]" in config
+    assert "max_queue_delay_microseconds: 50000" in config and "max_queue_delay_microseconds: 2000" not in config
+    shipped = (REPO_ROOT / "model_repository" / "llm_continuous" / "config.pbtxt").read_text()
+    assert (served / "llm_continuous" / "config.pbtxt").read_text() == shipped
+    assert sorted(p.name for p in served.iterdir()) == ["llm_continuous", "llm_dynamic"]
+    for bad in (["--dynamic-instances", "0"], ["--dynamic-instances", "2", "--url", "http://127.0.0.1:8000"],
+                ["--dynamic-instances", "2", "--models", "llm_continuous"]):
+        with pytest.raises(SystemExit):
+            compare.parse_args(bad)
 
 
 @pytest.mark.timeout(60)
