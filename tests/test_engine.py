@@ -242,6 +242,53 @@ def test_run_to_completion_gives_every_member_one_final_output_whatever_happens(
     assert all(o.finish_reason == "error" and "restart the server" in o.error for o in finals.values())
 
 
+def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(smollm2_dir, reference):
+    from backend.engine.batching import SHUTTING_DOWN, IterationDriver
+
+    engine = make_engine(smollm2_dir, batching="iterative", max_num_seqs=4, num_kv_blocks=64)
+    finals, tokens = {}, {}
+
+    def sink(output):
+        tokens.setdefault(output.request_id, []).extend(output.token_ids)
+        if output.finished:
+            assert output.request_id not in finals, "a second final output"
+            finals[output.request_id] = output
+
+    driver = IterationDriver(engine, sink, reap_after=3600)
+    for name, prompt in zip("ab", PROMPTS):
+        assert driver.add(name, prompt, GREEDY, None)
+    assert not driver.add("too-long", "word " * 600, GREEDY, None) and finals["too-long"].finish_reason == "refused"
+    # a in every iteration, b in every other: b is not stepped when absent, and both still equal the reference.
+    for n in range(200):
+        handed = ["a", "b"] if n % 2 else ["a"]
+        unfinished = driver.iterate([rid for rid in handed if driver.is_open(rid)])
+        assert unfinished <= set(handed)
+        if not engine.has_unfinished():
+            break
+    assert tokens["a"] == reference[0] and tokens["b"] == reference[1]
+    assert max(s.num_seqs for s in engine.stats.recent_steps()) == 2 and min(s.num_seqs for s in engine.stats.recent_steps()) == 1
+
+    # A cancelled one ends at once; one never handed back is reaped; the deadline ends everyone left.
+    for name in ("cancelled", "gone", "late"):
+        driver.add(name, PROMPTS[0], GREEDY, None)
+    driver.iterate(["cancelled", "gone", "late"], cancelled=lambda ids: [i for i in ids if i == "cancelled"])
+    assert finals["cancelled"].finish_reason == "abort"
+    driver.reap_after = 0.0
+    driver.iterate(["late"])  # "gone" was not handed back: reaped, its blocks freed
+    assert finals["gone"].finish_reason == "abort" and "not handed back" in finals["gone"].error
+    driver.reap_after = 3600
+    assert driver.iterate(["late"], expired=lambda: True) == set() and finals["late"].error == SHUTTING_DOWN
+    assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+    def fatal(requests):
+        raise FatalFault("broken")
+
+    driver.add("broken", PROMPTS[0], GREEDY, None)
+    engine.fault_hook = fatal
+    assert driver.iterate(["broken"]) == set() and isinstance(driver.fatal_error, FatalFault)
+    assert finals["broken"].finish_reason == "error" and "restart the server" in finals["broken"].error
+
+
 # ---- KV-pool sizing on a GPU (memory figures injected: the arithmetic and the profiling step run on the CPU) --------
 
 GIB, MIB = 1 << 30, 1 << 20

@@ -238,6 +238,35 @@ def test_run_to_completion_readmits_a_preempted_member_but_no_newcomer():
     assert plan(step(scheduler)) == [("new", 1)]
 
 
+def test_iterative_steps_only_the_named_requests_and_the_others_keep_their_blocks():
+    scheduler = make_scheduler(batching="iterative")
+    for name in "abc":
+        scheduler.add_request(make_request(name, 3, max_tokens=4))
+    # c is admitted though a and b, ahead of it in the queue, are not named this iteration.
+    output = scheduler.schedule(only={"c"})
+    assert plan(output) == [("c", 3)]
+    scheduler.update(output, {"c": 7})
+    assert [r.request_id for r in scheduler.waiting] == ["a", "b"]
+    held = list(scheduler.requests["c"].block_ids)
+    output = scheduler.schedule(only={"a"})
+    assert plan(output) == [("a", 3)]  # c is not stepped and keeps its blocks
+    scheduler.update(output, {"a": 7})
+    assert scheduler.requests["c"].block_ids == held and scheduler.requests["c"].num_computed_tokens == 3
+    assert plan(scheduler.schedule(only={"a", "b", "c"})) == [("c", 1), ("a", 1), ("b", 3)]
+
+
+def test_iterative_preemption_still_takes_the_newest_running_request_named_or_not():
+    scheduler = make_scheduler(num_blocks=4, block_size=2, batching="iterative", max_model_len=12)
+    scheduler.add_request(make_request("old", 3, max_tokens=5))
+    scheduler.add_request(make_request("new", 3, max_tokens=5, first_token=20))
+    step(scheduler)  # both admitted: 2 blocks each, the pool is full
+    output = scheduler.schedule(only={"old"})  # old needs no new block yet (4 tokens in 2 blocks)
+    scheduler.update(output, {"old": 7})
+    output = scheduler.schedule(only={"old"})  # its 5th token needs a third block: new, not named, is preempted
+    assert plan(output) == [("old", 1)] and output.preempted_ids == ["new"]
+    assert scheduler.requests["new"].status is RequestStatus.WAITING and not scheduler.requests["new"].block_ids
+
+
 def test_prefix_cache_hit_at_admission_skips_the_shared_blocks():
     scheduler = make_scheduler(block_size=4, enable_prefix_caching=True)
     scheduler.add_request(make_request("a", 10, max_tokens=1))

@@ -4,7 +4,8 @@
   engine on the caller's thread until every member has its final output. Nothing joins a running batch.
 * :class:`EngineLoop` (``llm_continuous``): the engine on a thread of its own decides the batch; requests join and
   leave at every step.
-* (next) one step per Triton iteration (iterative sequence batching) belongs here too.
+* :class:`IterationDriver` (``llm_iterative``): Triton's iterative sequence batcher decides the batch at every
+  iteration; each ``execute()`` runs one engine step over exactly the requests Triton handed it.
 
 They live in ``backend/engine``, free of Triton, because what differs between them is engine logic (when to step,
 when requests may join, how open requests end), and their tests need no server. The server's part comes in as
@@ -20,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future
 
@@ -338,3 +340,94 @@ class EngineLoop:
                 self._streams.pop(output.request_id, None)
         if stream is not None:
             stream.put(output)
+
+
+# ---- one step per Triton iteration (llm_iterative) ----------------------------------------------------------
+
+
+class IterationDriver:
+    """Triton decides the batch at every iteration (iterative sequence batching): :meth:`iterate` runs one engine
+    step over exactly the requests Triton handed back now; the others are not stepped and keep their KV blocks.
+
+    Triton never hands back a request whose client cancelled while it waited to be rescheduled (2.51), so a
+    request not seen for ``reap_after`` seconds is ended (:meth:`reap`, also from the model's timer) and its
+    blocks freed. One lock: :meth:`iterate` runs on Triton's thread, :meth:`reap` may run on a timer thread.
+    """
+
+    def __init__(self, engine: LLMEngine, sink: OutputSink, reap_after: float = 5.0,
+                 after_step: Callable[[], None] = lambda: None) -> None:
+        self.engine = engine
+        self.reap_after = reap_after
+        self.fatal_error: BaseException | None = None
+        self._sink = sink
+        self._after_step = after_step
+        self._last_seen: dict[str, float] = {}  # open request -> time.monotonic() it was last handed in or back
+        self._lock = threading.Lock()
+
+    def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival: float | None) -> bool:
+        """Hand a new request to the engine; one it cannot take gets its final output (refused) here."""
+        with self._lock:
+            try:
+                self.engine.add_request(request_id, prompt, params, arrival)
+            except ValueError as exc:
+                deliver(self._sink, RequestOutput(request_id, "", [], finished=True,
+                                                  finish_reason=FinishReason.REFUSED.value, error=str(exc)))
+                return False
+            self._last_seen[request_id] = time.monotonic()
+            return True
+
+    def is_open(self, request_id: str) -> bool:
+        return request_id in self._last_seen
+
+    def iterate(
+        self,
+        request_ids: Collection[str],
+        cancelled: Callable[[Collection[str]], Iterable[str]] = lambda ids: (),
+        expired: Callable[[], bool] = lambda: False,
+    ) -> set[str]:
+        """One step over exactly ``request_ids`` (those Triton handed in); returns the ones to reschedule (not
+        finished). Every other request is left as it is, unless it is stale (reaped), the shutdown deadline passed
+        (every open request ends with :data:`SHUTTING_DOWN`) or the engine fails (every one gets
+        :func:`engine_failed`, and ``fatal_error`` is set)."""
+        with self._lock:
+            now = time.monotonic()
+            handed = [rid for rid in request_ids if rid in self._last_seen]
+            self._last_seen.update(dict.fromkeys(handed, now))
+            try:
+                if expired():
+                    end_all(self.engine, sorted(self._last_seen), SHUTTING_DOWN, FinishReason.ABORT, self._emit)
+                    return set()
+                self._reap(now)
+                outputs = [self.engine.abort(rid) for rid in list(cancelled(handed))]
+                for output in filter(None, outputs + self.engine.step(only=handed)):
+                    self._emit(output)
+            except BaseException as exc:  # the engine cannot go on: nobody may wait forever
+                log.exception("engine failed")
+                self.fatal_error = exc
+                end_all(self.engine, sorted(self._last_seen), engine_failed(exc), FinishReason.ERROR, self._emit)
+                return set()
+            finally:
+                self._after_step()
+            released = time.monotonic()
+            unfinished = {rid for rid in handed if rid in self._last_seen}
+            self._last_seen.update(dict.fromkeys(unfinished, released))
+            return unfinished
+
+    def reap(self) -> None:
+        """End the requests Triton has not handed back for ``reap_after`` seconds (their client went away)."""
+        with self._lock:
+            if self._reap(time.monotonic()):
+                self._after_step()
+
+    def _reap(self, now: float) -> list[str]:
+        stale = sorted(rid for rid, seen in self._last_seen.items() if now - seen > self.reap_after)
+        if stale:
+            log.warning("ending %d requests Triton did not hand back for %.0f s", len(stale), self.reap_after)
+            end_all(self.engine, stale, f"not handed back by Triton within {self.reap_after:.0f} s (cancelled)",
+                    FinishReason.ABORT, self._emit)
+        return stale
+
+    def _emit(self, output: RequestOutput) -> None:
+        if output.finished:
+            self._last_seen.pop(output.request_id, None)
+        deliver(self._sink, output)

@@ -11,8 +11,8 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-Batching = Literal["continuous", "run_to_completion"]
-BATCHING = ("continuous", "run_to_completion")
+Batching = Literal["continuous", "run_to_completion", "iterative"]
+BATCHING = ("continuous", "run_to_completion", "iterative")
 _DTYPES = ("bfloat16", "float16", "float32")
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -55,8 +55,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
-    # Who may join the running batch: anyone, every step (continuous), or nobody until the batch in flight has
-    # finished (run_to_completion: what Triton's dynamic batcher gives a generation model). Not vLLM's
+    # Who may join the running batch: anyone, every step (continuous), nobody until the batch in flight has
+    # finished (run_to_completion: what Triton's dynamic batcher gives a generation model), or whoever the caller
+    # names for each step (iterative: Triton's iterative sequence batcher). Not vLLM's
     # scheduling_policy (fcfs / priority): the queue is always first come, first served.
     batching: Batching = "continuous"
     num_threads: int | None = None  # torch intra-op threads; None = all cores
@@ -88,7 +89,7 @@ class EngineConfig:
         if self.max_model_len is not None:
             self._check_max_model_len()
         if self.batching not in BATCHING:
-            raise ValueError(f"batching must be 'continuous' or 'run_to_completion'; got {self.batching!r}")
+            raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {self.batching!r}")
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
         _positive("max_queue_size", self.max_queue_size)

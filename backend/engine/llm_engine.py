@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from backend.engine.block_manager import BlockManager
@@ -141,9 +141,10 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, only: Collection[str] | None = None) -> list[RequestOutput]:
+        """One step; with ``only``, over just those requests (iterative batching: the others are not stepped)."""
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(only)
         t1 = time.perf_counter()
         if not sched.scheduled:
             return []

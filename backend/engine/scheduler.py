@@ -13,12 +13,16 @@ running batch:
   the batch, and no newcomer joins until every member has finished (members that miss the budget or the KV cache
   join over the next steps; a preempted member goes back in). This is what Triton's dynamic batcher gives a
   generation model.
+* ``iterative``: the caller names the requests of each step (``schedule(only=...)``: Triton's iterative sequence
+  batcher). Only those run or are admitted; the others are not stepped and keep their blocks. The same rule
+  (budget, chunks, preemption of the newest running request) applies within the named ones.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -142,28 +146,33 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, only: Collection[str] | None = None) -> SchedulerOutput:
         """Pick this step's tokens: running requests first (oldest first), then admissions from the queue.
+        With ``only``, just the requests it names run or are admitted (the others wait, keeping their blocks);
+        a preemption may still hit any running request, the newest first.
 
         ``request.num_computed_tokens`` stays where it was until :meth:`update`, so the runner reads it as the
         first position to run.
         """
         output = SchedulerOutput()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens, only)
         # A step that had to preempt is out of blocks: admitting now would only preempt again.
         if not output.preempted_ids:
-            self._schedule_waiting(output, budget)
+            self._schedule_waiting(output, budget, only)
         output.num_batched_tokens = sum(s.num_new_tokens for s in output.scheduled)
         output.num_running = len(self.running)
         output.num_waiting = len(self.waiting)
         return output
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int, only: Collection[str] | None) -> int:
         """Decodes and unfinished prompt chunks, oldest first; preempts the newest when blocks run out."""
         chunked = self.config.enable_chunked_prefill
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if only is not None and request.request_id not in only:
+                i += 1
+                continue
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget:
                 if not chunked:  # the rest of a prompt runs whole or waits; later decodes may still fit
@@ -181,14 +190,16 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        """Admit from the head of the queue (FCFS, never skipping it) while seats, budget and blocks allow."""
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, only: Collection[str] | None) -> None:
+        """Admit from the head of the queue (FCFS, never skipping it) while seats, budget and blocks allow; with
+        ``only``, the head of the named ones."""
         fixed_batch = self.config.batching == "run_to_completion"
         if fixed_batch and not self.current_batch_ids:
             # Nothing in flight: the next batch is the head of the queue, fixed until all of it finishes.
             self.current_batch_ids = {r.request_id for r in islice(self.waiting, self.config.max_num_seqs)}
-        while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
-            request = self.waiting[0]
+        candidates = self.waiting if only is None else deque(r for r in self.waiting if r.request_id in only)
+        while candidates and len(self.running) < self.config.max_num_seqs and budget > 0:
+            request = candidates[0]
             if fixed_batch and request.request_id not in self.current_batch_ids:
                 break  # members (incl. preempted ones) sit at the front, so the rest are newcomers
             num_cached = self.block_manager.get_computed_blocks(request)
@@ -202,7 +213,9 @@ class Scheduler:
             if self.block_manager.allocate_slots(request, num_new) is None:
                 self._undo_admission(request)
                 break
-            self.waiting.popleft()
+            candidates.popleft()
+            if candidates is not self.waiting:
+                self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_cached_tokens = num_cached
