@@ -221,9 +221,10 @@ def _sections(
         s.append(
             (
                 "p",
-                f"Every model runs at most {meta['max_num_seqs']} sequences at once. The headline is taken at the "
-                f"highest load with no more users than that, where every request could be in the batch together; "
-                "above it every model queues, and the tables below show by how much.",
+                f"Every model runs at most {meta['max_num_seqs']} sequences at once"
+                + _instances_text(meta.get("configs", {}))
+                + ". The headline is taken at the highest load with no more users than that, where every request "
+                "could be in the batch together; above it every model queues, and the tables below show by how much.",
             )
         )
     s.append(("p", _setup_text(meta, runs)))
@@ -321,6 +322,14 @@ def _sections(
     if errors:
         s += [("h2", "Failures seen"), ("pre", "\n".join(errors[:20]))]
     return s
+
+
+def _instances_text(configs: dict[str, dict]) -> str:
+    """E.g. `` per instance (llm_dynamic: 2 instances)``, where a model runs more than one."""
+    several = [
+        f"{model}: {c['instance_count']} instances" for model, c in configs.items() if (c.get("instance_count") or 1) > 1
+    ]
+    return f" per instance ({'; '.join(several)})" if several else ""
 
 
 def _step_text(rows: list[dict], timeline_runs: list[dict]) -> str:

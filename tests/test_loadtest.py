@@ -341,6 +341,7 @@ def test_report_states_every_batcher_setting_as_served(tmp_path):
     )
     assert table[2] == "| llm_dynamic | dynamic | 8 | 8 | 2 ms | 2 | 8 | 2048 | 512 MiB |"
     assert table[3].startswith("| llm_continuous | none: the model's own loop | 0 | – | – | 1 | 8 | – | ")
+    assert "Every model runs at most 8 sequences at once per instance (llm_dynamic: 2 instances)." in md
 
 
 @pytest.mark.timeout(10)
