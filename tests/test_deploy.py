@@ -637,7 +637,8 @@ def test_readme_kv_capacity_example_matches_the_model_configs():
 
 
 # How each model.py drives its engine (backend/engine/batching.py); initialize() refuses any other setting.
-MODEL_BATCHING = {"llm_continuous": "continuous", "llm_dynamic": "run_to_completion", "llm_static": "run_to_completion"}
+MODEL_BATCHING = {"llm_continuous": "continuous", "llm_dynamic": "run_to_completion", "llm_iterative": "iterative",
+                  "llm_static": "run_to_completion"}
 
 
 def test_each_model_config_sets_the_batching_its_model_checks_and_the_check_refuses_the_other():
@@ -656,7 +657,7 @@ def test_each_model_config_sets_the_batching_its_model_checks_and_the_check_refu
             check_model(model, decoupled, EngineConfig(batching=other), batching)
         with pytest.raises(ValueError, match=f"{model} streams tokens and must be decoupled"):
             check_model(model, {}, EngineConfig(batching=batching), batching)
-    with pytest.raises(ValueError, match="batching must be 'continuous' or 'run_to_completion'; got 'static'"):
+    with pytest.raises(ValueError, match="batching must be one of continuous, run_to_completion, iterative; got 'static'"):
         EngineConfig(batching="static")
 
 

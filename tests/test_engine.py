@@ -246,15 +246,16 @@ def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(sm
     from backend.engine.batching import SHUTTING_DOWN, IterationDriver
 
     engine = make_engine(smollm2_dir, batching="iterative", max_num_seqs=4, num_kv_blocks=64)
-    finals, tokens = {}, {}
+    finals, tokens, gone = {}, {}, {}
 
     def sink(output):
         tokens.setdefault(output.request_id, []).extend(output.token_ids)
         if output.finished:
-            assert output.request_id not in finals, "a second final output"
+            assert output.request_id not in finals and output.request_id not in gone, "a second final output"
             finals[output.request_id] = output
 
-    driver = IterationDriver(engine, sink, reap_after=3600)
+    driver = IterationDriver(engine, sink, gone=lambda output: gone.setdefault(output.request_id, output),
+                             reap_after=3600)
     for name, prompt in zip("ab", PROMPTS):
         assert driver.add(name, prompt, GREEDY, None)
     assert not driver.add("too-long", "word " * 600, GREEDY, None) and finals["too-long"].finish_reason == "refused"
@@ -268,25 +269,32 @@ def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(sm
     assert tokens["a"] == reference[0] and tokens["b"] == reference[1]
     assert max(s.num_seqs for s in engine.stats.recent_steps()) == 2 and min(s.num_seqs for s in engine.stats.recent_steps()) == 1
 
-    # A cancelled one ends at once; one never handed back is reaped; the deadline ends everyone left.
-    for name in ("cancelled", "gone", "late"):
+    # A cancelled one ends at once; one never handed back is reaped (its final output goes to `gone`, not the
+    # sink); the deadline ends each request when it is next handed in.
+    for name in ("cancelled", "gone", "late", "later"):
         driver.add(name, PROMPTS[0], GREEDY, None)
-    driver.iterate(["cancelled", "gone", "late"], cancelled=lambda ids: [i for i in ids if i == "cancelled"])
+    driver.iterate(["cancelled", "gone", "late", "later"], cancelled=lambda ids: [i for i in ids if i == "cancelled"])
     assert finals["cancelled"].finish_reason == "abort"
     driver.reap_after = 0.0
-    driver.iterate(["late"])  # "gone" was not handed back: reaped, its blocks freed
-    assert finals["gone"].finish_reason == "abort" and "not handed back" in finals["gone"].error
+    driver.iterate(["late", "later"])  # "gone" was not handed back: reaped, its blocks freed
+    assert "gone" not in finals and gone["gone"].finish_reason == "abort" and "not handed back" in gone["gone"].error
     driver.reap_after = 3600
     assert driver.iterate(["late"], expired=lambda: True) == set() and finals["late"].error == SHUTTING_DOWN
+    assert "later" not in finals and driver.is_open("later")
+    driver.iterate(["later"], expired=lambda: True)
+    assert finals["later"].error == SHUTTING_DOWN
     assert not engine.has_unfinished() and engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
     def fatal(requests):
         raise FatalFault("broken")
 
     driver.add("broken", PROMPTS[0], GREEDY, None)
+    driver.add("bystander", PROMPTS[0], GREEDY, None)
     engine.fault_hook = fatal
     assert driver.iterate(["broken"]) == set() and isinstance(driver.fatal_error, FatalFault)
+    engine.fault_hook = None
     assert finals["broken"].finish_reason == "error" and "restart the server" in finals["broken"].error
+    assert driver.iterate(["bystander"]) == set() and "restart the server" in finals["bystander"].error
 
 
 # ---- KV-pool sizing on a GPU (memory figures injected: the arithmetic and the profiling step run on the CPU) --------

@@ -21,7 +21,7 @@ from loadtest.metrics import model_sample, scrape_metrics
 from tests.server_harness import REPO_ROOT
 
 pytestmark = [pytest.mark.server, pytest.mark.smollm2]
-MODELS = ("llm_dynamic", "llm_continuous")
+MODELS = ("llm_dynamic", "llm_continuous", "llm_iterative")
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,8 @@ def test_same_greedy_text_from_both_models(server):
     prompt = "Write a haiku about the sea."
     streams = {m: generate(server, m, prompt, max_tokens=24, min_tokens=24, temperature=0.0) for m in MODELS}
     assert all(len(s.token_ids) == 24 and s.finish_reason == "length" for s in streams.values())
-    assert streams["llm_dynamic"].token_ids == streams["llm_continuous"].token_ids
-    assert streams["llm_dynamic"].text == streams["llm_continuous"].text
+    assert streams["llm_dynamic"].token_ids == streams["llm_continuous"].token_ids == streams["llm_iterative"].token_ids
+    assert streams["llm_dynamic"].text == streams["llm_continuous"].text == streams["llm_iterative"].text
 
 
 @pytest.mark.timeout(300)
@@ -103,9 +103,19 @@ def short_during_long(server, model: str, long_tokens: int) -> tuple[GrpcStream,
     return long, generate(server, model, "Hi", max_tokens=4, ignore_eos=True, stream=True)
 
 
+def steps_of_more_than_one(server, model: str) -> float:
+    samples = scrape_metrics(server.metrics_url)
+    label = f'model="{model}"'
+    return samples[f"llm_batch_size_count{{{label}}}"] - samples[f'llm_batch_size_bucket{{{label},le="1"}}']
+
+
 @pytest.mark.timeout(300)
-def test_continuous_admits_a_short_request_into_the_running_batch(server):
-    long, short = short_during_long(server, "llm_continuous", 160)
+@pytest.mark.parametrize("model", ["llm_continuous", "llm_iterative"])
+def test_continuous_admits_a_short_request_into_the_running_batch(server, model):
+    # llm_continuous: the engine's loop re-forms the batch every step; llm_iterative: Triton's iterative sequence
+    # batcher re-forms it every iteration. Either way the short request joins the long one's batch and leaves it.
+    shared_before = steps_of_more_than_one(server, model)
+    long, short = short_during_long(server, model, 160)
     first_short = short.arrival_times[0]
     # NOTE: counted in steps of the long stream, not seconds: the step in flight, the short's prefill, slack for a
     # busy client machine.
@@ -114,6 +124,7 @@ def test_continuous_admits_a_short_request_into_the_running_batch(server):
     assert not long.final, "the short request should finish while the long one is still generating"
     assert long.wait(120) and len(long.token_ids) == 160
     long.close()
+    assert steps_of_more_than_one(server, model) > shared_before, "the two never ran in one step"
 
 
 @pytest.mark.timeout(300)

@@ -349,17 +349,20 @@ class IterationDriver:
     """Triton decides the batch at every iteration (iterative sequence batching): :meth:`iterate` runs one engine
     step over exactly the requests Triton handed back now; the others are not stepped and keep their KV blocks.
 
-    Triton never hands back a request whose client cancelled while it waited to be rescheduled (2.51), so a
-    request not seen for ``reap_after`` seconds is ended (:meth:`reap`, also from the model's timer) and its
-    blocks freed. One lock: :meth:`iterate` runs on Triton's thread, :meth:`reap` may run on a timer thread.
+    Outputs go to a request only while Triton has handed it in: the shutdown deadline and a broken engine end each
+    request when it is next handed in. Triton never hands back a request whose client cancelled while it waited to
+    be rescheduled (2.51), and nothing may be sent to it any more, so a request not seen for ``reap_after`` seconds
+    is aborted, its blocks freed, and its final output goes to ``gone`` instead of the sink. One lock:
+    :meth:`iterate` runs on Triton's thread, :meth:`reap` may run on a timer thread.
     """
 
-    def __init__(self, engine: LLMEngine, sink: OutputSink, reap_after: float = 5.0,
+    def __init__(self, engine: LLMEngine, sink: OutputSink, gone: OutputSink, reap_after: float = 5.0,
                  after_step: Callable[[], None] = lambda: None) -> None:
         self.engine = engine
         self.reap_after = reap_after
         self.fatal_error: BaseException | None = None
         self._sink = sink
+        self._gone = gone
         self._after_step = after_step
         self._last_seen: dict[str, float] = {}  # open request -> time.monotonic() it was last handed in or back
         self._lock = threading.Lock()
@@ -386,25 +389,28 @@ class IterationDriver:
         expired: Callable[[], bool] = lambda: False,
     ) -> set[str]:
         """One step over exactly ``request_ids`` (those Triton handed in); returns the ones to reschedule (not
-        finished). Every other request is left as it is, unless it is stale (reaped), the shutdown deadline passed
-        (every open request ends with :data:`SHUTTING_DOWN`) or the engine fails (every one gets
-        :func:`engine_failed`, and ``fatal_error`` is set)."""
+        finished). After the shutdown deadline they end with :data:`SHUTTING_DOWN`; once the engine failed (this
+        step or before; ``fatal_error``), with :func:`engine_failed`."""
         with self._lock:
             now = time.monotonic()
             handed = [rid for rid in request_ids if rid in self._last_seen]
             self._last_seen.update(dict.fromkeys(handed, now))
             try:
+                if self.fatal_error is not None:
+                    raise self.fatal_error
                 if expired():
-                    end_all(self.engine, sorted(self._last_seen), SHUTTING_DOWN, FinishReason.ABORT, self._emit)
+                    end_all(self.engine, handed, SHUTTING_DOWN, FinishReason.ABORT, self._emit)
                     return set()
                 self._reap(now)
                 outputs = [self.engine.abort(rid) for rid in list(cancelled(handed))]
                 for output in filter(None, outputs + self.engine.step(only=handed)):
                     self._emit(output)
             except BaseException as exc:  # the engine cannot go on: nobody may wait forever
-                log.exception("engine failed")
-                self.fatal_error = exc
-                end_all(self.engine, sorted(self._last_seen), engine_failed(exc), FinishReason.ERROR, self._emit)
+                if self.fatal_error is None:
+                    log.exception("engine failed")
+                    self.fatal_error = exc
+                end_all(self.engine, [r for r in handed if r in self._last_seen], engine_failed(exc),
+                        FinishReason.ERROR, self._emit)
                 return set()
             finally:
                 self._after_step()
@@ -423,8 +429,10 @@ class IterationDriver:
         stale = sorted(rid for rid, seen in self._last_seen.items() if now - seen > self.reap_after)
         if stale:
             log.warning("ending %d requests Triton did not hand back for %.0f s", len(stale), self.reap_after)
+            for rid in stale:
+                self._last_seen.pop(rid)
             end_all(self.engine, stale, f"not handed back by Triton within {self.reap_after:.0f} s (cancelled)",
-                    FinishReason.ABORT, self._emit)
+                    FinishReason.ABORT, self._gone)
         return stale
 
     def _emit(self, output: RequestOutput) -> None:

@@ -8,6 +8,7 @@ from backend.engine.llm_engine import RequestOutput
 from backend.engine.request import FinishReason
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+_GAP_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]
 _BATCH_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256]
 
 
@@ -52,6 +53,13 @@ class TritonMetrics:
         self.queue = histogram("llm_queue_time_seconds", "Time from arrival to first scheduling", _LATENCY_BUCKETS)
         self.batch_size = histogram("llm_batch_size", "Sequences in each forward step", _BATCH_BUCKETS)
         self._num_steps_seen = 0
+        self._histogram = histogram
+
+    def iteration_gap(self) -> Any:
+        """llm_iterative only: what handing the batch back to Triton costs per iteration."""
+        return self._histogram(
+            "llm_iteration_gap_seconds", "Time from one execute()'s end to the next execute()'s start while "
+            "requests wait to be rescheduled (Triton's iterative sequence batcher)", _GAP_BUCKETS)
 
     def on_finished(self, output: RequestOutput, arrival: float) -> None:
         reason = output.finish_reason or FinishReason.ERROR.value

@@ -48,6 +48,15 @@ class OpenRequests:
         with self._lock:
             self._open[request_id] = open_request
 
+    def rebind(self, request_id: str, sender) -> bool:
+        """Send from now on through ``sender`` (iterative batching: each iteration hands the model a new request
+        object); false if the request is no longer open."""
+        with self._lock:
+            open_request = self._open.get(request_id)
+            if open_request is not None:
+                open_request.sender = sender
+        return open_request is not None
+
     def discard(self, request_id: str) -> None:
         with self._lock:
             self._open.pop(request_id, None)
@@ -64,6 +73,13 @@ class OpenRequests:
         if output.finished and output.finish_reason != FinishReason.REFUSED:
             self._metrics.on_finished(output, open_request.arrival)
         send_output(self._pb, open_request, output, self._batched)
+
+    def forget(self, output: RequestOutput) -> None:
+        """Close a request without sending (Triton has let go of it: nothing may be sent); it is still counted."""
+        with self._lock:
+            open_request = self._open.pop(output.request_id, None)
+        if open_request is not None and output.finished:
+            self._metrics.on_finished(output, open_request.arrival)
 
     def cancelled(self, request_ids: Iterable[str] | None = None) -> list[str]:
         """Those of ``request_ids`` (default: every open request) whose client cancelled. NOTE: ``is_cancelled()``
