@@ -427,7 +427,10 @@ CAPACITY = 2 + 4
 @pytest.fixture(scope="module")
 def small_server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
     repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository", SMALL, max_batch_size=2,
-                           dynamic_queue_size=4)
+                           dynamic_queue_size=4, models=(*MODELS, "llm_iterative"))
+    iterative = repo / "llm_iterative" / "config.pbtxt"  # two seats, as the others have
+    iterative.write_text(iterative.read_text().replace("max_batch_size: 8", "max_batch_size: 2")
+                         .replace("max_candidate_sequences: 8", "max_candidate_sequences: 2"))
     return triton_server_factory.start(repo, model=tiny_llama_dir)
 
 
@@ -462,10 +465,11 @@ def test_a_burst_of_ten_times_capacity_is_refused_at_once_and_the_model_recovers
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model", (*MODELS, "llm_iterative"))
 def test_kv_pressure_preempts_and_greedy_outputs_match_an_unpressured_run(small_server, model):
     """Each request grows to ~150 tokens (10 blocks); two at a time need 20 blocks of a 16-block pool.
-    Four requests: all fit in the waiting queue at once, so none is refused."""
+    Four requests: all fit in the waiting queue at once, so none is refused. (llm_iterative: a preempted request
+    is handed back by Triton every iteration and gets no token until the engine can take it back in.)"""
     server = small_server
     prompts = [f"Request {i}: " + "describe the sea in many words " * 4 for i in range(4)]
     params = dict(max_tokens=110, **GREEDY)
