@@ -481,5 +481,6 @@ def test_cli_models_on_the_real_models(llm_server):
     assert rows == [
         ["llm_continuous", "READY", "decoupled, engine-side continuous batching"],
         ["llm_dynamic", "READY", "dynamic batcher (max_batch_size 8, max_queue_delay 2000 µs)"],
+        ["llm_iterative", "READY", "decoupled, engine-side iterative batching"],
         ["llm_static", "READY", "dynamic batcher (max_batch_size 8, max_queue_delay 1000000 µs)"],
     ]
