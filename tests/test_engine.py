@@ -267,7 +267,8 @@ def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(sm
         if not engine.has_unfinished():
             break
     assert tokens["a"] == reference[0] and tokens["b"] == reference[1]
-    assert max(s.num_seqs for s in engine.stats.recent_steps()) == 2 and min(s.num_seqs for s in engine.stats.recent_steps()) == 1
+    batch_sizes = {s.num_seqs for s in engine.stats.recent_steps()}
+    assert batch_sizes == {1, 2}
 
     # A cancelled one ends at once; one never handed back is reaped (its final output goes to `gone`, not the
     # sink); the deadline ends each request when it is next handed in.

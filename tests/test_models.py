@@ -164,6 +164,12 @@ def test_static_waits_for_a_full_batch_then_runs_it_together(server):
     try:
         for i, stream in enumerate(streams):
             assert stream.wait(120) and stream.error is None and len(stream.token_ids) == 4 + 4 * i
+        # NOTE: Triton counts a decoupled request when it releases it, which can come just after its final response.
+        deadline = time.monotonic() + 10
+        while triton_counter(server, "nv_inference_count", "llm_static") - inferences < 8:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert triton_counter(server, "nv_inference_count", "llm_static") - inferences == 8
         assert triton_counter(server, "nv_inference_exec_count", "llm_static") - executions == 1, \
             "the eight requests did not run as one batch"
@@ -256,3 +262,7 @@ def test_metrics_after_traffic(server):
         assert samples[f"llm_time_to_first_token_seconds_count{label}"] >= 1
         assert 0 < samples[f"llm_e2e_request_latency_seconds_sum{label}"] < 600
         assert samples[f'llm_request_success_total{{finish_reason="length",model="{model}"}}'] >= 1
+    # llm_iterative hands its requests back to Triton after each step: what that costs is measured per iteration.
+    label = '{model="llm_iterative"}'
+    assert samples[f"llm_iteration_gap_seconds_count{label}"] >= 5  # 6 tokens: handed back 5 times at least
+    assert 0 < samples[f"llm_iteration_gap_seconds_sum{label}"] < samples[f"llm_iteration_gap_seconds_count{label}"]

@@ -62,8 +62,6 @@ class TritonPythonModel:
 
     def execute(self, requests):
         started = time.perf_counter()
-        if self.released_at is not None:
-            self.gap.observe(started - self.released_at)
         handed = {}  # engine request id -> this iteration's Triton request
         for request in requests:
             correlation_id = int(pb_utils.get_input_tensor_by_name(request, "CORRID").as_numpy().item())
@@ -71,6 +69,9 @@ class TritonPythonModel:
             if pb_utils.get_input_tensor_by_name(request, "START").as_numpy().item():
                 request_id = self._start(correlation_id, request, sender, started)
             else:  # rescheduled; unknown once the driver ended it (its final response went out then)
+                if self.released_at is not None:  # the hand-back: the last execute()'s end to this one's start
+                    self.gap.observe(started - self.released_at)
+                    self.released_at = None
                 request_id = self.request_ids.get(correlation_id)
                 if request_id is not None and not self.open.rebind(request_id, sender):
                     request_id = None
@@ -91,7 +92,7 @@ class TritonPythonModel:
             else:
                 self.request_ids.pop(correlation_id, None)
                 request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
-        # Requests the driver ended while Triton held them (reaped, shut down) never come back: forget them.
+        # Requests the driver reaped (Triton let go of them) never come back: forget them.
         self.request_ids = {c: r for c, r in self.request_ids.items() if self.driver.is_open(r)}
         self.released_at = time.perf_counter() if unfinished else None
         return None
