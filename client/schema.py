@@ -156,6 +156,8 @@ def describe_batching(config: Mapping[str, Any]) -> str:
         # NOTE: not preferred_batch_size: Triton's auto-complete fills it in (= max_batch_size) for every batcher.
         delay_us = int(config["dynamic_batching"].get("max_queue_delay_microseconds", 0))
         return f"dynamic batcher (max_batch_size {max_batch_size}, max_queue_delay {delay_us} µs)"
+    if config.get("sequence_batching", {}).get("iterative_sequence"):
+        return f"{'decoupled, ' if decoupled else ''}Triton's iterative sequence batcher (max_batch_size {max_batch_size})"
     if policy:
         return f"{'decoupled, ' if decoupled else ''}engine-side {policy} batching"
     return f"no batching (max_batch_size {max_batch_size})"

@@ -240,7 +240,7 @@ def test_result_timings_from_chunks():
     assert (only.ttft_s, only.tpot_s, only.itl_s, only.finish_reason) == (0.2, None, [], "stop")
 
 
-def test_describe_batching_tells_the_two_modes_apart():
+def test_describe_batching_tells_the_modes_apart():
     dynamic = {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_microseconds": "2000"}}  # gRPC JSON: str
     continuous = {
         "model_transaction_policy": {"decoupled": True},
@@ -248,6 +248,11 @@ def test_describe_batching_tells_the_two_modes_apart():
     }
     assert describe_batching(dynamic) == "dynamic batcher (max_batch_size 8, max_queue_delay 2000 µs)"
     assert describe_batching(continuous) == "decoupled, engine-side continuous batching"
+    iterative = {
+        "max_batch_size": 8, "model_transaction_policy": {"decoupled": True},
+        "sequence_batching": {"iterative_sequence": True}, "parameters": {"batching": {"string_value": "iterative"}},
+    }
+    assert describe_batching(iterative) == "decoupled, Triton's iterative sequence batcher (max_batch_size 8)"
     assert describe_batching({}) == "no batching (max_batch_size 0)"
 
 
@@ -481,6 +486,6 @@ def test_cli_models_on_the_real_models(llm_server):
     assert rows == [
         ["llm_continuous", "READY", "decoupled, engine-side continuous batching"],
         ["llm_dynamic", "READY", "dynamic batcher (max_batch_size 8, max_queue_delay 2000 µs)"],
-        ["llm_iterative", "READY", "decoupled, engine-side iterative batching"],
+        ["llm_iterative", "READY", "decoupled, Triton's iterative sequence batcher (max_batch_size 8)"],
         ["llm_static", "READY", "dynamic batcher (max_batch_size 8, max_queue_delay 1000000 µs)"],
     ]

@@ -112,7 +112,7 @@ def rope_step_case(decode_lens, chunks, dtype, num_heads=9, num_kv_heads=3, head
         slot_mapping=torch.cat(slot_mapping).long(), num_decode_tokens=len(decode_lens),
         block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[: len(decode_lens)]],
                                   dtype=torch.int32).view(len(decode_lens), width),
-        context_lens=torch.tensor(decode_lens, dtype=torch.int32), decode_slots=None, decode_mask=None,
+        context_lens=torch.tensor(decode_lens, dtype=torch.int32), decode_block_ids=None, decode_mask=None,
         prefills=tuple(prefills), scale=head_dim**-0.5,
     )
     qkv = torch.randn(start, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)

@@ -233,7 +233,7 @@ def test_whole_step_matches_reference(dtype):
             [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32, device=DEVICE
         ),
         context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=DEVICE),
-        decode_slots=None,
+        decode_block_ids=None,
         decode_mask=None,
         prefills=tuple(prefills),
         scale=head_dim**-0.5,

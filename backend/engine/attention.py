@@ -61,7 +61,7 @@ class AttentionMetadata:
     num_decode_tokens: int  # the first num_decode_tokens of the stream are single-token decodes
     block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, padded with 0 (masked by context_lens)
     context_lens: torch.Tensor  # [num_decodes] int32: tokens each decode attends to (its own included)
-    decode_slots: torch.Tensor | None  # [num_decodes * max_blocks] int64 blocks to gather (torch path), or None
+    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks] int64 blocks to gather (torch path), or None
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive mask (0 / -inf)
     prefills: tuple[PrefillChunk, ...]
     scale: float
@@ -86,7 +86,7 @@ class AttentionBackend:
     name: str
     forward: AttentionFn
     rope_forward: RopeAttentionFn | None = None
-    reads_decode_gather: bool = False  # decode_slots / decode_mask: the torch decode reference's gather indices
+    reads_decode_gather: bool = False  # decode_block_ids / decode_mask: the torch decode reference's gather indices
     reads_prefill_tables: bool = False  # prefill_tables: the kernels' block tables of the prefill chunks
 
 
@@ -211,13 +211,14 @@ def paged_attention(
     nd = meta.num_decode_tokens
     if not meta.prefills:
         return decode_fn(
-            query, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.scale, meta.decode_slots, meta.decode_mask
+            query, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.scale, meta.decode_block_ids,
+            meta.decode_mask,
         )
     out = torch.empty_like(query)
     if nd:
         out[:nd] = decode_fn(
             query[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, meta.scale,
-            meta.decode_slots, meta.decode_mask,
+            meta.decode_block_ids, meta.decode_mask,
         )
     attend_prefills(out, query, key, value, k_cache, v_cache, meta)
     return out

@@ -135,7 +135,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)  # OpenAI Triton launches on the current device
         self.dtype = _TORCH_DTYPES[config.dtype]
         self.shape = read_model_shape(config.model)
-        config.resolve(self.shape.max_position_embeddings)
+        if config.max_model_len is None:  # LLMEngine resolves the config once (EngineConfig.resolve) before this
+            raise ValueError("ModelRunner needs a resolved max_model_len (EngineConfig.resolve)")
         self.model = LlamaModel(
             config.model, self.dtype, self.device, config.max_model_len, attention=select_attention(self.device)
         )
@@ -251,7 +252,7 @@ class ModelRunner:
             num_decode_tokens=num_decodes,
             block_tables=block_tables,
             context_lens=context_lens,
-            decode_slots=decode_block_ids,
+            decode_block_ids=decode_block_ids,
             decode_mask=decode_mask,
             prefills=tuple(prefills),
             scale=self.model.scale,

@@ -31,7 +31,7 @@ def cuda_paged_attention(
         if decode_fn is cuda_decode_attention:
             cuda_decode_attention(*args, out=out[:nd])
         else:
-            out[:nd] = decode_fn(*args, meta.decode_slots, meta.decode_mask)
+            out[:nd] = decode_fn(*args, meta.decode_block_ids, meta.decode_mask)
     if meta.prefills:
         t = meta.prefill_tables or prefill_tables_from_slots(meta, k_cache.shape[1])
         paged_prefill_attention(
