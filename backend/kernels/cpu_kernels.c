@@ -72,6 +72,20 @@ static inline void store_row(void* dst, int dtype, int64_t n, const float* src, 
  * the loads waiting on memory). always_inline so that each call site below gets D and dtype as constants: the row
  * loops are then fully unrolled and vectorised.
  */
+/* scores[j][t] = exp(scores[j][t] - max_score[j]) for t < len, and sum[j] their total: the softmax's numerators. */
+static inline void exp_scores(float* scores, int64_t max_context, const float* max_score, int64_t NQ, int64_t len,
+                              float* sum) {
+    for (int64_t j = 0; j < NQ; ++j) {
+        float* s = scores + j * max_context;
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+            s[t] = expf(s[t] - max_score[j]);
+            total += s[t];
+        }
+        sum[j] = total;
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_one(
     const char* q_rows, int64_t q_sh, const char* k_bytes, const char* v_bytes, int64_t c_sb, int64_t c_ss,
     int64_t c_sh, const int32_t* table, int64_t len, int64_t block_size, int64_t NK, int64_t G, const int64_t D,
@@ -108,16 +122,7 @@ static inline __attribute__((always_inline)) void attend_one(
             }
         }
     }
-    for (int64_t j = 0; j < NQ; ++j) {
-        float* s = scores + j * max_context;
-        const float m = max_score[j];
-        float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-            s[t] = expf(s[t] - m);
-            total += s[t];
-        }
-        sum[j] = total;
-    }
+    exp_scores(scores, max_context, max_score, NQ, len, sum);
     /* acc[j] = sum_t p[j][t] v_t, normalised on the way out */
     for (int64_t i = 0, t = 0; i < num_blocks; ++i) {
         const char* block = v_bytes + table[i] * c_sb * esize;
@@ -219,16 +224,7 @@ static inline __attribute__((always_inline)) void attend_tiled(
             }
         }
     }
-    for (int64_t j = 0; j < NQ; ++j) {
-        float* s = scores + j * max_context;
-        const float m = max_score[j];
-        float total = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-            s[t] = expf(s[t] - m);
-            total += s[t];
-        }
-        sum[j] = total;
-    }
+    exp_scores(scores, max_context, max_score, NQ, len, sum);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {  /* acc[j] = sum_t p[j][t] v_t */
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         load_tile(v_bytes, table, c_sb, c_ss, c_sh, block_size, t0, n, len, NK, D, dtype, tile);
