@@ -609,24 +609,26 @@ def test_unload_and_reload_leave_no_process_or_memory_behind(tiny_llama_dir, tmp
     assert server.output_tail(3000).count("llm_continuous: engine loop stopped") == 3
 
 
-def sigterm_with_streams(server, max_tokens: int) -> tuple[list, float, int]:
-    """Four continuous streams and two dynamic ones, then SIGTERM to tritonserver's process group (as backend.triton.shutdown
-    sends it: the stubs must hear it too). Each client closes its stream once it has its final response.
+def sigterm_with_streams(server, max_tokens: int, streams_of: dict[str, int] | None = None,
+                         started: int = 5) -> tuple[list, list, float, int]:
+    """Streams per model (by default four continuous and two dynamic ones), then SIGTERM to tritonserver's process
+    group (as backend.triton.shutdown sends it: the stubs must hear it too) once the first ``started`` have a token.
+    A request sent after the signal to the first model must be refused. Each client closes its stream once it has
+    its final response.
 
     Returns (streams running at the signal, streams not started yet, seconds to exit, exit status). The second
     dynamic request may still wait in Triton's queue behind the first batch: a batcher model starts no batch after
     the signal, so such a request gets "the server is shutting down" and no token."""
-    streams = [start_stream(server.grpc_url, "llm_continuous", f"story {i}", max_tokens=max_tokens, **GREEDY)
-               for i in range(4)]
-    streams += [start_stream(server.grpc_url, "llm_dynamic", f"note {i}", max_tokens=max_tokens, **GREEDY)
-                for i in range(2)]
-    for stream in streams[:5]:
+    streams_of = streams_of or {"llm_continuous": 4, "llm_dynamic": 2}
+    streams = [start_stream(server.grpc_url, model, f"story {i}", max_tokens=max_tokens, **GREEDY)
+               for model, count in streams_of.items() for i in range(count)]
+    for stream in streams[:started]:
         assert stream.wait_tokens(1, timeout=60)
     t0 = time.monotonic()
     running = [stream for stream in streams if stream.chunks]
     os.killpg(server.pid, signal.SIGTERM)
     time.sleep(0.5)  # the signal is handled asynchronously
-    late = generate(server.grpc_url, "llm_continuous", "too late", max_tokens=4, timeout=30)
+    late = generate(server.grpc_url, next(iter(streams_of)), "too late", max_tokens=4, timeout=30)
     assert late.final and late.error is not None, "a request sent after SIGTERM must be refused"
     for stream in streams:
         assert stream.wait(60), "a stream got no final response"
@@ -661,6 +663,26 @@ def test_sigterm_ends_what_cannot_finish_with_an_error_and_exits_in_time(tiny_ll
         assert stream.error is not None and "the server is shutting down" in stream.error, stream.error
         assert stream.final_at - stream.sent_at < 30
     assert code == 0 and exited_after < 5
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("exit_timeout", [25, 5])
+def test_sigterm_with_iterative_streams_in_flight(exit_timeout, tiny_llama_dir, tmp_path, start_server):
+    """llm_iterative on SIGTERM, like the other models (ShutdownNotice): new requests are refused at once; open
+    streams run on while the exit timeout leaves time (25 s: they complete) or end with "the server is shutting
+    down" as Triton hands them in (5 s: no time to drain); the server exits 0 within its exit timeout."""
+    server = start_server(make_repository(tmp_path / "model_repository", {"max_model_len": "512"},
+                                          models=["llm_iterative"]),
+                          model=tiny_llama_dir, extra_args=["--exit-timeout-secs", str(exit_timeout)])
+    max_tokens = 200 if exit_timeout > 5 else 500
+    running, queued, exited_after, code = sigterm_with_streams(server, max_tokens, {"llm_iterative": 3}, started=3)
+    assert len(running) == 3 and not queued
+    for stream in running:
+        if exit_timeout > 5:
+            assert stream.error is None and len(stream.token_ids) == max_tokens, stream.error
+        else:
+            assert stream.error is not None and "the server is shutting down" in stream.error, stream.error
+    assert code == 0 and exited_after < exit_timeout
 
 
 # ---- soak ------------------------------------------------------------------------------------------------------

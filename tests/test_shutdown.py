@@ -296,37 +296,3 @@ def test_stopping_make_serve_under_locust_load(case, tiny_llama_dir, tmp_path):
         # Every request a model accepted was answered once: the model's count of finished requests is what the
         # clients saw finish (a request that ran must have streamed a token: the tiny model makes one in ms).
         assert final["llm_request_success_total"] == len(streamed), (model, final, len(streamed))
-
-
-# ---- llm_iterative: Triton holds its requests between iterations -------------------------------------------------
-
-
-@pytest.mark.server
-@pytest.mark.timeout(240)
-@pytest.mark.parametrize("exit_timeout", [25, 5])
-def test_sigterm_with_iterative_streams_in_flight(exit_timeout, tiny_llama_dir, tmp_path, start_server):
-    """llm_iterative on SIGTERM, like the other models (ShutdownNotice): new requests are refused at once; open
-    streams run on while the exit timeout leaves time (25 s: they complete) or end with "the server is shutting
-    down" as Triton hands them in (5 s: no time to drain); the server exits 0 within its exit timeout."""
-    from client.grpc_stream import generate, start_stream
-
-    server = start_server(make_repository(tmp_path / "model_repository", CONTEXT, models=["llm_iterative"]),
-                          model=tiny_llama_dir, extra_args=["--exit-timeout-secs", str(exit_timeout)])
-    max_tokens = 200 if exit_timeout > 5 else 500
-    streams = [start_stream(server.grpc_url, "llm_iterative", f"story {i}", max_tokens=max_tokens, ignore_eos=True,
-                            stream=True) for i in range(3)]
-    for stream in streams:
-        assert stream.wait_tokens(1, timeout=60)
-    t0 = time.monotonic()
-    os.killpg(server.pid, signal.SIGTERM)
-    time.sleep(0.5)  # the signal is handled asynchronously
-    late = generate(server.grpc_url, "llm_iterative", "too late", max_tokens=4, timeout=30)
-    assert late.final and late.error is not None, "a request sent after SIGTERM must be refused"
-    for stream in streams:
-        assert stream.wait(60), "a stream got no final response"
-        stream.close()
-        if exit_timeout > 5:
-            assert stream.error is None and len(stream.token_ids) == max_tokens, stream.error
-        else:
-            assert stream.error is not None and SHUTTING_DOWN in stream.error, stream.error
-    assert server.wait(60) == 0 and time.monotonic() - t0 < exit_timeout

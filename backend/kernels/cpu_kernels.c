@@ -72,6 +72,20 @@ static inline void store_row(void* dst, int dtype, int64_t n, const float* src, 
  * the loads waiting on memory). always_inline so that each call site below gets D and dtype as constants: the row
  * loops are then fully unrolled and vectorised.
  */
+/* The item's NQ query rows as float32, pre-scaled; their accumulators zeroed and running maxima reset. */
+static inline void start_queries(const char* q_rows, int64_t q_sh, int dtype, int64_t D, int64_t NQ, float scale,
+                                 float* q, float* acc, float* max_score) {
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
+    for (int64_t j = 0; j < NQ; ++j) {
+        load_row(q_rows + j * q_sh * esize, dtype, D, q + j * D);
+        for (int64_t d = 0; d < D; ++d) {
+            q[j * D + d] *= scale;
+            acc[j * D + d] = 0.f;
+        }
+        max_score[j] = -FLT_MAX;
+    }
+}
+
 /* scores[j][t] = exp(scores[j][t] - max_score[j]) for t < len, and sum[j] their total: the softmax's numerators. */
 static inline void exp_scores(float* scores, int64_t max_context, const float* max_score, int64_t NQ, int64_t len,
                               float* sum) {
@@ -95,15 +109,7 @@ static inline __attribute__((always_inline)) void attend_one(
     const int64_t num_blocks = (len + block_size - 1) / block_size, NQ = NK * G;
     const int64_t row_bytes = NK * c_sh * esize;  /* one token's K (or V) row over the item's heads */
     float row[MAX_HEAD_DIM], max_score[MAX_HEADS], sum[MAX_HEADS];
-    for (int64_t j = 0; j < NQ; ++j) {
-        load_row(q_rows + j * q_sh * esize, dtype, D, q + j * D);
-        for (int64_t d = 0; d < D; ++d) {
-            q[j * D + d] *= scale;
-            acc[j * D + d] = 0.f;
-        }
-        max_score[j] = -FLT_MAX;
-        sum[j] = 0.f;
-    }
+    start_queries(q_rows, q_sh, dtype, D, NQ, scale, q, acc, max_score);
     /* scores[j][t] = q_j . k_t, block by block (no division per token) */
     for (int64_t i = 0, t = 0; i < num_blocks; ++i) {
         const char* block = k_bytes + table[i] * c_sb * esize;
@@ -195,14 +201,7 @@ static inline __attribute__((always_inline)) void attend_tiled(
     char* out_rows, int64_t o_sh) {
     const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4, NQ = NK * G, DV = D / 16;
     float max_score[MAX_HEADS], sum[MAX_HEADS];
-    for (int64_t j = 0; j < NQ; ++j) {
-        load_row(q_rows + j * q_sh * esize, dtype, D, q + j * D);
-        for (int64_t d = 0; d < D; ++d) {
-            q[j * D + d] *= scale;
-            acc[j * D + d] = 0.f;
-        }
-        max_score[j] = -FLT_MAX;
-    }
+    start_queries(q_rows, q_sh, dtype, D, NQ, scale, q, acc, max_score);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {  /* scores[j][t] = q_j . k_t */
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         load_tile(k_bytes, table, c_sb, c_ss, c_sh, block_size, t0, n, len, NK, D, dtype, tile);
