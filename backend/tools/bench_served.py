@@ -19,7 +19,6 @@ import queue
 import random
 import re
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from backend.triton.serve import TritonServer, process_group_members
+from backend.triton.serve import TritonServer, process_group_members, start_on_free_ports
 from client.schema import GenerationRequest, build_inputs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -83,32 +82,6 @@ def text_prompts(tokenizer, num: int, length: int, seed: int) -> list[str]:
         ids = [rng.randrange(100, vocab - 100) for _ in range(length)]
         prompts.append(tokenizer.decode(tokenizer.encode(tokenizer.decode(ids))[:length]))
     return prompts
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def start_server(repository: Path, model_dir: str, log_path: Path, env: dict[str, str] | None = None) -> TritonServer:
-    http_port, grpc_port, metrics_port = free_ports(3)
-    server = TritonServer(
-        repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, address="127.0.0.1",
-        model=model_dir, extra_args=["--exit-timeout-secs", "5"], env=env, log_path=log_path,
-    )
-    server.start()
-    try:
-        server.wait_ready(timeout=300)
-    except BaseException:
-        server.stop()
-        raise
-    return server
 
 
 def _cpu_seconds(pids: list[int]) -> float:
@@ -203,8 +176,10 @@ def served_column(
         max_model_len = 2 * prompt_len + new_tokens + 64
         repository = served_repository(Path(tmp), models, max(batches), dtype, max_model_len)
         prompts = text_prompts(load_tokenizer(model_dir).hf, max(batches), prompt_len, seed)
-        server = start_server(repository, model_dir, Path(tmp) / "tritonserver.log")
+        server = start_on_free_ports(repository, model=model_dir, extra_args=["--exit-timeout-secs", "5"],
+                                     log_path=Path(tmp) / "tritonserver.log")
         try:
+            server.wait_ready(timeout=300)
             for model in models:  # warm-up: first requests pay one-time costs
                 run_workload(server, ServedWorkload(model, 2, 0.0, 4), prompts, seed)
             for _ in range(repeats):
