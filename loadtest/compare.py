@@ -4,17 +4,20 @@
     python -m loadtest.compare --quick               # ~2-3 min: 2 and 8 users, shorter outputs
     python -m loadtest.compare --smoke               # ~1 min: one load point, tiny outputs (CI)
     python -m loadtest.compare --url http://127.0.0.1:8000 --models llm_dynamic,llm_continuous --users 4,8
-    python -m loadtest.compare --quick --dynamic-instances 2 --dynamic-max-queue-delay-us 50000
+    python -m loadtest.compare --quick --models llm_dynamic --dynamic-variants 2x4@2000,1x8@50000
 
 Without ``--url`` it starts its own tritonserver on ``model_repository/`` (free 127.0.0.1 ports) through the
 launcher. For each model and load point it runs headless Locust (a subprocess; its CPU use is measured), samples
 the metrics port every 0.5 s, and writes ``reports/<timestamp>/``: ``results.json`` (everything measured),
 ``report.md``, a self-contained ``report.html``, PNG plots, and Locust's own CSVs and logs in ``locust/``.
 
-``--dynamic-instances`` and ``--dynamic-max-queue-delay-us`` serve ``llm_dynamic`` with another instance_group count
-or max_queue_delay_microseconds: the compared models are copied (the launcher's ``copy_model_repository``) into the
-report's ``model_repository/`` with those settings, and that copy is served. The report's configuration table
-states every batcher setting of each model as the server served it.
+By default the four models are compared (static, dynamic, Triton's iterative and the model's own continuous
+batching), plus ``llm_dynamic`` at the best settings found for it on the development machine (``BEST_DYNAMIC``), so
+the dynamic batcher is shown at its best beside its shipped configuration. ``--dynamic-variants`` gives other
+settings: each ``INSTANCESxMAX_BATCH_SIZE@MAX_QUEUE_DELAY_US`` is served as a copy of ``llm_dynamic`` named
+``llm_dynamic_<I>x<B>_<D>us`` (the compared models are copied, with the launcher's ``copy_model_repository``, into
+the report's ``model_repository/``, and that copy is served). The report's configuration table states every
+batcher setting of each model as the server served it.
 
 Goodput counts the requests with TTFT <= --slo-ttft-ms (default 2000) and TPOT <= --slo-tpot-ms (default 100);
 ``python -m loadtest.slo`` holds a load point's p99s to the same limits.
@@ -28,14 +31,15 @@ import datetime as dt
 import json
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
 
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, report
 from loadtest.runner import (
+    DYNAMIC,
     REPO_ROOT,
+    DynamicVariant,
     LoadPoint,
     Plan,
     Target,
@@ -45,10 +49,16 @@ from loadtest.runner import (
     max_num_seqs,
     open_target,
     run_load_point,
+    served_repository,
     warm_up,
 )
 from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, get_workload
+
+MODELS = ["llm_static", DYNAMIC, "llm_iterative", "llm_continuous"]
+# llm_dynamic at its best on the development machine (2 cores), from `make compare ARGS="--models llm_dynamic
+# --dynamic-variants ..."` at 8 users: see README, "The dynamic batcher at its best".
+BEST_DYNAMIC = "2x4@2000"
 
 # Per mode: the sweep and how long each point runs (then at most stop_timeout_s of drain). The shorter modes scale
 # prompt and output lengths down together so that the long tail still fits in their shorter points. Each window is
@@ -67,8 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="~1 minute, for CI")
     p.add_argument(
         "--models",
-        default="llm_dynamic,llm_continuous",
-        help="Triton models to compare, in order (llm_static too if served)",
+        default=None,
+        help="Triton models to compare (default: " + ",".join(MODELS) + ", with the --dynamic-variants after "
+        f"{DYNAMIC})",
     )
     p.add_argument("--users", default=None, help="comma-separated concurrencies (closed loop); default per mode")
     p.add_argument(
@@ -94,55 +105,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO_TPOT_MS)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "reports", help="reports go in OUT/<timestamp>/")
     p.add_argument(
-        "--dynamic-instances", type=int, default=None, help="serve llm_dynamic with this instance_group count"
-    )
-    p.add_argument(
-        "--dynamic-max-queue-delay-us",
-        type=int,
+        "--dynamic-variants",
         default=None,
-        help="serve llm_dynamic with this max_queue_delay_microseconds (shipped: 2000)",
+        help="comma-separated llm_dynamic settings to serve beside it, each INSTANCESxMAX_BATCH_SIZE@MAX_QUEUE_DELAY_US "
+        f"(default: {BEST_DYNAMIC}, the best found here; with --url: none; '' for none)",
     )
     args = p.parse_args(argv)
     args.mode = args.mode or "default"
-    if args.dynamic_instances is not None and args.dynamic_instances < 1:
-        p.error("--dynamic-instances must be at least 1")
-    if args.dynamic_max_queue_delay_us is not None and args.dynamic_max_queue_delay_us < 0:
-        p.error("--dynamic-max-queue-delay-us must be 0 or more")
-    if tunes_dynamic(args) and args.url:
-        p.error("--dynamic-* options serve a copy of the repository; with --url, set them on that server instead")
-    if tunes_dynamic(args) and DYNAMIC not in args.models.split(","):
-        p.error(f"--dynamic-* options need {DYNAMIC} among --models")
+    if args.dynamic_variants is None:
+        args.dynamic_variants = "" if args.url else BEST_DYNAMIC
+    try:
+        args.variants = [DynamicVariant.parse(spec) for spec in args.dynamic_variants.split(",") if spec.strip()]
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.variants and args.url:
+        p.error("--dynamic-variants serve a copy of the repository; with --url, serve them on that server instead")
+    if args.models is None:
+        args.models = ",".join(default_models(args.variants))
+    elif args.variants and DYNAMIC not in args.models.split(","):
+        p.error(f"--dynamic-variants are compared beside {DYNAMIC}: put it among --models")
     return args
 
 
-DYNAMIC = "llm_dynamic"
-
-
-def tunes_dynamic(args) -> bool:
-    return args.dynamic_instances is not None or args.dynamic_max_queue_delay_us is not None
-
-
-def tuned_repository(
-    source: Path, dst: Path, models: list[str], instances: int | None, max_queue_delay_us: int | None
-) -> Path:
-    """A copy of ``models`` from ``source`` in ``dst``, with llm_dynamic's instance_group count and
-    max_queue_delay_microseconds replaced where given."""
-    from backend.triton.serve import copy_model_repository
-
-    copy_model_repository(dst, models, source=source)
-    path = dst / DYNAMIC / "config.pbtxt"
-    text = path.read_text()
-    for value, pattern, replacement in (
-        (instances, r"(instance_group \[ \{ count: )\d+", rf"\g<1>{instances}"),
-        (max_queue_delay_us, r"(max_queue_delay_microseconds: )\d+", rf"\g<1>{max_queue_delay_us}"),
-    ):
-        if value is None:
-            continue
-        text, found = re.subn(pattern, replacement, text)
-        if found != 1:
-            raise RuntimeError(f"{path}: expected one {pattern!r} to replace, found {found}")
-    path.write_text(text)
-    return dst
+def default_models(variants: list[DynamicVariant]) -> list[str]:
+    """The four models in the order of docs/batching.md, with the dynamic variants right after llm_dynamic."""
+    at = MODELS.index(DYNAMIC) + 1
+    return MODELS[:at] + [v.name for v in variants] + MODELS[at:]
 
 
 def make_plan(args) -> tuple[Plan, list[LoadPoint]]:
@@ -239,13 +227,9 @@ def main(argv=None) -> int:
     log(f"{args.mode} run: {', '.join(models)} at {loads}; {workload.describe()}; report in {out_dir}")
     started = time.perf_counter()
     try:
-        if tunes_dynamic(args):
-            args.model_repository = tuned_repository(
-                args.model_repository,
-                out_dir / "model_repository",
-                models,
-                args.dynamic_instances,
-                args.dynamic_max_queue_delay_us,
+        if args.variants:
+            args.model_repository = served_repository(
+                args.model_repository, out_dir / "model_repository", models, args.variants
             )
         with open_target(args, out_dir / "tritonserver.log", say=log) as target:
             meta["server"] = {

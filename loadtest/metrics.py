@@ -7,8 +7,9 @@ per forward step), ``llm_time_to_first_token_seconds`` and others. Triton adds `
 request: Triton holds them until the running batch returns).
 
 A sample is ``{"t": unix time, "values": {series: value}, "cpu": {process: percent of one core}}``. Series keys
-are ``name`` plus the labels other than ``model`` and ``version``
-(``llm_request_success_total{finish_reason="length"}``).
+are ``name`` plus the labels other than ``model``, ``version`` and ``instance``
+(``llm_request_success_total{finish_reason="length"}``): a model served by several instances exports each
+instance's series (its own engine and KV pool) under an ``instance`` label, and a sample holds their sum.
 Histogram buckets are kept only in the first and last sample of a run (enough for the run's distribution).
 """
 
@@ -55,21 +56,23 @@ def parse_prometheus(text: str) -> list[Series]:
 
 
 def series_key(name: str, labels: dict) -> str:
-    rest = {k: v for k, v in labels.items() if k not in ("model", "version")}
+    rest = {k: v for k, v in labels.items() if k not in ("model", "version", "instance")}
     if not rest:
         return name
     return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(rest.items())) + "}"
 
 
 def select(series: list[Series], model: str, prefixes=PREFIXES, buckets: bool = True) -> dict[str, float]:
-    """``{series key: value}`` of the series labelled ``model`` whose name starts with one of ``prefixes``."""
-    values = {}
+    """``{series key: value}`` of the series labelled ``model`` whose name starts with one of ``prefixes``; the
+    series of the model's instances summed (blocks, requests, steps and counts all add up across instances)."""
+    values: dict[str, float] = {}
     for s in series:
         if s.labels.get("model") != model or not s.name.startswith(prefixes):
             continue
         if not buckets and s.name.endswith("_bucket"):
             continue
-        values[series_key(s.name, s.labels)] = s.value
+        key = series_key(s.name, s.labels)
+        values[key] = values.get(key, 0.0) + s.value
     return values
 
 

@@ -19,13 +19,32 @@ from loadtest import metrics, plots
 from loadtest.stats import MIN_REQUESTS, MIN_WINDOW_S, headline, headline_point, is_measured, ratio, summarize
 
 BASELINE, CANDIDATE = "llm_dynamic", "llm_continuous"
-STATIC = "llm_static"  # optional row: static batching, a teaching baseline
-ORDER = {STATIC: 0, BASELINE: 1, CANDIDATE: 2}  # the order of docs/batching.md: static, dynamic, continuous
+STATIC = "llm_static"  # static batching, a teaching baseline
+ITERATIVE = "llm_iterative"  # Triton's iterative sequence batcher over the same engine
+# The order of docs/batching.md: static, dynamic (then llm_dynamic's variants, llm_dynamic_<I>x<B>_<D>us), Triton's
+# iterative, the model's own continuous loop.
+ORDER = {STATIC: 0, BASELINE: 1, ITERATIVE: 3, CANDIDATE: 4}
 DESIGN_NOTE = "docs/batching.md (the design note on static, dynamic and continuous batching)"
 
 
+def is_dynamic_variant(model: str) -> bool:
+    return model.startswith(BASELINE + "_")
+
+
 def model_order(model: str) -> tuple[int, str]:
-    return ORDER.get(model, len(ORDER)), model
+    return ORDER.get(model, 2 if is_dynamic_variant(model) else len(ORDER) + 1), model
+
+
+# What each model beside the continuous one is, for its comparison table.
+BESIDE = {
+    STATIC: f"{STATIC} is the same engine behind Triton's batcher told to wait (up to its max_queue_delay) for a full "
+    "batch before it runs one, and to run that batch to its longest member: the static batching of "
+    f"{DESIGN_NOTE}, kept as a teaching baseline.",
+    BASELINE: f"{BASELINE} is the same engine behind Triton's dynamic batcher as shipped: a batch forms within its "
+    "max_queue_delay and runs to its longest member.",
+    ITERATIVE: f"{ITERATIVE} is the same engine behind Triton's iterative sequence batcher: Triton forms the batch at "
+    "every step, the model runs one step over it and hands the unfinished requests back.",
+}
 
 # (heading, row key, format) for the per-load-point table.
 COLUMNS = [
@@ -107,7 +126,7 @@ COMPARISON_HEADER = [
     "TTFT p99 lower by",
     "TPOT p99 lower by",
     "E2E p99 lower by",
-    "goodput req/s (cont. vs dyn.)",
+    "goodput req/s (cont. vs dynamic)",
 ]
 
 
@@ -222,7 +241,7 @@ def _sections(
             (
                 "p",
                 f"Every model runs at most {meta['max_num_seqs']} sequences at once"
-                + _instances_text(meta.get("configs", {}))
+                + _instances_text(meta.get("configs", {}), meta["max_num_seqs"])
                 + ". The headline is taken at the highest load with no more users than that, where every request "
                 "could be in the batch together; above it every model queues, and the tables below show by how much.",
             )
@@ -240,22 +259,17 @@ def _sections(
                 "(per instance, as the engine reported them on the metrics port, else as configured).",
             ),
         ]
-    comparison = comparison_rows(rows)
-    if comparison:
-        s += [("h2", "Continuous beside dynamic, per load point"), ("table", (COMPARISON_HEADER, comparison))]
-    against_static = comparison_rows(rows, STATIC, CANDIDATE)
-    if against_static:
-        header = COMPARISON_HEADER[:-1] + ["goodput req/s (cont. vs static)"]
-        s += [
-            ("h2", "Continuous beside static, per load point"),
-            (
-                "p",
-                f"{STATIC} is the same engine behind Triton's batcher told to wait (up to its max_queue_delay) for a "
-                "full batch before it runs one, and to run that batch to its longest member: the static batching "
-                f"of {DESIGN_NOTE}, kept as a teaching baseline.",
-            ),
-            ("table", (header, against_static)),
-        ]
+    for other in sorted({row["model"] for row in rows} - {CANDIDATE}, key=model_order):
+        beside = comparison_rows(rows, other, CANDIDATE)
+        if not beside:
+            continue
+        short = "static" if other == STATIC else other.removeprefix("llm_")
+        header = COMPARISON_HEADER[:-1] + [f"goodput req/s (cont. vs {short})"]
+        text = BESIDE.get(other) or (
+            f"{other} is {BASELINE} served with other batcher settings (the configuration table above): the dynamic "
+            "batcher at the best settings found for it on this machine, or those given with --dynamic-variants."
+        )
+        s += [("h2", f"Continuous beside {short}, per load point"), ("p", text), ("table", (header, beside))]
     s += [
         ("h2", "Every load point"),
         ("table", ([c[0] for c in COLUMNS], table_rows(rows))),
@@ -306,6 +320,7 @@ def _sections(
                 "the batch stays full while there is work.",
             ),
             ("p", _step_text(rows, timeline_runs)),
+            ("p", _decision_costs(rows, timeline_runs)),
             ("img", (images["batch"], "sequences per forward step over time")),
             ("img", (images["batch_hist"], "forward steps by batch size")),
             (
@@ -324,11 +339,19 @@ def _sections(
     return s
 
 
-def _instances_text(configs: dict[str, dict]) -> str:
-    """E.g. `` per instance (llm_dynamic: 2 instances)``, where a model runs more than one."""
-    several = [
-        f"{model}: {c['instance_count']} instances" for model, c in configs.items() if (c.get("instance_count") or 1) > 1
-    ]
+def _instances_text(configs: dict[str, dict], max_num_seqs: int | None = None) -> str:
+    """E.g. `` per instance (llm_dynamic: 2 instances)``, where a model runs more than one or has other seats."""
+    several = []
+    for model, c in sorted(configs.items(), key=lambda item: model_order(item[0])):
+        count = c.get("instance_count") or 1
+        seats = c.get("max_num_seqs")
+        other_seats = max_num_seqs and seats and str(seats) != str(max_num_seqs)
+        if count > 1 and other_seats:
+            several.append(f"{model}: {count} instances of {seats}")
+        elif count > 1:
+            several.append(f"{model}: {count} instances")
+        elif other_seats:
+            several.append(f"{model}: {seats}")
     return f" per instance ({'; '.join(several)})" if several else ""
 
 
@@ -346,6 +369,67 @@ def _step_text(rows: list[dict], timeline_runs: list[dict]) -> str:
     if not parts:
         return "The server exported no per-step batch sizes for this load."
     return f"Measured at {timeline_runs[0]['load']}: " + "; ".join(parts) + "."
+
+
+def _decision_costs(rows: list[dict], timeline_runs: list[dict]) -> str:
+    """One paragraph, from the measured numbers: what each row's way of deciding the batch costs it."""
+    load = timeline_runs[0]["load"]
+    at = {r["model"]: r for r in rows if r["load"] == load and is_measured(r)}
+    measured = [r for r in rows if is_measured(r)]
+    lowest = min(((r["arrival_rate"], r["users"]) for r in measured), default=None)
+    low = {r["model"]: r for r in measured if (r["arrival_rate"], r["users"]) == lowest}
+    cont = at.get(CANDIDATE)
+
+    def said(row: dict) -> str:
+        return (
+            f"{fmt(row['mean_batch_size'], '{:.1f}')} sequences per step, "
+            f"{fmt(row['mean_waiting_total'], '{:.1f}')} requests waiting, TTFT p99 {fmt(row['ttft_p99_ms'], 'ms')}, "
+            f"{row['output_tok_per_s']:.0f} tok/s"
+        )
+
+    parts = []
+    for model in sorted(at, key=model_order):
+        row = at[model]
+        if model == STATIC:
+            wait = ""
+            if model in low and CANDIDATE in low:
+                wait = (
+                    f" at {low[model]['load']} its TTFT p50 was {fmt(low[model]['ttft_p50_ms'], 'ms')} against "
+                    f"{fmt(low[CANDIDATE]['ttft_p50_ms'], 'ms')} for continuous;"
+                )
+            parts.append(f"**static** waits to fill its batch:{wait} at {load}, {said(row)}")
+        elif model == BASELINE or is_dynamic_variant(model):
+            parts.append(
+                f"**{model.removeprefix('llm_')}** runs each batch to its longest member while the next requests wait "
+                f"in Triton's queue: at {load}, {said(row)}"
+            )
+        elif model == ITERATIVE:
+            gap = row.get("mean_iteration_gap_ms")
+            step = 1000 / row["steps_per_s"] if row.get("steps_per_s") else None
+            cost = (
+                f"{gap:.2f} ms per iteration between one step's end and the next execute()"
+                + (f" ({100 * gap / step:.0f}% of a {step:.0f} ms step)" if step else "")
+                if gap is not None
+                else "a hand-back per iteration the metrics did not show"
+            )
+            parts.append(f"**iterative** pays Triton's scheduler at every step, {cost}: at {load}, {said(row)}")
+        elif model == CANDIDATE:
+            parts.append(
+                f"**continuous** decides in its own loop, between steps, at no cost measured here: {said(row)}"
+            )
+    if not parts:
+        return "No model was measured at the plotted load."
+    text = "What each way of deciding the batch costs, measured: " + "; ".join(parts) + "."
+    if cont is not None and ITERATIVE in at and at[ITERATIVE]["output_tok_per_s"]:
+        close = at[ITERATIVE]["output_tok_per_s"] / cont["output_tok_per_s"] if cont["output_tok_per_s"] else None
+        if close is not None:
+            text += (
+                f" Triton's iterative batching reached {close:.0%} of the continuous model's output tokens/s: "
+                "iteration-level scheduling is what matters, whoever does it."
+                if close >= 0.85
+                else f" Triton's iterative batching reached {close:.0%} of the continuous model's output tokens/s."
+            )
+    return text
 
 
 def _setup_text(meta: dict, runs: list[dict]) -> str:

@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.metrics import MetricsSampler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+DYNAMIC = "llm_dynamic"
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
 USER_CLASSES = {"grpc": "GrpcStreamUser", "http": "HttpStreamUser"}
 
@@ -130,6 +132,70 @@ def open_target(args: argparse.Namespace, log_path: Path, say=print):
     with serve(args.model_repository, args.model, log_path) as target:
         say(f"server ready: {target.http_url}")
         yield target
+
+
+@dataclass(frozen=True)
+class DynamicVariant:
+    """llm_dynamic served with other batcher settings: ``instances`` model instances (each its own engine, with the
+    machine's cores split between them), ``max_batch_size`` seats each (and as many ``max_num_seqs``), and
+    ``max_queue_delay_us``."""
+
+    instances: int
+    max_batch_size: int
+    max_queue_delay_us: int
+
+    @classmethod
+    def parse(cls, spec: str) -> "DynamicVariant":
+        match = re.fullmatch(r"\s*(\d+)x(\d+)@(\d+)\s*", spec)
+        if match is None:
+            raise ValueError(
+                f"dynamic variant {spec!r}: expected INSTANCESxMAX_BATCH_SIZE@MAX_QUEUE_DELAY_US, e.g. 2x4@2000"
+            )
+        variant = cls(*map(int, match.groups()))
+        if variant.instances < 1 or variant.max_batch_size < 1:
+            raise ValueError(f"dynamic variant {spec!r}: instances and max_batch_size must be at least 1")
+        return variant
+
+    @property
+    def name(self) -> str:
+        return f"{DYNAMIC}_{self.instances}x{self.max_batch_size}_{self.max_queue_delay_us}us"
+
+    def write(self, source: Path, dst: Path) -> None:
+        """The model folder ``dst/<name>``: a copy of ``source/llm_dynamic`` with these settings."""
+        from backend.triton.serve import copy_model_repository
+
+        threads = max(1, (os.cpu_count() or 1) // self.instances)
+        parameters = {"max_num_seqs": str(self.max_batch_size)}
+        if self.instances > 1:  # NOTE: one instance takes every core (the engine's default); several share them
+            parameters["num_threads"] = str(threads)
+        copy_model_repository(dst / "staging", [DYNAMIC], parameters, source=source)
+        folder = dst / "staging" / DYNAMIC
+        path = folder / "config.pbtxt"
+        text = path.read_text()
+        for pattern, replacement in (
+            (r'^name: "llm_dynamic"$', f'name: "{self.name}"'),
+            (r"^max_batch_size: \d+$", f"max_batch_size: {self.max_batch_size}"),
+            (r"(instance_group \[ \{ count: )\d+", rf"\g<1>{self.instances}"),
+            (r"(max_queue_delay_microseconds: )\d+", rf"\g<1>{self.max_queue_delay_us}"),
+        ):
+            text, found = re.subn(pattern, replacement, text, flags=re.MULTILINE)
+            if found != 1:
+                raise RuntimeError(f"{path}: expected one {pattern!r} to replace, found {found}")
+        path.write_text(text)
+        folder.rename(dst / self.name)
+        (dst / "staging").rmdir()
+
+
+def served_repository(source: Path, dst: Path, models: list[str], variants: list[DynamicVariant]) -> Path:
+    """``dst`` holding the compared models: copies of ``source``'s and the variants of llm_dynamic."""
+    from backend.triton.serve import copy_model_repository
+
+    names = {v.name for v in variants}
+    copy_model_repository(dst, [m for m in models if m not in names], source=source)
+    for variant in variants:
+        if variant.name in models:
+            variant.write(source, dst)
+    return dst
 
 
 # ---- talking to the server outside Locust ------------------------------------------------------------------

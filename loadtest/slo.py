@@ -3,11 +3,19 @@
     python -m loadtest.slo                                      # defaults: TTFT p99 <= 2000 ms, TPOT p99 <= 100 ms
     python -m loadtest.slo --slo-ttft-ms 1000 --slo-tpot-ms 80 --users 1,2,4,8,16,32
     python -m loadtest.slo --url http://127.0.0.1:8000 --rates 0.5,1,2,4 # open loop: highest request rate
+    python -m loadtest.slo --capacity                           # every model at its best seats: req/s within SLO
 
 The tuning procedure of docs/batching.md (the design note on static, dynamic and continuous batching; its section on
 settings and tuning), automated: for each model, step the load up (closed-loop users, or Poisson arrival rates) and
 stop at the first load point whose p99 TTFT or p99 TPOT breaks its limit or that has failures. The answer is the
 last load point that held. Every point is bounded like ``loadtest.compare``'s.
+
+``--capacity`` is the comparison at capacity: every model at its best seats for this machine rather than the 8 they
+share by default. The models that run over the paged cache step by step (``llm_continuous``, ``llm_iterative``) get
+as many sequences as the KV pool holds for the workload's mean request (``capacity_seats``: concurrency limited by
+KV capacity, not by a fixed number of seats); ``llm_dynamic`` is served at each of ``--dynamic-variants`` (default
+``CAPACITY_DYNAMIC``), since a run-to-completion batch holds no more than its seats whatever the pool. The ladder
+is open loop (Poisson arrival rates) and the answer is the request rate each sustains within the SLO.
 
 A point with too few requests in its measurement window (``loadtest.stats.not_measured``) is "not measured": it
 neither holds nor breaks. The ladder goes on past it, unless the request budget (--max-requests) ran out, which a
@@ -20,6 +28,7 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -27,17 +36,70 @@ from pathlib import Path
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.report import fmt
 from loadtest.runner import (
+    DYNAMIC,
     REPO_ROOT,
+    DynamicVariant,
     LoadPoint,
     Plan,
+    batcher_settings,
     check_models,
     command_parser,
     open_target,
     run_load_point,
+    served_repository,
     warm_up,
 )
 from loadtest.stats import summarize
-from loadtest.workloads import WORKLOADS
+from loadtest.workloads import WORKLOADS, get_workload, make_request
+
+ITERATIVE, CONTINUOUS = "llm_iterative", "llm_continuous"
+# The run-to-completion batch sizes tried in the capacity comparison (one instance, Triton's shipped 2 ms delay):
+# a bigger batch carries more requests at once, and makes each one wait longer for the batch's longest member.
+CAPACITY_DYNAMIC = "1x8@2000,1x16@2000,1x32@2000"
+CAPACITY_RATES = "0.5,1,1.5,2,3,4,6,8"
+CAPACITY_DURATION_S = 60.0  # seconds per rate: the lowest rate still starts well over stats.MIN_REQUESTS requests
+MAX_CAPACITY_SEATS = 256  # the engine's queue bound (max_queue_size) and the histogram's top bucket
+
+
+def capacity_seats(model_folder: Path, repository: Path, workload_name: str, length_scale: float = 1.0) -> dict:
+    """How many sequences the KV pool of ``llm_continuous``'s config holds at once for the workload's mean request
+    (prompt words, about one token each, plus its output), with what it was computed from."""
+    from backend.engine.config import EngineConfig
+
+    text = (repository / CONTINUOUS / "config.pbtxt").read_text()
+    params = dict(re.findall(r'parameters: \{ key: "([^"]+)", value: \{ string_value: "([^"]*)" \} \}', text))
+    config = EngineConfig.from_dict({k: v for k, v in params.items() if k in ("block_size", "kv_cache_memory_bytes")})
+    hf = json.loads((model_folder / "config.json").read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    block_bytes = config.kv_block_bytes(hf["num_hidden_layers"], heads, head_dim)
+    blocks = config.kv_cache_memory_bytes // block_bytes
+    workload = get_workload(workload_name, length_scale)
+    requests = [make_request(workload, i) for i in range(2000)]
+    mean_blocks = sum(-(-(r.num_prompt_words + r.max_tokens) // config.block_size) for r in requests) / len(requests)
+    seats = max(1, min(MAX_CAPACITY_SEATS, int(blocks // mean_blocks)))
+    return {"seats": seats, "kv_blocks": int(blocks), "block_size": config.block_size, "mean_blocks": mean_blocks}
+
+
+def capacity_repository(source: Path, dst: Path, seats: int, variants: list[DynamicVariant]) -> Path:
+    """The capacity comparison's models: llm_dynamic's ``variants``, and llm_iterative and llm_continuous with
+    ``seats`` sequences (and, for llm_iterative, as many seats in Triton's sequence batcher)."""
+    served_repository(source, dst, [ITERATIVE, CONTINUOUS, *(v.name for v in variants)], variants)
+    for model in (ITERATIVE, CONTINUOUS):
+        path = dst / model / "config.pbtxt"
+        text = path.read_text()
+        replacements = [(r'(key: "max_num_seqs", value: \{ string_value: ")\d+', rf"\g<1>{seats}")]
+        if model == ITERATIVE:
+            replacements += [
+                (r"^max_batch_size: \d+$", f"max_batch_size: {seats}"),
+                (r"(max_candidate_sequences: )\d+", rf"\g<1>{seats}"),
+            ]
+        for pattern, replacement in replacements:
+            text, found = re.subn(pattern, replacement, text, flags=re.MULTILINE)
+            if found != 1:
+                raise RuntimeError(f"{path}: expected one {pattern!r} to replace, found {found}")
+        path.write_text(text)
+    return dst
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,17 +110,53 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--slo-tpot-ms", type=float, default=DEFAULT_SLO_TPOT_MS, help="TPOT p99 limit (default: %(default)s)"
     )
-    p.add_argument("--models", default="llm_dynamic,llm_continuous")
+    p.add_argument("--models", default=None, help="default: llm_dynamic,llm_continuous; with --capacity, all of them")
     p.add_argument("--users", default="1,2,4,8,12,16,24,32", help="closed-loop ladder (default: %(default)s)")
     p.add_argument("--rates", default=None, help="open-loop ladder of Poisson arrival rates (req/s) instead of --users")
-    p.add_argument("--max-users", type=int, default=64, help="users that carry the arrivals with --rates")
+    p.add_argument(
+        "--max-users",
+        type=int,
+        default=None,
+        help="users that carry the arrivals with --rates (default 64; with --capacity, the capacity seats plus 64)",
+    )
+    p.add_argument(
+        "--capacity", action="store_true", help=f"every model at its best seats, ladder of rates {CAPACITY_RATES}"
+    )
+    p.add_argument(
+        "--dynamic-variants",
+        default=None,
+        help=f"with --capacity: llm_dynamic's settings to try, INSTANCESxMAX_BATCH_SIZE@MAX_QUEUE_DELAY_US "
+        f"(default: {CAPACITY_DYNAMIC})",
+    )
     p.add_argument("--workload", default="long_tailed", choices=sorted(WORKLOADS))
     p.add_argument("--length-scale", type=float, default=1.0)
-    p.add_argument("--duration", type=float, default=30.0, help="seconds of load per point (default: %(default)s)")
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help=f"seconds of load per point (default 30; {CAPACITY_DURATION_S:g} with --capacity)",
+    )
     p.add_argument("--max-requests", type=int, default=1000, help="at most this many requests per point")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "reports")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.variants = []
+    if args.capacity:
+        if args.url:
+            p.error("--capacity serves its own copy of the repository; it cannot use a running server (--url)")
+        try:
+            specs = args.dynamic_variants if args.dynamic_variants is not None else CAPACITY_DYNAMIC
+            args.variants = [DynamicVariant.parse(spec) for spec in specs.split(",") if spec.strip()]
+        except ValueError as exc:
+            p.error(str(exc))
+        args.rates = args.rates or CAPACITY_RATES
+        args.duration = args.duration or CAPACITY_DURATION_S
+        args.models = args.models or ",".join([v.name for v in args.variants] + [ITERATIVE, CONTINUOUS])
+    elif args.dynamic_variants is not None:
+        p.error("--dynamic-variants belongs to --capacity here (make compare takes it too)")
+    args.models = args.models or f"{DYNAMIC},{CONTINUOUS}"
+    args.duration = args.duration or 30.0
+    return args
 
 
 def verdict(row: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> str | None:
@@ -133,34 +231,92 @@ def main(argv=None) -> int:
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
     )
-    if args.rates:
-        points = [LoadPoint(args.max_users, float(r)) for r in args.rates.split(",")]
-    else:
-        points = [LoadPoint(int(u)) for u in args.users.split(",")]
     models = [m for m in args.models.split(",") if m]
     out_dir = args.out / ("slo-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
     say = lambda msg: print(f"[slo {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
+    capacity = None
+    if args.capacity:
+        model_folder = Path(args.model or REPO_ROOT / "models" / "smollm2-135m-instruct")
+        capacity = capacity_seats(model_folder, args.model_repository, args.workload, args.length_scale)
+        say(
+            f"capacity: {capacity['kv_blocks']} KV blocks of {capacity['block_size']} tokens, "
+            f"{capacity['mean_blocks']:.1f} per mean request: {capacity['seats']} sequences for "
+            f"{ITERATIVE} and {CONTINUOUS}; {DYNAMIC} as {', '.join(v.name for v in args.variants)}"
+        )
+        args.model_repository = capacity_repository(
+            args.model_repository, out_dir / "model_repository", capacity["seats"], args.variants
+        )
+    max_users = args.max_users or (capacity["seats"] + 64 if capacity else 64)
+    if args.rates:
+        points = [LoadPoint(max_users, float(r)) for r in args.rates.split(",")]
+    else:
+        points = [LoadPoint(int(u)) for u in args.users.split(",")]
     say(
         f"SLO: TTFT p99 <= {args.slo_ttft_ms:g} ms, TPOT p99 <= {args.slo_tpot_ms:g} ms; {', '.join(models)}; "
         f"ladder {', '.join(p.label for p in points)}; {args.workload} workload; {args.duration:g} s per point"
     )
     try:
         with open_target(args, out_dir / "tritonserver.log", say=say) as target:
-            check_models(target, models)
+            configs = check_models(target, models)
             for model in models:
                 warm_up(target, model)
             results = [search(target, model, points, plan, out_dir, say) for model in models]
     except Exception as exc:
         print(f"slo: error: {exc}", file=sys.stderr)
         return 1
-    (out_dir / "slo.json").write_text(json.dumps({"plan": dataclasses.asdict(plan), "results": results}, indent=1))
+    for result in results:
+        result["config"] = batcher_settings(configs[result["model"]])
+    summary = {"plan": dataclasses.asdict(plan), "capacity": capacity, "results": results}
+    (out_dir / "slo.json").write_text(json.dumps(summary, indent=1))
     print()
     print(f"Highest load within TTFT p99 <= {args.slo_ttft_ms:g} ms and TPOT p99 <= {args.slo_tpot_ms:g} ms:")
     for result in results:
         print(f"  {outcome_line(result)}")
+    if capacity:
+        print()
+        print(capacity_table(results, args.slo_ttft_ms, args.slo_tpot_ms))
     print(f"details: {out_dir / 'slo.json'}")
     return 0
+
+
+def seats_text(config: dict) -> str:
+    instances, seats = config.get("instance_count") or 1, config.get("max_num_seqs") or "?"
+    return f"{instances} x {seats}" if instances > 1 else f"{seats}"
+
+
+def capacity_table(results: list[dict], slo_ttft_ms: float, slo_tpot_ms: float) -> str:
+    """The capacity comparison as a Markdown table: per model, its seats and the highest request rate it sustained
+    within the SLO; then the continuous model beside the best dynamic configuration."""
+    lines = [
+        f"| model | seats | sustained req/s (TTFT p99 <= {slo_ttft_ms:g} ms, TPOT p99 <= {slo_tpot_ms:g} ms) | "
+        "output tok/s there | TTFT p99 | TPOT p99 | first rate that broke |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    sustained = {}
+    for result in results:
+        best, broke = result["best"], result["first_violation"]
+        sustained[result["model"]] = best["req_per_s"] if best else 0.0
+        lines.append(
+            f"| {result['model']} | {seats_text(result.get('config', {}))} | "
+            + (f"{best['req_per_s']:.2f} (offered {best['load']})" if best else "none of the ladder")
+            + f" | {fmt(best and best['output_tok_per_s'], '{:.0f}')} | {fmt(best and best['ttft_p99_ms'], 'ms')} | "
+            f"{fmt(best and best['tpot_p99_ms'], 'ms')} | "
+            + (f"{broke['load']}: {broke['why']}" if broke else "–")
+            + " |"
+        )
+    dynamic = {m: v for m, v in sustained.items() if m == DYNAMIC or m.startswith(DYNAMIC + "_")}
+    if dynamic and CONTINUOUS in sustained:
+        best_dynamic = max(dynamic, key=dynamic.get)
+        ratio = sustained[CONTINUOUS] / dynamic[best_dynamic] if dynamic[best_dynamic] else None
+        lines.append("")
+        if ratio:
+            said = f"the best dynamic configuration ({best_dynamic}) {dynamic[best_dynamic]:.2f}: {ratio:.1f}x."
+        else:
+            lowest = next((r["rows"][0]["load"] for r in results if r["rows"]), "?")
+            said = f"no dynamic configuration held even the ladder's lowest load ({lowest})."
+        lines.append(f"{CONTINUOUS} sustains {sustained[CONTINUOUS]:.2f} req/s within the SLO; {said}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,10 @@ def server_view(samples: list[dict], start: float, end: float) -> dict:
     view["kv_blocks_total"] = total[-1] if total else None
     preempted = metrics.counter_delta(inside, "llm_preemptions_total")
     view["preemptions"] = preempted
+    # llm_iterative only: what handing the batch back to Triton cost per iteration.
+    gaps = metrics.counter_delta(inside, "llm_iteration_gap_seconds_count")
+    gap_s = metrics.counter_delta(inside, "llm_iteration_gap_seconds_sum")
+    view["mean_iteration_gap_ms"] = 1000 * gap_s / gaps if gaps and gap_s is not None else None
     return view
 
 

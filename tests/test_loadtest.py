@@ -117,6 +117,27 @@ def test_prometheus_text_is_selected_by_model_and_prefix():
 
 
 @pytest.mark.timeout(10)
+def test_a_model_with_several_instances_is_read_as_the_sum_of_its_instances():
+    from backend.triton.metrics import instance_label
+
+    text = """
+llm_kv_blocks_used{instance="llm_dynamic_0_0",model="llm_dynamic"} 30
+llm_kv_blocks_used{instance="llm_dynamic_0_1",model="llm_dynamic"} 12
+llm_kv_blocks_total{instance="llm_dynamic_0_0",model="llm_dynamic"} 1024
+llm_kv_blocks_total{instance="llm_dynamic_0_1",model="llm_dynamic"} 1024
+llm_batch_size_count{instance="llm_dynamic_0_0",model="llm_dynamic"} 7
+llm_batch_size_count{instance="llm_dynamic_0_1",model="llm_dynamic"} 5
+"""
+    values = metrics.select(metrics.parse_prometheus(text), "llm_dynamic")
+    assert values == {"llm_kv_blocks_used": 42, "llm_kv_blocks_total": 2048, "llm_batch_size_count": 12}
+    # Only a model served by several instances labels its series by instance (one instance keeps the plain labels).
+    args = {"model_instance_name": "llm_dynamic_0_1"}
+    assert instance_label(args, {"instance_group": [{"count": 2, "kind": "KIND_CPU"}]}) == "llm_dynamic_0_1"
+    assert instance_label(args, {"instance_group": [{"count": 1, "kind": "KIND_CPU"}]}) is None
+    assert instance_label(args, {}) is None
+
+
+@pytest.mark.timeout(10)
 def test_histogram_deltas_give_steps_per_second_and_batch_size():
     samples = [
         {
@@ -345,23 +366,38 @@ def test_report_states_every_batcher_setting_as_served(tmp_path):
 
 
 @pytest.mark.timeout(10)
-def test_compare_serves_llm_dynamic_with_another_instance_count_and_queue_delay(tmp_path):
-    args = compare.parse_args(["--smoke", "--dynamic-instances", "3", "--dynamic-max-queue-delay-us", "50000"])
-    served = compare.tuned_repository(
-        args.model_repository,
-        tmp_path / "repo",
-        ["llm_dynamic", "llm_continuous"],
-        args.dynamic_instances,
-        args.dynamic_max_queue_delay_us,
-    )
-    config = (served / "llm_dynamic" / "config.pbtxt").read_text()
+def test_compare_serves_llm_dynamic_variants_beside_the_shipped_models(tmp_path):
+    args = compare.parse_args(["--smoke", "--dynamic-variants", "3x4@50000,1x16@0"])
+    assert [v.name for v in args.variants] == ["llm_dynamic_3x4_50000us", "llm_dynamic_1x16_0us"]
+    models = args.models.split(",")
+    assert models == ["llm_static", "llm_dynamic", "llm_dynamic_3x4_50000us", "llm_dynamic_1x16_0us",
+                      "llm_iterative", "llm_continuous"]
+    served = compare.served_repository(args.model_repository, tmp_path / "repo", models, args.variants)
+    assert sorted(p.name for p in served.iterdir()) == sorted(models)
+    config = (served / "llm_dynamic_3x4_50000us" / "config.pbtxt").read_text()
+    assert 'name: "llm_dynamic_3x4_50000us"' in config and 'name: "llm_dynamic"' not in config
+    assert "\nmax_batch_size: 4\n" in config
     assert "instance_group [ { count: 3, kind: KIND_CPU } ]" in config
     assert "max_queue_delay_microseconds: 50000" in config and "max_queue_delay_microseconds: 2000" not in config
-    shipped = (REPO_ROOT / "model_repository" / "llm_continuous" / "config.pbtxt").read_text()
-    assert (served / "llm_continuous" / "config.pbtxt").read_text() == shipped
-    assert sorted(p.name for p in served.iterdir()) == ["llm_continuous", "llm_dynamic"]
-    for bad in (["--dynamic-instances", "0"], ["--dynamic-instances", "2", "--url", "http://127.0.0.1:8000"],
-                ["--dynamic-instances", "2", "--models", "llm_continuous"]):
+    assert 'key: "max_num_seqs", value: { string_value: "4" }' in config
+    assert 'key: "num_threads"' in config  # three instances share the cores
+    assert (served / "llm_dynamic_3x4_50000us" / "1" / "model.py").is_file()
+    single = (served / "llm_dynamic_1x16_0us" / "config.pbtxt").read_text()
+    assert "max_queue_delay_microseconds: 0\n" in single and 'key: "num_threads"' not in single
+    for model in ("llm_dynamic", "llm_continuous"):
+        shipped = (REPO_ROOT / "model_repository" / model / "config.pbtxt").read_text()
+        assert (served / model / "config.pbtxt").read_text() == shipped
+
+    # The default: the four models and llm_dynamic at its best; a running server: the four as it serves them.
+    default = compare.parse_args([])
+    assert default.models.split(",") == ["llm_static", "llm_dynamic",
+                                         compare.DynamicVariant.parse(compare.BEST_DYNAMIC).name,
+                                         "llm_iterative", "llm_continuous"]
+    running = compare.parse_args(["--url", "http://127.0.0.1:8000"])
+    assert running.models == "llm_static,llm_dynamic,llm_iterative,llm_continuous" and running.variants == []
+    for bad in (["--dynamic-variants", "0x8@2000"], ["--dynamic-variants", "2x8"],
+                ["--dynamic-variants", "2x4@2000", "--url", "http://127.0.0.1:8000"],
+                ["--dynamic-variants", "2x4@2000", "--models", "llm_continuous"]):
         with pytest.raises(SystemExit):
             compare.parse_args(bad)
 
@@ -427,6 +463,53 @@ def test_slo_verdict_names_what_broke():
     assert verdict(row, 2000, 100) == "TTFT p99 2.50 s > 2000 ms"
     assert verdict({**row, "ttft_p99_ms": 100.0}, 2000, 100) is None
     assert "3 failures" in verdict({**row, "num_failed": 3, "ttft_p99_ms": 100.0}, 2000, 100)
+
+
+@pytest.mark.timeout(20)
+def test_capacity_gives_the_paged_models_the_seats_their_kv_pool_holds(tmp_path, tiny_llama_dir):
+    args = slo.parse_args(["--capacity", "--dynamic-variants", "1x16@2000"])
+    assert args.models == "llm_dynamic_1x16_2000us,llm_iterative,llm_continuous"
+    assert args.rates == slo.CAPACITY_RATES and args.duration == slo.CAPACITY_DURATION_S
+    for bad in (["--capacity", "--url", "http://127.0.0.1:8000"], ["--dynamic-variants", "1x16@2000"]):
+        with pytest.raises(SystemExit):
+            slo.parse_args(bad)
+
+    # The pool's blocks over the mean request's blocks (the shipped 512 MiB for the tiny Llama's KV layout).
+    hf = json.loads((tiny_llama_dir / "config.json").read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    per_block = 2 * hf["num_hidden_layers"] * 16 * hf["num_key_value_heads"] * head_dim * 2
+    capacity = slo.capacity_seats(tiny_llama_dir, REPO_ROOT / "model_repository", "long_tailed")
+    assert capacity["kv_blocks"] == 536870912 // per_block and capacity["block_size"] == 16
+    spec = [make_request(get_workload("long_tailed"), i) for i in range(2000)]
+    assert capacity["mean_blocks"] == pytest.approx(sum(-(-(r.num_prompt_words + r.max_tokens) // 16) for r in spec) / 2000)
+    assert capacity["seats"] == min(slo.MAX_CAPACITY_SEATS, int(capacity["kv_blocks"] // capacity["mean_blocks"]))
+
+    repo = slo.capacity_repository(REPO_ROOT / "model_repository", tmp_path / "repo", 96, args.variants)
+    assert sorted(p.name for p in repo.iterdir()) == ["llm_continuous", "llm_dynamic_1x16_2000us", "llm_iterative"]
+    iterative = (repo / "llm_iterative" / "config.pbtxt").read_text()
+    assert "\nmax_batch_size: 96\n" in iterative and "max_candidate_sequences: 96 }" in iterative
+    for model in ("llm_iterative", "llm_continuous"):
+        assert 'key: "max_num_seqs", value: { string_value: "96" }' in (repo / model / "config.pbtxt").read_text()
+
+
+@pytest.mark.timeout(10)
+def test_capacity_table_sets_continuous_beside_the_best_dynamic_configuration():
+    def result(model, req_per_s, seats, instances=1, broke="3 req/s"):
+        best = None if req_per_s is None else {
+            "req_per_s": req_per_s, "load": f"{req_per_s:g} req/s", "output_tok_per_s": 100 * req_per_s,
+            "ttft_p99_ms": 900.0, "tpot_p99_ms": 60.0}
+        return {"model": model, "best": best, "first_violation": {"load": broke, "why": "TTFT p99 3.00 s > 2000 ms"},
+                "rows": [{"load": "0.5 req/s"}], "config": {"instance_count": instances, "max_num_seqs": str(seats)}}
+
+    results = [result("llm_dynamic_1x8_2000us", 0.5, 8), result("llm_dynamic_2x16_2000us", 1.0, 16, 2),
+               result("llm_continuous", 4.0, 151, broke="6 req/s")]
+    table = slo.capacity_table(results, 2000, 100)
+    assert "| llm_dynamic_2x16_2000us | 2 x 16 | 1.00 (offered 1 req/s) | 100 | 900 ms | 60 ms | 3 req/s: TTFT" in table
+    assert table.endswith("llm_continuous sustains 4.00 req/s within the SLO; the best dynamic configuration "
+                          "(llm_dynamic_2x16_2000us) 1.00: 4.0x.")
+    none_held = slo.capacity_table([result("llm_dynamic", None, 8), results[2]], 2000, 100)
+    assert "| llm_dynamic | 8 | none of the ladder |" in none_held
+    assert none_held.endswith("no dynamic configuration held even the ladder's lowest load (0.5 req/s).")
 
 
 # ---- headless Locust against the real server ----------------------------------------------------------------
@@ -524,22 +607,34 @@ def test_streams_cut_off_by_the_drain_limit_are_recorded_not_failed(server, tmp_
 @pytest.mark.server
 @pytest.mark.smollm2
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_compare_smoke_end_to_end(tmp_path, smollm2_dir):
-    """``python -m loadtest.compare --smoke``: its own server, the default models, the report (about 1-2 minutes)."""
-    command = [sys.executable, "-m", "loadtest.compare", "--smoke", "--model", str(smollm2_dir), "--out", str(tmp_path)]
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    """``python -m loadtest.compare --smoke``: its own server, the default models (the four, and llm_dynamic at its
+    best, two instances), the report (about 3-4 minutes)."""
+    command = [sys.executable, "-m", "loadtest.compare", "--smoke", "--model", str(smollm2_dir), "--out", str(tmp_path),
+               "--dynamic-variants", "2x4@2000"]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=580)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "continuous vs dynamic at 4 users:" in done.stdout
 
     (out_dir,) = tmp_path.iterdir()
     results = json.loads((out_dir / "results.json").read_text())
-    assert [(r["model"], r["users"]) for r in results["runs"]] == [("llm_dynamic", 4), ("llm_continuous", 4)]
+    models = ["llm_static", "llm_dynamic", "llm_dynamic_2x4_2000us", "llm_iterative", "llm_continuous"]
+    assert [(r["model"], r["users"]) for r in results["runs"]] == [(model, 4) for model in models]
+    kv_total = {}
     for run in results["runs"]:
         assert any(r["ok"] for r in run["requests"]), run["model"]
         assert not [r["error"] for r in run["requests"] if r["error"]], run["model"]
         assert any("llm_batch_size_count" in s["values"] for s in run["metrics"])
         assert any("loadgen" in s["cpu"] for s in run["metrics"])
+        kv_total[run["model"]] = run["metrics"][-1]["values"]["llm_kv_blocks_total"]
+    # Two instances, two engines and KV pools of the same size: the metrics port shows each, the sample their sum.
+    assert kv_total["llm_dynamic_2x4_2000us"] == 2 * kv_total["llm_dynamic"]
+    assert results["meta"]["configs"]["llm_dynamic_2x4_2000us"]["instance_count"] == 2
+    md = (out_dir / "report.md").read_text()
+    for other in ("static", "dynamic", "dynamic_2x4_2000us", "iterative"):
+        assert f"## Continuous beside {other}, per load point" in md
+    assert "What each way of deciding the batch costs, measured:" in md and "**iterative** pays" in md
     assert (out_dir / "report.html").stat().st_size > 50_000
     assert (out_dir / "locust" / "llm_dynamic_u4_stats.csv").exists()
 

@@ -12,15 +12,26 @@ _GAP_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05
 _BATCH_BUCKETS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256]
 
 
+def instance_label(args: dict, model_config: dict) -> str | None:
+    """The ``instance`` label of a model served by more than one instance (its ``model_instance_name``), else None.
+
+    Each instance runs its own engine and KV pool in its own stub, and Triton gives two stubs that create a metric
+    with the same labels one shared metric: their gauges would overwrite each other. With the instance in the
+    labels each has its own; whoever reads the port sums them per model (``loadtest.metrics.select``)."""
+    count = sum(int(group.get("count", 1)) for group in model_config.get("instance_group", []) or [{}])
+    return args.get("model_instance_name") if count > 1 else None
+
+
 class TritonMetrics:
-    """Custom metrics on Triton's metrics port, labelled by model. Updated from the one thread that runs the engine.
+    """Custom metrics on Triton's metrics port, labelled by model (and by instance where a model has several:
+    :func:`instance_label`). Updated from the one thread that runs the engine.
 
     NOTE: each MetricFamily must stay referenced while its metrics are used (Triton deletes it otherwise).
     """
 
-    def __init__(self, pb, model_name: str) -> None:
+    def __init__(self, pb, model_name: str, instance: str | None = None) -> None:
         F = pb.MetricFamily
-        labels = {"model": model_name}
+        labels = {"model": model_name, **({"instance": instance} if instance else {})}
         self._labels = labels
 
         def family(name: str, doc: str, kind) -> Any:

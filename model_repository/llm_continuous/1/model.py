@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 from backend.engine.batching import EngineLoop, EngineOverloaded, EngineUnavailable
 from backend.engine.llm_engine import LLMEngine
 from backend.triton.faults import FaultInjector
-from backend.triton.metrics import TritonMetrics
+from backend.triton.metrics import TritonMetrics, instance_label
 from backend.triton.model_config import check_model, engine_config_from_triton
 from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
 from backend.triton.responses import OpenRequest, OpenRequests, send_error
@@ -30,7 +30,7 @@ class TritonPythonModel:
         config = engine_config_from_triton(model_config, args["model_repository"])
         check_model(args["model_name"], model_config, config, batching="continuous")
         self.faults = FaultInjector.from_config(model_config)
-        self.metrics = TritonMetrics(pb_utils, args["model_name"])
+        self.metrics = TritonMetrics(pb_utils, args["model_name"], instance_label(args, model_config))
         self.open = OpenRequests(pb_utils, self.metrics, batched=False)
         self.next_cancel_sweep = 0.0
         # The engine is loaded on the loop's own thread, the one that steps it: one OpenMP thread team per process.

@@ -20,7 +20,7 @@ import triton_python_backend_utils as pb_utils
 from backend.engine.batching import SHUTTING_DOWN, engine_failed, run_to_completion
 from backend.engine.llm_engine import LLMEngine
 from backend.triton.faults import FaultInjector
-from backend.triton.metrics import TritonMetrics
+from backend.triton.metrics import TritonMetrics, instance_label
 from backend.triton.model_config import check_model, engine_config_from_triton
 from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
 from backend.triton.responses import OpenRequest, OpenRequests, send_error
@@ -41,7 +41,7 @@ class TritonPythonModel:
         self.limits = RequestLimits(self.engine.max_model_len)
         self.faults = FaultInjector.from_config(model_config)
         self.engine.fault_hook = self.faults
-        self.metrics = TritonMetrics(pb_utils, self.name)
+        self.metrics = TritonMetrics(pb_utils, self.name, instance_label(args, model_config))
         self.metrics.on_steps(self.engine)
         self.open = OpenRequests(pb_utils, self.metrics, batched=True)
         self.failure = None  # set once the engine failed in a way a step cannot recover from

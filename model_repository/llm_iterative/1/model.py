@@ -21,7 +21,7 @@ import triton_python_backend_utils as pb_utils
 from backend.engine.batching import SHUTTING_DOWN, IterationDriver, engine_failed
 from backend.engine.llm_engine import LLMEngine
 from backend.triton.faults import FaultInjector
-from backend.triton.metrics import TritonMetrics
+from backend.triton.metrics import TritonMetrics, instance_label
 from backend.triton.model_config import check_model, engine_config_from_triton
 from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
 from backend.triton.responses import OpenRequest, OpenRequests, send_error
@@ -45,7 +45,7 @@ class TritonPythonModel:
         self.limits = RequestLimits(self.engine.max_model_len)
         self.faults = FaultInjector.from_config(model_config)
         self.engine.fault_hook = self.faults
-        self.metrics = TritonMetrics(pb_utils, self.name)
+        self.metrics = TritonMetrics(pb_utils, self.name, instance_label(args, model_config))
         self.gap = self.metrics.iteration_gap()
         self.open = OpenRequests(pb_utils, self.metrics, batched=True)
         reap_after = int(sequencing.get("max_sequence_idle_microseconds", 5_000_000)) / 1e6
