@@ -393,6 +393,8 @@ def test_compare_serves_llm_dynamic_variants_beside_the_shipped_models(tmp_path)
     assert default.models.split(",") == ["llm_static", "llm_dynamic",
                                          compare.DynamicVariant.parse(compare.BEST_DYNAMIC).name,
                                          "llm_iterative", "llm_continuous"]
+    chosen = compare.parse_args(["--models", "llm_dynamic,llm_continuous", "--dynamic-variants", "2x4@2000"])
+    assert chosen.models == "llm_dynamic,llm_dynamic_2x4_2000us,llm_continuous"
     running = compare.parse_args(["--url", "http://127.0.0.1:8000"])
     assert running.models == "llm_static,llm_dynamic,llm_iterative,llm_continuous" and running.variants == []
     for bad in (["--dynamic-variants", "0x8@2000"], ["--dynamic-variants", "2x8"],
