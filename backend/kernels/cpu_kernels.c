@@ -381,8 +381,9 @@ void rms_norm(const void* x, int64_t x_st, const void* weight, void* out, int64_
  * that counts and sums the weights above a candidate cut.
  */
 #define SAMPLE_BLOCK 1024
-/* Weights below e^-17 (about 4e-8 of the best token's) are where a top-k or top-p cut is first looked for. */
-#define NEAR_RANGE 17.f
+/* Where a top-k or top-p cut is looked for first: among the tokens within 4, then 8, then 17 (weights down to about
+ * 4e-8 of the best token's) times T of the best logit; the first range that holds the whole top-k and top-p. */
+static const float NEAR_RANGES[] = {4.f, 8.f, 17.f};
 
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
@@ -499,8 +500,31 @@ static float bisect(const cut_query* q, int (*holds)(const cut_query*, float), u
 #undef VALUE
 }
 
+/* Scratch rows of one thread: the row as floats and its weights, and the compacted candidates with their indices. */
+typedef struct { float* x; float* w; float* xc; float* wc; int64_t* idx; } sample_scratch;
+
+/* The indices of the tokens with x >= t, in index order, into the scratch's `idx`. Eight at a time: a group with
+ * none (most of the vocabulary) costs one vector compare. */
+static void gather_at_least(const float* x, int64_t n, float t, const sample_scratch* s) {
+    const f32x8 tt = (f32x8){0.f} + t;
+    int64_t num = 0;
+    for (int64_t i = 0; i < n; i += 8) {
+        if (i + 8 <= n) {
+            f32x8 xv;
+            memcpy(&xv, x + i, sizeof xv);
+            const i32x8 in = xv >= tt;
+            const i32x8 half = in | __builtin_shufflevector(in, in, 4, 5, 6, 7, 0, 1, 2, 3);
+            if (!(half[0] | half[1] | half[2] | half[3])) continue;
+        }
+        for (int64_t j = i; j < i + 8 && j < n; ++j)
+            if (x[j] >= t) s->idx[num++] = j;
+    }
+}
+
 static int64_t sample_one(const void* src, int dtype, int64_t V, float temperature, int64_t top_k, float top_p,
-                          double u, float* x, float* w) {
+                          double u, const sample_scratch* scratch) {
+    float* x = scratch->x;
+    float* w = scratch->w;
     load_row(src, dtype, V, x);
     float m = -FLT_MAX, lowest = FLT_MAX;
     for (int64_t i = 0; i < V; ++i) {  /* non-finite (banned) logits sink below every finite one */
@@ -521,16 +545,37 @@ static int64_t sample_one(const void* src, int dtype, int64_t V, float temperatu
     const int by_k = top_k > 0 && top_k < V, by_p = top_p < 1.f;
     if (!by_k && !by_p) return inverse_cdf(x, w, V, -FLT_MAX, 0, u * total);
 
-    /* Keys of the logit range to search: [lowest, max], or only the top NEAR_RANGE * T of it when that holds the
-     * whole top-k and more than top_p of the weight (almost always: it saves half the bisection steps). */
+    /* Keys of the logit range to search: [lowest, max], or only the top of it, [near, max], when that holds the whole
+     * top-k and at least top_p of the weight (then neither cut can lie below near; almost always true of the first
+     * or second range tried, and it leaves a small share of the vocabulary to search). */
     const int shift = dtype == DTYPE_BF16 ? 16 : 0;
-    const float near = round_to(m - NEAR_RANGE * temperature, dtype);  /* a value the dtype holds */
-    double near_mass;
-    int64_t near_count;
-    sum_where(x, w, V, near, AT_LEAST, &near_mass, &near_count);
-    const int near_enough = near > lowest && (!by_k || near_count >= top_k) && near_mass >= (double)top_p * total;
+    float near = lowest;
+    int near_enough = 0;
+    int64_t num_near = V;
+    for (size_t r = 0; r < sizeof NEAR_RANGES / sizeof NEAR_RANGES[0] && !near_enough; ++r) {
+        near = round_to(m - NEAR_RANGES[r] * temperature, dtype);  /* a value the dtype holds */
+        if (!(near > lowest)) break;
+        double near_mass;
+        sum_where(x, w, V, near, AT_LEAST, &near_mass, &num_near);
+        near_enough = (!by_k || num_near >= top_k) && near_mass >= (double)top_p * total;
+    }
     const uint32_t lo = order_key(bits_of(near_enough ? near : lowest));
     const uint32_t hi = order_key(bits_of(m));
+    /* Every cut then lies at or above `near`: the tokens below it are never kept. When they are few, the bisection
+     * passes and the draw run over those candidates only, gathered in index order (so that ties and the draw keep
+     * their order); `idx` maps a candidate back to its token. */
+    const int64_t* idx = NULL;
+    if (near_enough && num_near <= V / 8) {
+        gather_at_least(x, V, near, scratch);
+        for (int64_t j = 0; j < num_near; ++j) {
+            scratch->xc[j] = x[scratch->idx[j]];
+            scratch->wc[j] = w[scratch->idx[j]];
+        }
+        x = scratch->xc;
+        w = scratch->wc;
+        idx = scratch->idx;
+        V = num_near;
+    }
     cut_query q = {x, w, V, top_k, 0.0};
 
     float cut = -FLT_MAX;  /* the prefix kept so far: everything */
@@ -560,7 +605,8 @@ static int64_t sample_one(const void* src, int dtype, int64_t V, float temperatu
     sum_where(x, w, V, cut, ABOVE, &kept, &count);
     sum_where(x, w, V, cut, EQUAL, &at, &num_at);
     if (num_at) kept += at / (double)num_at * (double)(ties < num_at ? ties : num_at);
-    return inverse_cdf(x, w, V, cut, ties, u * kept);
+    const int64_t picked = inverse_cdf(x, w, V, cut, ties, u * kept);
+    return idx ? idx[picked] : picked;
 }
 
 void sample_rows(const void* logits, int64_t stride, int dtype, int64_t V, const int64_t* rows, int64_t R,
@@ -569,14 +615,18 @@ void sample_rows(const void* logits, int64_t stride, int dtype, int64_t V, const
     const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
 #pragma omp parallel num_threads(num_threads) if (R > 1)
     {
-        float* x = (float*)malloc(sizeof(float) * V);
-        float* w = (float*)malloc(sizeof(float) * V);
+        sample_scratch scratch = {(float*)malloc(sizeof(float) * V), (float*)malloc(sizeof(float) * V),
+                                  (float*)malloc(sizeof(float) * V), (float*)malloc(sizeof(float) * V),
+                                  (int64_t*)malloc(sizeof(int64_t) * V)};
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < R; ++r)
             out[r] = sample_one((const char*)logits + rows[r] * stride * esize, dtype, V, temperature[r], top_k[r],
-                                top_p[r], uniform[r], x, w);
-        free(x);
-        free(w);
+                                top_p[r], uniform[r], &scratch);
+        free(scratch.x);
+        free(scratch.w);
+        free(scratch.xc);
+        free(scratch.wc);
+        free(scratch.idx);
     }
 }
 
