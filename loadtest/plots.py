@@ -11,22 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from loadtest import metrics  # noqa: E402
+from loadtest.colors import color  # noqa: E402
 from loadtest.stats import batch_size_distribution, is_measured, started_in_window  # noqa: E402
-
-COLORS = {
-    "llm_static": "tab:gray",
-    "llm_dynamic": "tab:orange",
-    "llm_iterative": "tab:green",
-    "llm_continuous": "tab:blue",
-}
-OTHER_COLORS = ["tab:brown", "tab:red", "tab:pink", "tab:olive", "tab:cyan", "tab:purple"]
-
-
-def color(model: str) -> str:
-    """A fixed colour per shipped model; other models (llm_dynamic's variants) one of the rest, fixed by name."""
-    if model in COLORS:
-        return COLORS[model]
-    return OTHER_COLORS[sum(model.encode()) % len(OTHER_COLORS)]
 
 
 def _x(row: dict) -> float:
