@@ -9,7 +9,9 @@
 Without ``--url`` it starts its own tritonserver on ``model_repository/`` (free 127.0.0.1 ports) through the
 launcher. For each model and load point it runs headless Locust (a subprocess; its CPU use is measured), samples
 the metrics port every 0.5 s, and writes ``reports/<timestamp>/``: ``results.json`` (everything measured),
-``report.md``, a self-contained ``report.html``, PNG plots, and Locust's own CSVs and logs in ``locust/``.
+``report.md``, a self-contained ``report.html``, PNG plots, and Locust's own CSVs and logs in ``locust/``. While it
+runs, it serves the live view (``loadtest/live.py``: every model's batch, queues, KV blocks and tokens/s, and the
+clients' TTFT and TPOT) on a free 127.0.0.1 port, and prints its URL first.
 
 By default the four models are compared (static, dynamic, Triton's iterative and the model's own continuous
 batching), plus ``llm_dynamic`` at the best settings found for it on the development machine (``BEST_DYNAMIC``), so
@@ -56,9 +58,11 @@ from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, get_workload
 
 MODELS = ["llm_static", DYNAMIC, "llm_iterative", "llm_continuous"]
-# llm_dynamic at its best on the development machine (2 cores), from `make compare ARGS="--models llm_dynamic
-# --dynamic-variants ..."` at 8 users: see README, "The dynamic batcher at its best".
-BEST_DYNAMIC = "2x4@2000"
+# llm_dynamic at its best on the development machine (2 cores): two instances of 8 seats, the shipped 2 ms delay. Of
+# 1x8@2000 (shipped), 2x4@2000, 2x8@2000, 1x8@50000 and 1x16@2000 at 8 and 16 users (`make compare ARGS="--models
+# llm_dynamic --dynamic-variants 2x4@2000,2x8@2000,1x8@50000,1x16@2000 --users 8,16"`), it had the most output
+# tokens/s and goodput at both: README, "The dynamic batcher at its best".
+BEST_DYNAMIC = "2x8@2000"
 
 # Per mode: the sweep and how long each point runs (then at most stop_timeout_s of drain). The shorter modes scale
 # prompt and output lengths down together so that the long tail still fits in their shorter points. Each window is

@@ -256,7 +256,8 @@ def _sections(
                 "Read from each model's config as the server served it (/v2/models/<model>/config). Triton's batcher: "
                 "max_batch_size, preferred_batch_size, max_queue_delay and the instance count (each instance runs its "
                 "own engine and KV pool); the engine's: max_num_seqs, max_num_batched_tokens and the KV-cache blocks "
-                "(per instance, as the engine reported them on the metrics port, else as configured).",
+                "(all instances together, as the engines reported them on the metrics port, else as configured per "
+                "instance).",
             ),
         ]
     for other in sorted({row["model"] for row in rows} - {CANDIDATE}, key=model_order):
