@@ -125,12 +125,15 @@ def e2e_distribution(runs: list[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
-def batch_size_over_time(runs: list[dict], path: Path, max_num_seqs: int | None = None) -> Path:
+def batch_size_over_time(
+    runs: list[dict], path: Path, max_num_seqs: int | None = None, seats: dict[str, int] | None = None
+) -> Path:
     """The pictures of docs/batching.md, measured: the running batch over time, one row per model.
 
     Line: sequences in the running batch (the ``llm_num_requests_running`` gauge, sampled every 0.5 s). Dots: mean
     sequences per forward step between two samples (from the ``llm_batch_size`` histogram). Shaded: requests
-    waiting (the engine's queue, plus Triton's own queue in front of a dynamic-batched model).
+    waiting (the engine's queue, plus Triton's own queue in front of a batcher model). Dotted: the seats, over all the
+    model's instances (``seats``, else ``max_num_seqs``).
     """
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.6 * len(runs) + 0.6), sharex=True, squeeze=False)
     for ax, run in zip(axes[:, 0], runs):
@@ -163,8 +166,9 @@ def batch_size_over_time(runs: list[dict], path: Path, max_num_seqs: int | None 
                 alpha=0.15,
                 label="requests waiting",
             )
-        if max_num_seqs:
-            ax.axhline(max_num_seqs, color="black", lw=0.7, ls=":", label=f"max batch ({max_num_seqs})")
+        limit = (seats or {}).get(run["model"], max_num_seqs)  # over all the model's instances
+        if limit:
+            ax.axhline(limit, color="black", lw=0.7, ls=":", label=f"seats ({limit})")
         start, end = run["window"]
         ax.axvspan(start - t0, end - t0, color="green", alpha=0.05, label="measured window")
         ax.set(ylabel="sequences", title=f"{run['model']} at {run['load']}")

@@ -194,7 +194,7 @@ def build(results: dict, out_dir: Path) -> dict:
     }
     if timeline_runs:
         images["batch"] = plots.batch_size_over_time(
-            timeline_runs, out_dir / "batch_size_over_time.png", meta.get("max_num_seqs")
+            timeline_runs, out_dir / "batch_size_over_time.png", meta.get("max_num_seqs"), _seats(meta)
         )
         images["kv"] = plots.kv_blocks_over_time(timeline_runs, out_dir / "kv_blocks_over_time.png")
         images["batch_hist"] = plots.batch_size_histogram(timeline_runs, out_dir / "batch_size_histogram.png")
@@ -210,6 +210,16 @@ def build(results: dict, out_dir: Path) -> dict:
         "md": out_dir / "report.md",
         "html": out_dir / "report.html",
     }
+
+
+def _seats(meta: dict) -> dict[str, int]:
+    """Sequences each model can run at once over all its instances, from the configurations served."""
+    seats = {}
+    for model, c in meta.get("configs", {}).items():
+        per_instance = c.get("max_num_seqs")
+        if per_instance and str(per_instance).isdigit():
+            seats[model] = int(per_instance) * (c.get("instance_count") or 1)
+    return seats
 
 
 def _timeline_runs(runs: list[dict], rows: list[dict], max_num_seqs: int | None) -> list[dict]:
