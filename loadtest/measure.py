@@ -60,14 +60,6 @@ class Measurement:
         if self.num_output_tokens < self.max_tokens:
             raise StreamError(f"truncated: {self.num_output_tokens} of {self.max_tokens} tokens (ignore_eos is set)")
 
-    def meets(self, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
-        return (
-            self.error is None
-            and self.ttft_s is not None
-            and 1000 * self.ttft_s <= slo_ttft_ms
-            and 1000 * (self.tpot_s or 0.0) <= slo_tpot_ms
-        )
-
     def record(self) -> dict:
         """One line of the records file: what loadtest.stats needs, in milliseconds."""
 
@@ -90,3 +82,13 @@ class Measurement:
             "e2e_ms": ms(self.e2e_s),
             "token_ms": [round(1000 * t, 1) for t in self.token_s],
         }
+
+
+def meets_slo(record: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
+    """Whether a finished request (a :meth:`Measurement.record`) is within both SLOs: the goodput's requests."""
+    return bool(
+        record["ok"]
+        and record["ttft_ms"] is not None
+        and record["ttft_ms"] <= slo_ttft_ms
+        and (record["tpot_ms"] or 0.0) <= slo_tpot_ms
+    )

@@ -544,6 +544,12 @@ def read_stats(prefix: Path) -> dict[str, dict]:
         return {row["Name"]: row for row in csv.DictReader(f) if row["Type"]}
 
 
+def read_latency(prefix: Path) -> dict[str, dict]:
+    """The latency table Locust's one event per request cannot hold (``<prefix>_llm_latency.csv``), per model."""
+    with open(f"{prefix}_llm_latency.csv") as f:
+        return {row["Model"]: row for row in csv.DictReader(f)}
+
+
 def read_requests(prefix: Path) -> list[dict]:
     lines = Path(f"{prefix}_requests.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if "index" in r]
@@ -559,12 +565,14 @@ def test_headless_locust_reports_streaming_metrics_without_failures(server, tmp_
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Traceback" not in done.stderr
 
-    stats_rows = read_stats(prefix)
-    for name in ("ttft", "tpot", "itl_max", "e2e"):
-        assert stats_rows[name]["Type"] == protocol
-        assert int(stats_rows[name]["Request Count"]) > 0, name
-        assert int(stats_rows[name]["Failure Count"]) == 0, name
-    assert int(stats_rows["e2e"]["Request Count"]) == len(read_requests(prefix))
+    # One Locust event per request, timed end to end; the latencies in their own CSV.
+    (row,) = read_stats(prefix).values()
+    assert (row["Type"], row["Name"]) == (protocol, f"{model} (e2e)")
+    assert int(row["Request Count"]) == len(read_requests(prefix)) and int(row["Failure Count"]) == 0
+    latency = read_latency(prefix)[model]
+    assert latency["Requests"] == row["Request Count"] and latency["Failures"] == "0"
+    for column in ("TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)", "ITL max p99 (ms)"):
+        assert float(latency[column]) > 0, column
     with open(f"{prefix}_failures.csv") as f:
         assert len(f.read().strip().splitlines()) == 1  # the header only
 
@@ -582,11 +590,11 @@ def test_refused_requests_are_locust_failures_not_exceptions(server, tmp_path, u
     # A negative temperature is refused by the model with an error response, request by request.
     done, prefix = run_locust(server, tmp_path, user, "llm_continuous", "--temperature", "-1")
     assert done.returncode == 1, done.stderr[-3000:]  # Locust's own "there were failures" exit code
-    e2e = read_stats(prefix)["e2e"]
+    e2e = read_stats(prefix)["llm_continuous (e2e)"]
     assert int(e2e["Request Count"]) == int(e2e["Failure Count"]) == 6
     with open(f"{prefix}_failures.csv") as f:
         failures = list(csv.DictReader(f))
-    assert failures and all(row["Name"] == "e2e" and "temperature" in row["Error"] for row in failures)
+    assert failures and all(row["Name"] == "llm_continuous (e2e)" and "temperature" in row["Error"] for row in failures)
     with open(f"{prefix}_exceptions.csv") as f:
         assert len(f.read().strip().splitlines()) == 1  # nothing raised inside the users
     assert all(not r["ok"] and "temperature" in r["error"] for r in read_requests(prefix))
@@ -603,7 +611,7 @@ def test_streams_cut_off_by_the_drain_limit_are_recorded_not_failed(server, tmp_
     requests = read_requests(prefix)
     assert len(requests) == 2 and all(r["cut"] and not r["ok"] and r["error"] is None for r in requests)
     assert all(r["num_output_tokens"] < 128 for r in requests)
-    assert "e2e" not in read_stats(prefix)  # nothing reported to Locust as done or failed
+    assert read_stats(prefix) == {}  # nothing reported to Locust as done or failed
 
 
 @pytest.mark.server
