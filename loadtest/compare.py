@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, report
+from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, live, report
 from loadtest.runner import (
     DYNAMIC,
     REPO_ROOT,
@@ -108,6 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS)
     p.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO_TPOT_MS)
     p.add_argument("--out", type=Path, default=REPO_ROOT / "reports", help="reports go in OUT/<timestamp>/")
+    p.add_argument("--live-port", type=int, default=0, help="the live view's port on 127.0.0.1 (default: a free one)")
     p.add_argument(
         "--dynamic-variants",
         default=None,
@@ -165,6 +166,14 @@ def make_plan(args) -> tuple[Plan, list[LoadPoint]]:
         users = [int(u) for u in args.users.split(",")] if args.users else mode["users"]
         points = [LoadPoint(u) for u in users]
     return plan, points
+
+
+def live_view(models: list[str], plan: Plan, out_dir: Path) -> live.LiveView:
+    """The live page's data: the compared models from the metrics port, the clients' latencies from the records
+    files of the Locust runs (``out_dir/locust/``)."""
+    view = live.LiveView(live.LatencyBook(plan.slo_ttft_ms, plan.slo_tpot_ms), models=models)
+    view.followers.append(live.RecordsFollower(out_dir / "locust"))
+    return view
 
 
 def machine() -> str:
@@ -235,12 +244,15 @@ def main(argv=None) -> int:
     loads = ", ".join(p.label for p in points)
     log(f"{args.mode} run: {', '.join(models)} at {loads}; {workload.describe()}; report in {out_dir}")
     started = time.perf_counter()
+    page = live.LivePage(live_view(models, plan, out_dir), args.live_port).start()
+    log(f"watch every model's batch, queues and KV blocks live at {page.url}")
     try:
         if args.variants:
             args.model_repository = served_repository(
                 args.model_repository, out_dir / "model_repository", models, args.variants
             )
         with open_target(args, out_dir / "tritonserver.log", say=log) as target:
+            page.view.metrics_url = target.metrics_url
             meta["server"] = {
                 "url": target.http_url,
                 "started_here": target.server is not None,
@@ -252,6 +264,8 @@ def main(argv=None) -> int:
         if not any(out_dir.iterdir()):
             out_dir.rmdir()
         return 1
+    finally:
+        page.stop()
     meta["duration_s"] = round(time.perf_counter() - started, 1)
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}))
     built = report.build({"meta": meta, "runs": runs}, out_dir)
