@@ -341,7 +341,9 @@ class GrpcStreamUser(StreamingLLMUser):
         # closes its gRPC channel again there (tritonclient's __del__), and that can hang the process for good.
         client, self.client = self.client, None
         if client is not None:
-            client.close()
+            # NOTE: closed in a greenlet of its own, which the runner stopping this user cannot kill half-way (a
+            # channel left half closed can hang the process at exit just the same).
+            gevent.spawn(client.close).join()
 
     def stream(self, request: GenerationRequest, t0: float):
         stream = GrpcStream.start(self.client, self.model, build_inputs(request, self.max_batch_size))
