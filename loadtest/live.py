@@ -38,6 +38,9 @@ PAGE_DIR = Path(__file__).with_name("live_page")
 WINDOW_S = 300.0  # the page shows the last five minutes
 INTERVAL_S = 1.0  # a point a second
 LATENCY_WINDOW_S = 20.0  # a client percentile point: the requests that ended in the last 20 s
+# Output tokens are counted as each request ends (llm_generation_tokens_total), so a rate over one second jumps
+# with every request that ends in it: the rate is taken over the last five samples.
+TOKEN_RATE_SAMPLES = 5
 # The shipped models in the order of docs/batching.md; a variant (llm_dynamic_2x4_2000us) sorts after its model.
 MODEL_ORDER = ("llm_static", "llm_dynamic", "llm_iterative", "llm_continuous")
 TAB_KEY = "llm-live"
@@ -209,9 +212,10 @@ class RecordsFollower:
 # ---- what the server decided ----------------------------------------------------------------------------------
 
 
-def server_point(previous: dict | None, sample: dict) -> dict:
-    """One point of a model's series from its metrics sample (``{"t", "values"}`` as ``metrics.select`` gives them):
-    gauges as sampled, rates over the interval since ``previous``."""
+def server_point(history: list[dict], sample: dict) -> dict:
+    """One point of a model's series from its metrics sample (``{"t", "values"}`` as ``metrics.select`` gives them)
+    and the samples before it (``history``, oldest first): gauges as sampled, the mean batch per step since the last
+    sample, output tokens/s since the oldest one."""
     values = sample["values"]
     point = {
         "running": values.get("llm_num_requests_running"),
@@ -226,16 +230,16 @@ def server_point(previous: dict | None, sample: dict) -> dict:
         "steps_per_s": None,
         "tok_s": None,
     }
-    if previous is None or sample["t"] <= previous["t"]:
+    if not history or sample["t"] <= history[-1]["t"]:
         return point
-    pair = [previous, sample]
+    pair = [history[-1], sample]
     if all("llm_batch_size_count" in s["values"] for s in pair):
         steps = histogram_rate(pair, "llm_batch_size")
         # NOTE: no forward step in the interval means no sequence was in a batch: a zero, not a gap.
         point["steps_per_s"], point["batch"] = (steps[0][1], steps[0][2]) if steps else (0.0, 0.0)
-    tokens = counter_delta(pair, "llm_generation_tokens_total")
+    tokens = counter_delta([history[0], sample], "llm_generation_tokens_total")
     if tokens is not None and tokens >= 0:  # a counter that went back: the server restarted
-        point["tok_s"] = tokens / (sample["t"] - previous["t"])
+        point["tok_s"] = tokens / (sample["t"] - history[0]["t"])
     return point
 
 
@@ -264,7 +268,9 @@ class LiveView:
         self.window_s, self.interval_s = window_s, interval_s
         self.followers: list[RecordsFollower] = []
         self._ticks: collections.deque = collections.deque(maxlen=int(window_s / interval_s) + 1)
-        self._previous: dict[str, dict] = {}
+        self._history: dict[str, collections.deque] = collections.defaultdict(
+            lambda: collections.deque(maxlen=TOKEN_RATE_SAMPLES)
+        )
         self._status: dict = {"url": None, "ok": None, "error": None, "since": None, "last_ok": None}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -305,14 +311,14 @@ class LiveView:
             series = parse_prometheus(scrape(url, timeout=2.0))
         except (OSError, ValueError) as exc:
             self._set_status(url, ok=False, error=f"{type(exc).__name__}: {exc}", now=now)
-            self._previous.clear()  # NOTE: no rate across the gap
+            self._history.clear()  # NOTE: no rate across the gap
             return None
         points = {}
         for model in self.models or sorted(llm_models(series)):
             sample = {"t": now, "values": select(series, model, buckets=False)}
             if sample["values"]:
-                points[model] = server_point(self._previous.get(model), sample)
-                self._previous[model] = sample
+                points[model] = server_point(list(self._history[model]), sample)
+                self._history[model].append(sample)
         self._set_status(url, ok=True, error=None, now=now)
         return points
 

@@ -39,21 +39,22 @@ def record(t_start=100.0, ok=True, ttft=50.0, tpot=10.0, e2e=500.0, cut=False, *
 
 
 @pytest.mark.timeout(10)
-def test_a_point_is_the_mean_batch_and_the_rates_between_two_samples():
+def test_a_point_is_the_mean_batch_since_the_last_sample_and_tokens_per_second_since_the_oldest():
     before = {"t": 10.0, "values": {"llm_batch_size_count": 100, "llm_batch_size_sum": 300,
                                     "llm_generation_tokens_total": 1000, "llm_kv_blocks_total": 64}}  # fmt: skip
     after = {"t": 12.0, "values": {"llm_batch_size_count": 110, "llm_batch_size_sum": 370,
                                    "llm_generation_tokens_total": 1070, "llm_kv_blocks_total": 64,
                                    "llm_kv_blocks_used": 9, "llm_num_requests_running": 7,
                                    "nv_inference_pending_request_count": 3}}  # fmt: skip
-    point = live.server_point(before, after)
+    point = live.server_point([before], after)
     assert (point["batch"], point["steps_per_s"], point["tok_s"]) == (7.0, 5.0, 35.0)
     assert (point["running"], point["queued_in_triton"], point["kv_used"], point["kv_total"]) == (7, 3, 9, 64)
-    idle = live.server_point(after, {**after, "t": 13.0})
-    assert (idle["batch"], idle["steps_per_s"], idle["tok_s"]) == (0.0, 0.0, 0.0)  # no step: nothing batched
-    first = live.server_point(None, after)
+    idle = live.server_point([before, after], {**after, "t": 13.0})
+    assert (idle["batch"], idle["steps_per_s"]) == (0.0, 0.0)  # no step: nothing batched
+    assert idle["tok_s"] == pytest.approx(70 / 3)  # tokens counted as requests end: over the oldest sample's span
+    first = live.server_point([], after)
     assert first["batch"] is None and first["tok_s"] is None and first["kv_total"] == 64
-    restarted = live.server_point(after, {"t": 14.0, "values": {"llm_generation_tokens_total": 5}})
+    restarted = live.server_point([after], {"t": 14.0, "values": {"llm_generation_tokens_total": 5}})
     assert restarted["tok_s"] is None and restarted["batch"] is None
 
 
@@ -301,17 +302,19 @@ def check_live_tab(server, web: str, tmp_path: Path) -> None:
         check_rates(data["t"], series)
         summary = next(row for row in data["summary"] if row["model"] == model)
         assert summary["requests"] == 24 and summary["failures"] == 0
-    assert port["llm_continuous"]["llm_kv_blocks_used"] == 0 and last(data["series"]["llm_dynamic"]["tok_s"]) == 0
+    assert all(port[m]["llm_kv_blocks_used"] == 0 and last(data["series"][m]["batch"]) == 0 for m in MODELS)
 
 
 def check_rates(t: list[float], series: dict) -> None:
-    """Every rate on the page is its counters' difference over the interval (the tokens/s, the mean batch)."""
+    """Every rate on the page is its counters' difference over its interval: the mean batch since the point before,
+    the tokens/s since the point ``TOKEN_RATE_SAMPLES`` before (the page's points start with the run)."""
     checked = 0
     for i in range(1, len(t)):
-        tokens = (series["tokens_total"][i - 1], series["tokens_total"][i])
+        j = max(0, i - live.TOKEN_RATE_SAMPLES)
+        tokens = (series["tokens_total"][j], series["tokens_total"][i])
         if None in tokens or series["tok_s"][i] is None:
             continue
-        span = t[i] - t[i - 1]
+        span = t[i] - t[j]
         assert series["tok_s"][i] == pytest.approx((tokens[1] - tokens[0]) / span, rel=0.01, abs=0.5)
         steps = series["steps_total"][i] - series["steps_total"][i - 1]
         seqs = series["seqs_total"][i] - series["seqs_total"][i - 1]
