@@ -125,22 +125,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(exc))
     if args.variants and args.url:
         p.error("--dynamic-variants serve a copy of the repository; with --url, serve them on that server instead")
-    if args.models is None:
-        args.models = ",".join(default_models(args.variants))
-    elif args.variants:
-        models = [m for m in args.models.split(",") if m]
-        if DYNAMIC not in models:
-            p.error(f"--dynamic-variants are compared beside {DYNAMIC}: put it among --models")
-        at = models.index(DYNAMIC) + 1
-        args.models = ",".join(models[:at] + [v.name for v in args.variants if v.name not in models] + models[at:])
+    models = MODELS if args.models is None else [m for m in args.models.split(",") if m]
+    if args.variants and DYNAMIC not in models:
+        p.error(f"--dynamic-variants are compared beside {DYNAMIC}: put it among --models")
+    args.models = ",".join(with_variants(models, args.variants))
     return args
 
 
-def default_models(variants: list[DynamicVariant]) -> list[str]:
-    """The four models in the order of docs/batching.md, with the dynamic variants right after llm_dynamic (as with
-    any --models that names llm_dynamic)."""
-    at = MODELS.index(DYNAMIC) + 1
-    return MODELS[:at] + [v.name for v in variants] + MODELS[at:]
+def with_variants(models: list[str], variants: list[DynamicVariant]) -> list[str]:
+    """``models`` with the dynamic variants right after llm_dynamic (those not named already)."""
+    if DYNAMIC not in models:
+        return list(models)
+    at = models.index(DYNAMIC) + 1
+    return models[:at] + [v.name for v in variants if v.name not in models] + models[at:]
 
 
 def make_plan(args) -> tuple[Plan, list[LoadPoint]]:
