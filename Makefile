@@ -6,6 +6,9 @@
 #   make locust    Locust's web UI (:8089) against a running `make serve`, with the live batching tab
 #   make soak      mixed load with cancellations and bad requests, 10 min; RSS/KV report in reports/soak-<time>/
 #   make bench     offline engine benchmark (reports/bench.json)
+#   make llamacpp  llama.cpp's llama-server from the llama-cpp-python sdist on PyPI and a BF16 GGUF of MODEL in
+#                  .llamacpp/, about 6 min on 2 cores, never in CI; then
+#                  make bench ARGS="--llamacpp .llamacpp/bin/llama-server" (llama.cpp beside the served engine)
 #   make venv310   Python 3.10 test environment (the Docker image's Python), used by tests/test_deploy.py
 #   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
 #   make aiperf    NVIDIA's aiperf against a running `make serve` (AIPERF_MODEL, default llm_continuous;
@@ -34,11 +37,16 @@ AIPERF_VENV ?= .venv-aiperf
 AIPERF_STAMP := $(AIPERF_VENV)/.installed
 AIPERF_MODEL ?= llm_continuous
 AIPERF_ARTIFACTS ?= reports/aiperf-$(AIPERF_MODEL)
+LLAMACPP_VERSION ?= 0.3.36
+LLAMACPP_DIR ?= .llamacpp
+LLAMACPP_SRC := $(LLAMACPP_DIR)/src/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+LLAMACPP_BIN := $(LLAMACPP_DIR)/bin/llama-server
+LLAMACPP_GGUF := $(LLAMACPP_DIR)/$(notdir $(MODEL))-bf16.gguf
 # How OpenMP threads wait (a bounded spin) is set in backend/__init__.py; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the
 # environment (or on make's command line) override it.
 export HTTP_PORT GRPC_PORT METRICS_PORT MODEL
 
-.PHONY: venv venv310 aiperf-venv chromium model serve test compare slo locust bench soak gpu-check aiperf clean
+.PHONY: venv venv310 aiperf-venv chromium model serve test compare slo locust bench llamacpp soak gpu-check aiperf clean
 
 venv: $(STAMP)
 
@@ -115,6 +123,33 @@ soak: model
 
 bench: model
 	$(PY) -m backend.tools.bench --model "$(MODEL)" $(ARGS)
+
+# llama.cpp's llama-server, the baseline of bench's --llamacpp column, from the only registry at hand: the sdist of
+# llama-cpp-python (PyPI) vendors llama.cpp. CPU only, tuned for this CPU, no HTTPS and no web UI (which the build
+# would otherwise download). The GGUF is MODEL converted by the sdist's own script, in bf16 as the engine serves it.
+llamacpp: $(LLAMACPP_BIN) $(LLAMACPP_GGUF)
+
+$(LLAMACPP_SRC)/CMakeLists.txt: | $(STAMP)
+	@mkdir -p $(LLAMACPP_DIR)/src
+	test -f $(LLAMACPP_DIR)/src/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz || $(PY) -m pip download -q \
+		--disable-pip-version-check --no-binary :all: --no-deps -d $(LLAMACPP_DIR)/src \
+		llama-cpp-python==$(LLAMACPP_VERSION)
+	tar -xzf $(LLAMACPP_DIR)/src/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_DIR)/src
+	@touch $@
+
+$(LLAMACPP_BIN): $(LLAMACPP_SRC)/CMakeLists.txt
+	nice -n 10 cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_DIR)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+		-DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
+		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF
+	nice -n 10 cmake --build $(LLAMACPP_DIR)/build --config Release --target llama-server -j $$(nproc)
+	install -D -m 755 $(LLAMACPP_DIR)/build/bin/llama-server $@
+
+# The converter imports sentencepiece even for a tokenizer.json model: it goes to a folder of its own, not the venv.
+$(LLAMACPP_GGUF): $(LLAMACPP_SRC)/CMakeLists.txt | model
+	test -d $(LLAMACPP_DIR)/pydeps/sentencepiece || $(PY) -m pip install -q --disable-pip-version-check --no-deps \
+		--target $(LLAMACPP_DIR)/pydeps sentencepiece==0.2.1
+	PYTHONPATH=$(LLAMACPP_DIR)/pydeps $(PY) $(LLAMACPP_SRC)/convert_hf_to_gguf.py "$(MODEL)" --outtype bf16 \
+		--outfile $@.tmp && mv $@.tmp $@
 
 # On a machine with a CUDA GPU, under 5 minutes: kernel tests compiled on CUDA, engine greedy tokens vs HF generate,
 # decode-kernel bandwidth vs the device's copy bandwidth, engine tok/s vs HF at batch 1/32/128/256.

@@ -2,7 +2,7 @@
 tritonserver beside offline, continuous beside static batching, scheduler cost, and issue 16's targets judged.
 
     python -m backend.tools.bench --model models/smollm2-135m-instruct [--quick] [--hf-batches 1,8,32]
-        [--served-models llm_continuous,llm_dynamic] [--out reports/bench.json]
+        [--served-models llm_continuous,llm_dynamic] [--llamacpp .llamacpp/bin/llama-server] [--out reports/bench.json]
 
 Prints one table from one run and writes the same figures to ``--out`` (JSON). Every figure has its baseline from
 the same run beside it. Keys of the JSON file:
@@ -30,6 +30,13 @@ the same run beside it. Keys of the JSON file:
     best of ``config.repeats``), ``itl_p90_ms``, ``tok_s``, ``client_cpu`` and ``server_cpu`` (cores used by this
     process as the client and by tritonserver with its stubs), ``offline_step_ms`` (the fixed batches' median decode
     step at that batch and sampling) and ``ratio`` (``itl_ms / offline_step_ms``). See ``backend/tools/bench_served.py``.
+``llamacpp`` (only with ``--llamacpp PATH``: llama.cpp's ``llama-server``, built by ``make llamacpp``)
+    the same decode workloads (random prompts of ``prompt_len`` token ids) through ``llama-server`` on the BF16 GGUF
+    of the same weights, HTTP streaming ``/completion``: ``server``, ``version``, ``gguf``, ``command``, ``threads``,
+    ``num_slots``, ``prompt_len``, ``new_tokens``; ``runs``, one per batch and ``temperature`` (0 or 1): ``itl_ms``,
+    ``itl_p90_ms`` and ``tok_s`` measured on the client as for ``served`` (best of ``config.repeats``),
+    ``server_ms_per_token`` (llama.cpp's own ``predicted_per_token_ms``, median over the streams) and ``server_cpu``.
+    See ``backend/tools/bench_llamacpp.py``.
 ``targets``
     issue 16's targets: ``name``, ``value`` (``null`` if not measured), ``goal``, ``met`` (``null``: not judged),
     ``detail``.
@@ -69,6 +76,7 @@ from backend.engine.model_runner import read_model_shape
 from backend.engine.request import Request, RequestStatus
 from backend.engine.scheduler import Scheduler
 from backend.engine.stats import StepRecord
+from backend.tools.bench_llamacpp import llamacpp_column
 from backend.tools.bench_served import SERVED_MODELS, served_column
 
 
@@ -92,6 +100,7 @@ class BenchSettings:
     seed: int = 0
     quick: bool = False
     served_models: tuple[str, ...] = SERVED_MODELS  # the served column's models; () skips it
+    llamacpp: str | None = None  # llama.cpp's llama-server for its column; None skips it
 
     @classmethod
     def quick_settings(cls, model: str, **overrides) -> BenchSettings:
@@ -377,6 +386,12 @@ def run_bench(s: BenchSettings, log=print) -> dict:
         log(f"[2/5] served: {', '.join(s.served_models)} on a real tritonserver, gRPC streaming ...")
         served = served_column(s.model, s.dtype, s.served_models, s.batches, s.prompt_len, s.new_tokens, s.repeats,
                                s.seed, engine_rows, log)
+    llamacpp = None
+    if s.llamacpp:
+        log(f"[2/5] llama.cpp: {s.llamacpp}, the same decode workloads over HTTP streaming ...")
+        prompts = random_prompts(max(s.batches), s.prompt_len, read_model_shape(s.model).vocab_size, s.seed)
+        llamacpp = llamacpp_column(s.llamacpp, s.model, s.threads, s.batches, prompts, s.new_tokens, s.repeats,
+                                   s.seed, log)
 
     log(f"[3/5] workload: {s.workload_requests} requests, continuous vs static ...")
     vocab = json.loads((Path(s.model) / "config.json").read_text())["vocab_size"]
@@ -423,6 +438,8 @@ def run_bench(s: BenchSettings, log=print) -> dict:
     }
     result = {"config": config, "fixed_batches": engine_rows, "memory_floor": floor, "served": served,
               "workload": workload, "scheduler": scheduler}
+    if llamacpp is not None:
+        result["llamacpp"] = llamacpp
     log("[5/5] targets")
     result["targets"] = judge_targets(result)
     return result
@@ -433,6 +450,8 @@ SERVED_TARGET = 1.10  # served ITL / offline decode step, batch 1, 8 and 32, gre
 FLOOR_TARGET, FLOOR_MOONSHOT = 1.5, 1.2  # offline decode step at batch 1 / the memory floor
 SAMPLING_TARGET = 0.03  # sampling's share of the step at batch 32, temperature 1.0, top_p 0.9
 BATCH64_TARGET = 1500.0  # output tok/s of the decode step at batch 64
+LLAMACPP_ITL_TARGET, LLAMACPP_ITL_MOONSHOT = 1.5, 1.0  # served ITL / llama.cpp's ITL at batch 1, greedy
+LLAMACPP_SPEEDUP_TARGET = 1.5  # llama.cpp's ITL / served ITL at batch 8, greedy
 
 
 def judge_targets(result: dict) -> list[dict]:
@@ -464,9 +483,31 @@ def judge_targets(result: dict) -> list[dict]:
     if 64 in rows:
         tok_s = rows[64]["decode_tok_s"]
         judge("decode output tok/s at batch 64 (offline)", tok_s, f">= {BATCH64_TARGET:.0f}", tok_s >= BATCH64_TARGET)
-    judge("served vs llama.cpp's llama-server", None, "batch 1 <= 1.5x its ITL; batch 8 >= 1.5x faster", None,
-          "llama.cpp is not run by this benchmark")
+    judge("served vs llama.cpp's llama-server", *_versus_llamacpp(result))
     return targets
+
+
+def _versus_llamacpp(result: dict) -> tuple[float | None, str, bool | None, str]:
+    """``value`` (batch 1: served ITL / llama.cpp's), ``goal``, ``met`` and ``detail`` of the llama.cpp target:
+    ``llm_continuous`` served and llama.cpp at batches 1 and 8, greedy, both in this run."""
+    goal = (f"batch 1 <= {LLAMACPP_ITL_TARGET}x its ITL (moonshot {LLAMACPP_ITL_MOONSHOT:g}x); "
+            f"batch 8 >= {LLAMACPP_SPEEDUP_TARGET}x faster")
+    served = {r["batch"]: r["itl_ms"] for r in (result["served"] or {}).get("runs", [])
+              if r["model"] == "llm_continuous" and r["temperature"] == 0}
+    llamacpp = {r["batch"]: r["itl_ms"] for r in (result.get("llamacpp") or {}).get("runs", [])
+                if r["temperature"] == 0}
+    if not llamacpp:
+        return None, goal, None, "llama.cpp not run (--llamacpp PATH; `make llamacpp` builds it)"
+    if not {1, 8} <= served.keys():
+        return None, goal, None, ("no llm_continuous served at batches 1 and 8 in this run; llama.cpp ITL "
+                                  + ", ".join(f"{v:.1f} ms at batch {b}" for b, v in sorted(llamacpp.items())))
+    if not {1, 8} <= llamacpp.keys():
+        return None, goal, None, "llama.cpp was not run at batches 1 and 8"
+    slower, faster = served[1] / llamacpp[1], llamacpp[8] / served[8]
+    detail = (f"batch 1: served {served[1]:.1f} ms / llama.cpp {llamacpp[1]:.1f} ms = {slower:.2f}x"
+              f"{' (moonshot met)' if slower <= LLAMACPP_ITL_MOONSHOT else ''}; batch 8: llama.cpp {llamacpp[8]:.1f} "
+              f"ms / served {served[8]:.1f} ms = {faster:.2f}x faster")
+    return slower, goal, slower <= LLAMACPP_ITL_TARGET and faster >= LLAMACPP_SPEEDUP_TARGET, detail
 
 
 def format_table(result: dict) -> str:
@@ -515,6 +556,28 @@ def format_table(result: dict) -> str:
                 f"   {r['model']:>14}  {r['batch']:>5}  {sampling:>8}  {r['itl_ms']:>13.1f}  "
                 f"{r['offline_step_ms']:>15.1f}  {r['ratio']:>15.2f}x  {r['itl_p90_ms']:>10.1f}  {r['client_cpu']:>10.0%}  {r['server_cpu']:>10.0%}"
             )
+    llamacpp = result.get("llamacpp")
+    if llamacpp:
+        served_itl = {(r["batch"], r["temperature"]): r["itl_ms"] for r in (served or {}).get("runs", [])
+                      if r["model"] == "llm_continuous"}
+        lines += [
+            "",
+            f"2b. llama.cpp's llama-server ({llamacpp['version']}) on {Path(llamacpp['gguf']).name}: "
+            f"{llamacpp['prompt_len']}-token prompts (ids), {llamacpp['new_tokens']} new tokens, {llamacpp['threads']} threads, {llamacpp['num_slots']} slots, "
+            "continuous batching, HTTP streaming, client in this process",
+            f"   {'batch':>5}  {'sampling':>8}  {'llama.cpp ITL ms':>16}  {'ITL p90 ms':>10}  {'tok/s':>7}  "
+            f"{'server ms/token':>16}  {'server CPU':>10}  {'served ITL ms':>13}  {'llama.cpp / served':>18}",
+        ]
+        for r in llamacpp["runs"]:
+            sampling = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
+            served_ms = served_itl.get((r["batch"], r["temperature"]))
+            ratio = f"{r['itl_ms'] / served_ms:.2f}x" if served_ms else "-"
+            lines.append(
+                f"   {r['batch']:>5}  {sampling:>8}  {r['itl_ms']:>16.1f}  {r['itl_p90_ms']:>10.1f}  "
+                f"{r['tok_s']:>7.1f}  {fmt(r['server_ms_per_token'], '.1f'):>16}  {r['server_cpu']:>10.0%}  "
+                f"{fmt(served_ms, '.1f'):>13}  {ratio:>18}"
+            )
+        lines.append("   served ITL: llm_continuous at the same batch and sampling (-: no served column in this run)")
     lines += [
         "",
         f"3. Workload: {w['num_requests']} requests at t=0, {w['num_prompt_tokens']} prompt tokens, "
@@ -553,9 +616,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, help="fixed batches: best of N runs, engine and HF alike (default 2)")
     parser.add_argument("--served-models", help="comma-separated models for the served column "
                         f"(default {','.join(SERVED_MODELS)}; empty: no served column)")
+    parser.add_argument("--llamacpp", metavar="PATH", help="llama.cpp's llama-server binary: run its column and "
+                        "judge the target against it (`make llamacpp` builds .llamacpp/bin/llama-server)")
     parser.add_argument("--out", default="reports/bench.json")
     args = parser.parse_args(argv)
-    overrides = {"dtype": args.dtype, "threads": args.threads}
+    overrides = {"dtype": args.dtype, "threads": args.threads, "llamacpp": args.llamacpp}
     if args.batches:
         overrides["batches"] = tuple(int(b) for b in args.batches.split(","))
     if args.repeats:
