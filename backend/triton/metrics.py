@@ -53,6 +53,8 @@ class TritonMetrics:
             "llm_engine_healthy", "1 while the engine serves; 0 once it failed and refuses every request "
             "(Triton 2.51 lets a Python model report this nowhere else)", F.GAUGE).Metric(labels)
         self.engine_healthy.set(1)
+        self._healthy = True
+        self._gauge_values: dict[str, int] = {}  # each gauge's value as last set: an unchanged one costs no IPC
 
         def histogram(name: str, doc: str, buckets: list) -> Any:
             return family(name, doc, F.HISTOGRAM).Metric(labels, buckets=buckets)
@@ -102,7 +104,18 @@ class TritonMetrics:
                 if record.num_preempted:
                     self.preemptions.increment(record.num_preempted)
             self._num_steps_seen = snapshot.num_steps
-        self.running.set(snapshot.num_running)
-        self.waiting.set(snapshot.num_waiting)
-        self.kv_used.set(snapshot.num_kv_blocks_used)
-        self.kv_total.set(snapshot.num_kv_blocks_total)
+        self._set("running", snapshot.num_running)
+        self._set("waiting", snapshot.num_waiting)
+        self._set("kv_used", snapshot.num_kv_blocks_used)
+        self._set("kv_total", snapshot.num_kv_blocks_total)
+
+    def set_healthy(self, healthy: bool) -> None:
+        if healthy != self._healthy:
+            self.engine_healthy.set(1 if healthy else 0)
+            self._healthy = healthy
+
+    def _set(self, gauge: str, value: int) -> None:
+        # NOTE: every metric update is an IPC round trip to the server; the engine's thread pays it after each step.
+        if self._gauge_values.get(gauge) != value:
+            getattr(self, gauge).set(value)
+            self._gauge_values[gauge] = value

@@ -90,6 +90,36 @@ class OpenRequests:
         return [rid for rid, r in candidates if r.sender.is_cancelled()]
 
 
+class CancellationPoll:
+    """Which requests' clients cancelled, asked of the server at most every ``streaming_every`` seconds for the
+    requests being stepped and every ``all_every`` for every open one; between polls the answer is empty.
+
+    NOTE: each ``is_cancelled()`` is an IPC round trip (~35 us) on the thread that steps the engine. Asked every step
+    for every running request, that was 1.2 ms of a 34 ms step at 32 sequences. Polled every 0.2 s it costs a sixth
+    of that, and an abort takes effect within 0.2 s and one step: a few steps of one sequence's share.
+    The responses themselves cannot leave that thread: sent from several threads at once, tritonserver 2.51 crashed
+    (Signal 11); sent from one other thread while the engine stepped, they competed with the forward for the two
+    cores (50 ms steps instead of 40 at 32 sequences).
+    """
+
+    def __init__(self, open_requests: OpenRequests, streaming_every: float = 0.2, all_every: float = 1.0) -> None:
+        self._open = open_requests
+        self._streaming_every, self._all_every = streaming_every, all_every
+        self._next_streaming = self._next_all = 0.0
+
+    def __call__(self, request_ids: Iterable[str]) -> list[str]:
+        """The cancelled ones among ``request_ids`` (those being stepped), or among every open request when that
+        poll is due; [] when no poll is due."""
+        now = time.monotonic()
+        if now >= self._next_all:
+            self._next_all, self._next_streaming = now + self._all_every, now + self._streaming_every
+            return self._open.cancelled()
+        if now >= self._next_streaming:
+            self._next_streaming = now + self._streaming_every
+            return self._open.cancelled(request_ids)
+        return []
+
+
 def send_output(pb, open_request: OpenRequest, output: RequestOutput, batched: bool) -> None:
     """Send what one engine output means for this request: a delta (streaming), or the whole text at the end."""
     flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0

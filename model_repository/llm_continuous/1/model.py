@@ -2,8 +2,8 @@
 
 A thin adapter: execute() validates each request and hands it to the engine loop (``EngineLoop``,
 backend/engine/batching.py), then returns at once; responses are sent from one place (the loop's sink); cancellations
-are checked before every step. Every request gets exactly one final response: its last token, or an error (refused,
-overloaded, a failed step, shutdown, a failed engine).
+are polled before a step, every 0.2 s. Every request gets exactly one final response: its last token, or an
+error (refused, overloaded, a failed step, shutdown, a failed engine).
 """
 
 import json
@@ -18,10 +18,8 @@ from backend.triton.faults import FaultInjector
 from backend.triton.metrics import TritonMetrics, instance_label
 from backend.triton.model_config import check_model, engine_config_from_triton
 from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
-from backend.triton.responses import OpenRequest, OpenRequests, send_error
+from backend.triton.responses import CancellationPoll, OpenRequest, OpenRequests, send_error
 from backend.triton.shutdown_notice import ShutdownNotice
-
-WAITING_CANCEL_CHECK_S = 0.25
 
 
 class TritonPythonModel:
@@ -32,7 +30,7 @@ class TritonPythonModel:
         self.faults = FaultInjector.from_config(model_config)
         self.metrics = TritonMetrics(pb_utils, args["model_name"], instance_label(args, model_config))
         self.open = OpenRequests(pb_utils, self.metrics, batched=False)
-        self.next_cancel_sweep = 0.0
+        self.cancellations = CancellationPoll(self.open)
         # The engine is loaded on the loop's own thread, the one that steps it: one OpenMP thread team per process.
         self.loop = EngineLoop.build(lambda: LLMEngine(config), sink=self.open.send, before_step=self._cancelled,
                                      after_step=self._observe)
@@ -67,17 +65,11 @@ class TritonPythonModel:
     # ---- the engine thread ------------------------------------------------------------------------------------
 
     def _cancelled(self):
-        # A running request costs a forward every step, so it is checked every step; a waiting one costs nothing but
-        # its queue slot, so all open requests are swept every 0.25 s.
-        now = time.monotonic()
-        if now >= self.next_cancel_sweep:
-            self.next_cancel_sweep = now + WAITING_CANCEL_CHECK_S
-            return self.open.cancelled()
-        return self.open.cancelled(self.engine.snapshot().running_request_ids)  # the loop thread owns the engine
+        return self.cancellations(self.engine.snapshot().running_request_ids)  # the loop thread owns the engine
 
     def _observe(self):
         self.metrics.on_steps(self.engine)
-        self.metrics.engine_healthy.set(0 if self.loop.fatal_error is not None else 1)
+        self.metrics.set_healthy(self.loop.fatal_error is None)
 
     def finalize(self):
         # NOTE: Triton 2.51 finalizes a model only once every client stream that carried its requests is closed (an

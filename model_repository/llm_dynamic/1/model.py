@@ -23,7 +23,7 @@ from backend.triton.faults import FaultInjector
 from backend.triton.metrics import TritonMetrics, instance_label
 from backend.triton.model_config import check_model, engine_config_from_triton
 from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
-from backend.triton.responses import OpenRequest, OpenRequests, send_error
+from backend.triton.responses import CancellationPoll, OpenRequest, OpenRequests, send_error
 from backend.triton.shutdown_notice import ShutdownNotice
 
 
@@ -44,6 +44,7 @@ class TritonPythonModel:
         self.metrics = TritonMetrics(pb_utils, self.name, instance_label(args, model_config))
         self.metrics.on_steps(self.engine)
         self.open = OpenRequests(pb_utils, self.metrics, batched=True)
+        self.cancellations = CancellationPoll(self.open)
         self.failure = None  # set once the engine failed in a way a step cannot recover from
         # On SIGTERM the batch running goes on until shortly before tritonserver's exit timeout, and whatever is still
         # running then ends with "the server is shutting down". Every later batch is refused at once: Triton 2.51
@@ -71,12 +72,12 @@ class TritonPythonModel:
             batch.append(request_id)
 
         error = run_to_completion(
-            self.engine, batch, sink=self.open.send, cancelled=self.open.cancelled, expired=self.shutdown.expired,
+            self.engine, batch, sink=self.open.send, cancelled=self.cancellations, expired=self.shutdown.expired,
             after_step=lambda: self.metrics.on_steps(self.engine),
         )
         if error is not None:  # every member got its final error; refuse every later request
             self.failure = engine_failed(error)
             pb_utils.Logger.log_error(f"{self.name}: {self.failure}")
-            self.metrics.engine_healthy.set(0)
+            self.metrics.set_healthy(False)
         self.metrics.on_steps(self.engine)
         return None
