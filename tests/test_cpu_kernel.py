@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from backend.engine.attention import (
     AttentionMetadata,
@@ -162,6 +163,59 @@ def test_rms_norm_float32_close_to_hf():
     gen = torch.Generator().manual_seed(0)
     x, weight = torch.randn(5000, 64, generator=gen), torch.rand(64, generator=gen) + 0.5  # 5000 rows: threaded
     torch.testing.assert_close(cpu_kernels.cpu_rms_norm(x, (64,), weight, 1e-6), hf_rms_norm(x, weight, 1e-6))
+
+
+def fused_reference(x, weight, bias, op, other):
+    """The float32 sum, the op on it, one rounding to bf16: what oneDNN's fused post-ops give."""
+    y = x.float() @ weight.float().T + (0 if bias is None else bias.float())
+    y = {"none": y, "silu": F.silu(y), "mul": y * (other.float() if other is not None else 0),
+         "add": y + (other.float() if other is not None else 0)}[op]
+    return y.bfloat16()
+
+
+@pytest.mark.parametrize("op", ["none", "silu", "mul", "add"])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("shape", [(960, 576), (8, 64), (1537, 576), (7, 40)],
+                         ids=["qkv", "tiny-unthreaded", "odd-rows", "odd-both"])
+def test_small_batch_linear_matches_float32_sum_rounded_once(op, num_rows, shape):
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 10 + num_rows)
+    weight = (0.05 * torch.randn(n, k, generator=gen)).bfloat16()
+    bias = (0.1 * torch.randn(n, generator=gen)).bfloat16() if n == 960 else None  # Qwen2's QKV bias
+    x = torch.randn(num_rows, k + 5, generator=gen).bfloat16()[:, :k]  # strided rows
+    other = torch.randn(num_rows, n + 3, generator=gen).bfloat16()[:, :n] if op in ("mul", "add") else None
+    prepared = cpu_kernels.prepare_linear_weight(weight)
+    if prepared is None:  # the packed layout (AVX512-BF16 builds) takes whole blocks of 4 rows and 32 columns
+        assert cpu_kernels.load().linear_weight_packed() and (n % 4 or k % 32)
+        return
+    out = cpu_kernels.cpu_linear_small(x, prepared, bias, op, other)
+    assert out.shape == (num_rows, n) and out.dtype == torch.bfloat16
+    # The sum order differs from torch's: a result may land on the neighbouring bf16 value, never further.
+    torch.testing.assert_close(out, fused_reference(x, weight, bias, op, other), atol=1e-3, rtol=2**-7)
+
+
+def test_small_batch_linear_refuses_more_rows_than_it_holds():
+    weight = cpu_kernels.prepare_linear_weight(torch.zeros(8, 64).bfloat16())
+    with pytest.raises(ValueError, match="cannot take 9 rows"):
+        cpu_kernels.cpu_linear_small(torch.zeros(9, 64).bfloat16(), weight)
+
+
+def test_model_linear_takes_the_c_path_for_few_rows_and_onednn_for_more():
+    from backend.engine.model import SMALL_BATCH_ROWS, Linear
+
+    gen = torch.Generator().manual_seed(1)
+    weight = (0.05 * torch.randn(64, 576, generator=gen)).bfloat16()
+    linear = Linear(weight)
+    if linear.packed is None:
+        pytest.skip("no oneDNN bf16 linear on this CPU")
+    for num_rows in (1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 32):
+        x = torch.randn(num_rows, 576, generator=gen).bfloat16()
+        up = torch.randn(num_rows, 64, generator=gen).bfloat16()
+        torch.testing.assert_close(linear(x), fused_reference(x, weight, None, "none", None), atol=1e-3, rtol=2**-7)
+        torch.testing.assert_close(linear.mul(x, up), fused_reference(x, weight, None, "mul", up), atol=1e-3,
+                                   rtol=2**-7)
+    assert linear._small(torch.zeros(SMALL_BATCH_ROWS, 576).bfloat16())
+    assert not linear._small(torch.zeros(SMALL_BATCH_ROWS + 1, 576).bfloat16())
 
 
 @pytest.mark.slow

@@ -101,6 +101,11 @@ def _build_and_load() -> ctypes.CDLL:
     lib.rms_norm.restype = None
     lib.sample_rows.argtypes = [ptr, i64, ctypes.c_int, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
     lib.sample_rows.restype = None
+    lib.linear_small.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, i64, ptr, ctypes.c_int]
+    lib.linear_small.restype = ctypes.c_int
+    lib.linear_weight_packed.restype = ctypes.c_int
+    lib.pack_linear_weight.argtypes = [ptr, i64, i64, ptr]
+    lib.pack_linear_weight.restype = None
     for limit in (lib.max_group, lib.max_head_dim, lib.max_row):
         limit.restype = ctypes.c_int
     lib.limits = (lib.max_group(), lib.max_head_dim(), lib.max_row())
@@ -230,6 +235,49 @@ def cpu_rms_norm(
         x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
         _DTYPE_CODES[x.dtype], torch.get_num_threads(),
     )
+    return out
+
+
+LINEAR_MAX_ROWS = 8  # linear_small's limit; the model decides below which row count it pays (model.SMALL_BATCH_ROWS)
+LINEAR_OPS = {"none": 0, "silu": 1, "mul": 2, "add": 3}
+
+
+def prepare_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight as :func:`cpu_linear_small` reads it (packed in blocks of 4 rows where the build wants that), or
+    None where it cannot take this weight (not bf16 on CPU, or a shape the packed layout does not fit)."""
+    lib = load()
+    if (lib is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
+            or weight.shape[1] > 16384):
+        return None
+    weight = weight.contiguous()
+    if not lib.linear_weight_packed():
+        return weight
+    n, k = weight.shape
+    if n % 4 or k % 32:
+        return None
+    packed = torch.empty_like(weight)
+    lib.pack_linear_weight(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def cpu_linear_small(
+    x: torch.Tensor,  # [T, K] bf16, T <= LINEAR_MAX_ROWS, rows may be strided
+    weight: torch.Tensor,  # [N, K] bf16, from prepare_linear_weight
+    bias: torch.Tensor | None = None,  # [N] bf16
+    op: str = "none",  # then silu, or times / plus ``other``
+    other: torch.Tensor | None = None,  # [T, N] bf16, rows may be strided
+) -> torch.Tensor:  # [T, N] bf16
+    """``op(x @ weight.T + bias)`` for a decode step's few rows: one pass over the weight, the elementwise op on the
+    float32 sum and one rounding (as oneDNN's fused post-ops)."""
+    num_rows, (n, k) = x.shape[0], weight.shape
+    out = torch.empty((num_rows, n), dtype=torch.bfloat16)
+    other_ptr, other_stride = (None, 0) if other is None else (other.data_ptr(), other.stride(0))
+    status = _lib.linear_small(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), num_rows, k, n,
+        LINEAR_OPS[op], other_ptr, other_stride, out.data_ptr(), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"linear_small cannot take {num_rows} rows of {k}")
     return out
 
 
