@@ -83,9 +83,9 @@ class Linear:
         self.bias = bias
         self.out_features = weight.shape[0]
         self.packed = _onednn_pack(weight)
-        self.weight = weight if self.packed is None else None  # the packed copy replaces it...
-        # ...except for the few rows of a decode step, which read a copy of their own (cpu_linear_small's layout)
-        self.small_rows_weight = cpu_kernels.prepare_linear_weight(weight) if self.packed is not None else None
+        self.weight = weight if self.packed is None else None  # the packed copy replaces it
+        # bf16 on CPU: the few rows of a decode step read a copy of their own (cpu_linear_small's layout), or None
+        self.small_rows_weight = cpu_kernels.prepare_linear_weight(weight)
 
     def _small(self, x: torch.Tensor) -> bool:
         return self.small_rows_weight is not None and x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == torch.bfloat16 \
@@ -184,6 +184,8 @@ class LlamaModel:
         # NOTE: the C RMSNorm equals HF's bit for bit in bf16; in float32 (the correctness reference) F.rms_norm does.
         use_c = device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load() is not None
         self.rms_norm = cpu_kernels.cpu_rms_norm if use_c else F.rms_norm
+        # A decode-only step of at most SMALL_BATCH_ROWS sequences runs every layer in one C call (same kernels).
+        self.decode_stack = cpu_kernels.DecodeStack.for_layers(self.layers, s, dtype) if use_c else None
 
     @torch.inference_mode()
     def forward(
@@ -195,9 +197,21 @@ class LlamaModel:
         logits_indices: torch.Tensor,  # [S] token indices whose next token is sampled
     ) -> torch.Tensor:  # [S, V] in the model's dtype
         s = self.shape
-        num_tokens = input_ids.shape[0]
-        num_qk_heads = s.num_heads + s.num_kv_heads
         h = self.embed.index_select(0, input_ids)  # (T, D)
+        if not self._decode_stack(h, positions, kv_caches, meta):
+            h = self._layers(h, positions, kv_caches, meta)
+        # NOTE: only the sampled positions go through the final norm and the LM head (V = 49k makes it costly).
+        h = h.index_select(0, logits_indices)  # (S, D)
+        h = self.rms_norm(h, (s.hidden_size,), self.final_norm, s.rms_norm_eps)
+        return self.lm_head(h)  # (S, V)
+
+    def _layers(
+        self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # (T, D)
+        s = self.shape
+        num_tokens = h.shape[0]
+        num_qk_heads = s.num_heads + s.num_kv_heads
         rope_forward = self.attention.rope_forward
         if rope_forward is None:
             cos = self.cos.index_select(0, positions)[:, None, :]  # (T, 1, hd), shared by every layer
@@ -215,10 +229,18 @@ class LlamaModel:
             h = layer.o.add(attn.reshape(num_tokens, self.q_size), h)  # h + o(attn)
             x = self.rms_norm(h, (s.hidden_size,), layer.post_norm, s.rms_norm_eps)
             h = layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)  # h + down(silu(gate x) * up x)
-        # NOTE: only the sampled positions go through the final norm and the LM head (V = 49k makes it costly).
-        h = h.index_select(0, logits_indices)  # (S, D)
-        h = self.rms_norm(h, (s.hidden_size,), self.final_norm, s.rms_norm_eps)
-        return self.lm_head(h)  # (S, V)
+        return h
+
+    def _decode_stack(
+        self, h: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> bool:
+        """Every layer in one C call (``DecodeStack``), where the step is a few decodes on the C kernels; updates
+        ``h`` in place. False where it does not apply: the layers then run one by one."""
+        return (self.decode_stack is not None and h.shape[0] <= SMALL_BATCH_ROWS
+                and meta.num_decode_tokens == h.shape[0] and not meta.prefills
+                and self.attention.rope_forward is cpu_kernels.cpu_rope_paged_attention
+                and self.decode_stack(h, positions, self.cos, self.sin_signed, kv_caches, meta))
 
 
 def _rope_tables(model_dir: Path, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,6 +104,13 @@ def _build_and_load() -> ctypes.CDLL:
     lib.linear_small.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, i64, ptr, ctypes.c_int]
     lib.linear_small.restype = ctypes.c_int
     lib.linear_weight_packed.restype = ctypes.c_int
+    lib.decode_stack.argtypes = [
+        ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_float,  # h, weights per layer, eps
+        ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,  # positions, cos, sin, slots, K and V pools per layer, strides
+        ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, i64,  # block tables, context lens, H, KVH, D, ...
+        ptr, ptr, ptr, ptr, ptr, ctypes.c_int,  # scratch: x, qkv, attn, gate, up; num_threads
+    ]
+    lib.decode_stack.restype = ctypes.c_int
     lib.pack_linear_weight.argtypes = [ptr, i64, i64, ptr]
     lib.pack_linear_weight.restype = None
     for limit in (lib.max_group, lib.max_head_dim, lib.max_row):
@@ -279,6 +286,91 @@ def cpu_linear_small(
     if status != 0:
         raise ValueError(f"linear_small cannot take {num_rows} rows of {k}")
     return out
+
+
+class DecodeStack:
+    """``decode_stack``'s view of a model: every layer of a small decode-only step in one C call (the weights'
+    addresses gathered once, the step's metadata converted once instead of once per layer).
+
+    ``layers`` are ``backend.engine.model.Layer`` objects whose projections all have a ``small_rows_weight``."""
+
+    def __init__(self, layers: list, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, eps: float) -> None:
+        def pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
+            return (ctypes.c_void_p * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
+
+        self._keep = layers  # the pointers below are into these layers' tensors
+        self.num_layers, self.hidden_size, self.intermediate_size = len(layers), hidden_size, intermediate_size
+        self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+        self.norm1 = pointers([layer.input_norm for layer in layers])
+        self.norm2 = pointers([layer.post_norm for layer in layers])
+        self.qkv = pointers([layer.qkv.small_rows_weight for layer in layers])
+        self.qkv_bias = pointers([layer.qkv.bias for layer in layers])
+        self.o = pointers([layer.o.small_rows_weight for layer in layers])
+        self.gate = pointers([layer.gate.small_rows_weight for layer in layers])
+        self.up = pointers([layer.up.small_rows_weight for layer in layers])
+        self.down = pointers([layer.down.small_rows_weight for layer in layers])
+        self._pools: tuple = ()  # (first K pool's address, K pointers, V pointers): the pools live as long as the engine
+
+    @classmethod
+    def for_layers(cls, layers: list, shape, dtype: torch.dtype) -> DecodeStack | None:
+        """The stack for these layers, or None where the C path cannot run them all (see the class docstring)."""
+        if load() is None or dtype != torch.bfloat16 or not layers:
+            return None
+        projections = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate, layer.up, layer.down)]
+        if any(p.small_rows_weight is None for p in projections):
+            return None
+        max_group, max_head_dim, max_row = _lib.limits
+        if (shape.num_heads % shape.num_kv_heads or shape.num_heads // shape.num_kv_heads > max_group
+                or shape.head_dim > max_head_dim or shape.hidden_size > max_row):
+            return None
+        return cls(layers, shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.num_kv_heads,
+                   shape.head_dim, shape.rms_norm_eps)
+
+    def __call__(
+        self,
+        h: torch.Tensor,  # [T, hidden] bf16 contiguous residual stream, updated in place
+        positions: torch.Tensor,  # [T] int64
+        cos: torch.Tensor,  # [max_len, head_dim]
+        sin_signed: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V) [num_blocks, block_size, kvh, hd]
+        meta: AttentionMetadata,  # decode-only: every token is a decode
+    ) -> bool:
+        """Run every layer over ``h``; False (nothing done) where the pools or inputs are not what the kernels take."""
+        num_tokens = h.shape[0]
+        k_cache = kv_caches[0][0]
+        if not self._pools or self._pools[0] != k_cache.data_ptr():
+            fits = all(k.dtype == v.dtype == h.dtype and k.stride() == v.stride() == k_cache.stride()
+                       and k.stride(-1) == 1 for k, v in kv_caches)
+            self._pools = (k_cache.data_ptr(), fits,
+                           (ctypes.c_void_p * self.num_layers)(*(k.data_ptr() for k, _ in kv_caches)),
+                           (ctypes.c_void_p * self.num_layers)(*(v.data_ptr() for _, v in kv_caches)))
+        if not (self._pools[1] and h.dtype == cos.dtype == sin_signed.dtype == torch.bfloat16 and h.is_contiguous()
+                and cos.is_contiguous() and sin_signed.is_contiguous() and positions.dtype == torch.int64
+                and num_tokens <= LINEAR_MAX_ROWS):
+            return False
+        q_size = self.num_heads * self.head_dim
+        qkv_size = q_size + 2 * self.num_kv_heads * self.head_dim
+        x = torch.empty_like(h)
+        qkv = torch.empty(num_tokens, qkv_size, dtype=h.dtype)
+        attn = torch.empty(num_tokens, q_size, dtype=h.dtype)
+        gate = torch.empty(num_tokens, self.intermediate_size, dtype=h.dtype)
+        up = torch.empty_like(gate)
+        tables, lens = meta.block_tables.to(torch.int32).contiguous(), meta.context_lens.to(torch.int32).contiguous()
+        positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
+        block_size = k_cache.shape[1]
+        status = _lib.decode_stack(
+            h.data_ptr(), num_tokens, self.hidden_size, self.num_layers, self.norm1, self.qkv, self.qkv_bias, self.o,
+            self.norm2, self.gate, self.up, self.down, self.intermediate_size, self.eps, positions.data_ptr(),
+            cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), self._pools[2], self._pools[3],
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.data_ptr(), tables.stride(0),
+            lens.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim, block_size, meta.scale,
+            tables.shape[1] * block_size, x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate.data_ptr(),
+            up.data_ptr(), torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError(f"decode_stack cannot take {num_tokens} rows")
+        return True
 
 
 def supports_sampling(logits: torch.Tensor) -> bool:
