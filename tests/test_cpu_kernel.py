@@ -174,7 +174,7 @@ def fused_reference(x, weight, bias, op, other):
 
 
 @pytest.mark.parametrize("op", ["none", "silu", "mul", "add"])
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 8, 13, 64])
 @pytest.mark.parametrize("shape", [(960, 576), (8, 64), (1537, 576), (7, 40)],
                          ids=["qkv", "tiny-unthreaded", "odd-rows", "odd-both"])
 def test_small_batch_linear_matches_float32_sum_rounded_once(op, num_rows, shape):
@@ -196,8 +196,9 @@ def test_small_batch_linear_matches_float32_sum_rounded_once(op, num_rows, shape
 
 def test_small_batch_linear_refuses_more_rows_than_it_holds():
     weight = cpu_kernels.prepare_linear_weight(torch.zeros(8, 64).bfloat16())
-    with pytest.raises(ValueError, match="cannot take 9 rows"):
-        cpu_kernels.cpu_linear_small(torch.zeros(9, 64).bfloat16(), weight)
+    too_many = cpu_kernels.LINEAR_MAX_ROWS + 1
+    with pytest.raises(ValueError, match=f"cannot take {too_many} rows"):
+        cpu_kernels.cpu_linear_small(torch.zeros(too_many, 64).bfloat16(), weight)
 
 
 def test_model_linear_takes_the_c_path_for_few_rows_and_onednn_for_more():

@@ -109,7 +109,7 @@ def test_prefill_over_cached_prefix_matches_hf(runner, hf_model):
     torch.testing.assert_close(logits["p"], hf_last_logits(hf_model, prompt), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 4])
+@pytest.mark.parametrize("batch", [1, 3, 8])
 def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_dir, batch, monkeypatch):
     """A small decode-only step in bf16 runs every layer in one C call (``DecodeStack``); the same step run layer by
     layer (the same C kernels called from Python) gives the same logits exactly, and oneDNN's matmuls (the path for
@@ -127,7 +127,7 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
     stack = runner.model.decode_stack
     assert stack is not None, "the tiny model's shapes fit the C kernels: the stack must be built"
     pool = BlockPool(128)
-    lengths = [5, 9, 14, 3][:batch]
+    lengths = [5, 9, 14, 3, 7, 11, 2, 6][:batch]
     requests = [Request(f"r{i}", p) for i, p in enumerate(prompts(runner.shape.vocab_size, lengths))]
     run_step(runner, pool, [(r, len(r.prompt_token_ids)) for r in requests])  # prefill: the layer-by-layer path
     for r in requests:

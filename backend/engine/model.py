@@ -63,9 +63,10 @@ class ModelShape:
         )
 
 
-# At or below this many rows a bf16 projection on CPU is one pass over its weight in C (``cpu_linear_small``): decode
-# steps 20-27 % faster at 1, 2 and 4 sequences; at 8 the two were even, and above it oneDNN's AMX matmul wins.
-SMALL_BATCH_ROWS = 4
+# At or below this many rows a bf16 decode step on CPU runs its projections in C (``cpu_linear_small``, and every
+# layer in one call: ``DecodeStack``). SmolLM2 decode step, C against oneDNN: 8 rows 23.0 against 27.2 ms, 12 rows
+# about even, 16 rows 37.0 against 30.4 (oneDNN's AMX matmuls win once the step is compute-bound).
+SMALL_BATCH_ROWS = 8
 
 
 class Linear:

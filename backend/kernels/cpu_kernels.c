@@ -643,9 +643,11 @@ int max_head_dim(void) { return MAX_HEAD_DIM; }
  * W is [N, K] row-major, or, where vdpbf16ps exists (linear_weight_packed), packed by pack_linear_weight into blocks
  * of 4 rows interleaved by 32 columns, [N/4][K/32][4][32], so that each block is one contiguous stream.
  * op: 0 none, 1 silu, 2 times `other`, 3 plus `other` ([T, N], row stride other_st), applied to the float32 sum
- * and rounded once, as oneDNN's fused post-ops do. x: [T, K] row stride x_st; y: [T, N] contiguous; T <= 8.
+ * and rounded once, as oneDNN's fused post-ops do. x: [T, K] row stride x_st; y: [T, N] contiguous; T <= 64,
+ * taken 8 rows at a time over each block of W (from L1 after the first 8).
  */
-#define LINEAR_MAX_T 8
+#define LINEAR_MAX_T 64
+#define LINEAR_TILE_T 8 /* x rows met by one pass over a block of W: their sums stay in registers */
 #define LINEAR_MAX_K 16384
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
@@ -677,8 +679,8 @@ static inline float bf16_value(uint16_t h) {
 /* Rows [j0, j0 + R) of a row-major W against all T rows of xf: the R x T dot products, each a float32 sum. The
  * rows `ahead` elements further on are prefetched into the caches while these are read. */
 static inline __attribute__((always_inline)) void dot_rows(const uint16_t* w, int64_t K, const float* xf, int T,
-                                                            int R, int64_t ahead, float sums[4][LINEAR_MAX_T]) {
-    v16f acc[4][LINEAR_MAX_T];
+                                                            int R, int64_t ahead, float sums[4][LINEAR_TILE_T]) {
+    v16f acc[4][LINEAR_TILE_T];
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
     int64_t k = 0;
@@ -715,8 +717,8 @@ static inline __attribute__((always_inline)) void dot_rows(const uint16_t* w, in
  * exactly and adds them into 16 float32 sums, so the weight is used as it lies in memory, with no widening. The
  * block 4 KB further on is prefetched into the caches (prefetcht0; prefetchnta halved the speed). */
 static inline __attribute__((always_inline)) void dot_block_bf16(const uint16_t* wp, int64_t K, const uint16_t* xb,
-                                                                  int T, float sums[4][LINEAR_MAX_T]) {
-    __m512 acc[4][LINEAR_MAX_T];
+                                                                  int T, float sums[4][LINEAR_TILE_T]) {
+    __m512 acc[4][LINEAR_TILE_T];
     for (int r = 0; r < 4; ++r)
         for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 32, wp += 128) {
@@ -774,7 +776,7 @@ int linear_small(const void* x, int64_t x_st, const void* weight, const void* bi
     uint16_t* xb = (uint16_t*)(xf + T * K);  /* the rows contiguous, as bf16 */
     for (int64_t t = 0; t < T; ++t) {
         memcpy(xb + t * K, (const uint16_t*)x + t * x_st, sizeof(uint16_t) * K);
-        load_row(xb + t * K, DTYPE_BF16, K, xf + t * K);
+        if (!linear_weight_packed()) load_row(xb + t * K, DTYPE_BF16, K, xf + t * K);  /* the row-major loop's */
     }
     const uint16_t* w = (const uint16_t*)weight;
     const uint16_t* b = (const uint16_t*)bias;
@@ -787,27 +789,41 @@ int linear_small(const void* x, int64_t x_st, const void* weight, const void* bi
     for (int64_t blk = 0; blk < num_blocks; ++blk) {
         const int64_t j0 = blk * 4;
         const int R = (int)(N - j0 < 4 ? N - j0 : 4);
-        float sums[4][LINEAR_MAX_T];
         const uint16_t* wr = w + j0 * K;  /* packed or not, block blk starts here */
-        /* Constant T (and R) let the compiler keep every accumulator in a register. */
+        for (int t0 = 0; t0 < tt; t0 += LINEAR_TILE_T) {
+            const int tn = tt - t0 < LINEAR_TILE_T ? tt - t0 : LINEAR_TILE_T;
+            float sums[4][LINEAR_TILE_T];
+            /* A constant row count lets the compiler keep every accumulator in a register. */
 #if defined(__AVX512BF16__)
-        if (tt == 1) dot_block_bf16(wr, K, xb, 1, sums);
-        else if (tt == 2) dot_block_bf16(wr, K, xb, 2, sums);
-        else if (tt == 3) dot_block_bf16(wr, K, xb, 3, sums);
-        else if (tt == 4) dot_block_bf16(wr, K, xb, 4, sums);
-        else dot_block_bf16(wr, K, xb, tt, sums);
+            const uint16_t* xt = xb + t0 * K;
+            switch (tn) {
+                case 1: dot_block_bf16(wr, K, xt, 1, sums); break;
+                case 2: dot_block_bf16(wr, K, xt, 2, sums); break;
+                case 3: dot_block_bf16(wr, K, xt, 3, sums); break;
+                case 4: dot_block_bf16(wr, K, xt, 4, sums); break;
+                case 5: dot_block_bf16(wr, K, xt, 5, sums); break;
+                case 6: dot_block_bf16(wr, K, xt, 6, sums); break;
+                case 7: dot_block_bf16(wr, K, xt, 7, sums); break;
+                default: dot_block_bf16(wr, K, xt, 8, sums); break;
+            }
 #else
-        const int64_t ahead = 8 * K;  /* two blocks on */
-        if (R == 4 && tt == 1) dot_rows(wr, K, xf, 1, 4, ahead, sums);
-        else if (R == 4 && tt == 2) dot_rows(wr, K, xf, 2, 4, ahead, sums);
-        else if (R == 4 && tt == 3) dot_rows(wr, K, xf, 3, 4, ahead, sums);
-        else if (R == 4 && tt == 4) dot_rows(wr, K, xf, 4, 4, ahead, sums);
-        else dot_rows(wr, K, xf, tt, R, ahead, sums);
+            const float* xt = xf + t0 * K;
+            const int64_t ahead = 8 * K;  /* two blocks on */
+            if (R < 4) dot_rows(wr, K, xt, tn, R, ahead, sums);
+            else switch (tn) {
+                case 1: dot_rows(wr, K, xt, 1, 4, ahead, sums); break;
+                case 2: dot_rows(wr, K, xt, 2, 4, ahead, sums); break;
+                case 3: dot_rows(wr, K, xt, 3, 4, ahead, sums); break;
+                case 4: dot_rows(wr, K, xt, 4, 4, ahead, sums); break;
+                default: dot_rows(wr, K, xt, tn, 4, ahead, sums); break;
+            }
 #endif
-        for (int r = 0; r < R; ++r) {
-            const int64_t j = j0 + r;
-            const float bj = b ? bf16_value(b[j]) : 0.f;
-            for (int t = 0; t < tt; ++t) out[t * N + j] = to_bf16(apply_op(sums[r][t] + bj, op, o, other_st, t, j));
+            for (int r = 0; r < R; ++r) {
+                const int64_t j = j0 + r;
+                const float bj = b ? bf16_value(b[j]) : 0.f;
+                for (int t = t0; t < t0 + tn; ++t)
+                    out[t * N + j] = to_bf16(apply_op(sums[r][t - t0] + bj, op, o, other_st, t, j));
+            }
         }
     }
     free(xf);

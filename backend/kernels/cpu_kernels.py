@@ -245,7 +245,7 @@ def cpu_rms_norm(
     return out
 
 
-LINEAR_MAX_ROWS = 8  # linear_small's limit; the model decides below which row count it pays (model.SMALL_BATCH_ROWS)
+LINEAR_MAX_ROWS = 64  # linear_small's limit; the model decides below which row count it pays (model.SMALL_BATCH_ROWS)
 LINEAR_OPS = {"none": 0, "silu": 1, "mul": 2, "add": 3}
 
 
