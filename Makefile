@@ -7,7 +7,7 @@
 #   make soak      mixed load with cancellations and bad requests, 10 min; RSS/KV report in reports/soak-<time>/
 #   make bench     offline engine benchmark (reports/bench.json)
 #   make llamacpp  llama.cpp's llama-server from the llama-cpp-python sdist on PyPI and a BF16 GGUF of MODEL in
-#                  .llamacpp/, about 6 min on 2 cores, never in CI; then
+#                  .llamacpp/, about 8 min on 2 cores, never in CI; then
 #                  make bench ARGS="--llamacpp .llamacpp/bin/llama-server" (llama.cpp beside the served engine)
 #   make venv310   Python 3.10 test environment (the Docker image's Python), used by tests/test_deploy.py
 #   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
