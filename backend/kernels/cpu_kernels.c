@@ -434,6 +434,58 @@ static void sum_where(const float* x, const float* w, int64_t n, float t, int mo
 /* The kept prefix: tokens with x > cut, then the first `ties` tokens with x == cut in index order. The token at
  * which the running weight of the prefix, in index order, first exceeds target (the last kept one if rounding leaves
  * the target unreached). Block sums first, then one block token by token. */
+/* sum_where(x, w, n, t, AT_LEAST) for each of the `num` thresholds in t, and sum_where(x, w, n, -FLT_MAX, ABOVE)'s
+ * mass as *total, in one pass instead of num + 1 (each sum in the same order sum_where adds it: the same values). */
+#define MAX_NEAR 3 /* the thresholds sum_near takes at most */
+_Static_assert(sizeof NEAR_RANGES / sizeof NEAR_RANGES[0] <= MAX_NEAR, "sum_near takes every near range at once");
+static void sum_near(const float* x, const float* w, int64_t n, const float* t, int num, double* total, double* mass,
+                     int64_t* count) {
+    const f32x8 low = (f32x8){0.f} - FLT_MAX;
+    f32x8 tt[MAX_NEAR];
+    double sums[MAX_NEAR] = {0.0};
+    int64_t nums[MAX_NEAR] = {0};
+    for (int r = 0; r < num; ++r) tt[r] = (f32x8){0.f} + t[r];
+    double all = 0.0;
+    int64_t i = 0;
+    for (; i + SAMPLE_BLOCK <= n; i += SAMPLE_BLOCK) {
+        f32x8 acc_all[4] = {{0.f}}, acc[MAX_NEAR][4] = {{{0.f}}};
+        i32x8 cnt[MAX_NEAR][4] = {{{0}}};
+        for (int64_t j = i; j < i + SAMPLE_BLOCK; j += 32)
+            for (int k = 0; k < 4; ++k) {
+                f32x8 xv, wv;
+                memcpy(&xv, x + j + 8 * k, sizeof xv);
+                memcpy(&wv, w + j + 8 * k, sizeof wv);
+                acc_all[k] += (f32x8)((i32x8)wv & COMPARE(xv, low, ABOVE));
+                for (int r = 0; r < num; ++r) {
+                    const i32x8 in = COMPARE(xv, tt[r], AT_LEAST);
+                    acc[r][k] += (f32x8)((i32x8)wv & in);
+                    cnt[r][k] -= in;
+                }
+            }
+        const f32x8 a = acc_all[0] + acc_all[1] + acc_all[2] + acc_all[3];
+        float block = 0.f;
+        for (int l = 0; l < 8; ++l) block += a[l];
+        all += block;
+        for (int r = 0; r < num; ++r) {
+            const f32x8 ar = acc[r][0] + acc[r][1] + acc[r][2] + acc[r][3];
+            const i32x8 c = cnt[r][0] + cnt[r][1] + cnt[r][2] + cnt[r][3];
+            float br = 0.f;
+            for (int l = 0; l < 8; ++l) { br += ar[l]; nums[r] += c[l]; }
+            sums[r] += br;
+        }
+    }
+    for (; i < n; ++i) {
+        all += COMPARE(x[i], -FLT_MAX, ABOVE) ? w[i] : 0.f;
+        for (int r = 0; r < num; ++r) {
+            const int in = COMPARE(x[i], t[r], AT_LEAST);
+            sums[r] += in ? w[i] : 0.f;
+            nums[r] += in;
+        }
+    }
+    *total = all;
+    for (int r = 0; r < num; ++r) { mass[r] = sums[r]; count[r] = nums[r]; }
+}
+
 static int64_t inverse_cdf(const float* x, const float* w, int64_t V, float cut, int64_t ties, double target) {
     double acc = 0.0;
     int64_t tied = 0;
@@ -525,10 +577,11 @@ static int64_t sample_one(const void* src, int dtype, int64_t V, float temperatu
                           double u, const sample_scratch* scratch) {
     float* x = scratch->x;
     float* w = scratch->w;
-    load_row(src, dtype, V, x);
     float m = -FLT_MAX, lowest = FLT_MAX;
     for (int64_t i = 0; i < V; ++i) {  /* non-finite (banned) logits sink below every finite one */
-        if ((bits_of(x[i]) & 0x7F800000u) == 0x7F800000u) x[i] = -FLT_MAX;
+        const uint32_t bits = dtype == DTYPE_BF16 ? (uint32_t)((const uint16_t*)src)[i] << 16
+                                                  : bits_of(((const float*)src)[i]);
+        x[i] = (bits & 0x7F800000u) == 0x7F800000u ? -FLT_MAX : float_of(bits);
         m = x[i] > m ? x[i] : m;
         lowest = x[i] < lowest ? x[i] : lowest;
     }
@@ -541,23 +594,34 @@ static int64_t sample_one(const void* src, int dtype, int64_t V, float temperatu
     for (int64_t i = 0; i < V; ++i) w[i] = WEIGHT(x[i]);
     double total;
     int64_t count;
-    sum_where(x, w, V, -FLT_MAX, ABOVE, &total, &count);  /* banned tokens weigh 0 anyway */
     const int by_k = top_k > 0 && top_k < V, by_p = top_p < 1.f;
-    if (!by_k && !by_p) return inverse_cdf(x, w, V, -FLT_MAX, 0, u * total);
+    if (!by_k && !by_p) {
+        sum_where(x, w, V, -FLT_MAX, ABOVE, &total, &count);  /* banned tokens weigh 0 anyway */
+        return inverse_cdf(x, w, V, -FLT_MAX, 0, u * total);
+    }
 
     /* Keys of the logit range to search: [lowest, max], or only the top of it, [near, max], when that holds the whole
      * top-k and at least top_p of the weight (then neither cut can lie below near; almost always true of the first
-     * or second range tried, and it leaves a small share of the vocabulary to search). */
+     * or second range tried, and it leaves a small share of the vocabulary to search). The total and the mass of
+     * every range come from one pass. */
     const int shift = dtype == DTYPE_BF16 ? 16 : 0;
+    enum { NUM_RANGES = sizeof NEAR_RANGES / sizeof NEAR_RANGES[0] };
+    float nears[NUM_RANGES];
+    int num_ranges = 0;
+    for (; num_ranges < NUM_RANGES; ++num_ranges) {
+        nears[num_ranges] = round_to(m - NEAR_RANGES[num_ranges] * temperature, dtype);  /* a value the dtype holds */
+        if (!(nears[num_ranges] > lowest)) break;
+    }
+    double near_masses[NUM_RANGES];
+    int64_t near_counts[NUM_RANGES];
+    sum_near(x, w, V, nears, num_ranges, &total, near_masses, near_counts);
     float near = lowest;
     int near_enough = 0;
     int64_t num_near = V;
-    for (size_t r = 0; r < sizeof NEAR_RANGES / sizeof NEAR_RANGES[0] && !near_enough; ++r) {
-        near = round_to(m - NEAR_RANGES[r] * temperature, dtype);  /* a value the dtype holds */
-        if (!(near > lowest)) break;
-        double near_mass;
-        sum_where(x, w, V, near, AT_LEAST, &near_mass, &num_near);
-        near_enough = (!by_k || num_near >= top_k) && near_mass >= (double)top_p * total;
+    for (int r = 0; r < num_ranges && !near_enough; ++r) {
+        near = nears[r];
+        num_near = near_counts[r];
+        near_enough = (!by_k || num_near >= top_k) && near_masses[r] >= (double)top_p * total;
     }
     const uint32_t lo = order_key(bits_of(near_enough ? near : lowest));
     const uint32_t hi = order_key(bits_of(m));
