@@ -310,7 +310,9 @@ class DecodeStack:
         self.gate = pointers([layer.gate.small_rows_weight for layer in layers])
         self.up = pointers([layer.up.small_rows_weight for layer in layers])
         self.down = pointers([layer.down.small_rows_weight for layer in layers])
-        self._pools: tuple = ()  # (first K pool's address, K pointers, V pointers): the pools live as long as the engine
+        # (first K pool's address, whether the pools fit the kernels, K pointers, V pointers), built on first use:
+        # the pools live as long as the engine
+        self._pools: tuple = ()
 
     @classmethod
     def for_layers(cls, layers: list, shape, dtype: torch.dtype) -> DecodeStack | None:
