@@ -19,6 +19,9 @@
  * Arithmetic is float32; bf16 inputs are widened on load and outputs rounded to nearest even, as torch does.
  */
 #include <float.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -377,8 +380,8 @@ void rms_norm(const void* x, int64_t x_st, const void* weight, void* out, int64_
  * A draw is a few vectorised passes over the row and never sorts the vocabulary. The weights w = exp((x - max) / T)
  * (the best token weighs 1) follow the logits' order, so a prefix of the sorted order is "every token whose logit is
  * above a cut, plus the first `ties` tokens at the cut in index order" (a stable sort's order), and the top-k and
- * top-p cuts are found by bisection over the logit values the dtype can hold (16 bits for bf16), each step one pass
- * that counts and sums the weights above a candidate cut.
+ * top-p cuts are found by a quickselect over the logits (select_cut), which counts and sums the weights above a
+ * pivot and keeps the part of the candidates that holds the cut.
  */
 #define SAMPLE_BLOCK 1024
 /* Where a top-k or top-p cut is looked for first: among the tokens within 4, then 8, then 17 (weights down to about
@@ -391,9 +394,6 @@ enum { ABOVE = 0, AT_LEAST = 1, EQUAL = 2 };
 
 static inline uint32_t bits_of(float f) { union { float f; uint32_t u; } v = {.f = f}; return v.u; }
 static inline float float_of(uint32_t u) { union { uint32_t u; float f; } v = {.u = u}; return v.f; }
-/* Float bits <-> an unsigned key in the floats' order (negative floats reversed below the positive ones). */
-static inline uint32_t order_key(uint32_t b) { return (b & 0x80000000u) ? ~b : (b | 0x80000000u); }
-static inline uint32_t key_bits(uint32_t k) { return (k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k; }
 
 #define COMPARE(x, t, mode) ((mode) == ABOVE ? (x) > (t) : (mode) == AT_LEAST ? (x) >= (t) : (x) == (t))
 
@@ -431,15 +431,78 @@ static void sum_where(const float* x, const float* w, int64_t n, float t, int mo
     *count = num;
 }
 
-/* The kept prefix: tokens with x > cut, then the first `ties` tokens with x == cut in index order. The token at
- * which the running weight of the prefix, in index order, first exceeds target (the last kept one if rounding leaves
- * the target unreached). Block sums first, then one block token by token. */
-/* sum_where(x, w, n, t, AT_LEAST) for each of the `num` thresholds in t, and sum_where(x, w, n, -FLT_MAX, ABOVE)'s
- * mass as *total, in one pass instead of num + 1 (each sum in the same order sum_where adds it: the same values). */
-#define MAX_NEAR 3 /* the thresholds sum_near takes at most */
-_Static_assert(sizeof NEAR_RANGES / sizeof NEAR_RANGES[0] <= MAX_NEAR, "sum_near takes every near range at once");
-static void sum_near(const float* x, const float* w, int64_t n, const float* t, int num, double* total, double* mass,
-                     int64_t* count) {
+/* A token's weight e^((x - m) / T), m the row's best logit: the best token weighs 1; e^-127 and below round to 0. */
+static inline float weight_of(float x, float m, float inv_t) {
+    const float e = (x - m) * inv_t;
+    return expf(e > -127.f ? e : -127.f);
+}
+
+/* Every token's weight into w, and, in the same pass, sum_where(x, w, n, t, AT_LEAST) for each of the `num`
+ * thresholds in t and sum_where(x, w, n, -FLT_MAX, ABOVE)'s mass as *total (the same sums, added in another
+ * order). A block's weights are summed while they are still in L1. */
+#define MAX_NEAR 3 /* the thresholds weigh_and_sum takes at most */
+_Static_assert(sizeof NEAR_RANGES / sizeof NEAR_RANGES[0] <= MAX_NEAR, "weigh_and_sum takes every near range at once");
+#if defined(__AVX512F__)
+/* e^e for 16 e in [-127, 0]: e = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so that n ln2 is exact), e^r by
+ * its Taylor series to r^7 (truncation below 1e-8 relative), scaled by 2^n. Within 0.9 ulp of e^e over [-87, 0], at a
+ * third of libmvec's cost here. */
+static inline __m512 exp16(__m512 e) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(e, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), e);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+static void weigh_and_sum(const float* x, float* w, int64_t n, float m, float inv_t, const float* t, int num,
+                          double* total, double* mass, int64_t* count) {
+#if defined(__AVX512F__)
+    /* 16 tokens at a time: weigh them, then add each weight to every sum it belongs to under a compare mask. Float
+     * within a block, double across blocks; unused thresholds are FLT_MAX (nothing counts). */
+    __m512 tt[MAX_NEAR];
+    for (int r = 0; r < MAX_NEAR; ++r) tt[r] = _mm512_set1_ps(r < num ? t[r] : FLT_MAX);
+    const __m512 low = _mm512_set1_ps(-FLT_MAX), floor_e = _mm512_set1_ps(-127.f);
+    const __m512 mm = _mm512_set1_ps(m), it = _mm512_set1_ps(inv_t);
+    double all_d = 0.0, sums_d[MAX_NEAR] = {0.0};
+    int64_t nums_d[MAX_NEAR] = {0};
+    int64_t i0 = 0;
+    for (; i0 + SAMPLE_BLOCK <= n; i0 += SAMPLE_BLOCK) {
+        __m512 acc_all = _mm512_setzero_ps(), acc[MAX_NEAR];
+        for (int r = 0; r < MAX_NEAR; ++r) acc[r] = _mm512_setzero_ps();
+        for (int64_t j = i0; j < i0 + SAMPLE_BLOCK; j += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + j);
+            const __m512 wv = exp16(_mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(xv, mm), it), floor_e));
+            _mm512_storeu_ps(w + j, wv);
+            acc_all = _mm512_mask_add_ps(acc_all, _mm512_cmp_ps_mask(xv, low, _CMP_GT_OQ), acc_all, wv);
+            for (int r = 0; r < MAX_NEAR; ++r) {
+                const __mmask16 in = _mm512_cmp_ps_mask(xv, tt[r], _CMP_GE_OQ);
+                acc[r] = _mm512_mask_add_ps(acc[r], in, acc[r], wv);
+                nums_d[r] += __builtin_popcount(in);
+            }
+        }
+        all_d += _mm512_reduce_add_ps(acc_all);
+        for (int r = 0; r < MAX_NEAR; ++r) sums_d[r] += _mm512_reduce_add_ps(acc[r]);
+    }
+    for (; i0 < n; ++i0) {
+        w[i0] = weight_of(x[i0], m, inv_t);
+        all_d += x[i0] > -FLT_MAX ? w[i0] : 0.f;
+        for (int r = 0; r < num; ++r) {
+            sums_d[r] += x[i0] >= t[r] ? w[i0] : 0.f;
+            nums_d[r] += x[i0] >= t[r];
+        }
+    }
+    *total = all_d;
+    for (int r = 0; r < num; ++r) { mass[r] = sums_d[r]; count[r] = nums_d[r]; }
+#else
     const f32x8 low = (f32x8){0.f} - FLT_MAX;
     f32x8 tt[MAX_NEAR];
     double sums[MAX_NEAR] = {0.0};
@@ -448,6 +511,7 @@ static void sum_near(const float* x, const float* w, int64_t n, const float* t, 
     double all = 0.0;
     int64_t i = 0;
     for (; i + SAMPLE_BLOCK <= n; i += SAMPLE_BLOCK) {
+        for (int64_t j = i; j < i + SAMPLE_BLOCK; ++j) w[j] = weight_of(x[j], m, inv_t);
         f32x8 acc_all[4] = {{0.f}}, acc[MAX_NEAR][4] = {{{0.f}}};
         i32x8 cnt[MAX_NEAR][4] = {{{0}}};
         for (int64_t j = i; j < i + SAMPLE_BLOCK; j += 32)
@@ -475,6 +539,7 @@ static void sum_near(const float* x, const float* w, int64_t n, const float* t, 
         }
     }
     for (; i < n; ++i) {
+        w[i] = weight_of(x[i], m, inv_t);
         all += COMPARE(x[i], -FLT_MAX, ABOVE) ? w[i] : 0.f;
         for (int r = 0; r < num; ++r) {
             const int in = COMPARE(x[i], t[r], AT_LEAST);
@@ -484,8 +549,12 @@ static void sum_near(const float* x, const float* w, int64_t n, const float* t, 
     }
     *total = all;
     for (int r = 0; r < num; ++r) { mass[r] = sums[r]; count[r] = nums[r]; }
+#endif
 }
 
+/* The kept prefix: tokens with x > cut, then the first `ties` tokens with x == cut in index order. The token at
+ * which the running weight of the prefix, in index order, first exceeds target (the last kept one if rounding leaves
+ * the target unreached). Block sums first, then one block token by token. */
 static int64_t inverse_cdf(const float* x, const float* w, int64_t V, float cut, int64_t ties, double target) {
     double acc = 0.0;
     int64_t tied = 0;
@@ -516,61 +585,122 @@ static int64_t inverse_cdf(const float* x, const float* w, int64_t V, float cut,
     return 0;
 }
 
-/* Bisection over the logit values the dtype holds (keys `shift` bits apart), between the keys lo (predicate true)
- * and hi (false) for the largest (`largest`) or smallest key with the predicate; returns that logit value. */
-typedef struct { const float* x; const float* w; int64_t n; int64_t k; double P; } cut_query;
-static int top_k_holds(const cut_query* q, float t) {  /* at least k tokens at or above t */
-    double mass;
-    int64_t count;
-    sum_where(q->x, q->w, q->n, t, AT_LEAST, &mass, &count);
-    return count >= q->k;
-}
-static int top_p_holds(const cut_query* q, float t) {  /* the tokens above t weigh less than P */
-    double mass;
-    int64_t count;
-    sum_where(q->x, q->w, q->n, t, ABOVE, &mass, &count);
-    return mass < q->P;
-}
-static float bisect(const cut_query* q, int (*holds)(const cut_query*, float), uint32_t lo, uint32_t hi, int shift,
-                    int largest) {
-    uint32_t a = lo >> shift, b = hi >> shift;  /* search keys a..b */
-    /* key k -> its logit value: a negative float's key has its low bits set (keys of negatives are inverted) */
-#define VALUE(k) \
-    float_of(key_bits(((uint32_t)(k) << shift) | (((uint32_t)(k) & (0x80000000u >> shift)) ? 0u : (1u << shift) - 1u)))
-    if (largest) {  /* holds(a); largest key with holds */
-        while (a < b) {
-            const uint32_t mid = a + (b - a + 1) / 2;
-            if (holds(q, VALUE(mid))) a = mid; else b = mid - 1;
-        }
-    } else {  /* holds(b); smallest key with holds */
-        while (a < b) {
-            const uint32_t mid = a + (b - a) / 2;
-            if (holds(q, VALUE(mid))) b = mid; else a = mid + 1;
-        }
+/* Scratch rows of one thread: the row as floats and its weights, and the compacted candidates with their indices.
+ * The packing loops below store whole vectors: a vector of candidates stored at num <= i ends by i + 16 <= n, so
+ * it never writes past the n values it reads, nor over values not read yet when packing in place. */
+typedef struct { float* x; float* w; float* xc; float* wc; int32_t* idx; } sample_scratch;
+
+/* The tokens with x >= t among the n, in index order: their logits, weights and indices into the scratch's xc, wc
+ * and idx. A group of tokens with none (most of the vocabulary) costs one vector compare;
+ * with AVX-512 a group's candidates are packed by one compress per array instead of a branch per token. */
+static void gather_at_least(const float* x, const float* w, int64_t n, float t, const sample_scratch* s) {
+    int64_t num = 0, i = 0;
+#if defined(__AVX512F__)
+    const __m512 tt = _mm512_set1_ps(t);
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (; i + 16 <= n; i += 16, index = _mm512_add_epi32(index, step)) {
+        const __m512 xv = _mm512_loadu_ps(x + i);
+        const __mmask16 in = _mm512_cmp_ps_mask(xv, tt, _CMP_GE_OQ);
+        if (!in) continue;
+        /* compress in registers, then a full store: a compressing store to memory is microcoded and slow */
+        _mm512_storeu_ps(s->xc + num, _mm512_maskz_compress_ps(in, xv));
+        _mm512_storeu_ps(s->wc + num, _mm512_maskz_compress_ps(in, _mm512_loadu_ps(w + i)));
+        _mm512_storeu_si512(s->idx + num, _mm512_maskz_compress_epi32(in, index));
+        num += __builtin_popcount(in);
     }
-    return VALUE(a);
-#undef VALUE
+#endif
+    for (; i < n; ++i)
+        if (x[i] >= t) { s->xc[num] = x[i]; s->wc[num] = w[i]; s->idx[num++] = (int32_t)i; }
 }
 
-/* Scratch rows of one thread: the row as floats and its weights, and the compacted candidates with their indices. */
-typedef struct { float* x; float* w; float* xc; float* wc; int64_t* idx; } sample_scratch;
-
-/* The indices of the tokens with x >= t, in index order, into the scratch's `idx`. Eight at a time: a group with
- * none (most of the vocabulary) costs one vector compare. */
-static void gather_at_least(const float* x, int64_t n, float t, const sample_scratch* s) {
-    const f32x8 tt = (f32x8){0.f} + t;
-    int64_t num = 0;
-    for (int64_t i = 0; i < n; i += 8) {
-        if (i + 8 <= n) {
-            f32x8 xv;
-            memcpy(&xv, x + i, sizeof xv);
-            const i32x8 in = xv >= tt;
-            const i32x8 half = in | __builtin_shufflevector(in, in, 4, 5, 6, 7, 0, 1, 2, 3);
-            if (!(half[0] | half[1] | half[2] | half[3])) continue;
-        }
-        for (int64_t j = i; j < i + 8 && j < n; ++j)
-            if (x[j] >= t) s->idx[num++] = j;
+/* Keep the tokens above p (upper) or at or below it, packed in index order into xs and ws (in place when x is xs);
+ * returns how many, and the largest kept logit in *max. */
+static int64_t keep_part(const float* x, const float* w, int64_t n, float p, int upper, float* xs, float* ws,
+                         float* max) {
+    int64_t num = 0, i = 0;
+    float top = -FLT_MAX;
+#if defined(__AVX512F__)
+    const __m512 pp = _mm512_set1_ps(p);
+    __m512 tops = _mm512_set1_ps(-FLT_MAX);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + i);
+        const __mmask16 above = _mm512_cmp_ps_mask(xv, pp, _CMP_GT_OQ);
+        const __mmask16 in = upper ? above : (__mmask16)~above;
+        tops = _mm512_mask_max_ps(tops, in, tops, xv);
+        _mm512_storeu_ps(xs + num, _mm512_maskz_compress_ps(in, xv));
+        _mm512_storeu_ps(ws + num, _mm512_maskz_compress_ps(in, _mm512_loadu_ps(w + i)));
+        num += __builtin_popcount(in);
     }
+    top = _mm512_reduce_max_ps(tops);
+#endif
+    for (; i < n; ++i) {
+        const float xi = x[i], wi = w[i];  /* read before the write: xs may be x */
+        if (upper ? xi > p : xi <= p) {
+            xs[num] = xi;
+            ws[num++] = wi;
+            top = xi > top ? xi : top;
+        }
+    }
+    *max = top;
+    return num;
+}
+
+#define SMALL_SELECT 64 /* below this many candidates select_cut sorts them */
+
+/* The largest logit d among the n tokens with g(x >= d) >= target, where g counts the tokens (by_mass 0: the top-k
+ * cut, target k) or sums their weights (by_mass 1: the top-p cut, target P); the smallest logit if none is (a
+ * target rounding left out of reach). That is exactly the cut a bisection over the logit values finds, but where
+ * bisection reads all n tokens once per bit of the logit (16 passes for bf16, more where the range spans zero), this
+ * is a quickselect by value: each round splits the candidates at a pivot, sums g over the part above it, and keeps
+ * only the part that holds the answer (carrying the upper part's g when the lower one is kept), so all rounds
+ * together read a few times n. max: the largest of the x. xs, ws: room for n values each. */
+static float select_cut(const float* x, const float* w, int64_t n, float max, int by_mass, double target, float* xs,
+                        float* ws) {
+    double above = 0.0;  /* g of the tokens above every candidate left */
+    while (n > SMALL_SELECT) {
+        float sample[5];  /* the pivot: the median of five spread samples, so a round keeps about half */
+        for (int k = 0; k < 5; ++k) sample[k] = x[n * (2 * k + 1) / 10];
+        for (int k = 1; k < 5; ++k)
+            for (int j = k; j > 0 && sample[j - 1] > sample[j]; --j) {
+                const float t = sample[j]; sample[j] = sample[j - 1]; sample[j - 1] = t;
+            }
+        float p = sample[2];
+        if (!(p < max)) {  /* most samples sit at the top: split the value range instead */
+            float lowest = max;
+            for (int64_t i = 0; i < n; ++i) lowest = x[i] < lowest ? x[i] : lowest;
+            if (lowest == max) return max;  /* one value left */
+            p = lowest * 0.5f + max * 0.5f;  /* (max - lowest) could overflow */
+            if (!(p < max)) p = lowest;  /* adjacent floats: the lower one splits them */
+        }
+        /* Both parts hold a candidate (max above p, the samples at or below it): every round shrinks n. */
+        double mass;
+        int64_t count;
+        sum_where(x, w, n, p, ABOVE, &mass, &count);
+        const double upper = above + (by_mass ? mass : (double)count);
+        const int keep_upper = upper >= target;  /* then the answer is one of the tokens above p */
+        if (!keep_upper) above = upper;
+        float kept_max;
+        n = keep_part(x, w, n, p, keep_upper, xs, ws, &kept_max);
+        max = kept_max;
+        x = xs;
+        w = ws;
+    }
+    if (x != xs) {
+        memcpy(xs, x, sizeof(float) * n);
+        memcpy(ws, w, sizeof(float) * n);
+    }
+    for (int64_t k = 1; k < n; ++k)  /* few left: sort them, largest first, and walk down */
+        for (int64_t j = k; j > 0 && xs[j - 1] < xs[j]; --j) {
+            const float tx = xs[j], tw = ws[j];
+            xs[j] = xs[j - 1]; ws[j] = ws[j - 1];
+            xs[j - 1] = tx; ws[j - 1] = tw;
+        }
+    for (int64_t k = 0; k < n; ++k) {
+        above += by_mass ? (double)ws[k] : 1.0;
+        if ((k + 1 == n || xs[k + 1] != xs[k]) && above >= target) return xs[k];
+    }
+    return n ? xs[n - 1] : max;
 }
 
 static int64_t sample_one(const void* src, int dtype, int64_t V, float temperature, int64_t top_k, float top_p,
@@ -590,21 +720,18 @@ static int64_t sample_one(const void* src, int dtype, int64_t V, float temperatu
             if (x[i] == m) return i;  /* the first index on ties, as argmax */
     }
     const float inv_t = 1.f / temperature;
-#define WEIGHT(v) expf(((v) - m) * inv_t > -127.f ? ((v) - m) * inv_t : -127.f)  /* e^-127 rounds to 0 */
-    for (int64_t i = 0; i < V; ++i) w[i] = WEIGHT(x[i]);
     double total;
     int64_t count;
     const int by_k = top_k > 0 && top_k < V, by_p = top_p < 1.f;
     if (!by_k && !by_p) {
-        sum_where(x, w, V, -FLT_MAX, ABOVE, &total, &count);  /* banned tokens weigh 0 anyway */
+        weigh_and_sum(x, w, V, m, inv_t, NULL, 0, &total, NULL, NULL);  /* banned tokens weigh 0 anyway */
         return inverse_cdf(x, w, V, -FLT_MAX, 0, u * total);
     }
 
-    /* Keys of the logit range to search: [lowest, max], or only the top of it, [near, max], when that holds the whole
-     * top-k and at least top_p of the weight (then neither cut can lie below near; almost always true of the first
-     * or second range tried, and it leaves a small share of the vocabulary to search). The total and the mass of
-     * every range come from one pass. */
-    const int shift = dtype == DTYPE_BF16 ? 16 : 0;
+    /* The logit range the cuts are looked for in: [lowest, max], or only the top of it, [near, max], when that holds
+     * the whole top-k and at least top_p of the weight (then neither cut can lie below near; almost always true of
+     * the first or second range tried, and it leaves a small share of the vocabulary to search). The total and the
+     * mass of every range come from the pass that weighs the tokens. */
     enum { NUM_RANGES = sizeof NEAR_RANGES / sizeof NEAR_RANGES[0] };
     float nears[NUM_RANGES];
     int num_ranges = 0;
@@ -614,7 +741,7 @@ static int64_t sample_one(const void* src, int dtype, int64_t V, float temperatu
     }
     double near_masses[NUM_RANGES];
     int64_t near_counts[NUM_RANGES];
-    sum_near(x, w, V, nears, num_ranges, &total, near_masses, near_counts);
+    weigh_and_sum(x, w, V, m, inv_t, nears, num_ranges, &total, near_masses, near_counts);
     float near = lowest;
     int near_enough = 0;
     int64_t num_near = V;
@@ -623,47 +750,42 @@ static int64_t sample_one(const void* src, int dtype, int64_t V, float temperatu
         num_near = near_counts[r];
         near_enough = (!by_k || num_near >= top_k) && near_masses[r] >= (double)top_p * total;
     }
-    const uint32_t lo = order_key(bits_of(near_enough ? near : lowest));
-    const uint32_t hi = order_key(bits_of(m));
-    /* Every cut then lies at or above `near`: the tokens below it are never kept. When they are few, the bisection
-     * passes and the draw run over those candidates only, gathered in index order (so that ties and the draw keep
-     * their order); `idx` maps a candidate back to its token. */
-    const int64_t* idx = NULL;
-    if (near_enough && num_near <= V / 8) {
-        gather_at_least(x, V, near, scratch);
-        for (int64_t j = 0; j < num_near; ++j) {
-            scratch->xc[j] = x[scratch->idx[j]];
-            scratch->wc[j] = w[scratch->idx[j]];
-        }
+    /* Every cut then lies at or above `near`: the tokens below it are never kept. Unless they are most of the
+     * vocabulary, select_cut and the draw run over those candidates only, gathered in index order (so that ties and
+     * the draw keep their order); `idx` maps a candidate back to its token. */
+    const int32_t* idx = NULL;
+    if (near_enough && num_near <= V / 2) {
+        gather_at_least(x, w, V, near, scratch);
         x = scratch->xc;
         w = scratch->wc;
         idx = scratch->idx;
         V = num_near;
     }
-    cut_query q = {x, w, V, top_k, 0.0};
+    /* select_cut's room: the scratch rows the candidates are not in */
+    float* free_x = idx ? scratch->x : scratch->xc;
+    float* free_w = idx ? scratch->w : scratch->wc;
 
     float cut = -FLT_MAX;  /* the prefix kept so far: everything */
     int64_t ties = 0;
     double base = total;  /* the mass top-p is a share of: the top-k's when there is a top-k */
     if (by_k) {
-        cut = bisect(&q, top_k_holds, lo, hi, shift, 1);
+        cut = select_cut(x, w, V, m, 0, (double)top_k, free_x, free_w);
         double mass;
         int64_t above;
         sum_where(x, w, V, cut, ABOVE, &mass, &above);
         ties = top_k - above;
-        base = mass + (double)ties * WEIGHT(cut);
+        base = mass + (double)ties * weight_of(cut, m, inv_t);
     }
     if (by_p) {
-        q.P = (double)top_p * base;
-        const float p_cut = bisect(&q, top_p_holds, lo, hi, shift, 0);
-        const double w_cut = WEIGHT(p_cut);
+        const double P = (double)top_p * base;
+        const float p_cut = select_cut(x, w, V, m, 1, P, free_x, free_w);
+        const double w_cut = weight_of(p_cut, m, inv_t);
         double above;
         sum_where(x, w, V, p_cut, ABOVE, &above, &count);
         int64_t p_ties = 1;  /* keep the j-th tie while the mass before it, above + j * w_cut, is below P */
-        while (p_ties < V && above + (double)p_ties * w_cut < q.P) ++p_ties;
+        while (p_ties < V && above + (double)p_ties * w_cut < P) ++p_ties;
         if (p_cut > cut || (p_cut == cut && p_ties < ties)) { cut = p_cut; ties = p_ties; }
     }
-#undef WEIGHT
     double kept, at;
     int64_t num_at;
     sum_where(x, w, V, cut, ABOVE, &kept, &count);
@@ -681,7 +803,7 @@ void sample_rows(const void* logits, int64_t stride, int dtype, int64_t V, const
     {
         sample_scratch scratch = {(float*)malloc(sizeof(float) * V), (float*)malloc(sizeof(float) * V),
                                   (float*)malloc(sizeof(float) * V), (float*)malloc(sizeof(float) * V),
-                                  (int64_t*)malloc(sizeof(int64_t) * V)};
+                                  (int32_t*)malloc(sizeof(int32_t) * V)};
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < R; ++r)
             out[r] = sample_one((const char*)logits + rows[r] * stride * esize, dtype, V, temperature[r], top_k[r],
