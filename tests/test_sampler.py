@@ -195,6 +195,26 @@ def test_c_sampler_picks_what_the_torch_reference_picks(dtype, vocab):
         assert not set(c[3:4].tolist()) & set(range(7))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_sampler_cuts_through_ties_and_plateaus(dtype):
+    """Logits with a few distinct values: the top-k and top-p cuts land among thousands of tied tokens, and most of
+    a row may sit at its best value (where the C quickselect cannot pivot on a sample and splits the value range)."""
+    if cpu_kernels.load() is None:
+        pytest.skip("the C kernels do not build here")
+    gen = torch.Generator().manual_seed(11)
+    vocab = 49152
+    levels = torch.randint(0, 4, (6, vocab), generator=gen).float()
+    levels[3:] = torch.where(torch.rand(3, vocab, generator=gen) < 0.9, 3.0, levels[3:])  # a plateau at the top
+    levels[5, :100] = float("-inf")
+    logits = levels.to(dtype)
+    for top_k, top_p in ((0, 0.3), (0, 0.97), (5000, 1.0), (30000, 0.5), (1, 1.0), (40000, 0.999)):
+        for draw in range(3):
+            uniform = torch.rand(6, generator=gen, dtype=torch.float64)
+            args = (torch.full((6,), 1.0), torch.full((6,), top_k), torch.full((6,), top_p), uniform)
+            c = cpu_kernels.cpu_sample_rows(logits, torch.arange(6), *args)
+            assert c.tolist() == sample_rows(logits, *args).tolist(), (top_k, top_p, draw)
+
+
 def test_c_sampler_reads_only_the_rows_it_is_given():
     if cpu_kernels.load() is None:
         pytest.skip("the C kernels do not build here")
