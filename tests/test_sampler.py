@@ -189,8 +189,9 @@ def test_c_sampler_picks_what_the_torch_reference_picks(dtype, vocab):
     top_p = torch.tensor([c[2] for c in cases])
     for draw in range(5):
         uniform = torch.rand(rows, generator=gen, dtype=torch.float64)
-        c = cpu_kernels.cpu_sample_rows(logits, torch.arange(rows), temperature, top_k, top_p, uniform)
-        ref = sample_rows(logits, temperature, top_k, top_p, uniform)
+        settings = torch.stack([temperature, top_k, top_p, uniform], dim=1).double()
+        c = cpu_kernels.cpu_sample_rows(logits, settings)
+        ref = sample_rows(logits, settings)
         assert c.tolist() == ref.tolist(), (draw, [(i, cases[i]) for i in (c != ref).nonzero().flatten().tolist()])
         assert not set(c[3:4].tolist()) & set(range(7))
 
@@ -210,9 +211,9 @@ def test_c_sampler_cuts_through_ties_and_plateaus(dtype):
     for top_k, top_p in ((0, 0.3), (0, 0.97), (5000, 1.0), (30000, 0.5), (1, 1.0), (40000, 0.999)):
         for draw in range(3):
             uniform = torch.rand(6, generator=gen, dtype=torch.float64)
-            args = (torch.full((6,), 1.0), torch.full((6,), top_k), torch.full((6,), top_p), uniform)
-            c = cpu_kernels.cpu_sample_rows(logits, torch.arange(6), *args)
-            assert c.tolist() == sample_rows(logits, *args).tolist(), (top_k, top_p, draw)
+            settings = torch.stack([torch.full((6,), 1.0), torch.full((6,), top_k), torch.full((6,), top_p), uniform], 1)
+            c = cpu_kernels.cpu_sample_rows(logits, settings.double())
+            assert c.tolist() == sample_rows(logits, settings.double()).tolist(), (top_k, top_p, draw)
 
 
 def test_c_sampler_reads_only_the_rows_it_is_given():
@@ -220,10 +221,9 @@ def test_c_sampler_reads_only_the_rows_it_is_given():
         pytest.skip("the C kernels do not build here")
     logits = random_logits(6, seed=8).bfloat16()[:, :999]  # strided rows
     rows = torch.tensor([4, 1])
-    params = dict(temperature=torch.tensor([1.0, 0.0]), top_k=torch.tensor([0, 0]), top_p=torch.tensor([0.9, 1.0]),
-                  uniform=torch.tensor([0.25, 0.0], dtype=torch.float64))
-    picked = cpu_kernels.cpu_sample_rows(logits, rows, **params)
-    assert picked.tolist() == sample_rows(logits[rows], **params).tolist()
+    settings = torch.tensor([[1.0, 0, 0.9, 0.25], [0.0, 0, 1.0, 0.0]], dtype=torch.float64)  # SETTINGS' columns
+    picked = cpu_kernels.cpu_sample_rows(logits, settings, rows)
+    assert picked.tolist() == sample_rows(logits[rows], settings).tolist()
     assert picked[1].item() == logits[1].float().argmax().item()
 
 

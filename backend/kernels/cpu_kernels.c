@@ -373,7 +373,8 @@ void rms_norm(const void* x, int64_t x_st, const void* weight, void* out, int64_
 
 /*
  * sample_rows (twin of backend.engine.sampler.sample_rows): one token per row of logits [*, V] (row stride `stride`), for
- * the R rows named in `rows`: argmax where temperature is 0, else a draw from softmax(x / T) restricted to its top-k
+ * the R rows named in `rows` (NULL: the first R), each with its row of `settings` (temperature, top_k, top_p, u, as
+ * doubles: one array from the caller instead of four): argmax where temperature is 0, else a draw from softmax(x / T) restricted to its top-k
  * and top-p prefix, by inverse CDF with the row's own uniform number u in [0, 1), scanning tokens in index order.
  * Rows are independent (a row's token never depends on its batch-mates). Non-finite logits (-inf: banned) weigh 0.
  *
@@ -796,8 +797,7 @@ static int64_t sample_one(const void* src, int dtype, int64_t V, float temperatu
 }
 
 void sample_rows(const void* logits, int64_t stride, int dtype, int64_t V, const int64_t* rows, int64_t R,
-                 const float* temperature, const int64_t* top_k, const float* top_p, const double* uniform,
-                 int64_t* out, int num_threads) {
+                 const double* settings, int64_t* out, int num_threads) {
     const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
 #pragma omp parallel num_threads(num_threads) if (R > 1)
     {
@@ -805,9 +805,11 @@ void sample_rows(const void* logits, int64_t stride, int dtype, int64_t V, const
                                   (float*)malloc(sizeof(float) * V), (float*)malloc(sizeof(float) * V),
                                   (int32_t*)malloc(sizeof(int32_t) * V)};
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < R; ++r)
-            out[r] = sample_one((const char*)logits + rows[r] * stride * esize, dtype, V, temperature[r], top_k[r],
-                                top_p[r], uniform[r], &scratch);
+        for (int64_t r = 0; r < R; ++r) {
+            const double* row = settings + 4 * r;  /* temperature, top_k, top_p, uniform */
+            out[r] = sample_one((const char*)logits + (rows ? rows[r] : r) * stride * esize, dtype, V, (float)row[0],
+                                (int64_t)row[1], (float)row[2], row[3], &scratch);
+        }
         free(scratch.x);
         free(scratch.w);
         free(scratch.xc);

@@ -99,7 +99,7 @@ def _build_and_load() -> ctypes.CDLL:
     lib.rope_paged_attention.restype = None
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.rms_norm.restype = None
-    lib.sample_rows.argtypes = [ptr, i64, ctypes.c_int, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    lib.sample_rows.argtypes = [ptr, i64, ctypes.c_int, i64, ptr, i64, ptr, ptr, ctypes.c_int]
     lib.sample_rows.restype = None
     lib.linear_small.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, i64, ptr, ctypes.c_int]
     lib.linear_small.restype = ctypes.c_int
@@ -384,21 +384,19 @@ def supports_sampling(logits: torch.Tensor) -> bool:
 
 
 def cpu_sample_rows(
-    logits: torch.Tensor,  # [S, V] float32 or bfloat16, rows may be strided; only ``rows`` are read
-    rows: torch.Tensor,  # [R] int64, which rows to sample
-    temperature: torch.Tensor,  # [R] float32, 0 = greedy
-    top_k: torch.Tensor,  # [R] int64, 0 = off
-    top_p: torch.Tensor,  # [R] float32, 1 = off
-    uniform: torch.Tensor,  # [R] float64 in [0, 1), each row's own random number
+    logits: torch.Tensor,  # [S, V] float32 or bfloat16, rows may be strided; only the sampled rows are read
+    settings: torch.Tensor,  # [R, 4] float64: each row's temperature, top_k, top_p, uniform (see sampler.SETTINGS)
+    rows: torch.Tensor | None = None,  # [R] int64, which rows of logits to sample; None: the first R
 ) -> torch.Tensor:  # [R] int64
     """The C twin of ``backend.engine.sampler.sample_rows``; the caller checks :func:`supports_sampling` first."""
-    num_rows = rows.shape[0]
+    num_rows = settings.shape[0]
     out = torch.empty(num_rows, dtype=torch.int64)
     if num_rows:
-        dtypes = (torch.int64, torch.float32, torch.int64, torch.float32, torch.float64)
-        args = [t.to(d).contiguous() for t, d in zip((rows, temperature, top_k, top_p, uniform), dtypes)]
+        settings = settings.to(torch.float64).contiguous()
+        rows = None if rows is None else rows.to(torch.int64).contiguous()
         _lib.sample_rows(
-            logits.data_ptr(), logits.stride(0), _DTYPE_CODES[logits.dtype], logits.shape[1], args[0].data_ptr(),
-            num_rows, *(t.data_ptr() for t in args[1:]), out.data_ptr(), torch.get_num_threads(),
+            logits.data_ptr(), logits.stride(0), _DTYPE_CODES[logits.dtype], logits.shape[1],
+            None if rows is None else rows.data_ptr(), num_rows, settings.data_ptr(), out.data_ptr(),
+            torch.get_num_threads(),
         )
     return out
