@@ -592,23 +592,33 @@ static int64_t inverse_cdf(const float* x, const float* w, int64_t V, float cut,
 typedef struct { float* x; float* w; float* xc; float* wc; int32_t* idx; } sample_scratch;
 
 /* The tokens with x >= t among the n, in index order: their logits, weights and indices into the scratch's xc, wc
- * and idx. A group of tokens with none (most of the vocabulary) costs one vector compare;
- * with AVX-512 a group's candidates are packed by one compress per array instead of a branch per token. */
+ * and idx. With AVX-512 a group of 64 tokens with none (most of the vocabulary of a peaked row) costs four compares
+ * and one branch; a group with some is packed by compresses without a branch per token or per 16, whose outcome
+ * would be a coin toss where the candidates are spread over the vocabulary (a flat row). */
 static void gather_at_least(const float* x, const float* w, int64_t n, float t, const sample_scratch* s) {
     int64_t num = 0, i = 0;
 #if defined(__AVX512F__)
     const __m512 tt = _mm512_set1_ps(t);
     const __m512i step = _mm512_set1_epi32(16);
     __m512i index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (; i + 16 <= n; i += 16, index = _mm512_add_epi32(index, step)) {
-        const __m512 xv = _mm512_loadu_ps(x + i);
-        const __mmask16 in = _mm512_cmp_ps_mask(xv, tt, _CMP_GE_OQ);
-        if (!in) continue;
-        /* compress in registers, then a full store: a compressing store to memory is microcoded and slow */
-        _mm512_storeu_ps(s->xc + num, _mm512_maskz_compress_ps(in, xv));
-        _mm512_storeu_ps(s->wc + num, _mm512_maskz_compress_ps(in, _mm512_loadu_ps(w + i)));
-        _mm512_storeu_si512(s->idx + num, _mm512_maskz_compress_epi32(in, index));
-        num += __builtin_popcount(in);
+    for (; i + 64 <= n; i += 64) {
+        __m512 xv[4];
+        __mmask16 in[4];
+        for (int k = 0; k < 4; ++k) {
+            xv[k] = _mm512_loadu_ps(x + i + 16 * k);
+            in[k] = _mm512_cmp_ps_mask(xv[k], tt, _CMP_GE_OQ);
+        }
+        if (!(in[0] | in[1] | in[2] | in[3])) {
+            index = _mm512_add_epi32(index, _mm512_slli_epi32(step, 2));
+            continue;
+        }
+        for (int k = 0; k < 4; ++k, index = _mm512_add_epi32(index, step)) {
+            /* compress in registers, then a full store: a compressing store to memory is microcoded and slow */
+            _mm512_storeu_ps(s->xc + num, _mm512_maskz_compress_ps(in[k], xv[k]));
+            _mm512_storeu_ps(s->wc + num, _mm512_maskz_compress_ps(in[k], _mm512_loadu_ps(w + i + 16 * k)));
+            _mm512_storeu_si512(s->idx + num, _mm512_maskz_compress_epi32(in[k], index));
+            num += __builtin_popcount(in[k]);
+        }
     }
 #endif
     for (; i < n; ++i)
