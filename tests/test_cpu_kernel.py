@@ -201,20 +201,41 @@ def test_small_batch_linear_refuses_more_rows_than_it_holds():
         cpu_kernels.cpu_linear_small(torch.zeros(too_many, 64).bfloat16(), weight)
 
 
-def test_model_linear_takes_the_c_path_for_few_rows_and_onednn_for_more():
-    from backend.engine.model import SMALL_BATCH_ROWS, Linear
+@pytest.mark.parametrize("op", ["none", "silu", "mul", "add"])
+@pytest.mark.parametrize("num_rows", [1, 13, 32, 33, 64, 100])
+@pytest.mark.parametrize("shape", [(960, 576), (64, 1536)], ids=["qkv", "down"])
+def test_amx_linear_matches_float32_sum_rounded_once(op, num_rows, shape):
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + num_rows)
+    weight = (0.05 * torch.randn(n, k, generator=gen)).bfloat16()
+    prepared = cpu_kernels.prepare_linear_weight_amx(weight)
+    if prepared is None:
+        pytest.skip("no AMX on this CPU (or no C compiler): oneDNN runs these rows")
+    bias = (0.1 * torch.randn(n, generator=gen)).bfloat16() if n == 960 else None
+    x = torch.randn(num_rows, k + 5, generator=gen).bfloat16()[:, :k]  # strided rows; 1, 13, 33, 100: padded
+    other = torch.randn(num_rows, n + 3, generator=gen).bfloat16()[:, :n] if op in ("mul", "add") else None
+    out = cpu_kernels.cpu_linear_amx(x, prepared, bias, op, other)
+    assert out.shape == (num_rows, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, fused_reference(x, weight, bias, op, other), atol=1e-3, rtol=2**-7)
+
+
+def test_model_linear_takes_the_c_path_for_few_rows_amx_for_more_and_onednn_above():
+    from backend.engine.model import AMX_MAX_ROWS, SMALL_BATCH_ROWS, Linear
 
     gen = torch.Generator().manual_seed(1)
     weight = (0.05 * torch.randn(64, 576, generator=gen)).bfloat16()
     linear = Linear(weight)
-    for num_rows in (1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 32):
+    for num_rows in (1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 32, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
         x = torch.randn(num_rows, 576, generator=gen).bfloat16()
         up = torch.randn(num_rows, 64, generator=gen).bfloat16()
         torch.testing.assert_close(linear(x), fused_reference(x, weight, None, "none", None), atol=1e-3, rtol=2**-7)
         torch.testing.assert_close(linear.mul(x, up), fused_reference(x, weight, None, "mul", up), atol=1e-3,
                                    rtol=2**-7)
-    assert linear._small(torch.zeros(SMALL_BATCH_ROWS, 576).bfloat16())
-    assert not linear._small(torch.zeros(SMALL_BATCH_ROWS + 1, 576).bfloat16())
+    rows = {n: torch.zeros(n, 576).bfloat16() for n in (SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, AMX_MAX_ROWS + 1)}
+    assert linear._small(rows[SMALL_BATCH_ROWS]) and not linear._amx(rows[SMALL_BATCH_ROWS])
+    assert not linear._small(rows[SMALL_BATCH_ROWS + 1])
+    assert linear._amx(rows[SMALL_BATCH_ROWS + 1]) == (linear.amx_weight is not None)
+    assert not linear._amx(rows[AMX_MAX_ROWS + 1])
 
 
 @pytest.mark.slow

@@ -109,11 +109,12 @@ def test_prefill_over_cached_prefix_matches_hf(runner, hf_model):
     torch.testing.assert_close(logits["p"], hf_last_logits(hf_model, prompt), atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("batch", [1, 3, 8, 9, 40])
 def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_dir, batch, monkeypatch):
-    """A small decode-only step in bf16 runs every layer in one C call (``DecodeStack``); the same step run layer by
-    layer (the same C kernels called from Python) gives the same logits exactly, and oneDNN's matmuls (the path for
-    bigger batches) gives them within bf16 rounding."""
+    """A decode-only step in bf16 of up to SMALL_BATCH_ROWS sequences (AMX_MAX_ROWS on a CPU with AMX) runs every
+    layer in one C call (``DecodeStack``); the same step run layer by layer (the same C kernels called from Python)
+    gives the same logits exactly, and oneDNN's matmuls (the path for bigger batches) gives them within bf16
+    rounding."""
     from backend.engine import model as model_module
     from backend.kernels import cpu_kernels
 
@@ -121,13 +122,13 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
         pytest.skip("no C compiler: the torch path is used")
     config = EngineConfig(
         model=str(tiny_llama_dir), dtype="bfloat16", block_size=BLOCK_SIZE, num_kv_blocks=128,
-        max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256, num_threads=2,
+        max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=256, num_threads=2,
     )
     runner = ModelRunner(config)
     stack = runner.model.decode_stack
     assert stack is not None, "the tiny model's shapes fit the C kernels: the stack must be built"
     pool = BlockPool(128)
-    lengths = [5, 9, 14, 3, 7, 11, 2, 6][:batch]
+    lengths = ([5, 9, 14, 3, 7, 11, 2, 6] * 8)[:batch]
     requests = [Request(f"r{i}", p) for i, p in enumerate(prompts(runner.shape.vocab_size, lengths))]
     run_step(runner, pool, [(r, len(r.prompt_token_ids)) for r in requests])  # prefill: the layer-by-layer path
     for r in requests:
@@ -135,18 +136,27 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
         pool.cover(r, r.num_computed_tokens + 1)
     inputs = runner.prepare([(r, 1) for r in requests])
 
-    def decode(decode_stack, small_rows=model_module.SMALL_BATCH_ROWS):
+    calls = []
+
+    class Counted:  # the stack, counting its calls
+        takes_amx = stack.takes_amx
+
+        def __call__(self, *args):
+            calls.append(1)
+            return stack(*args)
+
+    def decode(decode_stack, small_rows=model_module.SMALL_BATCH_ROWS, amx_rows=model_module.AMX_MAX_ROWS):
         monkeypatch.setattr(runner.model, "decode_stack", decode_stack)
         monkeypatch.setattr(model_module, "SMALL_BATCH_ROWS", small_rows)
-        calls = []
-        if decode_stack is not None:
-            monkeypatch.setattr(runner.model, "decode_stack", lambda *a: calls.append(1) or stack(*a))
-        logits = runner.run(inputs).clone()  # the step writes the same K/V again: runs are independent
-        return logits, calls
+        monkeypatch.setattr(model_module, "AMX_MAX_ROWS", amx_rows)
+        return runner.run(inputs).clone()  # the step writes the same K/V again: runs are independent
 
-    stacked, calls = decode(stack)
+    stacked = decode(Counted())
+    if batch > model_module.SMALL_BATCH_ROWS and not stack.takes_amx:  # no AMX here: the layers run one by one
+        assert not calls
+        return
     assert calls, "the step did not take the decode stack"
-    by_layer, _ = decode(None)
+    by_layer = decode(None)
     torch.testing.assert_close(stacked, by_layer, atol=0, rtol=0)
-    onednn, _ = decode(None, small_rows=0)
+    onednn = decode(None, small_rows=0, amx_rows=0)
     torch.testing.assert_close(stacked.float(), onednn.float(), atol=0.05, rtol=0.05)

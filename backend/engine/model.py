@@ -7,7 +7,8 @@ projections are fused so each layer reads its attention weights in one matmul.
 On CPU every projection runs through oneDNN with its weight laid out once at load time (``Linear``), and the
 elementwise work that follows a matmul (SiLU, the gate product, the residual add) is fused into it, so a decode step
 is little more than one pass over the weights; a step of at most ``SMALL_BATCH_ROWS`` sequences streams them
-through a C kernel instead, which reads them half again as fast. RMSNorm uses the C kernel of
+through a C kernel instead, which reads them half again as fast, and on a CPU with AMX a step of up to
+``AMX_MAX_ROWS`` runs its own AMX kernel (both let a decode-only step run every layer in one C call). RMSNorm uses the C kernel of
 ``backend.kernels.cpu_kernels`` where it builds.
 Attention is whichever ``AttentionBackend`` the model runner chose for the device (the OpenAI Triton kernels on CUDA,
 the C kernels or the torch reference on CPU): every layer calls it with the step's metadata. On CPU one C call per
@@ -67,6 +68,10 @@ class ModelShape:
 # layer in one call: ``DecodeStack``). SmolLM2 decode step, C against oneDNN: 8 rows 23.0 against 27.2 ms, 12 rows
 # about even, 16 rows 37.0 against 30.4 (oneDNN's AMX matmuls win once the step is compute-bound).
 SMALL_BATCH_ROWS = 8
+# Above it and up to this many rows, on a CPU with AMX (Sapphire Rapids on), ``cpu_linear_amx`` (and ``DecodeStack``):
+# SmolLM2's projections of 30 layers with their weights read from memory, 64 rows 12.3 against oneDNN's 17.0 ms,
+# 32 rows 10.0-11.0 against 15.3. Above it oneDNN is faster (weights in cache, 128 rows: 116 against 150 us).
+AMX_MAX_ROWS = 64
 
 
 class Linear:
@@ -76,7 +81,8 @@ class Linear:
     every call, which costs as much as the matmul itself at decode batch sizes. The fused variants apply the
     elementwise op to the fp32 accumulator before rounding (one rounding instead of two in bf16). A bf16 decode step
     of at most ``SMALL_BATCH_ROWS`` rows streams a copy of the weight through ``cpu_linear_small`` instead (22 GB/s
-    where oneDNN read 14-15 on the Xeon measured). Elsewhere (CUDA, or a CPU without oneDNN support for the dtype) it
+    where oneDNN read 14-15 on the Xeon measured), and one of up to ``AMX_MAX_ROWS`` rows, on a CPU with AMX, a copy
+    in the AMX tiles' layout through ``cpu_linear_amx``. Elsewhere (CUDA, or a CPU without oneDNN support for the dtype) it
     is the plain op sequence.
     """
 
@@ -87,14 +93,21 @@ class Linear:
         self.weight = weight if self.packed is None else None  # the packed copy replaces it
         # bf16 on CPU: the few rows of a decode step read a copy of their own (cpu_linear_small's layout), or None
         self.small_rows_weight = cpu_kernels.prepare_linear_weight(weight)
+        self.amx_weight = cpu_kernels.prepare_linear_weight_amx(weight)  # None without AMX
 
     def _small(self, x: torch.Tensor) -> bool:
         return self.small_rows_weight is not None and x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == torch.bfloat16 \
             and x.stride(-1) == 1
 
+    def _amx(self, x: torch.Tensor) -> bool:
+        return self.amx_weight is not None and SMALL_BATCH_ROWS < x.shape[0] <= AMX_MAX_ROWS \
+            and x.dtype == torch.bfloat16 and x.stride(-1) == 1
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
         if self._small(x):
             return cpu_kernels.cpu_linear_small(x, self.small_rows_weight, self.bias)
+        if self._amx(x):
+            return cpu_kernels.cpu_linear_amx(x, self.amx_weight, self.bias)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -102,6 +115,8 @@ class Linear:
     def silu(self, x: torch.Tensor) -> torch.Tensor:  # silu(x W^T)
         if self._small(x):
             return cpu_kernels.cpu_linear_small(x, self.small_rows_weight, self.bias, "silu")
+        if self._amx(x):
+            return cpu_kernels.cpu_linear_amx(x, self.amx_weight, self.bias, "silu")
         if self.packed is None:
             return F.silu(F.linear(x, self.weight, self.bias))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
@@ -109,6 +124,8 @@ class Linear:
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:  # (x W^T) * other
         if self._small(x) and other.stride(-1) == 1:
             return cpu_kernels.cpu_linear_small(x, self.small_rows_weight, self.bias, "mul", other)
+        if self._amx(x) and other.stride(-1) == 1:
+            return cpu_kernels.cpu_linear_amx(x, self.amx_weight, self.bias, "mul", other)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias) * other
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
@@ -116,6 +133,8 @@ class Linear:
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:  # (x W^T) + other
         if self._small(x) and other.stride(-1) == 1:
             return cpu_kernels.cpu_linear_small(x, self.small_rows_weight, self.bias, "add", other)
+        if self._amx(x) and other.stride(-1) == 1:
+            return cpu_kernels.cpu_linear_amx(x, self.amx_weight, self.bias, "add", other)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias) + other
         return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
@@ -185,7 +204,8 @@ class LlamaModel:
         # NOTE: the C RMSNorm equals HF's bit for bit in bf16; in float32 (the correctness reference) F.rms_norm does.
         use_c = device.type == "cpu" and dtype == torch.bfloat16 and cpu_kernels.load() is not None
         self.rms_norm = cpu_kernels.cpu_rms_norm if use_c else F.rms_norm
-        # A decode-only step of at most SMALL_BATCH_ROWS sequences runs every layer in one C call (same kernels).
+        # A decode-only step of at most SMALL_BATCH_ROWS sequences (AMX_MAX_ROWS with AMX) runs every layer in one C
+        # call (the same kernels).
         self.decode_stack = cpu_kernels.DecodeStack.for_layers(self.layers, s, dtype) if use_c else None
 
     @torch.inference_mode()
@@ -238,10 +258,11 @@ class LlamaModel:
     ) -> bool:
         """Every layer in one C call (``DecodeStack``), where the step is a few decodes on the C kernels; updates
         ``h`` in place. False where it does not apply: the layers then run one by one."""
-        return (self.decode_stack is not None and h.shape[0] <= SMALL_BATCH_ROWS
+        return (self.decode_stack is not None
+                and h.shape[0] <= (AMX_MAX_ROWS if self.decode_stack.takes_amx else SMALL_BATCH_ROWS)
                 and meta.num_decode_tokens == h.shape[0] and not meta.prefills
                 and self.attention.rope_forward is cpu_kernels.cpu_rope_paged_attention
-                and self.decode_stack(h, positions, self.cos, self.sin_signed, kv_caches, meta))
+                and self.decode_stack(h, positions, self.cos, self.sin_signed, kv_caches, meta, SMALL_BATCH_ROWS))
 
 
 def _rope_tables(model_dir: Path, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,7 +105,8 @@ def _build_and_load() -> ctypes.CDLL:
     lib.linear_small.restype = ctypes.c_int
     lib.linear_weight_packed.restype = ctypes.c_int
     lib.decode_stack.argtypes = [
-        ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_float,  # h, weights per layer, eps
+        ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,  # h, weights per layer
+        ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float,  # AMX copies per layer, small_rows, I, eps
         ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,  # positions, cos, sin, slots, K and V pools per layer, strides
         ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, i64,  # block tables, context lens, H, KVH, D, ...
         ptr, ptr, ptr, ptr, ptr, ctypes.c_int,  # scratch: x, qkv, attn, gate, up; num_threads
@@ -113,6 +114,11 @@ def _build_and_load() -> ctypes.CDLL:
     lib.decode_stack.restype = ctypes.c_int
     lib.pack_linear_weight.argtypes = [ptr, i64, i64, ptr]
     lib.pack_linear_weight.restype = None
+    lib.linear_amx.argtypes = lib.linear_small.argtypes
+    lib.linear_amx.restype = ctypes.c_int
+    lib.linear_amx_available.restype = ctypes.c_int
+    lib.pack_linear_weight_amx.argtypes = [ptr, i64, i64, ptr]
+    lib.pack_linear_weight_amx.restype = None
     for limit in (lib.max_group, lib.max_head_dim, lib.max_row):
         limit.restype = ctypes.c_int
     lib.limits = (lib.max_group(), lib.max_head_dim(), lib.max_row())
@@ -288,6 +294,40 @@ def cpu_linear_small(
     return out
 
 
+def prepare_linear_weight_amx(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight as :func:`cpu_linear_amx` reads it (AMX tiles' layout), or None where the CPU, the build or the
+    shape does not allow it (no AMX, not bf16 on CPU, N % 16 or K % 32)."""
+    lib = load()
+    if (lib is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
+            or weight.shape[0] % 32 or weight.shape[1] % 32 or weight.shape[1] > 16384
+            or not lib.linear_amx_available()):
+        return None
+    packed = torch.empty_like(weight)
+    lib.pack_linear_weight_amx(weight.contiguous().data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
+    return packed
+
+
+def cpu_linear_amx(
+    x: torch.Tensor,  # [T, K] bf16, rows may be strided
+    weight: torch.Tensor,  # [N, K] bf16, from prepare_linear_weight_amx
+    bias: torch.Tensor | None = None,  # [N] bf16
+    op: str = "none",  # then silu, or times / plus ``other``
+    other: torch.Tensor | None = None,  # [T, N] bf16, rows may be strided
+) -> torch.Tensor:  # [T, N] bf16
+    """``op(x @ weight.T + bias)`` on AMX tiles, any number of rows: the float32 sum, the elementwise op, one
+    rounding (as oneDNN's fused post-ops)."""
+    num_rows, (n, k) = x.shape[0], weight.shape
+    out = torch.empty((num_rows, n), dtype=torch.bfloat16)
+    other_ptr, other_stride = (None, 0) if other is None else (other.data_ptr(), other.stride(0))
+    status = _lib.linear_amx(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), num_rows, k, n,
+        LINEAR_OPS[op], other_ptr, other_stride, out.data_ptr(), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"linear_amx cannot take {num_rows} rows of {k}")
+    return out
+
+
 class DecodeStack:
     """``decode_stack``'s view of a model: every layer of a small decode-only step in one C call (the weights'
     addresses gathered once, the step's metadata converted once instead of once per layer).
@@ -310,6 +350,11 @@ class DecodeStack:
         self.gate = pointers([layer.gate.small_rows_weight for layer in layers])
         self.up = pointers([layer.up.small_rows_weight for layer in layers])
         self.down = pointers([layer.down.small_rows_weight for layer in layers])
+        # Bigger steps read the AMX copies, where every projection has one (else the stack takes SMALL_BATCH_ROWS)
+        amx = [[getattr(layer, p).amx_weight for layer in layers] for p in ("qkv", "o", "gate", "up", "down")]
+        self.takes_amx = all(w is not None for ws in amx for w in ws)
+        self.qkv_amx, self.o_amx, self.gate_amx, self.up_amx, self.down_amx = (
+            pointers(ws if self.takes_amx else [None] * len(layers)) for ws in amx)
         # (first K pool's address, whether the pools fit the kernels, K pointers, V pointers), built on first use:
         # the pools live as long as the engine
         self._pools: tuple = ()
@@ -337,6 +382,7 @@ class DecodeStack:
         sin_signed: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V) [num_blocks, block_size, kvh, hd]
         meta: AttentionMetadata,  # decode-only: every token is a decode
+        small_rows: int,  # up to this many rows the projections run cpu_linear_small, above it cpu_linear_amx
     ) -> bool:
         """Run every layer over ``h``; False (nothing done) where the pools or inputs are not what the kernels take."""
         num_tokens = h.shape[0]
@@ -363,7 +409,8 @@ class DecodeStack:
         block_size = k_cache.shape[1]
         status = _lib.decode_stack(
             h.data_ptr(), num_tokens, self.hidden_size, self.num_layers, self.norm1, self.qkv, self.qkv_bias, self.o,
-            self.norm2, self.gate, self.up, self.down, self.intermediate_size, self.eps, positions.data_ptr(),
+            self.norm2, self.gate, self.up, self.down, self.qkv_amx, self.o_amx, self.gate_amx, self.up_amx,
+            self.down_amx, small_rows, self.intermediate_size, self.eps, positions.data_ptr(),
             cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), self._pools[2], self._pools[3],
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.data_ptr(), tables.stride(0),
             lens.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim, block_size, meta.scale,
