@@ -220,7 +220,7 @@ def test_amx_linear_matches_float32_sum_rounded_once(op, num_rows, shape):
 
 
 def test_model_linear_takes_the_c_path_for_few_rows_amx_for_more_and_onednn_above():
-    from backend.engine.model import AMX_MAX_ROWS, SMALL_BATCH_ROWS, Linear
+    from backend.engine.model import AMX_MAX_ROWS, SMALL_BATCH_ROWS, Linear, small_rows_limit
 
     gen = torch.Generator().manual_seed(1)
     weight = (0.05 * torch.randn(64, 576, generator=gen)).bfloat16()
@@ -231,10 +231,11 @@ def test_model_linear_takes_the_c_path_for_few_rows_amx_for_more_and_onednn_abov
         torch.testing.assert_close(linear(x), fused_reference(x, weight, None, "none", None), atol=1e-3, rtol=2**-7)
         torch.testing.assert_close(linear.mul(x, up), fused_reference(x, weight, None, "mul", up), atol=1e-3,
                                    rtol=2**-7)
-    rows = {n: torch.zeros(n, 576).bfloat16() for n in (SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, AMX_MAX_ROWS + 1)}
-    assert linear._small(rows[SMALL_BATCH_ROWS]) and not linear._amx(rows[SMALL_BATCH_ROWS])
-    assert not linear._small(rows[SMALL_BATCH_ROWS + 1])
-    assert linear._amx(rows[SMALL_BATCH_ROWS + 1]) == (linear.amx_weight is not None)
+    small = small_rows_limit(linear.amx_weight is not None)  # 8, or 1 where AMX takes 2-64 rows
+    rows = {n: torch.zeros(n, 576).bfloat16() for n in (small, small + 1, AMX_MAX_ROWS + 1)}
+    assert linear._small(rows[small]) and not linear._amx(rows[small])
+    assert not linear._small(rows[small + 1])
+    assert linear._amx(rows[small + 1]) == (linear.amx_weight is not None)
     assert not linear._amx(rows[AMX_MAX_ROWS + 1])
 
 

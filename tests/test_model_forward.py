@@ -145,10 +145,10 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
             calls.append(1)
             return stack(*args)
 
-    def decode(decode_stack, small_rows=model_module.SMALL_BATCH_ROWS, amx_rows=model_module.AMX_MAX_ROWS):
+    def decode(decode_stack, c_paths=True):
         monkeypatch.setattr(runner.model, "decode_stack", decode_stack)
-        monkeypatch.setattr(model_module, "SMALL_BATCH_ROWS", small_rows)
-        monkeypatch.setattr(model_module, "AMX_MAX_ROWS", amx_rows)
+        for name in ("SMALL_BATCH_ROWS", "SMALL_BATCH_ROWS_WITH_AMX", "AMX_MAX_ROWS"):
+            monkeypatch.setattr(model_module, name, getattr(model_module, name) if c_paths else 0)
         return runner.run(inputs).clone()  # the step writes the same K/V again: runs are independent
 
     stacked = decode(Counted())
@@ -158,5 +158,5 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
     assert calls, "the step did not take the decode stack"
     by_layer = decode(None)
     torch.testing.assert_close(stacked, by_layer, atol=0, rtol=0)
-    onednn = decode(None, small_rows=0, amx_rows=0)
+    onednn = decode(None, c_paths=False)
     torch.testing.assert_close(stacked.float(), onednn.float(), atol=0.05, rtol=0.05)

@@ -7,7 +7,7 @@ projections are fused so each layer reads its attention weights in one matmul.
 On CPU every projection runs through oneDNN with its weight laid out once at load time (``Linear``), and the
 elementwise work that follows a matmul (SiLU, the gate product, the residual add) is fused into it, so a decode step
 is little more than one pass over the weights; a step of at most ``SMALL_BATCH_ROWS`` sequences streams them
-through a C kernel instead, which reads them half again as fast, and on a CPU with AMX a step of up to
+through a C kernel instead, which reads them half again as fast, and on a CPU with AMX a step of 2 to
 ``AMX_MAX_ROWS`` runs its own AMX kernel (both let a decode-only step run every layer in one C call). RMSNorm uses the C kernel of
 ``backend.kernels.cpu_kernels`` where it builds.
 Attention is whichever ``AttentionBackend`` the model runner chose for the device (the OpenAI Triton kernels on CUDA,
@@ -68,10 +68,18 @@ class ModelShape:
 # layer in one call: ``DecodeStack``). SmolLM2 decode step, C against oneDNN: 8 rows 23.0 against 27.2 ms, 12 rows
 # about even, 16 rows 37.0 against 30.4 (oneDNN's AMX matmuls win once the step is compute-bound).
 SMALL_BATCH_ROWS = 8
-# Above it and up to this many rows, on a CPU with AMX (Sapphire Rapids on), ``cpu_linear_amx`` (and ``DecodeStack``):
-# SmolLM2's projections of 30 layers with their weights read from memory, 64 rows 12.3 against oneDNN's 17.0 ms,
-# 32 rows 10.0-11.0 against 15.3. Above it oneDNN is faster (weights in cache, 128 rows: 116 against 150 us).
+# On a CPU with AMX (Sapphire Rapids on) the rows above this and up to AMX_MAX_ROWS run ``cpu_linear_amx`` instead
+# (and ``DecodeStack`` with it). SmolLM2 decode step, 64-token contexts, linear_small against AMX in one process:
+# 1 row 12.4 against 12.8 ms, 2 rows 16.4 against 12.9, 8 rows 21.7 against 14.3. Projections of 30 layers with
+# their weights read from memory, AMX against oneDNN: 64 rows 12.3 against 17.0 ms, 32 rows 10.0-11.0 against 15.3;
+# above 64 oneDNN is faster (weights in cache, 128 rows: 116 against 150 us).
+SMALL_BATCH_ROWS_WITH_AMX = 1
 AMX_MAX_ROWS = 64
+
+
+def small_rows_limit(amx: bool) -> int:
+    """The most rows ``cpu_linear_small`` takes: fewer where the AMX kernel is there to take the rest."""
+    return SMALL_BATCH_ROWS_WITH_AMX if amx else SMALL_BATCH_ROWS
 
 
 class Linear:
@@ -81,8 +89,8 @@ class Linear:
     every call, which costs as much as the matmul itself at decode batch sizes. The fused variants apply the
     elementwise op to the fp32 accumulator before rounding (one rounding instead of two in bf16). A bf16 decode step
     of at most ``SMALL_BATCH_ROWS`` rows streams a copy of the weight through ``cpu_linear_small`` instead (22 GB/s
-    where oneDNN read 14-15 on the Xeon measured), and one of up to ``AMX_MAX_ROWS`` rows, on a CPU with AMX, a copy
-    in the AMX tiles' layout through ``cpu_linear_amx``. Elsewhere (CUDA, or a CPU without oneDNN support for the dtype) it
+    where oneDNN read 14-15 on the Xeon measured); on a CPU with AMX, a step of 2 to ``AMX_MAX_ROWS`` rows runs a
+    copy in the AMX tiles' layout through ``cpu_linear_amx`` (``small_rows_limit``). Elsewhere (CUDA, or a CPU without oneDNN support for the dtype) it
     is the plain op sequence.
     """
 
@@ -96,11 +104,11 @@ class Linear:
         self.amx_weight = cpu_kernels.prepare_linear_weight_amx(weight)  # None without AMX
 
     def _small(self, x: torch.Tensor) -> bool:
-        return self.small_rows_weight is not None and x.shape[0] <= SMALL_BATCH_ROWS and x.dtype == torch.bfloat16 \
-            and x.stride(-1) == 1
+        return self.small_rows_weight is not None and x.shape[0] <= small_rows_limit(self.amx_weight is not None) \
+            and x.dtype == torch.bfloat16 and x.stride(-1) == 1
 
     def _amx(self, x: torch.Tensor) -> bool:
-        return self.amx_weight is not None and SMALL_BATCH_ROWS < x.shape[0] <= AMX_MAX_ROWS \
+        return self.amx_weight is not None and small_rows_limit(True) < x.shape[0] <= AMX_MAX_ROWS \
             and x.dtype == torch.bfloat16 and x.stride(-1) == 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
@@ -262,7 +270,8 @@ class LlamaModel:
                 and h.shape[0] <= (AMX_MAX_ROWS if self.decode_stack.takes_amx else SMALL_BATCH_ROWS)
                 and meta.num_decode_tokens == h.shape[0] and not meta.prefills
                 and self.attention.rope_forward is cpu_kernels.cpu_rope_paged_attention
-                and self.decode_stack(h, positions, self.cos, self.sin_signed, kv_caches, meta, SMALL_BATCH_ROWS))
+                and self.decode_stack(h, positions, self.cos, self.sin_signed, kv_caches, meta,
+                                      small_rows_limit(self.decode_stack.takes_amx)))
 
 
 def _rope_tables(model_dir: Path, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -251,7 +251,7 @@ def cpu_rms_norm(
     return out
 
 
-LINEAR_MAX_ROWS = 64  # linear_small's limit; the model decides below which row count it pays (model.SMALL_BATCH_ROWS)
+LINEAR_MAX_ROWS = 64  # linear_small's limit; the model decides below which row count it pays (model.small_rows_limit)
 LINEAR_OPS = {"none": 0, "silu": 1, "mul": 2, "add": 3}
 
 
@@ -350,7 +350,8 @@ class DecodeStack:
         self.gate = pointers([layer.gate.small_rows_weight for layer in layers])
         self.up = pointers([layer.up.small_rows_weight for layer in layers])
         self.down = pointers([layer.down.small_rows_weight for layer in layers])
-        # Bigger steps read the AMX copies, where every projection has one (else the stack takes SMALL_BATCH_ROWS)
+        # Bigger steps read the AMX copies, where every projection has one (else the model keeps the stack to the
+        # rows linear_small takes)
         amx = [[getattr(layer, p).amx_weight for layer in layers] for p in ("qkv", "o", "gate", "up", "down")]
         self.takes_amx = all(w is not None for ws in amx for w in ws)
         self.qkv_amx, self.o_amx, self.gate_amx, self.up_amx, self.down_amx = (
