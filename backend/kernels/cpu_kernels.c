@@ -1031,12 +1031,14 @@ int linear_small(const void* x, int64_t x_st, const void* weight, const void* bi
 
 /*
  * linear_amx: y = op(x W^T + b) for any number of rows T, on AMX tiles (Sapphire Rapids and later), for the decode
- * steps too big for linear_small. The weight is packed once (pack_linear_weight_amx) into the tiles' pair-interleaved
- * layout, [N/16][K/32][16 pairs of k][16 n][2], so each 16 x 32 block of W is one contiguous 1 KB tile load. A thread
- * takes 16 outputs at a time and runs every 64-row group of x past that panel of W (it stays in L1/L2), four
- * 16 x 16 float32 accumulator tiles per group; the bias, the elementwise op and the rounding to bf16 are applied
- * 16 floats at a time on the way out, as oneDNN's fused post-ops do (float32 sum, one rounding).
- * Returns -1 where this build or this kernel cannot run it (no AMX, N % 16, K % 32, K too large).
+ * steps linear_small is slower at (the model decides: 2 to 64 rows). The weight is packed once
+ * (pack_linear_weight_amx) into the tiles' pair-interleaved layout, [N/16][K/32][16 pairs of k][16 n][2], so each
+ * 16 x 32 block of W is one contiguous 1 KB tile load. A thread takes 32 outputs (two panels of W) at a time and runs
+ * every 32-row group of x past them: four 16 x 16 float32 accumulator tiles, each x tile and each W tile loaded once
+ * per two multiplies (with one panel and four row groups, x was loaded for every multiply: 1.4x slower at 64 rows).
+ * The bias, the elementwise op and the rounding to bf16 are applied 16 floats at a time on the way out, as oneDNN's
+ * fused post-ops do (float32 sum, one rounding).
+ * Returns -1 where this build or this kernel cannot run it (no AMX, N % 32, K % 32, K too large).
  */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>

@@ -282,21 +282,27 @@ def cpu_linear_small(
 ) -> torch.Tensor:  # [T, N] bf16
     """``op(x @ weight.T + bias)`` for a decode step's few rows: one pass over the weight, the elementwise op on the
     float32 sum and one rounding (as oneDNN's fused post-ops)."""
+    return _fused_linear("linear_small", x, weight, bias, op, other)
+
+
+def _fused_linear(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, op: str,
+                  other: torch.Tensor | None) -> torch.Tensor:
+    """Call a C matmul with linear_small's arguments (``linear_small`` or ``linear_amx``)."""
     num_rows, (n, k) = x.shape[0], weight.shape
     out = torch.empty((num_rows, n), dtype=torch.bfloat16)
     other_ptr, other_stride = (None, 0) if other is None else (other.data_ptr(), other.stride(0))
-    status = _lib.linear_small(
+    status = getattr(_lib, kernel)(
         x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), num_rows, k, n,
         LINEAR_OPS[op], other_ptr, other_stride, out.data_ptr(), torch.get_num_threads(),
     )
     if status != 0:
-        raise ValueError(f"linear_small cannot take {num_rows} rows of {k}")
+        raise ValueError(f"{kernel} cannot take {num_rows} rows of {k}")
     return out
 
 
 def prepare_linear_weight_amx(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight as :func:`cpu_linear_amx` reads it (AMX tiles' layout), or None where the CPU, the build or the
-    shape does not allow it (no AMX, not bf16 on CPU, N % 16 or K % 32)."""
+    shape does not allow it (no AMX, not bf16 on CPU, N % 32 or K % 32)."""
     lib = load()
     if (lib is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
             or weight.shape[0] % 32 or weight.shape[1] % 32 or weight.shape[1] > 16384
@@ -316,16 +322,7 @@ def cpu_linear_amx(
 ) -> torch.Tensor:  # [T, N] bf16
     """``op(x @ weight.T + bias)`` on AMX tiles, any number of rows: the float32 sum, the elementwise op, one
     rounding (as oneDNN's fused post-ops)."""
-    num_rows, (n, k) = x.shape[0], weight.shape
-    out = torch.empty((num_rows, n), dtype=torch.bfloat16)
-    other_ptr, other_stride = (None, 0) if other is None else (other.data_ptr(), other.stride(0))
-    status = _lib.linear_amx(
-        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), num_rows, k, n,
-        LINEAR_OPS[op], other_ptr, other_stride, out.data_ptr(), torch.get_num_threads(),
-    )
-    if status != 0:
-        raise ValueError(f"linear_amx cannot take {num_rows} rows of {k}")
-    return out
+    return _fused_linear("linear_amx", x, weight, bias, op, other)
 
 
 class DecodeStack:
