@@ -211,7 +211,8 @@ def test_c_sampler_cuts_through_ties_and_plateaus(dtype):
     for top_k, top_p in ((0, 0.3), (0, 0.97), (5000, 1.0), (30000, 0.5), (1, 1.0), (40000, 0.999)):
         for draw in range(3):
             uniform = torch.rand(6, generator=gen, dtype=torch.float64)
-            settings = torch.stack([torch.full((6,), 1.0), torch.full((6,), top_k), torch.full((6,), top_p), uniform], 1)
+            columns = [torch.full((6,), 1.0), torch.full((6,), top_k), torch.full((6,), top_p), uniform]
+            settings = torch.stack(columns, 1)
             c = cpu_kernels.cpu_sample_rows(logits, settings.double())
             assert c.tolist() == sample_rows(logits, settings.double()).tolist(), (top_k, top_p, draw)
 

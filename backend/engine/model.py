@@ -8,8 +8,8 @@ On CPU every projection runs through oneDNN with its weight laid out once at loa
 elementwise work that follows a matmul (SiLU, the gate product, the residual add) is fused into it, so a decode step
 is little more than one pass over the weights; a step of at most ``SMALL_BATCH_ROWS`` sequences streams them
 through a C kernel instead, which reads them half again as fast, and on a CPU with AMX a step of 2 to
-``AMX_MAX_ROWS`` runs its own AMX kernel (both let a decode-only step run every layer in one C call). RMSNorm uses the C kernel of
-``backend.kernels.cpu_kernels`` where it builds.
+``AMX_MAX_ROWS`` runs its own AMX kernel (both let a decode-only step run every layer in one C call). RMSNorm uses
+the C kernel of ``backend.kernels.cpu_kernels`` where it builds.
 Attention is whichever ``AttentionBackend`` the model runner chose for the device (the OpenAI Triton kernels on CUDA,
 the C kernels or the torch reference on CPU): every layer calls it with the step's metadata. On CPU one C call per
 layer takes the QKV projection's output to the attention output (rotary embedding, K/V write, decode attention).
@@ -90,8 +90,8 @@ class Linear:
     elementwise op to the fp32 accumulator before rounding (one rounding instead of two in bf16). A bf16 decode step
     of at most ``SMALL_BATCH_ROWS`` rows streams a copy of the weight through ``cpu_linear_small`` instead (22 GB/s
     where oneDNN read 14-15 on the Xeon measured); on a CPU with AMX, a step of 2 to ``AMX_MAX_ROWS`` rows runs a
-    copy in the AMX tiles' layout through ``cpu_linear_amx`` (``small_rows_limit``). Elsewhere (CUDA, or a CPU without oneDNN support for the dtype) it
-    is the plain op sequence.
+    copy in the AMX tiles' layout through ``cpu_linear_amx`` (``small_rows_limit``). Elsewhere (CUDA, or a CPU
+    without oneDNN support for the dtype) it is the plain op sequence.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:  # weight (out, in)

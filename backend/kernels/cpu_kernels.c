@@ -374,8 +374,9 @@ void rms_norm(const void* x, int64_t x_st, const void* weight, void* out, int64_
 /*
  * sample_rows (twin of backend.engine.sampler.sample_rows): one token per row of logits [*, V] (row stride `stride`), for
  * the R rows named in `rows` (NULL: the first R), each with its row of `settings` (temperature, top_k, top_p, u, as
- * doubles: one array from the caller instead of four): argmax where temperature is 0, else a draw from softmax(x / T) restricted to its top-k
- * and top-p prefix, by inverse CDF with the row's own uniform number u in [0, 1), scanning tokens in index order.
+ * doubles: one array from the caller instead of four): argmax where temperature is 0, else a draw from
+ * softmax(x / T) restricted to its top-k and top-p prefix, by inverse CDF with the row's own uniform number u in
+ * [0, 1), scanning tokens in index order.
  * Rows are independent (a row's token never depends on its batch-mates). Non-finite logits (-inf: banned) weigh 0.
  *
  * A draw is a few vectorised passes over the row and never sorts the vocabulary. The weights w = exp((x - max) / T)
@@ -1175,9 +1176,9 @@ int linear_amx(const void* x, int64_t x_st, const void* weight, const void* bias
 
 /*
  * decode_stack: every decoder layer of a decode-only step of at most LINEAR_MAX_T sequences, bf16, in one call:
- * per layer RMSNorm, QKV (linear_small or linear_amx), rotary embedding + K/V write + attention (rope_paged_attention), O plus the
- * residual, RMSNorm, SiLU(gate) * up, down plus the residual; the same C functions the layer-by-layer path calls,
- * so the result is the same to the bit. What it saves is the Python between them: at batch 1 a layer's eight calls,
+ * per layer RMSNorm, QKV (linear_small or linear_amx), rotary embedding + K/V write + attention
+ * (rope_paged_attention), O plus the residual, RMSNorm, SiLU(gate) * up, down plus the residual; the same C
+ * functions the layer-by-layer path calls, so the result is the same to the bit. What it saves is the Python between them: at batch 1 a layer's eight calls,
  * their argument checks and the per-layer conversions of the step's metadata cost more than its attention.
  * h: [T, Dm] residual stream, updated in place. Per-layer arrays (num_layers pointers each): the two norms' weights,
  * the QKV, O, gate, up and down weights (linear_small's layout), the QKV bias (NULL entries: none), the same five
