@@ -13,6 +13,7 @@ tritonserver refuses them, so the probes fail at once. Standard library only; ru
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import urllib.error
 import urllib.request
@@ -61,8 +62,12 @@ def check(kind: str, url: str, metrics_url: str, timeout: float = 3.0) -> str | 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="probe.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=("ready", "live"))
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="Triton's HTTP endpoint (default: %(default)s)")
-    parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics", help="default: %(default)s")
+    # The ports the server was given (backend/triton/serve.py reads the same variables).
+    http_port, metrics_port = os.environ.get("HTTP_PORT") or "8000", os.environ.get("METRICS_PORT") or "8002"
+    parser.add_argument("--url", default=f"http://127.0.0.1:{http_port}",
+                        help="Triton's HTTP endpoint (default: %(default)s, from $HTTP_PORT)")
+    parser.add_argument("--metrics-url", default=f"http://127.0.0.1:{metrics_port}/metrics",
+                        help="default: %(default)s, from $METRICS_PORT")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request (default: %(default)s)")
     args = parser.parse_args(argv)
     problem = check(args.kind, args.url, args.metrics_url, args.timeout)

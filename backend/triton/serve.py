@@ -5,8 +5,10 @@
 
 The ``tritonserver`` binary comes from the nvidia-pytriton wheel (only the binary; PyTriton's Python API is not
 used). It is laid out once in ``.triton/tritonserver-<wheel version>-py<XY>/`` with the Python-backend stub for
-the running interpreter, then started with the environment the stub needs. The model folder reaches the
-models as the environment variable ``LLM_MODEL``; the model repository does not depend on this launcher.
+the running interpreter, then started with the environment the stub needs. ``$TRITONSERVER_HOME`` names an
+installed server instead (NVIDIA's tritonserver image: ``/opt/tritonserver``, with ``bin/`` and ``backends/``).
+The model folder reaches the models as the environment variable ``LLM_MODEL``; the model repository does not
+depend on this launcher.
 
 The admin APIs (shared-memory registration, trace and log settings, and model load/unload when model control is
 on) answer only requests that carry the header ``admin-key`` (gRPC: ``triton-grpc-protocol-admin-key``) with the
@@ -57,6 +59,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_LAYOUT_ROOT = REPO_ROOT / ".triton"
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
 MODEL_ENV_VAR = "LLM_MODEL"
+SERVER_HOME_ENV_VAR = "TRITONSERVER_HOME"
 LAYOUT_MARKER = ".complete"
 STUB_NAME = "triton_python_backend_stub"
 LOOPBACK = "127.0.0.1"
@@ -165,6 +168,18 @@ def prepare_server_home(version: str | None = None, layout_root: Path = DEFAULT_
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"[serve] laid out tritonserver in {home} ({time.perf_counter() - t0:.2f} s)", flush=True)
+    return home
+
+
+def server_home(version: str | None = None, layout_root: Path = DEFAULT_LAYOUT_ROOT) -> Path:
+    """The tritonserver install to run: ``$TRITONSERVER_HOME`` as it is, else the wheel's, laid out once."""
+    installed = os.environ.get(SERVER_HOME_ENV_VAR)
+    if not installed:
+        return prepare_server_home(version, layout_root)
+    home = Path(installed)
+    for part in ("bin/tritonserver", "backends/python"):
+        if not (home / part).exists():
+            raise LauncherError(f"${SERVER_HOME_ENV_VAR} is {home}, which has no {part}: not a tritonserver install")
     return home
 
 
@@ -502,9 +517,10 @@ class TritonServer:
         return args + restricted_api_args(self.extra_args, self.admin_key) + self.extra_args
 
     def environment(self) -> dict[str, str]:
-        _, libs, _ = server_distribution()
         env = dict(os.environ)
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libs), env.get("LD_LIBRARY_PATH")]))
+        if not env.get(SERVER_HOME_ENV_VAR):  # the wheel's binary needs the wheel's shared libraries
+            _, libs, _ = server_distribution()
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(libs), env.get("LD_LIBRARY_PATH")]))
         # NOTE: the stub finds site-packages through the `python3` first on PATH, so the venv's bin/ goes first.
         # sys.executable is not resolved: resolving a venv's python leads to the system interpreter.
         env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
@@ -520,7 +536,7 @@ class TritonServer:
         check_model_repository(self.model_repository)
         if self.model is not None:
             check_model_folder(self.model)
-        home = prepare_server_home(self.python_version, self.layout_root)
+        home = server_home(self.python_version, self.layout_root)
         check_ports({"HTTP": self.http_port, "gRPC": self.grpc_port, "metrics": self.metrics_port}, self.address)
 
         if self.echo:
@@ -745,8 +761,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--model-repository", default="model_repository", help="default: %(default)s")
     parser.add_argument(
         "--model",
-        default=os.environ.get("MODEL") or DEFAULT_MODEL,
-        help=f"HF model folder, exported to the models as {MODEL_ENV_VAR} (default: $MODEL or %(default)s)",
+        default=os.environ.get("MODEL") or os.environ.get(MODEL_ENV_VAR) or DEFAULT_MODEL,
+        help=f"HF model folder, exported to the models as {MODEL_ENV_VAR} "
+        f"(default: $MODEL, else ${MODEL_ENV_VAR}, else %(default)s)",
     )
     parser.add_argument("--http-port", type=int, default=_env_int("HTTP_PORT", 8000))
     parser.add_argument("--grpc-port", type=int, default=_env_int("GRPC_PORT", 8001))
