@@ -9,6 +9,9 @@
 #   make llamacpp  llama.cpp's llama-server from the llama-cpp-python sdist on PyPI and a BF16 GGUF of MODEL in
 #                  .llamacpp/, about 8 min on 2 cores, never in CI; then
 #                  make bench ARGS="--llamacpp .llamacpp/bin/llama-server" (llama.cpp beside the served engine)
+#   make docker    the CPU images: llm-batching-triton:cpu (what `make serve` runs, in a container) and
+#                  llm-batching-locust:latest; uses the Docker engine that answers, or provisions a private one
+#                  (docker/engine.sh; `make docker-down` stops it). docker/README.md has the rest.
 #   make venv310   Python 3.10 test environment (the Docker image's Python), used by tests/test_deploy.py
 #   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
 #   make aiperf    NVIDIA's aiperf against a running `make serve` (AIPERF_MODEL, default llm_continuous;
@@ -33,6 +36,13 @@ PYTHON310 ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/
 VENV310 ?= .venv310
 STAMP310 := $(VENV310)/.installed
 MODEL_STAMP := models/smollm2-135m-instruct/.complete
+# The CPU images `make docker` builds, and a certificate authority their pip must trust besides the public ones
+# (a PEM file, passed as the build secret "ca"; default: pip's own setting, $$PIP_CERT, when there is one).
+TRITON_IMAGE ?= llm-batching-triton:cpu
+LOCUST_IMAGE ?= llm-batching-locust:latest
+DOCKER_CA ?= $(PIP_CERT)
+DOCKER_BUILD = docker buildx build --load --network host $(if $(DOCKER_CA),--secret id=ca$(comma)src=$(DOCKER_CA))
+comma := ,
 AIPERF_VENV ?= .venv-aiperf
 AIPERF_STAMP := $(AIPERF_VENV)/.installed
 AIPERF_MODEL ?= llm_continuous
@@ -46,7 +56,7 @@ LLAMACPP_GGUF := $(LLAMACPP_DIR)/$(notdir $(MODEL))-bf16.gguf
 # environment (or on make's command line) override it.
 export HTTP_PORT GRPC_PORT METRICS_PORT MODEL
 
-.PHONY: venv venv310 aiperf-venv chromium model serve test compare slo locust bench llamacpp soak gpu-check aiperf clean
+.PHONY: docker docker-down venv venv310 aiperf-venv chromium model serve test compare slo locust bench llamacpp soak gpu-check aiperf clean
 
 venv: $(STAMP)
 
@@ -165,6 +175,26 @@ aiperf: aiperf-venv model
 		--extra-inputs payload_template:loadtest/aiperf/triton_generate_stream.jinja response_field:text_output \
 		--no-server-metrics --no-gpu-telemetry --tokenizer "$(MODEL)" --ui simple \
 		--artifact-dir "$(AIPERF_ARTIFACTS)" $(ARGS)
+
+# The CPU images. The torch wheel this machine's pip finds locally (find-links), if any, goes to docker/wheels/,
+# the builds' wheelhouse, instead of a download from PyTorch's CPU index.
+docker:
+	@set -e; export DOCKER_HOST="$$(bash docker/engine.sh up)"; bash docker/engine.sh bases; \
+	torch="$$(grep -m1 '^torch==' docker/requirements-cpu.txt | sed 's/==/-/')"; \
+	for dir in $${PIP_FIND_LINKS:-} $$($(PYTHON) -m pip config get global.find-links 2>/dev/null || true); do \
+		for wheel in "$$dir/$$torch"+cpu-cp311-*.whl; do \
+			if [ -f "$$wheel" ] && [ ! -f "docker/wheels/$${wheel##*/}" ]; then \
+				ln "$$wheel" docker/wheels/ 2>/dev/null || cp "$$wheel" docker/wheels/; fi; \
+		done; \
+	done; \
+	echo "building $(TRITON_IMAGE) and $(LOCUST_IMAGE) (DOCKER_HOST=$$DOCKER_HOST)"; \
+	$(DOCKER_BUILD) -f docker/Dockerfile --build-arg FLAVOR=cpu -t $(TRITON_IMAGE) .; \
+	$(DOCKER_BUILD) -f docker/locust.Dockerfile -t $(LOCUST_IMAGE) .
+
+# Stops the private engine `make docker` started (if it did) and removes its data; an engine of the machine's own is
+# left alone.
+docker-down:
+	bash docker/engine.sh down
 
 clean:
 	rm -rf $(VENV) $(VENV310) $(AIPERF_VENV) .triton .pytest_cache .hypothesis

@@ -1,18 +1,25 @@
 # Locust load generator running loadtest/locustfile.py (the master and every worker use this image).
 #
-#   docker build -f docker/locust.Dockerfile -t llm-batching-locust .      (from the repository root)
+#   docker buildx build -f docker/locust.Dockerfile -t llm-batching-locust:latest .      (from the repository root)
 #
-# Python 3.11 like the project's virtual environment, so docker/requirements-locust.txt pins exactly what
-# requirements.txt pins (tests/test_deploy.py checks it). No torch: the load generator only speaks tritonclient.
+# The same base as the CPU Triton image (python:3.11-slim-bookworm) and Python 3.11 like the project's virtual
+# environment, so docker/requirements-locust.txt pins exactly what requirements.txt pins (tests/test_deploy.py checks
+# it). No torch: the load generator only speaks tritonclient. A certificate authority for pip: `--secret id=ca,src=FILE`
+# (docker/pip-install.sh).
 FROM python:3.11-slim-bookworm
 
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
 
+COPY docker/pip-install.sh /usr/local/bin/pip-install
 COPY docker/requirements-locust.txt /tmp/requirements-locust.txt
-RUN python3 -m pip install --no-cache-dir -r /tmp/requirements-locust.txt \
+RUN --mount=type=bind,source=docker/wheels,target=/wheels --mount=type=secret,id=ca \
+    python3 -m venv "$VIRTUAL_ENV" \
+    && pip-install -r /tmp/requirements-locust.txt \
     && rm /tmp/requirements-locust.txt
 
 WORKDIR /opt/llm
