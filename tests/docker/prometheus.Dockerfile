@@ -10,7 +10,7 @@ RUN apt-get update \
     && mkdir -p /prometheus /etc/prometheus \
     && chown nobody:nogroup /prometheus
 
-USER nobody
+USER 65534:65534
 EXPOSE 9090
 ENTRYPOINT ["/usr/bin/prometheus"]
 CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]
