@@ -129,7 +129,7 @@ def container(docker_env):
 
 def generate(url: str, model: str, prompt: str, max_tokens: int = 24) -> dict:
     body = {"text_input": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    response = requests.post(f"{url}/v2/models/{model}/generate", json=body, timeout=120)
+    response = requests.post(f"{url}/v2/models/{model}/generate", json=body, timeout=300)
     assert response.status_code == 200, (model, response.text)
     return response.json()
 
