@@ -35,7 +35,8 @@ from pathlib import Path
 
 import requests
 
-from backend.triton.serve import process_names, start_on_free_ports, tree_rss
+from backend.triton.processes import process_names, tree_rss
+from backend.triton.server import start_on_free_ports
 from client.grpc_stream import GrpcStream, generate, start_stream
 from loadtest.metrics import model_sample, scrape_metrics
 

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from backend.triton.serve import TritonServer, process_group_members, start_on_free_ports
+from backend.triton.processes import process_group_members
+from backend.triton.server import TritonServer, start_on_free_ports
 from client.schema import GenerationRequest, build_inputs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
