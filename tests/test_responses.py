@@ -7,6 +7,8 @@ gauges are set only when they change; these tests count the calls a step makes."
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -77,6 +79,26 @@ def test_a_cancelled_request_is_found_within_one_poll_interval(clock):
             found_at = step
             break
     assert found_at is not None and found_at * 0.01 <= 0.05 + 0.01
+
+
+def test_a_request_is_not_closed_while_its_client_is_asked_whether_it_cancelled():
+    """A refusal closes and answers its request on execute()'s thread while the engine's thread may be polling: the
+    poll must never ask a request that has had its final response (that crashed tritonserver 2.51)."""
+    requests = OpenRequests(pb=None, metrics=None, batched=False)
+
+    class ClosedWhileAsked(FakeSender):
+        def is_cancelled(self) -> bool:
+            self.closer = threading.Thread(target=requests.discard, args=("a",))
+            self.closer.start()
+            self.closer.join(0.2)
+            self.closed_meanwhile = not self.closer.is_alive()
+            return False
+
+    sender = ClosedWhileAsked()
+    requests.add("a", OpenRequest(sender, stream=True))
+    assert requests.cancelled() == []
+    sender.closer.join(5)
+    assert not sender.closed_meanwhile and len(requests) == 0
 
 
 class FakeMetric:
