@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from backend.triton.names import DYNAMIC
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.metrics import MetricsSampler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DYNAMIC = "llm_dynamic"
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
 USER_CLASSES = {"grpc": "GrpcStreamUser", "http": "HttpStreamUser"}
 

@@ -41,3 +41,15 @@ ITERATION_GAP = "llm_iteration_gap_seconds"  # llm_iterative only
 TRITON_METRIC_PREFIX = "nv_inference_"
 PENDING_REQUESTS = "nv_inference_pending_request_count"  # the queue in front of execute()
 
+
+
+def model_order(model: str) -> tuple[int, str]:
+    """Sort key: the shipped models in the order of :data:`MODELS`, a copy served with other settings
+    (``llm_dynamic_2x8_2000us``) right after its model, any other model last."""
+    base = max((m for m in MODELS if model == m or model.startswith(m + "_")), key=len, default=None)
+    return (MODELS.index(base) if base is not None else len(MODELS), model)
+
+
+def short_name(model: str) -> str:
+    """``continuous`` for ``llm_continuous``: a model's name in a sentence."""
+    return model.removeprefix("llm_")
