@@ -28,7 +28,8 @@ from backend.triton.parsing import RequestLimits, parse_request, read_inputs, re
 from backend.triton.responses import OpenRequest, OpenRequests, send_error
 from backend.triton.shutdown_notice import ShutdownNotice
 
-# Who takes a new request: the engine itself, the engine loop or the iteration driver. It refuses one by raising.
+# Who takes a new request: the engine itself, the engine loop or the iteration driver. It refuses one by raising, or
+# by giving it its final output itself (IterationDriver.add).
 HandOver = Callable[[str, str, SamplingParams, float], object]
 
 
@@ -52,7 +53,7 @@ class ServedModel:
         self.faults = FaultInjector.from_config(self.model_config)
         self.metrics = TritonMetrics(pb_utils, self.name, instance_label(args, self.model_config))
         # A model with max_batch_size > 0 answers with a batch dimension.
-        self.open = OpenRequests(pb_utils, self.metrics, batched=self.model_config.get("max_batch_size", 0) > 0)
+        self.open = OpenRequests(pb_utils, self.metrics, batched=int(self.model_config.get("max_batch_size", 0)) > 0)
         self.failure: str | None = None  # set once the engine failed in a way no step can contain
         self.engine = self.start_engine(config)
         self.engine.fault_hook = self.faults

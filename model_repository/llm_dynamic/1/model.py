@@ -25,12 +25,10 @@ class TritonPythonModel(ServedModel, batching="run_to_completion"):
 
     def execute(self, requests):
         arrival = time.perf_counter()
-        # Exactly the requests Triton put in this batch, less those refused.
-        batch = [self.admit(request, arrival, self.engine.add_request) for request in requests]
-        error = run_to_completion(
-            self.engine, [request_id for request_id in batch if request_id is not None], sink=self.open.send,
-            cancelled=self.cancellations, expired=self.shutdown.expired, after_step=self.observe_steps,
-        )
+        admitted = [self.admit(request, arrival, self.engine.add_request) for request in requests]
+        batch = [request_id for request_id in admitted if request_id is not None]  # Triton's batch, less refusals
+        error = run_to_completion(self.engine, batch, sink=self.open.send, cancelled=self.cancellations,
+                                  expired=self.shutdown.expired, after_step=self.observe_steps)
         if error is not None:  # every member got its final error
             self.fail(error)
         self.observe_steps()
