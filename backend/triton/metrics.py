@@ -50,10 +50,10 @@ class TritonMetrics:
         self.waiting = family(names.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled", F.GAUGE).Metric(labels)
         self.kv_used = family(names.KV_BLOCKS_USED, "KV-cache blocks in use", F.GAUGE).Metric(labels)
         self.kv_total = family(names.KV_BLOCKS_TOTAL, "KV-cache blocks in the pool", F.GAUGE).Metric(labels)
-        self.engine_healthy = family(
+        self._engine_healthy = family(
             names.ENGINE_HEALTHY, "1 while the engine serves; 0 once it failed and refuses every request "
             "(Triton 2.51 lets a Python model report this nowhere else)", F.GAUGE).Metric(labels)
-        self.engine_healthy.set(1)
+        self._engine_healthy.set(1)
         self._healthy = True
         self._gauge_values: dict[str, int] = {}  # each gauge's value as last set: an unchanged one costs no IPC
 
@@ -111,8 +111,9 @@ class TritonMetrics:
         self._set("kv_total", snapshot.num_kv_blocks_total)
 
     def set_healthy(self, healthy: bool) -> None:
+        """``llm_engine_healthy``: 0 once the engine failed (``ServedModel.fail``); the only way to set it."""
         if healthy != self._healthy:
-            self.engine_healthy.set(1 if healthy else 0)
+            self._engine_healthy.set(1 if healthy else 0)
             self._healthy = healthy
 
     def _set(self, gauge: str, value: int) -> None:
