@@ -6,11 +6,13 @@ Hex strings (matplotlib's "tab:" colours, named beside them), so the live view n
 
 from __future__ import annotations
 
+from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE, STATIC
+
 COLORS = {
-    "llm_static": "#7f7f7f",  # tab:gray
-    "llm_dynamic": "#ff7f0e",  # tab:orange
-    "llm_iterative": "#2ca02c",  # tab:green
-    "llm_continuous": "#1f77b4",  # tab:blue
+    STATIC: "#7f7f7f",  # tab:gray
+    DYNAMIC: "#ff7f0e",  # tab:orange
+    ITERATIVE: "#2ca02c",  # tab:green
+    CONTINUOUS: "#1f77b4",  # tab:blue
 }
 # tab:brown, tab:red, tab:pink, tab:olive, tab:cyan, tab:purple
 OTHER_COLORS = ["#8c564b", "#d62728", "#e377c2", "#bcbd22", "#17becf", "#9467bd"]

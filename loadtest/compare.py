@@ -37,9 +37,9 @@ import sys
 import time
 from pathlib import Path
 
+from backend.triton.names import DYNAMIC, MODELS
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, live, report
 from loadtest.runner import (
-    DYNAMIC,
     REPO_ROOT,
     DynamicVariant,
     LoadPoint,
@@ -57,7 +57,6 @@ from loadtest.runner import (
 from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, get_workload
 
-MODELS = ["llm_static", DYNAMIC, "llm_iterative", "llm_continuous"]
 # llm_dynamic at its best on the development machine (2 cores): two instances of 8 seats, the shipped 2 ms delay. Of
 # 1x8@2000 (shipped), 2x4@2000, 2x8@2000, 1x8@50000 and 1x16@2000 at 8 and 16 users (`make compare ARGS="--models
 # llm_dynamic --dynamic-variants 2x4@2000,2x8@2000,1x8@50000,1x16@2000 --users 8,16"`), it had the most output
@@ -125,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(exc))
     if args.variants and args.url:
         p.error("--dynamic-variants serve a copy of the repository; with --url, serve them on that server instead")
-    models = MODELS if args.models is None else [m for m in args.models.split(",") if m]
+    models = list(MODELS) if args.models is None else [m for m in args.models.split(",") if m]
     if args.variants and DYNAMIC not in models:
         p.error(f"--dynamic-variants are compared beside {DYNAMIC}: put it among --models")
     args.models = ",".join(with_variants(models, args.variants))

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from backend.triton import names
 from loadtest.colors import color
 from loadtest.measure import meets_slo
 from loadtest.metrics import counter_delta, histogram_rate, parse_prometheus, scrape, select
@@ -41,8 +42,6 @@ LATENCY_WINDOW_S = 20.0  # a client percentile point: the requests that ended in
 # Output tokens are counted as each request ends (llm_generation_tokens_total), so a rate over one second jumps
 # with every request that ends in it: the rate is taken over the last five samples.
 TOKEN_RATE_SAMPLES = 5
-# The shipped models in the order of docs/batching.md; a variant (llm_dynamic_2x4_2000us) sorts after its model.
-MODEL_ORDER = ("llm_static", "llm_dynamic", "llm_iterative", "llm_continuous")
 TAB_KEY = "llm-live"
 TAB_TITLE = "LLM batching (live)"
 # The per-point series the data endpoint serves: from the metrics port, then from the clients' records.
@@ -66,14 +65,6 @@ SUMMARY_COLUMNS = {
     "e2e_p50_ms": "E2E p50 (ms)",
     "e2e_p99_ms": "E2E p99 (ms)",
 }
-
-
-def model_order(models) -> list[str]:
-    def key(model: str) -> tuple:
-        base = max((m for m in MODEL_ORDER if model.startswith(m)), key=len, default=None)
-        return (MODEL_ORDER.index(base) if base else len(MODEL_ORDER), model)
-
-    return sorted(models, key=key)
 
 
 def _number(value, digits: int = 4):
@@ -145,7 +136,7 @@ class LatencyBook:
         with self._lock:
             finished = {model: list(entries) for model, entries in self._finished.items()}
         rows = []
-        for model in model_order(finished):
+        for model in sorted(finished, key=names.model_order):
             entries = finished[model]
             ok = [f for f in entries if f.ok]
             met = sum(f.slo_met for f in entries)
@@ -218,14 +209,14 @@ def server_point(history: list[dict], sample: dict) -> dict:
     sample, output tokens/s since the oldest one."""
     values = sample["values"]
     point = {
-        "running": values.get("llm_num_requests_running"),
-        "waiting": values.get("llm_num_requests_waiting"),
-        "queued_in_triton": values.get("nv_inference_pending_request_count"),
-        "kv_used": values.get("llm_kv_blocks_used"),
-        "kv_total": values.get("llm_kv_blocks_total"),
-        "tokens_total": values.get("llm_generation_tokens_total"),
-        "steps_total": values.get("llm_batch_size_count"),
-        "seqs_total": values.get("llm_batch_size_sum"),
+        "running": values.get(names.NUM_REQUESTS_RUNNING),
+        "waiting": values.get(names.NUM_REQUESTS_WAITING),
+        "queued_in_triton": values.get(names.PENDING_REQUESTS),
+        "kv_used": values.get(names.KV_BLOCKS_USED),
+        "kv_total": values.get(names.KV_BLOCKS_TOTAL),
+        "tokens_total": values.get(names.GENERATION_TOKENS),
+        "steps_total": values.get(f"{names.BATCH_SIZE}_count"),
+        "seqs_total": values.get(f"{names.BATCH_SIZE}_sum"),
         "batch": None,
         "steps_per_s": None,
         "tok_s": None,
@@ -233,11 +224,11 @@ def server_point(history: list[dict], sample: dict) -> dict:
     if not history or sample["t"] <= history[-1]["t"]:
         return point
     pair = [history[-1], sample]
-    if all("llm_batch_size_count" in s["values"] for s in pair):
-        steps = histogram_rate(pair, "llm_batch_size")
+    if all(f"{names.BATCH_SIZE}_count" in s["values"] for s in pair):
+        steps = histogram_rate(pair, names.BATCH_SIZE)
         # NOTE: no forward step in the interval means no sequence was in a batch: a zero, not a gap.
         point["steps_per_s"], point["batch"] = (steps[0][1], steps[0][2]) if steps else (0.0, 0.0)
-    tokens = counter_delta([history[0], sample], "llm_generation_tokens_total")
+    tokens = counter_delta([history[0], sample], names.GENERATION_TOKENS)
     if tokens is not None and tokens >= 0:  # a counter that went back: the server restarted
         point["tok_s"] = tokens / (sample["t"] - history[0]["t"])
     return point
@@ -245,7 +236,7 @@ def server_point(history: list[dict], sample: dict) -> dict:
 
 def llm_models(series) -> set[str]:
     """The models that export the engine's metrics (every model of this project does)."""
-    return {s.labels["model"] for s in series if s.name == "llm_kv_blocks_total" and "model" in s.labels}
+    return {s.labels["model"] for s in series if s.name == names.KV_BLOCKS_TOTAL and "model" in s.labels}
 
 
 class LiveView:
@@ -340,7 +331,7 @@ class LiveView:
         seen = set(self.models or ())
         for tick in ticks:
             seen.update(tick["server"] or (), tick["client"])
-        models = model_order(seen)
+        models = sorted(seen, key=names.model_order)
         series = {}
         for model in models:
             server = [(tick["server"] or {}).get(model) or {} for tick in ticks]

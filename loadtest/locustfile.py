@@ -46,6 +46,7 @@ from locust.exception import StopUser  # noqa: E402
 from locust.runners import STATE_RUNNING, STATE_SPAWNING  # noqa: E402
 from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 
+from backend.triton.names import CONTINUOUS  # noqa: E402
 from client.grpc_stream import GrpcStream  # noqa: E402
 from client.schema import GenerationRequest, build_inputs, parse_chunk  # noqa: E402
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS  # noqa: E402
@@ -59,7 +60,7 @@ def _add_options(parser) -> None:
     group = parser.add_argument_group("LLM streaming (loadtest/locustfile.py)")
     group.add_argument(
         "--model",
-        default="llm_continuous",
+        default=CONTINUOUS,
         help="Triton model to load, or several, comma-separated (default: %(default)s)",
     )
     group.add_argument(

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import requests
 
-PREFIXES = ("llm_", "nv_inference_")
+from backend.triton import names
+
+PREFIXES = (names.METRIC_PREFIX, names.TRITON_METRIC_PREFIX)
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -86,7 +88,7 @@ def scrape_metrics(metrics_url: str) -> dict[str, float]:
     propagate)."""
     out = {}
     for line in requests.get(metrics_url, timeout=10).text.splitlines():
-        if line.startswith("llm_"):
+        if line.startswith(names.METRIC_PREFIX):
             key, value = line.rsplit(" ", 1)
             out[key] = float(value)
     return out

@@ -10,6 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from backend.triton import names  # noqa: E402
 from loadtest import metrics  # noqa: E402
 from loadtest.colors import color  # noqa: E402
 from loadtest.stats import batch_size_distribution, is_measured, started_in_window  # noqa: E402
@@ -138,7 +139,7 @@ def batch_size_over_time(
     fig, axes = plt.subplots(len(runs), 1, figsize=(11, 2.6 * len(runs) + 0.6), sharex=True, squeeze=False)
     for ax, run in zip(axes[:, 0], runs):
         t0 = _test_start(run)
-        running = metrics.gauge(run["metrics"], "llm_num_requests_running")
+        running = metrics.gauge(run["metrics"], names.NUM_REQUESTS_RUNNING)
         if running:
             ax.step(
                 *_since(running, t0),
@@ -147,7 +148,7 @@ def batch_size_over_time(
                 lw=1.4,
                 label="running batch (sampled)",
             )
-        steps = metrics.histogram_rate(run["metrics"], "llm_batch_size")
+        steps = metrics.histogram_rate(run["metrics"], names.BATCH_SIZE)
         if steps:
             ax.plot(
                 [t - t0 for t, _, _ in steps],
@@ -184,14 +185,14 @@ def kv_blocks_over_time(runs: list[dict], path: Path) -> Path:
     total = None
     for run in runs:
         t0 = _test_start(run)
-        used = metrics.gauge(run["metrics"], "llm_kv_blocks_used")
+        used = metrics.gauge(run["metrics"], names.KV_BLOCKS_USED)
         if used:
             ax.plot(
                 *_since(used, t0),
                 color=color(run["model"]),
                 label=f"{run['model']} at {run['load']}",
             )
-        totals = metrics.gauge(run["metrics"], "llm_kv_blocks_total")
+        totals = metrics.gauge(run["metrics"], names.KV_BLOCKS_TOTAL)
         total = totals[-1][1] if totals else total
     ax.set(
         title="KV-cache blocks in use" + (f" (pool: {total:.0f} blocks)" if total else ""),
@@ -252,7 +253,7 @@ def _waiting(samples: list[dict]) -> list[tuple[float, float]]:
     for s in samples:
         values = [
             s["values"][k]
-            for k in ("llm_num_requests_waiting", "nv_inference_pending_request_count")
+            for k in (names.NUM_REQUESTS_WAITING, names.PENDING_REQUESTS)
             if k in s["values"]
         ]
         if values:

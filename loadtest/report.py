@@ -15,24 +15,16 @@ import html
 import json
 from pathlib import Path
 
+from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOTAL, STATIC, model_order, short_name
 from loadtest import metrics, plots
 from loadtest.stats import MIN_REQUESTS, MIN_WINDOW_S, headline, headline_point, is_measured, ratio, summarize
 
-BASELINE, CANDIDATE = "llm_dynamic", "llm_continuous"
-STATIC = "llm_static"  # static batching, a teaching baseline
-ITERATIVE = "llm_iterative"  # Triton's iterative sequence batcher over the same engine
-# The order of docs/batching.md: static, dynamic (then llm_dynamic's variants, llm_dynamic_<I>x<B>_<D>us), Triton's
-# iterative, the model's own continuous loop.
-ORDER = {STATIC: 0, BASELINE: 1, ITERATIVE: 3, CANDIDATE: 4}
+BASELINE, CANDIDATE = DYNAMIC, CONTINUOUS  # the headline: continuous batching against Triton's dynamic batcher
 DESIGN_NOTE = "docs/batching.md (the design note on static, dynamic and continuous batching)"
 
 
 def is_dynamic_variant(model: str) -> bool:
     return model.startswith(BASELINE + "_")
-
-
-def model_order(model: str) -> tuple[int, str]:
-    return ORDER.get(model, 2 if is_dynamic_variant(model) else len(ORDER) + 1), model
 
 
 # What each model beside the continuous one is, for its comparison table.
@@ -149,7 +141,7 @@ def config_rows(configs: dict[str, dict], runs: list[dict]) -> list[list[str]]:
     for model in sorted(configs, key=model_order):
         c = configs[model]
         samples = [sample for run in runs if run["model"] == model for sample in run["metrics"]]
-        totals = [v for _, v in metrics.gauge(samples, "llm_kv_blocks_total")]
+        totals = [v for _, v in metrics.gauge(samples, KV_BLOCKS_TOTAL)]
         if totals:
             kv = f"{totals[-1]:.0f}"
         elif c.get("num_kv_blocks"):
@@ -274,7 +266,7 @@ def _sections(
         beside = comparison_rows(rows, other, CANDIDATE)
         if not beside:
             continue
-        short = "static" if other == STATIC else other.removeprefix("llm_")
+        short = short_name(other)
         header = COMPARISON_HEADER[:-1] + [f"goodput req/s (cont. vs {short})"]
         text = BESIDE.get(other) or (
             f"{other} is {BASELINE} served with other batcher settings (the configuration table above): the dynamic "
@@ -411,7 +403,7 @@ def _decision_costs(rows: list[dict], timeline_runs: list[dict]) -> str:
             parts.append(f"**static** waits to fill its batch:{wait} at {load}, {said(row)}")
         elif model == BASELINE or is_dynamic_variant(model):
             parts.append(
-                f"**{model.removeprefix('llm_')}** runs each batch to its longest member while the next requests wait "
+                f"**{short_name(model)}** runs each batch to its longest member while the next requests wait "
                 f"in Triton's queue: at {load}, {said(row)}"
             )
         elif model == ITERATIVE:

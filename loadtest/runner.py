@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from backend.triton.names import DYNAMIC
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.metrics import MetricsSampler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DYNAMIC = "llm_dynamic"
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
 USER_CLASSES = {"grpc": "GrpcStreamUser", "http": "HttpStreamUser"}
 
@@ -87,7 +87,7 @@ class Plan:
 @contextlib.contextmanager
 def serve(model_repository: Path, model_folder: str | None, log_path: Path, ready_timeout: float = 600.0):
     """Start tritonserver through the launcher on free 127.0.0.1 ports; stop it on exit."""
-    from backend.triton.serve import start_on_free_ports
+    from backend.triton.server import start_on_free_ports
 
     with start_on_free_ports(
         model_repository,
@@ -162,7 +162,7 @@ class DynamicVariant:
 
     def write(self, source: Path, dst: Path) -> None:
         """The model folder ``dst/<name>``: a copy of ``source/llm_dynamic`` with these settings."""
-        from backend.triton.serve import copy_model_repository
+        from backend.triton.launch_options import copy_model_repository
 
         threads = max(1, (os.cpu_count() or 1) // self.instances)
         parameters = {"max_num_seqs": str(self.max_batch_size)}
@@ -188,7 +188,7 @@ class DynamicVariant:
 
 def served_repository(source: Path, dst: Path, models: list[str], variants: list[DynamicVariant]) -> Path:
     """``dst`` holding the compared models: copies of ``source``'s and the variants of llm_dynamic."""
-    from backend.triton.serve import copy_model_repository
+    from backend.triton.launch_options import copy_model_repository
 
     names = {v.name for v in variants}
     copy_model_repository(dst, [m for m in models if m not in names], source=source)

@@ -33,10 +33,10 @@ import sys
 import time
 from pathlib import Path
 
+from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.report import fmt
 from loadtest.runner import (
-    DYNAMIC,
     REPO_ROOT,
     DynamicVariant,
     LoadPoint,
@@ -52,7 +52,6 @@ from loadtest.runner import (
 from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, get_workload, make_request
 
-ITERATIVE, CONTINUOUS = "llm_iterative", "llm_continuous"
 # The run-to-completion batch sizes tried in the capacity comparison (Triton's shipped 2 ms delay): one instance of 8,
 # 16 or 32 seats (a bigger batch carries more requests at once, and makes each wait longer for the batch's longest
 # member), and make compare's best configuration, two instances of 8.

@@ -35,12 +35,16 @@ from pathlib import Path
 
 import requests
 
-from backend.triton.serve import process_names, start_on_free_ports, tree_rss
+from backend.triton.names import CONTINUOUS, DYNAMIC, KV_BLOCKS_USED, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from backend.triton.processes import process_names, tree_rss
+from backend.triton.server import start_on_free_ports
 from client.grpc_stream import GrpcStream, generate, start_stream
 from loadtest.metrics import model_sample, scrape_metrics
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MODELS = ("llm_dynamic", "llm_continuous")
+MODELS = (DYNAMIC, CONTINUOUS)
+# The gauges sampled per model: back to 0 once the load stops, or something leaked.
+GAUGES = (KV_BLOCKS_USED, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING)
 PROMPTS = [
     "Tell me a story about a lighthouse keeper.",
     "List five prime numbers and explain why they are prime.",
@@ -201,7 +205,7 @@ class Soak:
         row = {"t": round(time.monotonic() - t0, 2), "rss_bytes": sum(rss.values()), "rss_by_pid": rss}
         try:
             metrics = scrape_metrics(self.metrics_url)
-            for name in ("llm_kv_blocks_used", "llm_num_requests_running", "llm_num_requests_waiting"):
+            for name in GAUGES:
                 row[name] = {m: model_sample(metrics, name, m) for m in MODELS}
         except requests.RequestException as exc:
             row["metrics_error"] = str(exc)
@@ -242,7 +246,7 @@ class Soak:
             self.samples.append(row)
             values = [
                 v
-                for name in ("llm_kv_blocks_used", "llm_num_requests_running", "llm_num_requests_waiting")
+                for name in GAUGES
                 for v in row.get(name, {}).values()
             ]
             if values and all(v == 0 for v in values):
@@ -259,11 +263,8 @@ class Soak:
         after_warmup = [b for t, b in rss if warmup <= t < warmup + window]
         at_end = [b for t, b in rss if t >= load_seconds - window]
         growth = (statistics.median(at_end) / statistics.median(after_warmup) - 1) if after_warmup and at_end else None
-        kv_after = {m: idle_row.get("llm_kv_blocks_used", {}).get(m) for m in MODELS}
-        gauges_after = {
-            name: idle_row.get(name, {})
-            for name in ("llm_kv_blocks_used", "llm_num_requests_running", "llm_num_requests_waiting")
-        }
+        kv_after = {m: idle_row.get(KV_BLOCKS_USED, {}).get(m) for m in MODELS}
+        gauges_after = {name: idle_row.get(name, {}) for name in GAUGES}
         counts = dict(self.accounts.counts)
         total = sum(counts.values())
         server_exit = self.server_exit()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from backend.triton import names
 from loadtest import metrics
 
 PERCENTILES = (50, 90, 99)
@@ -124,17 +125,17 @@ def is_measured(row: dict) -> bool:
 def server_view(samples: list[dict], start: float, end: float) -> dict:
     """Means over the window of what the server exported: batch size per step, running/waiting, KV blocks."""
     inside = [s for s in samples if start <= s["t"] <= end]
-    steps = metrics.histogram_rate(inside, "llm_batch_size")
+    steps = metrics.histogram_rate(inside, names.BATCH_SIZE)
     num_steps = sum(rate for _, rate, _ in steps)  # weights: steps per second in each interval
     view = {
         "mean_batch_size": sum(rate * mean for _, rate, mean in steps) / num_steps if num_steps else None,
         "steps_per_s": float(np.mean([rate for _, rate, _ in steps])) if steps else None,
     }
     for key, name in (
-        ("mean_running", "llm_num_requests_running"),
-        ("mean_waiting", "llm_num_requests_waiting"),
-        ("mean_queued_in_triton", "nv_inference_pending_request_count"),
-        ("mean_kv_blocks_used", "llm_kv_blocks_used"),
+        ("mean_running", names.NUM_REQUESTS_RUNNING),
+        ("mean_waiting", names.NUM_REQUESTS_WAITING),
+        ("mean_queued_in_triton", names.PENDING_REQUESTS),
+        ("mean_kv_blocks_used", names.KV_BLOCKS_USED),
     ):
         values = [v for _, v in metrics.gauge(inside, name)]
         view[key] = float(np.mean(values)) if values else None
@@ -142,15 +143,15 @@ def server_view(samples: list[dict], start: float, end: float) -> dict:
     # the engine's: the sum is what "waiting" means for either.
     queues = [view["mean_waiting"], view["mean_queued_in_triton"]]
     view["mean_waiting_total"] = sum(q for q in queues if q is not None) if queues != [None, None] else None
-    used = [v for _, v in metrics.gauge(inside, "llm_kv_blocks_used")]
-    total = [v for _, v in metrics.gauge(samples, "llm_kv_blocks_total")]
+    used = [v for _, v in metrics.gauge(inside, names.KV_BLOCKS_USED)]
+    total = [v for _, v in metrics.gauge(samples, names.KV_BLOCKS_TOTAL)]
     view["max_kv_blocks_used"] = max(used) if used else None
     view["kv_blocks_total"] = total[-1] if total else None
-    preempted = metrics.counter_delta(inside, "llm_preemptions_total")
+    preempted = metrics.counter_delta(inside, names.PREEMPTIONS)
     view["preemptions"] = preempted
     # llm_iterative only: what handing the batch back to Triton cost per iteration.
-    gaps = metrics.counter_delta(inside, "llm_iteration_gap_seconds_count")
-    gap_s = metrics.counter_delta(inside, "llm_iteration_gap_seconds_sum")
+    gaps = metrics.counter_delta(inside, f"{names.ITERATION_GAP}_count")
+    gap_s = metrics.counter_delta(inside, f"{names.ITERATION_GAP}_sum")
     view["mean_iteration_gap_ms"] = 1000 * gap_s / gaps if gaps and gap_s is not None else None
     return view
 
@@ -167,10 +168,10 @@ def cpu_view(samples: list[dict], start: float, end: float) -> dict:
 
 def batch_size_distribution(run: dict) -> dict[str, float]:
     """Fraction of forward steps by batch-size bucket over the whole run (from the histogram's buckets)."""
-    samples = [s for s in run["metrics"] if any(k.startswith("llm_batch_size_bucket") for k in s["values"])]
+    samples = [s for s in run["metrics"] if any(k.startswith(f"{names.BATCH_SIZE}_bucket") for k in s["values"])]
     if len(samples) < 2:
         return {}
-    counts = metrics.histogram_delta(samples[0]["values"], samples[-1]["values"], "llm_batch_size")
+    counts = metrics.histogram_delta(samples[0]["values"], samples[-1]["values"], names.BATCH_SIZE)
     total = sum(counts.values())
     return {le: c / total for le, c in counts.items() if c} if total else {}
 
@@ -200,7 +201,7 @@ def ratio(numerator, denominator) -> float | None:
 
 
 def headline(
-    rows: list[dict], baseline: str = "llm_dynamic", candidate: str = "llm_continuous", max_num_seqs: int | None = None
+    rows: list[dict], baseline: str = names.DYNAMIC, candidate: str = names.CONTINUOUS, max_num_seqs: int | None = None
 ) -> str:
     """E.g. ``continuous vs dynamic at 8 users: 2.7x output tokens/s, 14x lower TTFT p99``."""
     pair = headline_point(rows, baseline, candidate, max_num_seqs)
@@ -217,8 +218,7 @@ def headline(
         parts.append(f"{_x(good)} goodput")
     elif cand["goodput_req_per_s"] and not base["goodput_req_per_s"]:
         parts.append(f"goodput {cand['goodput_req_per_s']:.2f} vs 0 req/s")
-    name = lambda m: m.removeprefix("llm_")  # noqa: E731
-    return f"{name(candidate)} vs {name(baseline)} at {cand['load']}: " + ", ".join(parts)
+    return f"{names.short_name(candidate)} vs {names.short_name(baseline)} at {cand['load']}: " + ", ".join(parts)
 
 
 def _x(value: float | None) -> str:

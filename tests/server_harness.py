@@ -15,7 +15,8 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from backend.triton.serve import LOOPBACK, TritonServer, copy_model_repository, start_on_free_ports
+from backend.triton.launch_options import LOOPBACK, copy_model_repository
+from backend.triton.server import TritonServer, start_on_free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.triton.serve import free_ports
+from backend.triton.launch_options import free_ports
 from client import (
     Chunk,
     GenerationError,

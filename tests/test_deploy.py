@@ -47,7 +47,8 @@ IMAGE_REQUIREMENTS = {"triton": DOCKER / "requirements-gpu.txt", "triton-cpu": D
                       "locust": DOCKER / "requirements-locust.txt"}
 MODELS = sorted(p.parent.name for p in (ROOT / "model_repository").glob("*/config.pbtxt"))
 PROJECT_PACKAGES = ("backend", "client", "loadtest", "tests", "model_repository")
-# Modules the engine's scheduling is built from: no third-party import allowed (CONVENTIONS.md, rule 2).
+# Modules the engine's scheduling is built from: no third-party import allowed (the scheduler and the block manager
+# are pure Python, so they run and are tested without torch, numpy or a server).
 PURE_MODULES = ("backend.engine.config", "backend.engine.request", "backend.engine.block_manager", "backend.engine.scheduler", "backend.engine.stats")
 # Triton release yy.mm -> server 2.N: one minor version a month (24.01 is 2.42.0, 24.10 is 2.51.0).
 TRITON_RELEASE_ANCHOR = ((24, 1), 42)

@@ -20,16 +20,9 @@ import pytest
 import requests
 
 from backend.tools import prepare_model
-from backend.triton.serve import (
-    LauncherError,
-    ServerError,
-    TritonServer,
-    find_stub,
-    free_ports,
-    prepare_server_home,
-    server_distribution,
-    stub_versions,
-)
+from backend.triton.launch_options import LauncherError, free_ports
+from backend.triton.server import ServerError, TritonServer
+from backend.triton.server_home import find_stub, prepare_server_home, server_distribution, stub_versions
 from tests.server_harness import LOCALHOST, REPO_ROOT
 
 _CONFIG = """\

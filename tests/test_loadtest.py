@@ -663,7 +663,7 @@ def test_soak_shows_the_crash_when_the_server_dies(tmp_path):
 
 
 def test_soak_names_the_function_a_tritonserver_crash_happened_in():
-    from backend.triton.serve import server_distribution
+    from backend.triton.server_home import server_distribution
 
     binary = server_distribution()[0] / "bin" / "tritonserver"
     symbols = subprocess.run(["nm", "-C", str(binary)], capture_output=True, text=True, check=True).stdout

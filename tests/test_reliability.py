@@ -29,7 +29,7 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from backend.triton import probe
-from backend.triton.serve import process_names, tree_rss
+from backend.triton.processes import process_names, tree_rss
 from client.grpc_stream import generate, start_stream
 from client.schema import input_tensors, raw_input_values
 from loadtest.metrics import model_sample, scrape_metrics

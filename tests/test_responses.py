@@ -1,13 +1,18 @@
-"""The server glue's per-step IPC: cancellations are polled on a timer, gauges are set only when they change.
+"""The server glue's responses and per-step IPC, without a server (fakes stand in for ``triton_python_backend_utils``).
 
-Each ``is_cancelled()`` and each metric update is a round trip to tritonserver paid on the thread that steps the
-engine, so these tests count the calls a step makes (fakes stand in for ``triton_python_backend_utils``)."""
+What one engine output sends (``send_output``): a delta while streaming, the whole text at the end otherwise, and
+exactly one response flagged final per request. And what a step costs: each ``is_cancelled()`` and each metric update
+is a round trip to tritonserver paid on the thread that steps the engine, so cancellations are polled on a timer and
+gauges are set only when they change; these tests count the calls a step makes."""
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import pytest
 
-from backend.engine.llm_engine import EngineSnapshot
+from backend.engine.llm_engine import EngineSnapshot, RequestOutput
 from backend.triton import responses
 from backend.triton.metrics import TritonMetrics
 from backend.triton.responses import CancellationPoll, OpenRequest, OpenRequests
@@ -76,6 +81,26 @@ def test_a_cancelled_request_is_found_within_one_poll_interval(clock):
     assert found_at is not None and found_at * 0.01 <= 0.05 + 0.01
 
 
+def test_a_request_is_not_closed_while_its_client_is_asked_whether_it_cancelled():
+    """A refusal closes and answers its request on execute()'s thread while the engine's thread may be polling: the
+    poll must never ask a request that has had its final response (that crashed tritonserver 2.51)."""
+    requests = OpenRequests(pb=None, metrics=None, batched=False)
+
+    class ClosedWhileAsked(FakeSender):
+        def is_cancelled(self) -> bool:
+            self.closer = threading.Thread(target=requests.discard, args=("a",))
+            self.closer.start()
+            self.closer.join(0.2)
+            self.closed_meanwhile = not self.closer.is_alive()
+            return False
+
+    sender = ClosedWhileAsked()
+    requests.add("a", OpenRequest(sender, stream=True))
+    assert requests.cancelled() == []
+    sender.closer.join(5)
+    assert not sender.closed_meanwhile and len(requests) == 0
+
+
 class FakeMetric:
     def __init__(self, log: list, name: str) -> None:
         self.log, self.name = log, name
@@ -140,3 +165,113 @@ def test_gauges_are_set_only_when_their_value_changes():
     metrics.set_healthy(False)
     metrics.set_healthy(False)
     assert FakeFamily.log == [("llm_engine_healthy", "set", 0)]
+
+
+# ---- what one engine output sends (send_output), without a server ---------------------------------------------
+
+
+class FakeError:
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+class FakeTensor:
+    def __init__(self, name: str, array: np.ndarray) -> None:
+        self.name, self.array = name, array
+
+
+class FakeResponse:
+    def __init__(self, output_tensors: list, error: FakeError | None = None) -> None:
+        self.tensors = {t.name: t.array for t in output_tensors}
+        self.error = error
+
+
+class FakeResponsePb:
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+    InferenceResponse, Tensor, TritonError = FakeResponse, FakeTensor, FakeError
+
+
+class RecordingSender:
+    def __init__(self) -> None:
+        self.sent: list[tuple[FakeResponse, int]] = []
+
+    def send(self, response: FakeResponse, flags: int = 0) -> None:
+        self.sent.append((response, flags))
+
+    def finals(self) -> int:
+        return sum(flags == FakeResponsePb.TRITONSERVER_RESPONSE_COMPLETE_FINAL for _, flags in self.sent)
+
+
+def step_outputs(request_id: str = "r") -> list[RequestOutput]:
+    """Three steps of one request: two tokens, one more, then the last with the finish reason."""
+    return [
+        RequestOutput(request_id, "Hel", [10, 11], num_prompt_tokens=4, num_output_tokens=2),
+        RequestOutput(request_id, "lo", [12], num_prompt_tokens=4, num_output_tokens=3),
+        RequestOutput(request_id, "!", [13], finished=True, finish_reason="length", num_prompt_tokens=4,
+                      num_output_tokens=4),
+    ]
+
+
+def texts(response: FakeResponse) -> list[str]:
+    return [value.decode() for value in response.tensors["text_output"].reshape(-1)]
+
+
+def test_a_streaming_request_gets_each_delta_and_the_last_one_is_final():
+    sender = RecordingSender()
+    open_request = OpenRequest(sender, stream=True)
+    for output in step_outputs():
+        responses.send_output(FakeResponsePb, open_request, output, batched=False)
+    assert [texts(r) for r, _ in sender.sent] == [["Hel"], ["lo"], ["!"]]
+    assert [flags for _, flags in sender.sent] == [0, 0, 1]
+    assert [r.tensors["output_ids"].tolist() for r, _ in sender.sent] == [[10, 11], [12], [13]]
+    last = sender.sent[-1][0]
+    assert last.error is None and last.tensors["finish_reason"].tolist() == [b"length"]
+    assert (last.tensors["num_input_tokens"].tolist(), last.tensors["num_output_tokens"].tolist()) == ([4], [4])
+    assert sender.sent[0][0].tensors["finish_reason"].tolist() == [b""]  # no reason before the end
+
+
+def test_a_non_streaming_request_gets_one_final_response_with_the_whole_text():
+    sender = RecordingSender()
+    open_request = OpenRequest(sender, stream=False)
+    for output in step_outputs():
+        responses.send_output(FakeResponsePb, open_request, output, batched=True)
+    ((response, flags),) = sender.sent
+    assert flags == 1 and response.error is None
+    assert response.tensors["text_output"].shape == (1, 1) and texts(response) == ["Hello!"]
+    assert response.tensors["output_ids"].tolist() == [[10, 11, 12, 13]]  # batched: a leading batch dimension
+
+
+def test_an_error_output_is_a_final_error_response_without_tensors():
+    sender = RecordingSender()
+    failed = RequestOutput("r", "", [], finished=True, finish_reason="abort", error="the server is shutting down")
+    responses.send_output(FakeResponsePb, OpenRequest(sender, stream=False), failed, batched=False)
+    ((response, flags),) = sender.sent
+    assert flags == 1 and response.tensors == {} and response.error.message == "the server is shutting down"
+
+
+def test_outputs_a_request_turned_off_are_left_out():
+    sender = RecordingSender()
+    open_request = OpenRequest(sender, stream=True, omitted_outputs=frozenset({"finish_reason", "num_input_tokens"}))
+    responses.send_output(FakeResponsePb, open_request, step_outputs()[-1], batched=False)
+    assert sorted(sender.sent[0][0].tensors) == ["num_output_tokens", "output_ids", "text_output"]
+
+
+class CountingMetrics:
+    def __init__(self) -> None:
+        self.finished: list[str] = []
+
+    def on_finished(self, output: RequestOutput, arrival: float) -> None:
+        self.finished.append(output.finish_reason)
+
+
+def test_open_requests_send_one_final_response_per_request_and_count_all_but_refusals():
+    metrics, senders = CountingMetrics(), {"a": RecordingSender(), "b": RecordingSender()}
+    requests = OpenRequests(FakeResponsePb, metrics, batched=False)
+    for request_id, sender in senders.items():
+        requests.add(request_id, OpenRequest(sender, stream=True))
+    for output in step_outputs("a"):
+        requests.send(output)
+    requests.send(RequestOutput("a", "late", [14], finished=True, finish_reason="stop"))  # after its final: dropped
+    requests.send(RequestOutput("b", "", [], finished=True, finish_reason="refused", error="too long"))
+    assert [sender.finals() for sender in senders.values()] == [1, 1] and len(requests) == 0
+    assert len(senders["a"].sent) == 3 and metrics.finished == ["length"]  # a refusal is not a finished request

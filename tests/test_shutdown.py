@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from backend.triton import probe, shutdown
-from backend.triton.serve import free_ports
+from backend.triton import probe, processes, shutdown
+from backend.triton.launch_options import free_ports
 from tests.server_harness import LOCALHOST, REPO_ROOT, make_repository
 
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
@@ -52,7 +52,7 @@ def test_the_drain_grace_is_read_from_tritonservers_command_line():
     assert shutdown.exit_timeout(args) == 12.0  # the last one wins, as in tritonserver
     assert shutdown.drain_grace(args) == 12.0 - shutdown.SHUTDOWN_MARGIN_S
     assert shutdown.drain_grace(["tritonserver", "--exit-timeout-secs", "3"]) == 0.0
-    assert shutdown.server_args(os.getpid())[0].endswith(("python", "python3", Path(sys.executable).name))
+    assert processes.command_line(os.getpid())[0].endswith(("python", "python3", Path(sys.executable).name))
 
 
 class _Pages(http.server.BaseHTTPRequestHandler):
@@ -135,6 +135,21 @@ def test_a_childs_client_connections_are_found_and_shut_down():
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.timeout(60)
+def test_probe_and_stop_run_as_files_on_the_standard_library_alone():
+    """The containers run backend/triton/probe.py and shutdown.py as files, with no site-packages to rely on."""
+    python = [sys.executable, "-I", "-S"]  # isolated, and no site-packages: the standard library alone
+    nobody = f"http://{LOCALHOST}:{free_ports(1)[0]}"
+    probe_run = subprocess.run([*python, str(REPO_ROOT / "backend" / "triton" / "probe.py"), "live", "--url", nobody,
+                                "--metrics-url", f"{nobody}/metrics"], capture_output=True, text=True, timeout=30)
+    assert (probe_run.returncode, probe_run.stdout.strip()) == (1, "/v2/health/live answered nothing"), probe_run.stderr
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stop_run = subprocess.run([*python, str(REPO_ROOT / "backend" / "triton" / "shutdown.py"), "stop", "--pid",
+                               str(gone.pid)], capture_output=True, text=True, timeout=30)
+    assert (stop_run.returncode, stop_run.stderr) == (0, "")
 
 
 # ---- the real server, the real Locust ---------------------------------------------------------------------------

@@ -78,6 +78,7 @@ from backend.engine.scheduler import Scheduler
 from backend.engine.stats import StepRecord
 from backend.tools.bench_llamacpp import llamacpp_column
 from backend.tools.bench_served import SERVED_MODELS, served_column
+from backend.triton.names import CONTINUOUS
 
 
 @dataclass
@@ -493,7 +494,7 @@ def _versus_llamacpp(result: dict) -> tuple[float | None, str, bool | None, str]
     goal = (f"batch 1 <= {LLAMACPP_ITL_TARGET}x its ITL (moonshot {LLAMACPP_ITL_MOONSHOT:g}x); "
             f"batch 8 >= {LLAMACPP_SPEEDUP_TARGET}x faster")
     served = {r["batch"]: r["itl_ms"] for r in (result["served"] or {}).get("runs", [])
-              if r["model"] == "llm_continuous" and r["temperature"] == 0}
+              if r["model"] == CONTINUOUS and r["temperature"] == 0}
     llamacpp = {r["batch"]: r["itl_ms"] for r in (result.get("llamacpp") or {}).get("runs", [])
                 if r["temperature"] == 0}
     if not llamacpp:
@@ -559,7 +560,7 @@ def format_table(result: dict) -> str:
     llamacpp = result.get("llamacpp")
     if llamacpp:
         served_itl = {(r["batch"], r["temperature"]): r["itl_ms"] for r in (served or {}).get("runs", [])
-                      if r["model"] == "llm_continuous"}
+                      if r["model"] == CONTINUOUS}
         lines += [
             "",
             f"2b. llama.cpp's llama-server ({llamacpp['version']}) on {Path(llamacpp['gguf']).name}: "

@@ -27,11 +27,13 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from backend.triton.serve import TritonServer, process_group_members, start_on_free_ports
+from backend.triton.names import CONTINUOUS, DYNAMIC
+from backend.triton.processes import process_group_members
+from backend.triton.server import TritonServer, start_on_free_ports
 from client.schema import GenerationRequest, build_inputs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SERVED_MODELS = ("llm_continuous", "llm_dynamic")
+SERVED_MODELS = (CONTINUOUS, DYNAMIC)
 # The dynamic batcher waits this long for a whole workload's requests (they are sent back to back, within
 # milliseconds; the shipped 2 ms would split a batch of 64 and serialise it).
 BATCHER_DELAY_US = 200_000
@@ -98,7 +100,7 @@ def _cpu_seconds(pids: list[int]) -> float:
 def run_workload(server: TritonServer, workload: ServedWorkload, prompts: list[str], seed: int,
                  timeout: float = 300.0) -> dict:
     """Send the workload's streams together and return its ITL and the CPU the client and the server used."""
-    max_batch_size = 0 if workload.model == "llm_continuous" else workload.batch
+    max_batch_size = 0 if workload.model == CONTINUOUS else workload.batch
     streams = []
     for i, prompt in enumerate(prompts[: workload.batch]):
         request = GenerationRequest(prompt, max_tokens=workload.new_tokens, temperature=workload.temperature,

@@ -1,6 +1,9 @@
 """Triton Inference Server glue (not OpenAI Triton, the ``triton`` package of the GPU kernels).
 
-What the models' ``model.py`` files share, one small module each: ``model_config`` (engine settings from
-config.pbtxt), ``parsing`` (requests), ``responses``, ``metrics``, ``shutdown_notice`` (draining on SIGTERM) and
-``faults`` (test-only fault injection). Beside them, how the server runs: the launcher (``serve``), the graceful stop
-(``shutdown``) and the container probes (``probe``)."""
+What the models' ``model.py`` files share: ``served_model`` (their base: everything but the driver that decides the
+batch), with one small module each for ``model_config`` (engine settings from config.pbtxt, and its checks),
+``parsing`` (requests), ``responses``, ``metrics``, ``shutdown_notice`` (draining on SIGTERM) and ``faults``
+(test-only fault injection). ``names`` holds the names the server and its readers share (the models, the metrics).
+Beside them, how the server runs: the launcher's command line (``serve``) over ``server`` (one tritonserver process),
+``server_home`` (where the binary comes from) and ``launch_options`` (paths, ports, admin flags); the graceful stop
+(``shutdown``), the container probes (``probe``) and ``processes`` (/proc)."""

@@ -6,6 +6,7 @@ from typing import Any
 
 from backend.engine.llm_engine import RequestOutput
 from backend.engine.request import FinishReason
+from backend.triton import names
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 _GAP_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]
@@ -40,38 +41,38 @@ class TritonMetrics:
             return fam
 
         self._families: list = []
-        self._finished = family("llm_request_success_total", "Requests finished, by finish_reason", F.COUNTER)
+        self._finished = family(names.REQUEST_SUCCESS, "Requests finished, by finish_reason", F.COUNTER)
         self._finished_by_reason: dict[str, Any] = {}
-        self.prompt_tokens = family("llm_prompt_tokens_total", "Prompt tokens processed", F.COUNTER).Metric(labels)
-        self.generation_tokens = family("llm_generation_tokens_total", "Tokens generated", F.COUNTER).Metric(labels)
-        self.preemptions = family("llm_preemptions_total", "Sequences preempted (recompute)", F.COUNTER).Metric(labels)
-        self.running = family("llm_num_requests_running", "Sequences in the running batch", F.GAUGE).Metric(labels)
-        self.waiting = family("llm_num_requests_waiting", "Requests waiting to be scheduled", F.GAUGE).Metric(labels)
-        self.kv_used = family("llm_kv_blocks_used", "KV-cache blocks in use", F.GAUGE).Metric(labels)
-        self.kv_total = family("llm_kv_blocks_total", "KV-cache blocks in the pool", F.GAUGE).Metric(labels)
-        self.engine_healthy = family(
-            "llm_engine_healthy", "1 while the engine serves; 0 once it failed and refuses every request "
+        self.prompt_tokens = family(names.PROMPT_TOKENS, "Prompt tokens processed", F.COUNTER).Metric(labels)
+        self.generation_tokens = family(names.GENERATION_TOKENS, "Tokens generated", F.COUNTER).Metric(labels)
+        self.preemptions = family(names.PREEMPTIONS, "Sequences preempted (recompute)", F.COUNTER).Metric(labels)
+        self.running = family(names.NUM_REQUESTS_RUNNING, "Sequences in the running batch", F.GAUGE).Metric(labels)
+        self.waiting = family(names.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled", F.GAUGE).Metric(labels)
+        self.kv_used = family(names.KV_BLOCKS_USED, "KV-cache blocks in use", F.GAUGE).Metric(labels)
+        self.kv_total = family(names.KV_BLOCKS_TOTAL, "KV-cache blocks in the pool", F.GAUGE).Metric(labels)
+        self._engine_healthy = family(
+            names.ENGINE_HEALTHY, "1 while the engine serves; 0 once it failed and refuses every request "
             "(Triton 2.51 lets a Python model report this nowhere else)", F.GAUGE).Metric(labels)
-        self.engine_healthy.set(1)
+        self._engine_healthy.set(1)
         self._healthy = True
         self._gauge_values: dict[str, int] = {}  # each gauge's value as last set: an unchanged one costs no IPC
 
         def histogram(name: str, doc: str, buckets: list) -> Any:
             return family(name, doc, F.HISTOGRAM).Metric(labels, buckets=buckets)
 
-        self.ttft = histogram("llm_time_to_first_token_seconds", "Time to first token (server side)", _LATENCY_BUCKETS)
-        self.tpot = histogram("llm_time_per_output_token_seconds", "Mean time per output token after the first",
+        self.ttft = histogram(names.TIME_TO_FIRST_TOKEN, "Time to first token (server side)", _LATENCY_BUCKETS)
+        self.tpot = histogram(names.TIME_PER_OUTPUT_TOKEN, "Mean time per output token after the first",
                               _LATENCY_BUCKETS)
-        self.e2e = histogram("llm_e2e_request_latency_seconds", "Request latency (server side)", _LATENCY_BUCKETS)
-        self.queue = histogram("llm_queue_time_seconds", "Time from arrival to first scheduling", _LATENCY_BUCKETS)
-        self.batch_size = histogram("llm_batch_size", "Sequences in each forward step", _BATCH_BUCKETS)
+        self.e2e = histogram(names.E2E_REQUEST_LATENCY, "Request latency (server side)", _LATENCY_BUCKETS)
+        self.queue = histogram(names.QUEUE_TIME, "Time from arrival to first scheduling", _LATENCY_BUCKETS)
+        self.batch_size = histogram(names.BATCH_SIZE, "Sequences in each forward step", _BATCH_BUCKETS)
         self._num_steps_seen = 0
         self._histogram = histogram
 
     def iteration_gap(self) -> Any:
         """llm_iterative only: what handing the batch back to Triton costs per iteration."""
         return self._histogram(
-            "llm_iteration_gap_seconds", "Time from one execute()'s end to the next execute()'s start while "
+            names.ITERATION_GAP, "Time from one execute()'s end to the next execute()'s start while "
             "requests wait to be rescheduled (Triton's iterative sequence batcher)", _GAP_BUCKETS)
 
     def on_finished(self, output: RequestOutput, arrival: float) -> None:
@@ -110,8 +111,9 @@ class TritonMetrics:
         self._set("kv_total", snapshot.num_kv_blocks_total)
 
     def set_healthy(self, healthy: bool) -> None:
+        """``llm_engine_healthy``: 0 once the engine failed (``ServedModel.fail``); the only way to set it."""
         if healthy != self._healthy:
-            self.engine_healthy.set(1 if healthy else 0)
+            self._engine_healthy.set(1 if healthy else 0)
             self._healthy = healthy
 
     def _set(self, gauge: str, value: int) -> None:

@@ -46,3 +46,26 @@ def check_model(model_name: str, model_config: dict, config: EngineConfig, batch
             f"{model_name} drives its engine as '{batching}' batching, but config.pbtxt sets batching to "
             f"'{config.batching}': set parameters: {{ key: \"batching\", value: {{ string_value: \"{batching}\" }} }}"
         )
+
+
+def check_batcher(model_name: str, model_config: dict, config: EngineConfig) -> None:
+    """What the engine's way of batching needs of Triton's batcher, so that every request Triton hands over can run:
+    a run-to-completion batch runs whole (``max_num_seqs >= max_batch_size``), and iterative batching needs Triton's
+    iterative sequence batcher with no more candidate sequences than ``max_num_seqs``. Raises ``ValueError``."""
+    max_batch_size = int(model_config.get("max_batch_size", 0))
+    if config.batching == "run_to_completion" and config.max_num_seqs < max_batch_size:
+        raise ValueError(f"{model_name}: max_num_seqs ({config.max_num_seqs}) must be >= max_batch_size "
+                         f"({max_batch_size}) so a whole batch runs together")
+    if config.batching == "iterative":
+        sequencing = model_config.get("sequence_batching", {})
+        if not sequencing.get("iterative_sequence"):
+            raise ValueError(f"{model_name} needs sequence_batching {{ iterative_sequence: true }}")
+        seats = int(sequencing.get("oldest", {}).get("max_candidate_sequences", 0))
+        if not 0 < seats <= config.max_num_seqs or max_batch_size > config.max_num_seqs:
+            raise ValueError(f"{model_name}: max_num_seqs ({config.max_num_seqs}) must be >= max_batch_size and >= "
+                             "oldest { max_candidate_sequences } so that every request Triton hands over can run")
+
+
+def sequence_idle_seconds(model_config: dict) -> float:
+    """How long Triton's sequence batcher keeps a sequence it was not handed back (max_sequence_idle_microseconds)."""
+    return int(model_config.get("sequence_batching", {}).get("max_sequence_idle_microseconds", 5_000_000)) / 1e6

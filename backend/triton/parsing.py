@@ -29,7 +29,6 @@ ALL_INPUTS = (
     "exclude_input_in_output", *RETURN_INPUTS,
 )
 SAMPLING_KEYS = tuple(sorted(f.name for f in fields(SamplingParams)))
-DEFAULT_MAX_TOKENS = 16
 # A prompt is refused before tokenising when its UTF-8 bytes exceed this many per token of max_model_len
 # (no tokenizer needs more), so a 10 MB text_input costs no tokenizer time and no memory spike.
 MAX_PROMPT_BYTES_PER_TOKEN = 16
@@ -84,7 +83,7 @@ def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, paramete
     if not prompt:
         raise ValueError("text_input is empty")
 
-    values: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
+    values: dict[str, Any] = {}  # a setting not sent takes SamplingParams' default
     for name in SAMPLING_INPUTS:
         if name in inputs:
             values[name] = _scalar(name, inputs[name])

@@ -18,8 +18,11 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 
-ENGINE_GAUGE = "llm_engine_healthy"
+if not __package__:  # run as a file (python3 backend/triton/probe.py, the containers' probe): the project on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from backend.triton.names import ENGINE_HEALTHY  # noqa: E402
 
 
 def get(url: str, timeout: float) -> tuple[int, str]:
@@ -37,7 +40,7 @@ def failed_engines(metrics_text: str) -> list[str]:
     """Models whose ``llm_engine_healthy`` gauge is 0."""
     failed = []
     for line in metrics_text.splitlines():
-        if line.startswith(ENGINE_GAUGE + "{"):
+        if line.startswith(ENGINE_HEALTHY + "{"):
             labels, _, value = line.rpartition(" ")
             if float(value) == 0:
                 model = labels.split('model="', 1)[1].split('"', 1)[0] if 'model="' in labels else labels
@@ -55,7 +58,8 @@ def check(kind: str, url: str, metrics_url: str, timeout: float = 3.0) -> str | 
         return f"the metrics port ({metrics_url}) answered {status or 'nothing'}: cannot tell whether the engines run"
     failed = failed_engines(text)
     if failed:
-        return f"the engine of {', '.join(failed)} failed ({ENGINE_GAUGE} 0); it refuses every request until restarted"
+        return (f"the engine of {', '.join(failed)} failed ({ENGINE_HEALTHY} 0); it refuses every request until "
+                "restarted")
     return None
 
 

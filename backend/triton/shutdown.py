@@ -42,14 +42,19 @@ import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+if not __package__:  # run as a file (python3 backend/triton/shutdown.py): put the project on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from backend.triton import names  # noqa: E402
+from backend.triton.processes import children, command_line, is_alive  # noqa: E402
+
 # tritonserver's default --exit-timeout-secs, and how long before it the models end what is still running: the
 # final responses, the connections closing and the models unloading must all fit in this margin.
 TRITON_EXIT_TIMEOUT_S = 30.0
 SHUTDOWN_MARGIN_S = 5.0
 # Gauges that count the requests our engines have accepted and not answered yet, and Triton's own queue in front of
 # execute() (a dynamic batcher holds a request there up to its max_queue_delay: 1 s for llm_static).
-ENGINE_GAUGES = ("llm_num_requests_running", "llm_num_requests_waiting")
-QUEUE_GAUGE = "nv_inference_pending_request_count"
+ENGINE_GAUGES = (names.NUM_REQUESTS_RUNNING, names.NUM_REQUESTS_WAITING)
+QUEUE_GAUGE = names.PENDING_REQUESTS
 # Once the engines are idle, how long Triton's queue may take to empty. After the signal every request that reaches
 # execute() is refused at once, so a queue that does not empty is a client still sending new requests.
 QUEUE_SETTLE_S = 1.5
@@ -77,14 +82,6 @@ def option_value(args: Sequence[str], name: str) -> str | None:
     return value
 
 
-def server_args(pid: int) -> list[str]:
-    """The command line of process ``pid`` ([] once it is gone)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-    except OSError:
-        return []
-
-
 def exit_timeout(args: Sequence[str]) -> float:
     value = option_value(args, "--exit-timeout-secs")
     try:
@@ -103,23 +100,10 @@ def _port(args: Sequence[str], name: str, default: int) -> int:
     return int(value) if value is not None and value.isdigit() else default
 
 
-# ---- the processes --------------------------------------------------------------------------------------------
+# ---- the signal -----------------------------------------------------------------------------------------------
 
 
-def children(pid: int) -> list[int]:
-    """Live child processes of ``pid`` (tritonserver's: its Python-backend stubs), read from /proc."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-            found.append(int(stat.parent.name))
-    return found
-
-
-def notify(pid: int, sig: int = signal.SIGTERM) -> None:
+def signal_server(pid: int, sig: int = signal.SIGTERM) -> None:
     """Send ``sig`` to tritonserver and to its stubs (tritonserver forwards nothing to them)."""
     for target in (pid, *children(pid)):
         try:
@@ -234,21 +218,21 @@ def stop(pid: int, sig: int = signal.SIGTERM, *, host: str = "127.0.0.1", log: L
          poll: float = POLL_S) -> str:
     """Stop tritonserver ``pid`` as described at the top; returns once its client connections are shut down (or
     it has exited). Its ports and exit timeout are read from its command line. Returns what was done, in words."""
-    args = server_args(pid)
+    args = command_line(pid)
     if not args:
         return "tritonserver had already exited"
     grace = drain_grace(args)
     http_port, grpc_port = _port(args, "--http-port", 8000), _port(args, "--grpc-port", 8001)
     metrics_url = f"http://{host}:{_port(args, '--metrics-port', 8002)}/metrics"
     t0 = time.monotonic()
-    notify(pid, sig)
+    signal_server(pid, sig)
     log(f"draining: new requests are refused; running ones may finish for {grace:.0f} s")
 
     # Drained: the engines idle twice in a row (a request answered just now has had time to reach its client), and
     # Triton's queue empty or left QUEUE_SETTLE_S to empty (what it still holds arrived after the signal).
     idle_since = drained_at = last = None
     while drained_at is None and time.monotonic() - t0 < grace + 1.0:
-        if not _alive(pid):
+        if not is_alive(pid):
             return "tritonserver exited while draining"
         last = open_requests(metrics_url)
         if last is None or last[0] > 0:
@@ -269,7 +253,7 @@ def stop(pid: int, sig: int = signal.SIGTERM, *, host: str = "127.0.0.1", log: L
     # module), and a busy gRPC connection holds nothing up (its streams end, each new request is refused).
     closed = 0
     deadline = time.monotonic() + GRPC_IDLE_S + 2.0
-    while _alive(pid) and time.monotonic() < deadline:
+    while is_alive(pid) and time.monotonic() < deadline:
         http, grpc = client_connections(pid, [http_port]), client_connections(pid, [grpc_port])
         if not http and not grpc:
             break
@@ -285,14 +269,6 @@ def stop(pid: int, sig: int = signal.SIGTERM, *, host: str = "127.0.0.1", log: L
     message = f"{drained}; closed {closed} client connection{'s' * (closed != 1)} left open" if closed else drained
     log(message)
     return message
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 # ---- running a server under this stop (the container) ---------------------------------------------------------
@@ -311,11 +287,7 @@ def run(command: Sequence[str], log: Log | None = None) -> int:
             threading.Thread(target=stop, args=(process.pid, signum), kwargs={"log": log}, daemon=True).start()
         else:
             log("second signal: killing tritonserver and its stubs")
-            for target in (process.pid, *children(process.pid)):
-                try:
-                    os.kill(target, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            signal_server(process.pid, signal.SIGKILL)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)

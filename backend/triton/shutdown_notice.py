@@ -9,7 +9,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from backend.triton.shutdown import drain_grace, server_args
+from backend.triton.processes import command_line
+from backend.triton.shutdown import drain_grace
 
 log = logging.getLogger(__name__)
 
@@ -60,4 +61,4 @@ class ShutdownNotice:
 def shutdown_grace(parent_pid: int | None = None) -> float:
     """Seconds to keep serving after a shutdown signal: tritonserver's exit timeout (read from its command line,
     as this process is its child) less a margin (``backend.triton.shutdown.drain_grace``)."""
-    return drain_grace(server_args(parent_pid or os.getppid()))
+    return drain_grace(command_line(parent_pid or os.getppid()))

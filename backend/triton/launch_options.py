@@ -1,0 +1,149 @@
+"""What a launch is given, checked before tritonserver starts: the model repository and the model folder, the
+ports, and the flags that put the admin APIs behind a key. Every refusal is a :class:`LauncherError` that says what
+to fix.
+
+The admin APIs (shared-memory registration, trace and log settings, and model load/unload when model control is
+on) answer only requests that carry the header ``admin-key`` (gRPC: ``triton-grpc-protocol-admin-key``) with the
+value of ``$TRITON_ADMIN_KEY``, or of a random key made for each launch when that is unset.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+from backend.triton.shutdown import option_value
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_MODEL = "models/smollm2-135m-instruct"
+MODEL_ENV_VAR = "LLM_MODEL"
+LOOPBACK = "127.0.0.1"
+
+ADMIN_KEY_ENV_VAR = "TRITON_ADMIN_KEY"
+ADMIN_HEADER = "admin-key"
+# NOTE: Triton 2.51 prefixes a gRPC restriction's header with this; "admin-key" alone is refused over gRPC.
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
+# Requests to these could make the server open a name or a path (shared-memory regions, trace and log files) or
+# change what it logs. "model-repository" (load, unload, index) joins them when model control is on.
+ADMIN_APIS = ("shared-memory", "trace", "logging")
+
+
+class LauncherError(Exception):
+    """Something the user must fix before the server can start (bad path, busy port, no stub)."""
+
+
+class PortInUse(LauncherError):
+    """A port the server needs is taken (callers that picked the port themselves may retry with another)."""
+
+
+# ---- the model repository and the model ------------------------------------------------------------------------
+
+
+def check_model_repository(path: str | os.PathLike) -> Path:
+    path = Path(path).absolute()
+    if not path.is_dir():
+        raise LauncherError(f"model repository {path} does not exist (or is not a folder)")
+    return path
+
+
+def check_model_folder(path: str | os.PathLike) -> Path:
+    path = Path(path).absolute()
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise LauncherError(
+            f"model folder {path} {what}; prepare it with `make model` "
+            f"(python -m backend.tools.prepare_model --out {DEFAULT_MODEL})"
+        )
+    return path
+
+
+def copy_model_repository(
+    dst: str | os.PathLike,
+    models: Iterable[str],
+    parameters: Mapping[str, str] | None = None,
+    source: str | os.PathLike = REPO_ROOT / "model_repository",
+) -> Path:
+    """A copy of ``models`` from ``source`` in ``dst``, each config.pbtxt with ``parameters`` set (replaced where the
+    config has the key, appended where it does not). For servers that need other settings than the shipped ones."""
+    dst = Path(dst)
+    for model in models:
+        shutil.copytree(Path(source) / model, dst / model, ignore=shutil.ignore_patterns("__pycache__"))
+        path = dst / model / "config.pbtxt"
+        text = path.read_text()
+        for key, value in (parameters or {}).items():
+            line = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
+            text, found = re.subn(rf'parameters: \{{ key: "{key}", value: \{{ string_value: "[^"]*" \}} \}}\n',
+                                  line.replace("\\", "\\\\"), text)
+            if not found:
+                text += line
+        path.write_text(text)
+    return dst
+
+
+# ---- ports -------------------------------------------------------------------------------------------------
+
+
+def port_is_free(port: int, address: str = LOOPBACK) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # SO_REUSEADDR: a port left in TIME_WAIT by a server that just stopped is free; a listener is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int, address: str = LOOPBACK) -> list[int]:
+    """``count`` distinct ports free on ``address`` right now (all held open together, so never duplicates)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((address, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def check_ports(ports: Mapping[str, int], address: str) -> None:
+    """Refuse duplicate or busy ports. ``ports`` maps a protocol name ("HTTP") to its port."""
+    seen: dict[int, str] = {}
+    for name, port in ports.items():
+        if not 0 < port < 65536:
+            raise LauncherError(f"{name} port {port} is not a valid port number")
+        if port in seen:
+            raise LauncherError(f"{name} and {seen[port]} were both given port {port}; each needs its own")
+        seen[port] = name
+        if not port_is_free(port, address):
+            raise PortInUse(
+                f"{name} port {port} on {address} is already in use (another server?); "
+                f"free it or pick another with --{name.lower()}-port / {name.upper()}_PORT"
+            )
+
+
+# ---- the admin APIs --------------------------------------------------------------------------------------
+
+
+def restricted_api_args(extra_args: Sequence[str], key: str) -> list[str]:
+    """Triton's own flags that put the admin APIs behind the ``admin-key`` header, for what ``extra_args`` lacks.
+
+    A user's own ``--http-restricted-api`` replaces ours for HTTP only, and ``--grpc-restricted-protocol`` for gRPC
+    only, so restricting one protocol differently never opens the other.
+    """
+    apis = list(ADMIN_APIS)
+    if (option_value(extra_args, "--model-control-mode") or "none") != "none":
+        apis.insert(1, "model-repository")  # explicit or poll: the API can load and unload models
+    setting = f"{','.join(apis)}:{ADMIN_HEADER}={key}"
+    args = []
+    if option_value(extra_args, "--http-restricted-api") is None:
+        args.append(f"--http-restricted-api={setting}")
+    if option_value(extra_args, "--grpc-restricted-protocol") is None:
+        args.append(f"--grpc-restricted-protocol={setting}")
+    return args

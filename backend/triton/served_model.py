@@ -1,0 +1,114 @@
+"""What every served model does the same way, around the one thing each does its own way: who decides the batch.
+
+:class:`ServedModel` is the base of each ``model.py``'s ``TritonPythonModel``. ``initialize()`` reads and checks the
+model's config, builds the metrics, the open requests (the one place that sends), the test-only faults and the
+shutdown notice, and asks the model for its engine (:meth:`ServedModel.start_engine`); :meth:`ServedModel.admit`
+takes one new request: refused, not valid, or parsed, opened and handed to the model's driver. What is left in a
+``model.py`` is its driver: how the engine is built and stepped, and ``execute()``.
+
+Every request gets exactly one final response. Bad input or a refusal is an error response for that request only;
+once the engine failed (:meth:`ServedModel.fail`) or the server is shutting down, every new request is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+
+import triton_python_backend_utils as pb_utils
+
+from backend.engine.batching import SHUTTING_DOWN, EngineOverloaded, EngineUnavailable, engine_failed
+from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.llm_engine import LLMEngine
+from backend.triton.faults import FaultInjector
+from backend.triton.metrics import TritonMetrics, instance_label
+from backend.triton.model_config import check_batcher, check_model, engine_config_from_triton
+from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
+from backend.triton.responses import OpenRequest, OpenRequests, send_error
+from backend.triton.shutdown_notice import ShutdownNotice
+
+# Who takes a new request: the engine itself, the engine loop or the iteration driver. It refuses one by raising, or
+# by giving it its final output itself (IterationDriver.add).
+HandOver = Callable[[str, str, SamplingParams, float], object]
+
+
+class ServedModel:
+    """The shared part of a served model. A subclass names how it drives the engine, ``class
+    TritonPythonModel(ServedModel, batching="continuous")`` (checked against config.pbtxt's ``batching``), and
+    implements :meth:`start_engine` and ``execute()``."""
+
+    batching: str
+
+    def __init_subclass__(cls, batching: str, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.batching = batching
+
+    def initialize(self, args: dict) -> None:
+        self.name = args["model_name"]
+        self.model_config = json.loads(args["model_config"])
+        config = engine_config_from_triton(self.model_config, args["model_repository"])
+        check_model(self.name, self.model_config, config, self.batching)
+        check_batcher(self.name, self.model_config, config)
+        self.faults = FaultInjector.from_config(self.model_config)
+        self.metrics = TritonMetrics(pb_utils, self.name, instance_label(args, self.model_config))
+        # A model with max_batch_size > 0 answers with a batch dimension.
+        self.open = OpenRequests(pb_utils, self.metrics, batched=int(self.model_config.get("max_batch_size", 0)) > 0)
+        self.failure: str | None = None  # set once the engine failed in a way no step can contain
+        self.engine = self.start_engine(config)
+        self.engine.fault_hook = self.faults
+        self.limits = RequestLimits(self.engine.max_model_len)
+        self.observe_steps()
+        # On SIGTERM new requests are refused; open ones run on until shortly before tritonserver's exit timeout,
+        # and whatever is still running then ends with "the server is shutting down".
+        self.shutdown = ShutdownNotice(on_notice=self.on_shutdown)
+
+    def start_engine(self, config: EngineConfig) -> LLMEngine:
+        """Build the engine and the driver that decides its batch; return the engine."""
+        raise NotImplementedError
+
+    def on_shutdown(self, grace: float) -> None:
+        """Called once, on a watcher thread, when the server is told to shut down; new requests are refused from
+        then on, and the driver ends what still runs at ``self.shutdown.deadline``."""
+
+    def admit(self, request, arrival: float, hand_over: HandOver) -> str | None:
+        """Take one new request: parse it, open it and ``hand_over(request_id, prompt, params, arrival)`` to the
+        driver. Returns its id, or None once it got its final error: the model refuses new requests (a failed engine,
+        a shutdown), the request is not valid, or ``hand_over`` refused it (``ValueError``, or the engine loop's
+        ``EngineOverloaded`` / ``EngineUnavailable``). A driver that ends a refused request itself returns normally."""
+        sender = request.get_response_sender()
+        refusal = self.failure or (SHUTTING_DOWN if self.shutdown.is_set() else None)
+        if refusal is None:
+            try:
+                parsed = parse_request(read_inputs(pb_utils, request), self.limits, read_parameters(request))
+            except ValueError as exc:
+                refusal = str(exc)
+        if refusal is not None:
+            send_error(pb_utils, sender, refusal)
+            return None
+        request_id = uuid.uuid4().hex
+        self.open.add(request_id, OpenRequest(sender, parsed.stream, arrival, parsed.omitted_outputs))
+        if self.faults is not None:
+            self.faults.watch(request_id, parsed.prompt)
+        try:
+            hand_over(request_id, parsed.prompt, parsed.params, arrival)
+        except (ValueError, EngineOverloaded, EngineUnavailable) as exc:  # refused at once: nothing was queued
+            self.open.discard(request_id)
+            send_error(pb_utils, sender, str(exc))
+            return None
+        return request_id
+
+    def observe_steps(self) -> None:
+        """Publish the engine's steps since the last call, and its gauges; on the thread that steps the engine."""
+        self.metrics.on_steps(self.engine)
+
+    def fail(self, error: BaseException) -> None:
+        """The engine broke in a way no step can contain (the driver gave every open request its final error):
+        refuse every later request, and say so on the metrics port (``llm_engine_healthy`` 0) and in the log."""
+        self.failure = engine_failed(error)
+        pb_utils.Logger.log_error(f"{self.name}: {self.failure}")
+        self.metrics.set_healthy(False)
+
+    def finalize(self) -> None:
+        pb_utils.Logger.log_info(f"{self.name}: {len(self.open)} requests still open at finalize")
+

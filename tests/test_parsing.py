@@ -1,0 +1,139 @@
+"""Request parsing without a server: a request's input tensors and parameters -> prompt, sampling settings, stream.
+
+Inputs are numpy arrays shaped as Triton hands them over (``[1]`` for a model without a batch dimension, ``[1, 1]``
+with one); ``read_inputs`` gets a fake ``pb`` that stands in for ``triton_python_backend_utils``. Every refusal must be
+a ``ValueError`` whose message a client can act on: the model sends it as that request's error.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from backend.engine.config import MAX_STOP_STRINGS, SamplingParams
+from backend.triton.parsing import (
+    MAX_PARAMETERS_BYTES,
+    MAX_PROMPT_BYTES_PER_TOKEN,
+    RequestLimits,
+    parse_request,
+    read_inputs,
+    read_parameters,
+)
+
+LIMITS = RequestLimits(max_model_len=64)
+
+
+def text(*values: str | bytes, batched: bool = False) -> np.ndarray:
+    array = np.array([v.encode() if isinstance(v, str) else v for v in values], dtype=np.object_)
+    return array.reshape(1, -1) if batched else array
+
+
+def scalar(value, dtype) -> np.ndarray:
+    return np.array([value], dtype=dtype)
+
+
+def parse(parameters: str = "", **inputs: np.ndarray):
+    return parse_request({"text_input": text("Hello"), **inputs}, LIMITS, parameters)
+
+
+def test_a_prompt_alone_takes_the_engines_defaults():
+    for batched in (False, True):
+        parsed = parse_request({"text_input": text("Bonjour ✓", batched=batched)}, LIMITS)
+        assert parsed.prompt == "Bonjour ✓"
+        assert parsed.params == SamplingParams()  # one owner of every default (max_tokens among them)
+        assert parsed.stream is False and parsed.omitted_outputs == frozenset()
+
+
+def test_settings_come_from_inputs_then_request_parameters_then_sampling_parameters():
+    parsed = parse(max_tokens=scalar(5, np.int32), temperature=scalar(0.5, np.float32), seed=scalar(7, np.uint64),
+                   ignore_eos=scalar(True, np.bool_), stream=scalar(True, np.bool_))
+    assert (parsed.params.max_tokens, parsed.params.temperature, parsed.params.seed) == (5, 0.5, 7)
+    assert parsed.params.ignore_eos is True and parsed.stream is True
+    layered = parse(json.dumps({"max_tokens": 7, "top_k": 3}), max_tokens=scalar(5, np.int32),
+                    sampling_parameters=text(json.dumps({"max_tokens": "9"})))  # numbers as strings, as genai-perf
+    assert (layered.params.max_tokens, layered.params.top_k) == (9, 3)
+
+
+def test_stop_strings_aliases_and_optional_outputs():
+    parsed = parse(stop=text("\n\n", "END"), min_length=scalar(2, np.int32),
+                   return_finish_reason=scalar(False, np.bool_), return_num_input_tokens=scalar(True, np.bool_))
+    assert parsed.params.stop == ["\n\n", "END"] and parsed.params.min_tokens == 2
+    assert parsed.omitted_outputs == frozenset({"finish_reason"})
+    with pytest.raises(ValueError, match="send either 'min_tokens' or 'min_length'"):
+        parse(min_length=scalar(2, np.int32), min_tokens=scalar(2, np.int32))
+
+
+@pytest.mark.parametrize(
+    "inputs, parameters, message",
+    [
+        ({"text_input": None}, "", "missing required input 'text_input'"),
+        ({"text_input": text("a", "b")}, "", "exactly one prompt per request; got 2"),
+        ({"text_input": text("")}, "", "text_input is empty"),
+        ({"text_input": text(b"\xff\xfe")}, "", r"text_input is not valid UTF-8 \(byte 0\)"),
+        ({"text_input": text("x" * (MAX_PROMPT_BYTES_PER_TOKEN * 64 + 1))}, "",
+         f"text_input is {MAX_PROMPT_BYTES_PER_TOKEN * 64 + 1} bytes; the limit is {MAX_PROMPT_BYTES_PER_TOKEN * 64}"),
+        ({"max_tokens": scalar(64, np.int32)}, "", r"max_tokens is 64, beyond this model's max_model_len \(64\)"),
+        ({"max_tokens": scalar(0, np.int32)}, "", "max_tokens must be a positive integer; got 0"),
+        ({"temperature": scalar(np.nan, np.float32)}, "", "input 'temperature' must be a finite number"),
+        ({"top_k": np.array([1, 2], dtype=np.int32)}, "", "input 'top_k' must hold one value; got 2"),
+        ({"stop": text(*["s"] * (MAX_STOP_STRINGS + 1))}, "", f"at most {MAX_STOP_STRINGS} stop strings"),
+        ({"sampling_parameters": text("{not json")}, "", "sampling_parameters is not valid JSON"),
+        ({"sampling_parameters": text("[1]")}, "", "sampling_parameters must be a JSON object"),
+        ({"sampling_parameters": text('{"beam_width": 2}')}, "",
+         r"unknown key\(s\) in sampling_parameters: beam_width"),
+        ({}, '{"model": "x"}', r"unknown key\(s\) in the request parameters: model"),
+        ({}, "x" * (MAX_PARAMETERS_BYTES + 1), f"the request parameters is {MAX_PARAMETERS_BYTES + 1} characters"),
+    ],
+    ids=["no-prompt", "two-prompts", "empty", "not-utf8", "too-long", "max-tokens-too-big", "max-tokens-zero",
+         "nan", "two-values", "too-many-stops", "bad-json", "not-object", "unknown-key", "unknown-parameter",
+         "huge-parameters"],
+)
+def test_a_bad_request_is_refused_with_a_message_that_names_the_problem(inputs, parameters, message):
+    request = {"text_input": text("Hello"), **inputs}
+    if request["text_input"] is None:
+        del request["text_input"]
+    with pytest.raises(ValueError, match=message):
+        parse_request(request, LIMITS, parameters)
+
+
+class FakeTensor:
+    def __init__(self, array: np.ndarray) -> None:
+        self.array, self.converted = array, False
+
+    def shape(self) -> list[int]:
+        return list(self.array.shape)
+
+    def as_numpy(self) -> np.ndarray:
+        self.converted = True
+        return self.array
+
+
+class FakeRequest:
+    def __init__(self, parameters: str = "{}", **tensors: np.ndarray) -> None:
+        self.tensors = {name: FakeTensor(array) for name, array in tensors.items()}
+        self._parameters = parameters
+
+    def parameters(self) -> str:
+        return self._parameters
+
+
+class FakePb:
+    @staticmethod
+    def get_input_tensor_by_name(request: FakeRequest, name: str) -> FakeTensor | None:
+        return request.tensors.get(name)
+
+
+def test_read_inputs_leaves_out_what_was_not_sent_and_counts_elements_before_converting():
+    request = FakeRequest(text_input=text("Hello"), max_tokens=scalar(3, np.int32))
+    inputs = read_inputs(FakePb, request)
+    assert sorted(inputs) == ["max_tokens", "text_input"]
+    assert parse_request(inputs, LIMITS, read_parameters(request)).params.max_tokens == 3
+    huge = FakeRequest(text_input=text("Hello"), stop=text(*["s"] * 1000))
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_STRINGS} stop strings are allowed; got 1000"):
+        read_inputs(FakePb, huge)
+    assert not huge.tensors["stop"].converted  # refused on its shape: no thousand Python objects
+    with pytest.raises(ValueError, match="input 'seed' must hold one value per request; got 2"):
+        read_inputs(FakePb, FakeRequest(text_input=text("Hello"), seed=np.array([1, 2], dtype=np.uint64)))
+    assert read_parameters(FakeRequest("{}")) == "" and read_parameters(FakeRequest('{"top_k": 1}')) == '{"top_k": 1}'
