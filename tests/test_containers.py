@@ -28,7 +28,7 @@ import pytest
 import requests
 import yaml
 
-from backend.triton.serve import free_ports
+from backend.triton.launch_options import free_ports
 from tests.server_harness import LOCALHOST, REPO_ROOT
 from tests.test_shutdown import SHUTTING_DOWN, MetricsTrail, requests_of, start_locust, unload_times
 

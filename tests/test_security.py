@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import requests
 
-from backend.triton.serve import ADMIN_KEY_ENV_VAR, SERVER_HOME_ENV_VAR, TritonServer, free_ports, restricted_api_args
+from backend.triton.launch_options import free_ports
+from backend.triton.serve import ADMIN_KEY_ENV_VAR, TritonServer, restricted_api_args
+from backend.triton.server_home import SERVER_HOME_ENV_VAR
 from tests.server_harness import REPO_ROOT
 from tests.test_launcher import write_echo_repository
 
