@@ -16,6 +16,7 @@ from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.model_runner import ModelRunner
+from backend.engine.openmp import check_wait_policy
 from backend.engine.request import FinishReason, Request, RequestTimings
 from backend.engine.sampler import Sampler
 from backend.engine.scheduler import Scheduler
@@ -72,6 +73,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         # NOTE: the one place the config is resolved against the model (config.json read once); every part reads this.
         self.config = config = config.resolve()
+        check_wait_policy()
         self.tokenizer = load_tokenizer(config.model)
         self.runner = ModelRunner(config)
         capacity = self.runner.num_kv_blocks * config.block_size

@@ -10,16 +10,20 @@ import json
 import time
 import uuid
 
-import triton_python_backend_utils as pb_utils
+from backend.engine.openmp import set_wait_policy
 
-from backend.engine.batching import EngineLoop, EngineOverloaded, EngineUnavailable
-from backend.engine.llm_engine import LLMEngine
-from backend.triton.faults import FaultInjector
-from backend.triton.metrics import TritonMetrics, instance_label
-from backend.triton.model_config import check_model, engine_config_from_triton
-from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
-from backend.triton.responses import CancellationPoll, OpenRequest, OpenRequests, send_error
-from backend.triton.shutdown_notice import ShutdownNotice
+set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
+
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from backend.engine.batching import EngineLoop, EngineOverloaded, EngineUnavailable  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.triton.faults import FaultInjector  # noqa: E402
+from backend.triton.metrics import TritonMetrics, instance_label  # noqa: E402
+from backend.triton.model_config import check_model, engine_config_from_triton  # noqa: E402
+from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters  # noqa: E402
+from backend.triton.responses import CancellationPoll, OpenRequest, OpenRequests, send_error  # noqa: E402
+from backend.triton.shutdown_notice import ShutdownNotice  # noqa: E402
 
 
 class TritonPythonModel:
