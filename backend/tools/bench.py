@@ -77,7 +77,7 @@ from backend.engine.block_manager import BlockManager  # noqa: E402
 from backend.engine.config import EngineConfig, ModelShape, SamplingParams  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.request import Request, RequestStatus  # noqa: E402
-from backend.engine.scheduler import Scheduler  # noqa: E402
+from backend.engine.scheduler import ScheduledRequest, Scheduler  # noqa: E402
 from backend.engine.stats import StepRecord  # noqa: E402
 from backend.tools.bench_llamacpp import llamacpp_column  # noqa: E402
 from backend.tools.bench_served import SERVED_MODELS, served_column  # noqa: E402
@@ -362,7 +362,7 @@ def real_step_ms(s: BenchSettings, num_seqs: int, context: int = 64, repeats: in
     timings = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        inputs = engine.runner.prepare([(r, 1) for r in requests])
+        inputs = engine.runner.prepare([ScheduledRequest.of(r, 1) for r in requests])
         engine.sampler(engine.runner.run(inputs), ids, params)
         timings.append(time.perf_counter() - start)
     del engine
