@@ -2,12 +2,12 @@
 engine before torch loads its OpenMP runtime.
 
 NOTE: a decode step runs about 240 short parallel regions. Threads that sleep between them (``PASSIVE``) are woken
-for each one, which cost 20 ms of a 50 ms served step at batch 1 on 2 cores; threads that spin for ever (``ACTIVE``
-alone: libgomp spins 5 minutes) starve the server and the load generator on busy cores. So they spin for a bounded
-count, about 0.14 ms (``GOMP_SPINCOUNT`` counts PAUSE loops): long enough to bridge the Python between two regions of
-a step, short enough that they sleep between steps. Spinning pays only with one OpenMP team per process (libgomp cuts
-the spin short once it manages more threads than there are cores), hence ``EngineLoop.build``. Where a CPU-bound
-process shares the cores, set ``OMP_WAIT_POLICY=PASSIVE``: a wait policy or spin count in the environment wins.
+for each one, a large share of a small step; threads that spin for ever (``ACTIVE`` alone) starve the server and the
+load generator on busy cores. So they spin for a bounded count (``GOMP_SPINCOUNT`` counts PAUSE loops, about 0.14 ms
+here): long enough to bridge the Python between two regions of a step, short enough that they sleep between steps.
+Spinning pays only with one OpenMP team per process (libgomp cuts the spin short once it manages more threads than
+there are cores), hence ``EngineLoop.build``. Where a CPU-bound process shares the cores, set
+``OMP_WAIT_POLICY=PASSIVE``: a wait policy or spin count in the environment wins. The figures: ``docs/cpu-kernels.md``.
 
 libgomp reads these variables once, when it is loaded, which is when torch is first imported. So the processes that
 build an engine (each Triton model's ``model.py``, ``make bench``, the tests) call :func:`set_wait_policy` before
