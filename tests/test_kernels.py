@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 
 from backend import kernels
 from backend.engine.attention import CpuAttention, TorchAttention, select_attention_backend
-from backend.engine.attention.torch_backend import paged_attention, paged_decode_attention, prefill_attention, write_kv
+from backend.engine.attention.torch_backend import paged_decode_attention, prefill_attention, write_kv
 from backend.engine.attention.triton_backend import TritonAttention
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.llm_engine import LLMEngine
