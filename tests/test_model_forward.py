@@ -146,9 +146,10 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
             calls.append(1)
             return stack(*args)
 
-    def decode(decode_stack, route=cpu_fast_path.route):
+    def decode(decode_stack, c_paths=True):
         monkeypatch.setattr(runner.model, "decode_stack", decode_stack)
-        monkeypatch.setattr(cpu_fast_path, "route", route)
+        for limit in ("small_rows_limit", "c_rows_limit"):  # 0: route sends no row to C
+            monkeypatch.setattr(cpu_fast_path, limit, getattr(cpu_fast_path, limit) if c_paths else lambda amx: 0)
         return runner.run(inputs).clone()  # the step writes the same K/V again: runs are independent
 
     stacked = decode(Counted())
@@ -158,5 +159,5 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
     assert calls, "the step did not take the decode stack"
     by_layer = decode(None)
     torch.testing.assert_close(stacked, by_layer, atol=0, rtol=0)
-    onednn = decode(None, route=lambda num_rows, linear: cpu_fast_path.Kernel.ONEDNN)
+    onednn = decode(None, c_paths=False)
     torch.testing.assert_close(stacked.float(), onednn.float(), atol=0.05, rtol=0.05)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.engine.attention import AttentionMetadata, PrefillChunk, select_attention_backend
-from backend.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, ResolvedConfig
+from backend.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, ModelShape, ResolvedConfig
 from backend.engine.model import LlamaModel
 from backend.engine.request import Request
 from backend.engine.scheduler import ScheduledRequest
@@ -98,12 +98,15 @@ class ModelRunner:
         elif self.device.index is not None:
             torch.cuda.set_device(self.device)  # OpenAI Triton launches on the current device
         self.dtype = _TORCH_DTYPES[config.dtype]
-        self.shape = config.model_shape
         self.model = LlamaModel(config, self.dtype, self.device, select_attention_backend(self.device))
         self.block_size = config.block_size
         self._block_offsets = torch.arange(self.block_size)
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.config.model_shape
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         s = self.shape
@@ -115,8 +118,7 @@ class ModelRunner:
         ]
 
     def _num_kv_blocks(self) -> int:
-        c = self.config
-        block_bytes = c.block_bytes
+        c, block_bytes = self.config, self.config.block_bytes
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if c.kv_cache_memory_bytes is None and self.device.type == "cuda":
