@@ -52,8 +52,8 @@ LLAMACPP_DIR ?= .llamacpp
 LLAMACPP_SRC := $(LLAMACPP_DIR)/src/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
 LLAMACPP_BIN := $(LLAMACPP_DIR)/bin/llama-server
 LLAMACPP_GGUF := $(LLAMACPP_DIR)/$(notdir $(MODEL))-bf16.gguf
-# How OpenMP threads wait (a bounded spin) is set in backend/__init__.py; OMP_WAIT_POLICY or GOMP_SPINCOUNT in the
-# environment (or on make's command line) override it.
+# How OpenMP threads wait (a bounded spin) is set by each process that builds an engine (backend/engine/openmp.py);
+# OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment (or on make's command line) override it.
 export HTTP_PORT GRPC_PORT METRICS_PORT MODEL
 
 .PHONY: docker docker-down venv venv310 aiperf-venv chromium model serve test compare slo locust bench llamacpp soak gpu-check aiperf clean

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import time
 
-import pytest
+from backend.engine.openmp import set_wait_policy
 
-from backend.tools.prepare_model import ensure_model
-from tests import server_harness
+set_wait_policy()  # NOTE: before torch is imported: the engines built in this process run as the served ones do
+
+import pytest  # noqa: E402
+
+from backend.tools.prepare_model import ensure_model  # noqa: E402
+from tests import server_harness  # noqa: E402
 
 _TEST_STARTED = pytest.StashKey[float]()
 

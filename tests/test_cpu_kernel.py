@@ -1,7 +1,8 @@
-"""The C decode-attention kernel for CPUs gives the torch reference's result on the same inputs.
+"""The C kernels for CPUs give their torch twins' results on the same inputs.
 
 Pools hold random values everywhere (unused blocks included) and blocks are handed out shuffled, so reading a
-position outside a sequence's context shows up as an error.
+position outside a sequence's context shows up as an error. A kernel refuses (``ValueError``) what it cannot take
+instead of running its twin, so a test that gets a result from it knows the C code ran.
 """
 
 from __future__ import annotations
@@ -17,14 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.engine.attention import (
-    AttentionMetadata,
-    PrefillChunk,
-    decode_gather_indices,
-    paged_decode_attention,
-    rope_paged_attention,
-)
+from backend.engine.attention import CpuAttention, TorchAttention
+from backend.engine.attention.torch_backend import decode_gather_indices, paged_decode_attention, rope_qkv, write_kv
 from backend.kernels import cpu_kernels
+from tests.attention_cases import rope_step_case
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
 
@@ -60,6 +57,7 @@ def test_kernel_matches_torch_reference(num_heads, num_kv_heads, head_dim, block
         num_heads, num_kv_heads, head_dim, block_size, context_lens, dtype
     )
     scale = head_dim**-0.5
+    assert cpu_kernels.supports(query, k_cache, v_cache)  # the C kernel runs (it refuses what it does not take)
     out = cpu_kernels.cpu_decode_attention(query, k_cache, v_cache, tables, lens, scale)
     ref = paged_decode_attention(query.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
     assert out.shape == (len(context_lens), num_heads, head_dim) and out.dtype == dtype
@@ -74,73 +72,72 @@ def test_kernel_equals_reference_with_precomputed_metadata_and_threads():
     try:
         for num_threads in (1, 2):
             torch.set_num_threads(num_threads)
-            out = cpu_kernels.cpu_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, slots, mask)
+            out = cpu_kernels.cpu_decode_attention(query, k_cache, v_cache, tables, lens, 0.125)
             torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
     finally:
         torch.set_num_threads(threads)
 
 
-def test_unsupported_inputs_fall_back_to_torch():
+def test_unsupported_inputs_are_refused_and_the_backend_runs_torch_for_them():
+    """float16 is not a dtype the kernels take: the kernel refuses it, and the CPU backend runs the torch reference."""
     query, k_cache, v_cache, tables, lens = scattered_case(4, 2, 64, 16, [9, 33], torch.float16)
     assert not cpu_kernels.supports(query, k_cache, v_cache)
-    out = cpu_kernels.cpu_decode_attention(query, k_cache, v_cache, tables, lens, 0.125)
-    assert torch.equal(out, paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125))
+    with pytest.raises(ValueError, match="cannot take"):
+        cpu_kernels.cpu_decode_attention(query, k_cache, v_cache, tables, lens, 0.125)
+    qkv, positions, cos, sin, k_cache, v_cache, common = rope_step_case([9, 33], [(0, 5)], torch.float16)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    ref = TorchAttention().forward(qkv.clone(), positions, cos, sin, k_ref, v_ref, common, 9)
+    out = CpuAttention().forward(qkv, positions, cos, sin, k_cache, v_cache, common, 9)
+    assert torch.equal(out, ref) and torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
 
 
-def rope_step_case(decode_lens, chunks, dtype, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=0):
-    """One step as the runner lays it out (decodes, then prefill chunks ``(num_cached, num_query)``) over a pool of
-    random values with shuffled blocks: the QKV projection's output, positions, rope tables, pool and metadata."""
-    gen = torch.Generator().manual_seed(seed)
-    lengths = list(decode_lens) + [c + n for c, n in chunks]
-    num_blocks = sum(-(-n // block_size) for n in lengths) + 3
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = (2 * torch.randn(shape, generator=gen)).to(dtype), torch.randn(shape, generator=gen).to(dtype)
-    free = list(range(num_blocks))
-    random.Random(seed).shuffle(free)
-    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in lengths]
-    slots_of = lambda table, n: torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])  # noqa: E731
-    positions, slot_mapping, prefills = [n - 1 for n in decode_lens], [], []
-    slot_mapping = [slots_of(t, n)[-1:] for t, n in zip(tables, decode_lens)]
-    start = len(decode_lens)
-    for table, (cached, n) in zip(tables[len(decode_lens):], chunks):
-        slots = slots_of(table, cached + n)
-        slot_mapping.append(slots[cached:])
-        prefills.append(PrefillChunk(start, n, cached, slots if cached else None))
-        positions += range(cached, cached + n)
-        start += n
-    width = max((len(t) for t in tables[: len(decode_lens)]), default=0)
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(slot_mapping).long(), num_decode_tokens=len(decode_lens),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[: len(decode_lens)]],
-                                  dtype=torch.int32).view(len(decode_lens), width),
-        context_lens=torch.tensor(decode_lens, dtype=torch.int32), decode_block_ids=None, decode_mask=None,
-        prefills=tuple(prefills), scale=head_dim**-0.5,
-    )
-    qkv = torch.randn(start, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
-    angles = torch.arange(256)[:, None] * (1e4 ** (-torch.arange(head_dim // 2) / (head_dim // 2)))[None, :]
-    half_sin = torch.sin(angles)
-    cos = torch.cat([torch.cos(angles)] * 2, dim=-1).to(dtype)
-    sin_signed = torch.cat([-half_sin, half_sin], dim=-1).to(dtype)
-    return qkv, torch.tensor(positions), cos, sin_signed, k_cache, v_cache, meta
+ROPE_CASES = dict(
+    argnames="decode_lens, chunks",
+    argvalues=[([70], []), ([5, 16, 17, 40, 1, 130, 33, 64, 9, 2], []), ([5, 16, 40], [(0, 20), (33, 40)]),
+               ([], [(0, 7)])],
+    ids=["one-decode", "ten-decodes", "decodes-and-chunks", "one-chunk"],
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(
-    "decode_lens, chunks",
-    [([70], []), ([5, 16, 17, 40, 1, 130, 33, 64, 9, 2], []), ([5, 16, 40], [(0, 20), (33, 40)]), ([], [(0, 7)])],
-    ids=["one-decode", "ten-decodes", "decodes-and-chunks", "one-chunk"],
-)
+@pytest.mark.parametrize(**ROPE_CASES)
 def test_rope_attention_kernel_matches_torch_reference(decode_lens, chunks, dtype):
-    """Rotary embedding, K/V write and attention in one C call equal the torch ops they replace: the output, the
-    rotated q and k left in the QKV buffer, and the pool."""
+    """Rotary embedding, K/V write and decode attention in one C call equal the torch ops they replace: the decodes'
+    output, the rotated q and k left in the QKV buffer, and every token's K/V in the pool. The reference runs on
+    copies (``.float()`` of a float32 tensor is that tensor), so a kernel that skips a write fails."""
     qkv, positions, cos, sin, k_cache, v_cache, meta = rope_step_case(decode_lens, chunks, dtype)
-    k_ref, v_ref = k_cache.float(), v_cache.float()
-    ref = rope_paged_attention(qkv.float(), positions, cos.float(), sin.float(), k_ref, v_ref, meta, 9)
-    out = cpu_kernels.cpu_rope_paged_attention(qkv, positions, cos, sin, k_cache, v_cache, meta, 9)
-    assert out.shape == ref.shape and out.dtype == dtype
+    num_tokens, num_decodes = qkv.shape[0], meta.num_decode_tokens
+    query, key, value = rope_qkv(qkv.float().clone(), positions, cos.float(), sin.float(), 9, 3)
+    k_ref, v_ref = k_cache.float().clone(), v_cache.float().clone()
+    write_kv(k_ref, v_ref, key, value, meta.slot_mapping)
+    assert cpu_kernels.supports_rope_attention(qkv, positions, cos, sin, meta.slot_mapping, k_cache, v_cache, 9)
+    out = cpu_kernels.cpu_rope_paged_attention(qkv, positions, cos, sin, meta.slot_mapping, k_cache, v_cache,
+                                               meta.block_tables, meta.context_lens, num_decodes, meta.scale, 9)
+    assert out.shape == (num_tokens, 9, 64) and out.dtype == dtype
+    if num_decodes:
+        ref = paged_decode_attention(query[:num_decodes], k_ref, v_ref, meta.block_tables, meta.context_lens,
+                                     meta.scale)
+        torch.testing.assert_close(out[:num_decodes].float(), ref, **TOLERANCE[dtype])
+    rotated = qkv[:, : 12 * 64].view(num_tokens, 12, 64).float()  # q's 9 heads, then k's 3, rotated in place
+    torch.testing.assert_close(rotated, torch.cat([query, key], dim=1), **TOLERANCE[dtype])
+    torch.testing.assert_close(k_cache.float(), k_ref, **TOLERANCE[dtype])
+    assert torch.equal(v_cache.float(), v_ref)  # values are copied, not rotated
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(**ROPE_CASES)
+def test_cpu_backend_step_matches_torch_backend(decode_lens, chunks, dtype):
+    """A whole step through the C attention backend (the kernel, then the prefill chunks in torch) gives the torch
+    reference backend's output and pool."""
+    qkv, positions, cos, sin, k_cache, v_cache, common = rope_step_case(decode_lens, chunks, dtype)
+    k_ref, v_ref = k_cache.float().clone(), v_cache.float().clone()
+    reference, backend = TorchAttention(), CpuAttention()
+    ref = reference.forward(qkv.float().clone(), positions, cos.float(), sin.float(), k_ref, v_ref,
+                            reference.build_metadata(common), 9)
+    out = backend.forward(qkv, positions, cos, sin, k_cache, v_cache, backend.build_metadata(common), 9)
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
     torch.testing.assert_close(k_cache.float(), k_ref, **TOLERANCE[dtype])
-    torch.testing.assert_close(v_cache.float(), v_ref, atol=0, rtol=0)  # values are copied, not rotated
+    assert torch.equal(v_cache.float(), v_ref)
 
 
 def hf_rms_norm(x, weight, eps):
@@ -154,6 +151,7 @@ def test_rms_norm_equals_hf_in_bf16(num_rows):
     gen = torch.Generator().manual_seed(num_rows)
     x = (3 * torch.randn(num_rows, 600, generator=gen)).bfloat16()[:, :576]  # strided rows, as a residual slice
     weight = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    assert cpu_kernels.supports_rms_norm(x, weight)
     out = cpu_kernels.cpu_rms_norm(x, (576,), weight, 1e-5)
     assert out.dtype == torch.bfloat16 and out.shape == (num_rows, 576)
     torch.testing.assert_close(out, hf_rms_norm(x, weight, 1e-5), atol=0, rtol=2**-7)  # at most one bf16 ulp
@@ -162,6 +160,7 @@ def test_rms_norm_equals_hf_in_bf16(num_rows):
 def test_rms_norm_float32_close_to_hf():
     gen = torch.Generator().manual_seed(0)
     x, weight = torch.randn(5000, 64, generator=gen), torch.rand(64, generator=gen) + 0.5  # 5000 rows: threaded
+    assert cpu_kernels.supports_rms_norm(x, weight)
     torch.testing.assert_close(cpu_kernels.cpu_rms_norm(x, (64,), weight, 1e-6), hf_rms_norm(x, weight, 1e-6))
 
 
@@ -196,7 +195,7 @@ def test_small_batch_linear_matches_float32_sum_rounded_once(op, num_rows, shape
 
 def test_small_batch_linear_refuses_more_rows_than_it_holds():
     weight = cpu_kernels.prepare_linear_weight(torch.zeros(8, 64).bfloat16())
-    too_many = cpu_kernels.LINEAR_MAX_ROWS + 1
+    too_many = cpu_kernels.limits().linear_max_rows + 1
     with pytest.raises(ValueError, match=f"cannot take {too_many} rows"):
         cpu_kernels.cpu_linear_small(torch.zeros(too_many, 64).bfloat16(), weight)
 
@@ -220,23 +219,25 @@ def test_amx_linear_matches_float32_sum_rounded_once(op, num_rows, shape):
 
 
 def test_model_linear_takes_the_c_path_for_few_rows_amx_for_more_and_onednn_above():
-    from backend.engine.model import AMX_MAX_ROWS, SMALL_BATCH_ROWS, Linear, small_rows_limit
+    from backend.engine.cpu_fast_path import SMALL_BATCH_ROWS, Kernel, Linear, c_rows_limit, route, small_rows_limit
 
     gen = torch.Generator().manual_seed(1)
     weight = (0.05 * torch.randn(64, 576, generator=gen)).bfloat16()
     linear = Linear(weight)
-    for num_rows in (1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 32, AMX_MAX_ROWS, AMX_MAX_ROWS + 1):
+    has_amx = linear.amx_weight is not None
+    max_rows = cpu_kernels.limits().linear_max_rows
+    for num_rows in (1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 32, max_rows, max_rows + 1):
         x = torch.randn(num_rows, 576, generator=gen).bfloat16()
         up = torch.randn(num_rows, 64, generator=gen).bfloat16()
         torch.testing.assert_close(linear(x), fused_reference(x, weight, None, "none", None), atol=1e-3, rtol=2**-7)
         torch.testing.assert_close(linear.mul(x, up), fused_reference(x, weight, None, "mul", up), atol=1e-3,
                                    rtol=2**-7)
-    small = small_rows_limit(linear.amx_weight is not None)  # 8, or 1 where AMX takes 2-64 rows
-    rows = {n: torch.zeros(n, 576).bfloat16() for n in (small, small + 1, AMX_MAX_ROWS + 1)}
-    assert linear._small(rows[small]) and not linear._amx(rows[small])
-    assert not linear._small(rows[small + 1])
-    assert linear._amx(rows[small + 1]) == (linear.amx_weight is not None)
-    assert not linear._amx(rows[AMX_MAX_ROWS + 1])
+    small = small_rows_limit(has_amx)  # 8, or 1 where AMX takes 2 rows to the library's limit
+    assert route(small, linear) is Kernel.C_SMALL
+    beyond_c = Kernel.TORCH if linear.onednn_weight is None else Kernel.ONEDNN  # oneDNN where it takes bf16
+    assert route(small + 1, linear) is (Kernel.C_AMX if has_amx else beyond_c)
+    assert c_rows_limit(has_amx) == (max_rows if has_amx else SMALL_BATCH_ROWS)
+    assert route(max_rows + 1, linear) is beyond_c
 
 
 @pytest.mark.slow

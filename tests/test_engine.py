@@ -139,7 +139,7 @@ def test_stop_string_cuts_text_and_finishes_with_stop(engine, reference):
     )
     assert out.finish_reason == "stop"
     assert out.text == full[: full.index(stop)]
-    assert stop not in out.text and "".join(out.deltas) == out.text
+    assert stop not in out.text and "".join(out.delta_texts) == out.text
     assert out.token_ids == reference[2][: len(out.token_ids)]
     assert len(out.token_ids) < NEW_TOKENS
 
@@ -163,7 +163,7 @@ def test_max_tokens_finishes_with_length_and_deltas_join_to_decode(engine):
         assert out.finish_reason == "length" and len(out.token_ids) == 12
         decoded = engine.tokenizer.hf.decode(out.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         # A length stop inside a multi-byte character drops its bytes instead of sending U+FFFD.
-        assert "".join(out.deltas) == out.text == decoded.rstrip("\ufffd")
+        assert "".join(out.delta_texts) == out.text == decoded.rstrip("\ufffd")
         assert "\ufffd" not in out.text
 
 
@@ -249,7 +249,7 @@ def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(sm
     finals, tokens, gone = {}, {}, {}
 
     def sink(output):
-        tokens.setdefault(output.request_id, []).extend(output.token_ids)
+        tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
         if output.finished:
             assert output.request_id not in finals and output.request_id not in gone, "a second final output"
             finals[output.request_id] = output
@@ -329,7 +329,7 @@ def test_gpu_kv_sizing_profiles_the_largest_step(
     runner = ModelRunner(EngineConfig(
         model=str(tiny_llama_dir), dtype="float32", num_threads=2, num_kv_blocks=4, gpu_memory_utilization=0.5,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-    ))
+    ).resolve())
     steps, scratch = [], []
     forward, profile_run = runner.model.forward, runner.profile_run
 
@@ -355,8 +355,7 @@ def test_gpu_kv_sizing_profiles_the_largest_step(
     }.items():
         monkeypatch.setattr(torch.cuda, name, fake)
 
-    s = runner.shape
-    block_bytes = runner.config.kv_block_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+    block_bytes = runner.config.block_bytes
     num_blocks = runner._profile_gpu_kv_blocks(block_bytes)
     assert num_blocks == num_gpu_kv_blocks(total, 0.5, weights, activations, total - free - reserved, block_bytes)
     (prefill_lens, num_decodes, num_sampled), = steps

@@ -1,6 +1,7 @@
 """The engine gives the same tokens whichever thread loads and steps it, under the OpenMP wait settings that
-``backend/__init__.py`` sets (a bounded spin) and under sleeping waits: threading changes speed (``make bench``
-measures it), never tokens. Each setting runs in its own process, since OpenMP reads it once, when torch loads."""
+``backend.engine.openmp`` sets (a bounded spin) and under sleeping waits: threading changes speed (``make bench``
+measures it), never tokens. Each setting runs in its own process, since OpenMP reads it once, when torch loads.
+Importing ``backend`` itself sets nothing (the launcher and Locust keep libgomp's defaults)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ import sys
 
 import pytest
 
-import backend
-
-pytestmark = pytest.mark.smollm2
+from backend.engine import openmp
 
 SCRIPT = r"""
 import json, os, sys, threading
 
-import backend  # sets the OpenMP wait policy before torch loads
+from backend.engine.openmp import set_wait_policy
+
+set_wait_policy()  # before torch loads, as every process that builds an engine does
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.batching import EngineLoop
@@ -48,7 +49,7 @@ thread.join()
 tokens["loaded on the main thread, run on another"] = box["tokens"]
 loop = EngineLoop.build(make_engine)  # as llm_continuous serves: loaded and stepped on the loop's thread
 streams = [loop.submit(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS))]
-tokens["loaded and stepped on the engine loop's thread"] = [[t for out in s for t in out.token_ids] for s in streams]
+tokens["loaded and stepped on the engine loop's thread"] = [[t for out in s for t in out.new_token_ids] for s in streams]
 loop.shutdown()
 settings = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 print(json.dumps({"settings": settings, "tokens": tokens}))
@@ -63,9 +64,10 @@ def run_engines(model_dir, **settings) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.smollm2
 def test_same_tokens_on_every_thread_spinning_or_sleeping(smollm2_dir):
     spinning = run_engines(smollm2_dir)
-    assert spinning["settings"] == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(backend.OPENMP_SPIN_COUNT)}
+    assert spinning["settings"] == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(openmp.OPENMP_SPIN_COUNT)}
     sleeping = run_engines(smollm2_dir, OMP_WAIT_POLICY="PASSIVE")
     assert sleeping["settings"] == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
     reference = spinning["tokens"]["loaded and run on the main thread"]
@@ -73,3 +75,14 @@ def test_same_tokens_on_every_thread_spinning_or_sleeping(smollm2_dir):
     for result in (spinning, sleeping):
         for where, tokens in result["tokens"].items():
             assert tokens == reference, (result["settings"], where)
+
+
+def test_importing_backend_sets_no_openmp_variable():
+    """Only a process that builds an engine sets the wait policy: importing the packages (the glue and the launcher
+    among them) leaves the environment as it was."""
+    script = ("import json, os, backend, backend.engine.llm_engine, backend.triton.serve, backend.triton.responses; "
+              "print(json.dumps([os.environ.get(name) for name in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')]))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [None, None]

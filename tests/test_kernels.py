@@ -23,22 +23,18 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of backend.kernels
 
 from backend import kernels
-from backend.engine.attention import (
-    TORCH_ATTENTION,
-    AttentionMetadata,
-    PrefillChunk,
-    paged_attention,
-    paged_decode_attention,
-    prefill_attention,
-    write_kv,
-)
+from backend.engine.attention import CpuAttention, TorchAttention, select_attention_backend
+from backend.engine.attention.torch_backend import paged_decode_attention, prefill_attention, write_kv
+from backend.engine.attention.triton_backend import TritonAttention
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.llm_engine import LLMEngine
-from backend.engine.model_runner import CPU_ATTENTION, ModelRunner, select_attention
+from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request
+from backend.engine.scheduler import ScheduledRequest
 from backend.kernels import cpu_kernels
 from backend.kernels._common import is_interpreted
 from backend.kernels.decode_attention import _decode_kernel
+from tests.attention_cases import rope_step_case
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and not is_interpreted(_decode_kernel):
@@ -201,67 +197,43 @@ def test_prefill_chunk_matches_reference(ratio, head_dim, block_size, dtype, num
     key = randn(num_query, num_kv_heads, head_dim, dtype=dtype, seed=6)
     value = randn(num_query, num_kv_heads, head_dim, dtype=dtype, seed=7)
     write_kv(pool.k_cache, pool.v_cache, key, value, slots[num_cached:])  # the step writes before it attends
-    chunk = PrefillChunk(0, num_query, num_cached, slots if num_cached else None)
+    context_slots = slots if num_cached else None
     scale = head_dim**-0.5
-    out = kernels.cuda_prefill_attention(query, key, value, pool.k_cache, pool.v_cache, chunk, scale)
-    ref = prefill_attention(query.float(), key.float(), value.float(), *pool.as_float(), chunk, scale)
+    out = kernels.cuda_prefill_attention(query, key, value, pool.k_cache, pool.v_cache, context_slots, scale)
+    ref = prefill_attention(query.float(), key.float(), value.float(), *pool.as_float(), context_slots, scale)
     assert out.shape == query.shape and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 def test_whole_step_matches_reference(dtype):
-    """One step as the model runner lays it out: three decodes, then a fresh chunk and a chunk over a cached prefix."""
-    num_heads, num_kv_heads, head_dim, bs = 6, 2, 64, 16
-    pool = PagedPool(32, bs, num_kv_heads, head_dim, dtype, seed=3)
-    decode_lens = [5, 16, 40]  # context including the new token
-    chunks = [(0, 20), (33, 40)]  # (num_cached, num_query)
-    decode_tables = [pool.allocate(n) for n in decode_lens]
-    chunk_tables = [pool.allocate(c + n) for c, n in chunks]
-    slot_mapping = [pool.slots(t, n)[-1:] for t, n in zip(decode_tables, decode_lens)]
-    prefills, start = [], len(decode_lens)
-    for table, (cached, n) in zip(chunk_tables, chunks):
-        slots = pool.slots(table, cached + n)
-        slot_mapping.append(slots[cached:])
-        prefills.append(PrefillChunk(start, n, cached, slots if cached else None))
-        start += n
-    width = max(map(len, decode_tables))
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(slot_mapping),
-        num_decode_tokens=len(decode_lens),
-        block_tables=torch.tensor(
-            [t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.int32, device=DEVICE
-        ),
-        context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=DEVICE),
-        decode_block_ids=None,
-        decode_mask=None,
-        prefills=tuple(prefills),
-        scale=head_dim**-0.5,
-    )
-    num_tokens = start
-    query = randn(num_tokens, num_heads, head_dim, dtype=dtype, seed=8)
-    key = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, seed=9)
-    value = randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, seed=10)
-    k_ref, v_ref = pool.as_float()
-    ref = paged_attention(query.float(), key.float(), value.float(), k_ref, v_ref, meta)
-    out = kernels.cuda_paged_attention(query, key, value, pool.k_cache, pool.v_cache, meta)
+    """One step as the model runner lays it out (three decodes, then a fresh chunk and a chunk over a cached prefix)
+    through the Triton backend, from the QKV projection: the torch reference backend's output and pool."""
+    qkv, positions, cos, sin, k_cache, v_cache, common = rope_step_case(
+        [5, 16, 40], [(0, 20), (33, 40)], dtype, num_heads=6, num_kv_heads=2, device=DEVICE)
+    k_ref, v_ref = k_cache.float().clone(), v_cache.float().clone()  # .float() of a float32 pool is that pool
+    reference, backend = TorchAttention(), TritonAttention()
+    ref = reference.forward(qkv.float(), positions, cos.float(), sin.float(), k_ref, v_ref,
+                            reference.build_metadata(common), 6)
+    out = backend.forward(qkv, positions, cos, sin, k_cache, v_cache, backend.build_metadata(common), 6)
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
-    torch.testing.assert_close(pool.k_cache.float(), k_ref, atol=0, rtol=0)
+    torch.testing.assert_close(k_cache.float(), k_ref, **TOLERANCE[dtype])  # rotated in the dtype: rounding
+    assert torch.equal(v_cache.float(), v_ref)  # values are copied
 
 
 # ---- the model and the engine with attention on the kernels -------------------------------------------------------
 
 
 def test_runner_picks_the_kernels_on_cuda_and_the_c_kernel_or_torch_on_cpu():
-    assert select_attention(torch.device("cuda")) is kernels.TRITON_ATTENTION
-    expected = CPU_ATTENTION if cpu_kernels.load() is not None else TORCH_ATTENTION
-    assert select_attention(torch.device("cpu")) is expected
+    assert type(select_attention_backend(torch.device("cuda"))) is TritonAttention
+    expected = CpuAttention if cpu_kernels.load() is not None else TorchAttention
+    assert type(select_attention_backend(torch.device("cpu"))) is expected
 
 
 # Every backend the runner can choose on this device (the torch reference is what they are compared with).
-BACKENDS = [pytest.param(kernels.TRITON_ATTENTION, id="triton")]
+BACKENDS = [pytest.param(TritonAttention(), id="triton")]
 if DEVICE.type == "cpu" and cpu_kernels.load() is not None:
-    BACKENDS.append(pytest.param(CPU_ATTENTION, id="cpu-c"))
+    BACKENDS.append(pytest.param(CpuAttention(), id="cpu-c"))
 
 
 @pytest.mark.parametrize("attention", BACKENDS)
@@ -277,7 +249,7 @@ def test_model_forward_logits_match_reference_through_a_step_sequence(tiny_llama
         model=str(tiny_llama_dir), device=DEVICE.type, dtype="float32", block_size=16, num_kv_blocks=16,
         max_num_seqs=4, max_num_batched_tokens=128, max_model_len=128, num_threads=2,
     )
-    runner = ModelRunner(config)
+    runner = ModelRunner(config.resolve())
 
     def run_steps() -> list[torch.Tensor]:
         prompts = {"a": 20, "b": 40, "c": 1, "d": 16}
@@ -290,7 +262,7 @@ def test_model_forward_logits_match_reference_through_a_step_sequence(tiny_llama
         runner.kv_caches = runner._allocate_kv_caches(config.num_kv_blocks)
         logits = []
         for number, step in enumerate(steps):
-            inputs = runner.prepare([(requests[name], n) for name, n in step.items()])
+            inputs = runner.prepare([ScheduledRequest.of(requests[name], n) for name, n in step.items()])
             logits.append(runner.run(inputs).float().cpu())
             for name, n in step.items():
                 requests[name].num_computed_tokens += n
@@ -299,7 +271,7 @@ def test_model_forward_logits_match_reference_through_a_step_sequence(tiny_llama
         assert [len(step) for step in logits] == [3, 4, 4]
         return logits
 
-    runner.model.attention = TORCH_ATTENTION
+    runner.model.attention = TorchAttention()
     reference = run_steps()
     runner.model.attention = attention
     for got, want in zip(run_steps(), reference):
@@ -318,8 +290,8 @@ def test_engine_greedy_tokens_equal_with_kernels(tiny_llama_dir):
     prompts = [[(7 * i + 3) % 1000 + 1 for i in range(n)] for n in (3, 21, 40)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     engine = LLMEngine(EngineConfig(**config))
-    engine.runner.model.attention = TORCH_ATTENTION  # on CUDA the runner would pick the kernels
+    engine.runner.model.attention = TorchAttention()  # on CUDA the runner would pick the kernels
     reference = [c.token_ids for c in engine.generate(prompts, params)]
     engine = LLMEngine(EngineConfig(**config))
-    engine.runner.model.attention = kernels.TRITON_ATTENTION
+    engine.runner.model.attention = TritonAttention()
     assert [c.token_ids for c in engine.generate(prompts, params)] == reference

@@ -14,6 +14,7 @@ import torch
 from backend.engine.config import EngineConfig
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request
+from backend.engine.scheduler import ScheduledRequest
 
 BLOCK_SIZE = 4
 ATOL = 2e-4
@@ -25,7 +26,7 @@ def runner(tiny_llama_dir):
         model=str(tiny_llama_dir), dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=128,
         max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256, num_threads=2,
     )
-    return ModelRunner(config)
+    return ModelRunner(config.resolve())
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ class BlockPool:
 def run_step(runner: ModelRunner, pool: BlockPool, scheduled: list[tuple[Request, int]]) -> dict[str, torch.Tensor]:
     for request, n in scheduled:
         pool.cover(request, request.num_computed_tokens + n)
-    inputs = runner.prepare(scheduled)
+    inputs = runner.prepare([ScheduledRequest.of(request, n) for request, n in scheduled])
     logits = runner.run(inputs)
     for request, n in scheduled:
         request.num_computed_tokens += n
@@ -111,11 +112,11 @@ def test_prefill_over_cached_prefix_matches_hf(runner, hf_model):
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 9, 40])
 def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_dir, batch, monkeypatch):
-    """A decode-only step in bf16 of up to SMALL_BATCH_ROWS sequences (AMX_MAX_ROWS on a CPU with AMX) runs every
-    layer in one C call (``DecodeStack``); the same step run layer by layer (the same C kernels called from Python)
-    gives the same logits exactly, and oneDNN's matmuls (the path for bigger batches) gives them within bf16
-    rounding."""
-    from backend.engine import model as model_module
+    """A decode-only step in bf16 whose projections all route to C (``cpu_fast_path.route``: up to SMALL_BATCH_ROWS
+    sequences, or the library's row limit on a CPU with AMX) runs every layer in one C call (``DecodeStack``); the
+    same step run layer by layer (the same C kernels called from Python) gives the same logits exactly, and oneDNN's
+    matmuls (the route for bigger batches) gives them within bf16 rounding."""
+    from backend.engine import cpu_fast_path
     from backend.kernels import cpu_kernels
 
     if cpu_kernels.load() is None:
@@ -124,7 +125,7 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
         model=str(tiny_llama_dir), dtype="bfloat16", block_size=BLOCK_SIZE, num_kv_blocks=128,
         max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=256, num_threads=2,
     )
-    runner = ModelRunner(config)
+    runner = ModelRunner(config.resolve())
     stack = runner.model.decode_stack
     assert stack is not None, "the tiny model's shapes fit the C kernels: the stack must be built"
     pool = BlockPool(128)
@@ -134,7 +135,7 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
     for r in requests:
         r.append_token(7)
         pool.cover(r, r.num_computed_tokens + 1)
-    inputs = runner.prepare([(r, 1) for r in requests])
+    inputs = runner.prepare([ScheduledRequest.of(r, 1) for r in requests])
 
     calls = []
 
@@ -147,12 +148,12 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
 
     def decode(decode_stack, c_paths=True):
         monkeypatch.setattr(runner.model, "decode_stack", decode_stack)
-        for name in ("SMALL_BATCH_ROWS", "SMALL_BATCH_ROWS_WITH_AMX", "AMX_MAX_ROWS"):
-            monkeypatch.setattr(model_module, name, getattr(model_module, name) if c_paths else 0)
+        for limit in ("small_rows_limit", "c_rows_limit"):  # 0: route sends no row to C
+            monkeypatch.setattr(cpu_fast_path, limit, getattr(cpu_fast_path, limit) if c_paths else lambda amx: 0)
         return runner.run(inputs).clone()  # the step writes the same K/V again: runs are independent
 
     stacked = decode(Counted())
-    if batch > model_module.SMALL_BATCH_ROWS and not stack.takes_amx:  # no AMX here: the layers run one by one
+    if batch > cpu_fast_path.c_rows_limit(stack.takes_amx):  # oneDNN's rows: the layers run one by one
         assert not calls
         return
     assert calls, "the step did not take the decode stack"

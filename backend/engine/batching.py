@@ -185,7 +185,7 @@ class EngineLoop:
         thread and stepped on another leaves two teams in the process, more OpenMP threads than cores on a small
         machine, and libgomp then cuts its spin-waits short (``gomp_throttled_spin_count_var``): every one of a
         step's hundreds of parallel regions wakes a sleeping thread. Loading and stepping on one thread keeps one
-        team, whose threads spin briefly between regions (``backend/__init__.py``).
+        team, whose threads spin briefly between regions (``backend/engine/openmp.py``).
         """
         built: Future[EngineLoop] = Future()
 

@@ -1,14 +1,20 @@
-"""Engine and sampling configuration: validating dataclasses with vLLM's parameter names.
+"""Engine and sampling configuration: validating dataclasses with vLLM's parameter names, and the model's shape.
 
-Both raise ``ValueError`` with a message a user can act on; ``assert`` would vanish under ``python -O``.
+They raise ``ValueError`` with a message a user can act on; ``assert`` would vanish under ``python -O``. The engine
+resolves the user's :class:`EngineConfig` once, against the model's :class:`ModelShape`, into a frozen
+:class:`ResolvedConfig` that every part of the engine reads.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
+from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Literal
 
 Batching = Literal["continuous", "run_to_completion", "iterative"]
@@ -32,12 +38,59 @@ def _parse_bool(value: Any) -> bool:
     raise ValueError(f"expected a boolean, got {value!r}")
 
 
-@dataclass
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model's dimensions, from its Hugging Face ``config.json`` (read once, by :meth:`from_model_dir`)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hf_config: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)  # the whole file, read-only
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
+        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            hf_config=MappingProxyType(dict(cfg)),
+        )
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> ModelShape:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model folder {model_dir} has no config.json (prepare one with `make model`)")
+        return cls.from_hf_config(json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
-    """Everything the engine needs to know before it loads a model.
+    """Everything the engine needs to know before it loads a model, as the user gives it.
 
     ``max_model_len=None`` means "the model's own ``max_position_embeddings``"; the engine resolves it once
-    (:meth:`resolve`) when it reads the model's config, and every part reads it from here. The KV pool is sized
+    (:meth:`resolve`), and every part reads the :class:`ResolvedConfig`. The KV pool is sized
     from ``num_kv_blocks`` if given, else from ``kv_cache_memory_bytes``, else on CUDA from what
     ``gpu_memory_utilization`` of the device's memory leaves once the weights and the activation peak of a forward
     at ``max_num_batched_tokens`` are counted (as vLLM does), else on CPU ``DEFAULT_CPU_KV_CACHE_BYTES``.
@@ -65,7 +118,7 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        self.dtype = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower())
+        object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower()))
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}; got {self.dtype!r}")
         if not re.fullmatch(r"cpu|auto|cuda(:\d+)?", str(self.device)):
@@ -108,19 +161,21 @@ class EngineConfig:
                 "raise max_num_batched_tokens, lower max_model_len, or set enable_chunked_prefill=true"
             )
 
-    def resolve(self, model_max_len: int) -> int:
-        """Fill in ``max_model_len`` from the model and check it against what the model supports; returns it.
-        The engine calls this once, before it builds anything that reads ``max_model_len``."""
-        if self.max_model_len is None:
-            self.max_model_len = model_max_len
-            if not self.enable_chunked_prefill:
-                self.max_model_len = min(self.max_model_len, self.max_num_batched_tokens)
-        elif self.max_model_len > model_max_len:
+    def resolve(self, shape: ModelShape | None = None) -> ResolvedConfig:
+        """This config against the model (``shape``, else read from ``model``): ``max_model_len`` filled in and
+        checked against what the model supports. The engine calls this once; this config is left as it is."""
+        shape = shape or ModelShape.from_model_dir(self.model)
+        model_max_len = shape.max_position_embeddings
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = model_max_len if self.enable_chunked_prefill else min(model_max_len,
+                                                                                  self.max_num_batched_tokens)
+        elif max_model_len > model_max_len:
             raise ValueError(
-                f"max_model_len ({self.max_model_len}) exceeds the model's max_position_embeddings ({model_max_len})"
+                f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings ({model_max_len})"
             )
-        self._check_max_model_len()
-        return self.max_model_len
+        settings = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
+        return ResolvedConfig(**{**settings, "max_model_len": max_model_len}, model_shape=shape)
 
     @property
     def dtype_bytes(self) -> int:
@@ -153,6 +208,25 @@ class EngineConfig:
         if kwargs.get("model"):
             kwargs["model"] = os.path.expanduser(kwargs["model"])
         return cls(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedConfig(EngineConfig):
+    """An :class:`EngineConfig` once the model is known: ``max_model_len`` is set, and the model's shape is here.
+    Built once by the engine (:meth:`EngineConfig.resolve`) and passed to every part that reads either."""
+
+    model_shape: ModelShape
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is None:
+            raise ValueError("a resolved config needs max_model_len (build it with EngineConfig.resolve)")
+        super().__post_init__()
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV block across all layers (K and V)."""
+        s = self.model_shape
+        return self.kv_block_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
 
 
 def _parse_int(name: str, raw: Any) -> int:

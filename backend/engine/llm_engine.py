@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.detokenizer import IncrementalDetokenizer
-from backend.engine.model_runner import ModelRunner, read_model_shape
+from backend.engine.model_runner import ModelRunner
+from backend.engine.openmp import check_wait_policy
 from backend.engine.request import FinishReason, Request, RequestTimings
 from backend.engine.sampler import Sampler
 from backend.engine.scheduler import Scheduler
@@ -27,11 +28,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request: a text delta and the new token ids; the last one is ``finished``."""
+    """What one step produced for one request: the text and token ids new since its last output; the last output is
+    ``finished``."""
 
     request_id: str
-    text: str
-    token_ids: list[int]
+    delta_text: str
+    new_token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None  # a FinishReason value, on the final output
     num_prompt_tokens: int = 0
@@ -55,7 +57,7 @@ class EngineSnapshot:
 
 @dataclass
 class CompletionOutput:
-    """A whole generation, as returned by :meth:`LLMEngine.generate`."""
+    """A whole generation, as returned by :meth:`LLMEngine.generate`: all its text and token ids."""
 
     request_id: str
     text: str
@@ -64,14 +66,14 @@ class CompletionOutput:
     num_prompt_tokens: int
     timings: RequestTimings
     num_preemptions: int = 0
-    deltas: list[str] = field(default_factory=list)
+    delta_texts: list[str] = field(default_factory=list)  # the text as it was streamed, one delta per output
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        # NOTE: the one place max_model_len is resolved; the runner and the scheduler read it from the config.
-        self.max_model_len = config.resolve(read_model_shape(config.model).max_position_embeddings)
+        # NOTE: the one place the config is resolved against the model (config.json read once); every part reads this.
+        self.config = config = config.resolve()
+        check_wait_policy()
         self.tokenizer = load_tokenizer(config.model)
         self.runner = ModelRunner(config)
         capacity = self.runner.num_kv_blocks * config.block_size
@@ -89,6 +91,10 @@ class LLMEngine:
         self._ids = itertools.count()
         # Test-only: called with the step's requests before the forward; raising simulates a failing step.
         self.fault_hook: Callable[[list[Request]], None] | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
 
     # ---- requests -------------------------------------------------------------------------------------------
 
@@ -151,7 +157,7 @@ class LLMEngine:
         try:
             if self.fault_hook is not None:
                 self.fault_hook([s.request for s in sched.scheduled])
-            inputs = self.runner.prepare([(s.request, s.num_new_tokens) for s in sched.scheduled])
+            inputs = self.runner.prepare(sched.scheduled)
             t2 = time.perf_counter()
             logits = self.runner.run(inputs)  # (S, V): one row per request that reached the end of its tokens
             t3 = time.perf_counter()
@@ -190,8 +196,8 @@ class LLMEngine:
             self.stats.record_finish(request)
         return RequestOutput(
             request_id=request.request_id,
-            text=delta,
-            token_ids=new_token_ids,
+            delta_text=delta,
+            new_token_ids=new_token_ids,
             finished=finished,
             finish_reason=request.finish_reason.value if finished and request.finish_reason else None,
             num_prompt_tokens=request.num_prompt_tokens,
@@ -209,12 +215,12 @@ class LLMEngine:
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         order = [self.add_request(None, p, sp).request_id for p, sp in zip(prompts, params_list)]
         results: dict[str, CompletionOutput] = {}
-        pending: dict[str, list] = {rid: [[], []] for rid in order}  # deltas, token ids
+        pending: dict[str, list] = {rid: [[], []] for rid in order}  # delta texts, token ids
         while self.has_unfinished():
             for out in self.step():
                 deltas, tokens = pending[out.request_id]
-                deltas.append(out.text)
-                tokens += out.token_ids
+                deltas.append(out.delta_text)
+                tokens += out.new_token_ids
                 if out.finished:
                     results[out.request_id] = CompletionOutput(
                         out.request_id, "".join(deltas), tokens, out.finish_reason or "", out.num_prompt_tokens,

@@ -1,43 +1,24 @@
-"""Turns a scheduler decision into tensors, runs the model over the paged KV cache, and returns logits.
+"""Turns the scheduler's output into tensors, runs the model over the paged KV cache, and returns logits.
 
-The runner owns the device-side state: the weights, the KV pool (one K and one V tensor per layer) and the choice of
-attention backend for the device, whose metadata it builds once per step.
+The runner owns the device-side state: the weights, the KV pool (one K and one V tensor per layer) and the attention
+backend for the device (``backend.engine.attention``), whose metadata it builds once per step.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from backend.engine.attention import (
-    TORCH_ATTENTION,
-    AttentionBackend,
-    AttentionMetadata,
-    PrefillChunk,
-    PrefillTables,
-    decode_gather_indices,
-    paged_attention,
-)
-from backend.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
-from backend.engine.model import LlamaModel, ModelShape
+from backend.engine.attention import AttentionMetadata, PrefillChunk, select_attention_backend
+from backend.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, ModelShape, ResolvedConfig
+from backend.engine.model import LlamaModel
 from backend.engine.request import Request
-from backend.kernels import cpu_kernels
+from backend.engine.scheduler import ScheduledRequest
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-# The torch reference with the C decode kernel (it reads K/V in place through the block tables); from the QKV
-# projection, one C call per layer rotates q and k, writes K/V and attends the decodes.
-CPU_ATTENTION = AttentionBackend(
-    "cpu", functools.partial(paged_attention, decode_fn=cpu_kernels.cpu_decode_attention),
-    rope_forward=cpu_kernels.cpu_rope_paged_attention,
-)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -51,16 +32,6 @@ def resolve_device(device: str) -> torch.device:
         if index is not None and index >= torch.cuda.device_count():
             raise ValueError(f"device is {device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
     return torch.device(device)
-
-
-def select_attention(device: torch.device) -> AttentionBackend:
-    """The device decides which twin of the step's attention runs: the OpenAI Triton kernels on CUDA (KV write,
-    decode, prefill and chunked prefill), the C decode kernel on a CPU where it builds, else the torch reference."""
-    if device.type == "cuda":
-        from backend.kernels import TRITON_ATTENTION
-
-        return TRITON_ATTENTION
-    return CPU_ATTENTION if cpu_kernels.load() is not None else TORCH_ATTENTION
 
 
 def num_gpu_kv_blocks(
@@ -91,13 +62,6 @@ def num_gpu_kv_blocks(
     return num_blocks
 
 
-def read_model_shape(model_dir: str | Path) -> ModelShape:
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"model folder {model_dir} has no config.json (prepare one with `make model`)")
-    return ModelShape.from_hf_config(json.loads(path.read_text()))
-
-
 def _keep_freed_memory_in_process() -> None:
     """Let glibc serve large tensors from its heap instead of fresh ``mmap`` pages.
 
@@ -125,7 +89,7 @@ class ModelInput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: ResolvedConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
@@ -134,16 +98,15 @@ class ModelRunner:
         elif self.device.index is not None:
             torch.cuda.set_device(self.device)  # OpenAI Triton launches on the current device
         self.dtype = _TORCH_DTYPES[config.dtype]
-        self.shape = read_model_shape(config.model)
-        if config.max_model_len is None:  # LLMEngine resolves the config once (EngineConfig.resolve) before this
-            raise ValueError("ModelRunner needs a resolved max_model_len (EngineConfig.resolve)")
-        self.model = LlamaModel(
-            config.model, self.dtype, self.device, config.max_model_len, attention=select_attention(self.device)
-        )
+        self.model = LlamaModel(config, self.dtype, self.device, select_attention_backend(self.device))
         self.block_size = config.block_size
         self._block_offsets = torch.arange(self.block_size)
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.config.model_shape
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         s = self.shape
@@ -155,8 +118,7 @@ class ModelRunner:
         ]
 
     def _num_kv_blocks(self) -> int:
-        c, s = self.config, self.shape
-        block_bytes = c.kv_block_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+        c, block_bytes = self.config, self.config.block_bytes
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
         if c.kv_cache_memory_bytes is None and self.device.type == "cuda":
@@ -201,63 +163,52 @@ class ModelRunner:
             num_blocks += len(request.block_ids)
             requests.append(request)
         scratch = self._allocate_kv_caches(num_blocks)
-        inputs = self.prepare([(r, r.num_tokens) for r in requests])
+        inputs = self.prepare([ScheduledRequest.of(r, r.num_tokens) for r in requests])
         self.model.forward(inputs.input_ids, inputs.positions, scratch, inputs.meta, inputs.logits_indices)
-        s = self.shape
-        return num_blocks * c.kv_block_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+        return num_blocks * c.block_bytes
 
     @property
     def kv_cache_bytes(self) -> int:
-        s = self.shape
-        return self.num_kv_blocks * self.config.kv_block_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+        return self.num_kv_blocks * self.config.block_bytes
 
-    def prepare(self, scheduled: list[tuple[Request, int]]) -> ModelInput:
-        """Flatten the step into one token stream: single-token decodes first, then prefill chunks."""
+    def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInput:
+        """Flatten the scheduler's output into one token stream: single-token decodes first, then prefill chunks.
+        A request's last position is sampled where the scheduler says it ``samples``."""
         bs = self.block_size
-        decodes = [r for r, n in scheduled if n == 1]
-        chunks = [(r, n) for r, n in scheduled if n > 1]
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        chunks = [s for s in scheduled if s.num_new_tokens > 1]
         # Single tokens (decodes, and one-token prompt chunks) at position num_computed_tokens.
-        positions = [r.num_computed_tokens for r in decodes]
-        input_ids = [r.token_ids[p] for r, p in zip(decodes, positions)]
-        slot_mapping = [r.block_ids[p // bs] * bs + p % bs for r, p in zip(decodes, positions)]
-        logits_indices = [i for i, r in enumerate(decodes) if positions[i] + 1 == r.num_tokens]
-        sampled = [decodes[i] for i in logits_indices]
+        positions = [s.request.num_computed_tokens for s in decodes]
+        input_ids = [s.request.token_ids[p] for s, p in zip(decodes, positions)]
+        slot_mapping = [s.request.block_ids[p // bs] * bs + p % bs for s, p in zip(decodes, positions)]
+        logits_indices = [i for i, s in enumerate(decodes) if s.samples]
+        sampled = [decodes[i].request for i in logits_indices]
         prefills = []
-        for r, n in chunks:
-            start = r.num_computed_tokens
+        for s in chunks:
+            r, n, start = s.request, s.num_new_tokens, s.request.num_computed_tokens
             table = torch.tensor(r.block_ids, dtype=torch.long)
             slots = (table[:, None] * bs + self._block_offsets).flatten()[: start + n]  # (start + n,)
-            prefills.append(PrefillChunk(len(input_ids), n, start, slots.to(self.device) if start else None))
+            prefills.append(PrefillChunk(len(input_ids), n, start, slots.to(self.device) if start else None,
+                                         tuple(r.block_ids)))
             input_ids += r.token_ids[start : start + n]
             positions += range(start, start + n)
             slot_mapping += slots[start:].tolist()
-            if start + n == r.num_tokens:  # the chunk reaches the end: its last position is sampled
+            if s.samples:  # the chunk reaches the end: its last position is sampled
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(r)
 
         to = dict(device=self.device)
-        attention = self.model.attention
         num_decodes = len(decodes)
-        context_lens = (torch.tensor(positions[:num_decodes], dtype=torch.int32) + 1).to(**to)
-        block_tables = _padded_block_tables([r.block_ids for r in decodes]).to(**to)  # (B, max_blocks)
-        decode_block_ids = decode_mask = None
-        if num_decodes and attention.reads_decode_gather:  # the torch reference's gather indices, for every layer
-            decode_block_ids, decode_mask = decode_gather_indices(block_tables, context_lens, bs, self.dtype)
-        prefill_tables = None
-        if chunks and attention.reads_prefill_tables:
-            chunk_tables = _padded_block_tables([r.block_ids for r, _ in chunks]).to(**to)  # (C, max_blocks)
-            prefill_tables = PrefillTables.build(tuple(prefills), chunk_tables)
-        meta = AttentionMetadata(
+        common = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, **to),
             num_decode_tokens=num_decodes,
-            block_tables=block_tables,
-            context_lens=context_lens,
-            decode_block_ids=decode_block_ids,
-            decode_mask=decode_mask,
+            block_tables=_padded_block_tables([s.request.block_ids for s in decodes]).to(**to),  # (B, max_blocks)
+            context_lens=(torch.tensor(positions[:num_decodes], dtype=torch.int32) + 1).to(**to),  # (B,)
             prefills=tuple(prefills),
+            block_size=bs,
             scale=self.model.scale,
-            prefill_tables=prefill_tables,
         )
+        meta = self.model.attention.build_metadata(common)
         return ModelInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, **to),
             positions=torch.tensor(positions, dtype=torch.long, **to),

@@ -35,12 +35,17 @@ from backend.engine.request import FinishReason, Request, RequestStatus
 class ScheduledRequest:
     """Run ``request.token_ids[c : c + num_new_tokens]`` at positions ``c..`` where ``c = num_computed_tokens``.
 
-    ``samples`` is true when this step reaches the end of the sequence, so the runner must sample a token.
+    ``samples`` is true when this step reaches the end of the sequence, so the runner must sample a token: computed
+    here once, read by the runner and by :meth:`Scheduler.update`.
     """
 
     request: Request
     num_new_tokens: int
     samples: bool
+
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int) -> ScheduledRequest:
+        return cls(request, num_new_tokens, request.num_computed_tokens + num_new_tokens == request.num_tokens)
 
 
 @dataclass
@@ -60,9 +65,9 @@ class Scheduler:
     """Owns the waiting and running queues; the engine calls ``schedule()``, runs the model, then ``update()``."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
-        """``config.max_model_len`` must be resolved (the config checks the limits that depend on it)."""
+        """``config`` has its ``max_model_len`` (the engine passes its ``ResolvedConfig``)."""
         if config.max_model_len is None:
-            raise ValueError("the scheduler needs a resolved max_model_len (EngineConfig.resolve)")
+            raise ValueError("the scheduler needs max_model_len: pass EngineConfig.resolve()'s config")
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = config.max_model_len
@@ -185,7 +190,7 @@ class Scheduler:
                 output.preempted_ids.append(victim.request_id)
                 if victim is request:
                     return budget
-            output.scheduled.append(self._scheduled(request, num_new))
+            output.scheduled.append(ScheduledRequest.of(request, num_new))
             budget -= num_new
             i += 1
         return budget
@@ -221,7 +226,7 @@ class Scheduler:
             request.num_cached_tokens = num_cached
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = time.perf_counter()
-            output.scheduled.append(self._scheduled(request, num_new))
+            output.scheduled.append(ScheduledRequest.of(request, num_new))
             budget -= num_new
 
     def _undo_admission(self, request: Request) -> None:
@@ -236,10 +241,6 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-
-    @staticmethod
-    def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new, request.num_computed_tokens + num_new == request.num_tokens)
 
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Apply a finished step; returns the requests that got a token (finished ones included).

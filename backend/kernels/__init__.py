@@ -1,18 +1,19 @@
-"""Kernels for the engine's hot spots, each a twin of a torch reference (same inputs, same result).
+"""Kernels for the engine's hot spots: tensor operations, each a twin of a torch reference (same inputs, same result).
 
-The C kernels for the CPU (``cpu_kernels.c``, built at first use by ``cpu_kernels``: RMSNorm, decode attention over
-the paged cache, sampling) and the OpenAI Triton kernels for CUDA; the device decides which runs:
+Nothing here imports the engine (``backend/engine``): the attention backends there compose these operations, and the
+device decides which runs. The C kernels for the CPU (``cpu_kernels``, built at first use from ``cpu/*.c``) and the
+OpenAI Triton kernels for CUDA:
 
-=============================================  ==============================================
-torch reference (``backend.engine``)           kernel twin
-=============================================  ==============================================
-``attention.write_kv``                         ``cuda_write_kv``
-``attention.paged_decode_attention``           ``cuda_decode_attention``, ``cpu_kernels``
-``attention.prefill_attention``                ``cuda_prefill_attention``
-``attention.paged_attention`` (a whole step)   ``cuda_paged_attention``
-``attention.TORCH_ATTENTION`` (its backend)    ``TRITON_ATTENTION``
-``sampler.sample_rows``                        ``cpu_kernels.cpu_sample_rows``
-=============================================  ==============================================
+==============================================================  ==============================================
+torch reference (``backend/engine``)                            kernel twin
+==============================================================  ==============================================
+``attention/torch_backend.py``: ``write_kv``                    ``cuda_write_kv``
+``attention/torch_backend.py``: ``paged_decode_attention``      ``cuda_decode_attention``, ``cpu_kernels``
+``attention/torch_backend.py``: ``prefill_attention``           ``cuda_prefill_attention``
+rotation, ``write_kv`` and decode attention of one layer        ``cpu_kernels.cpu_rope_paged_attention``
+``F.rms_norm``, ``F.linear`` with its epilogue                  ``cpu_kernels``
+``sampler.py``: ``sample_rows``                                 ``cpu_kernels.cpu_sample_rows``
+==============================================================  ==============================================
 
 The OpenAI Triton names below are loaded on first use, so the CPU path never imports ``triton``. Under
 ``TRITON_INTERPRET=1`` (set before they are first used) they run on CPU tensors, which is how the tests check them on
@@ -22,8 +23,6 @@ a machine without a GPU.
 import importlib
 
 _TRITON_KERNELS = {
-    "TRITON_ATTENTION": "paged_attention",
-    "cuda_paged_attention": "paged_attention",
     "cuda_decode_attention": "decode_attention",
     "cuda_prefill_attention": "prefill_attention",
     "paged_prefill_attention": "prefill_attention",

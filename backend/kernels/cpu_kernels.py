@@ -1,28 +1,30 @@
 """C twins of torch hot spots, for CPUs: built at first use, loaded with ctypes.
 
-``cpu_decode_attention`` takes the same inputs as ``backend.engine.attention.paged_decode_attention`` and returns the same
-result (float32 arithmetic; bf16 rounded once at the end). It reads K/V through the block tables in place, where the
-torch path first copies every sequence's K/V out of the pool once per layer; at batch 64 that copy and SDPA's
-small-query overhead cost a tenth of a decode step.
+Each function is a tensor operation with a torch twin (same inputs, same result within float rounding) and refuses
+(``ValueError``) inputs it cannot take, so a test that calls it knows the C code ran; the engine checks ``supports*``
+and picks the twin. Nothing here knows the engine: the attention backends, the model's routing of projections and
+the decode stack's use live in ``backend/engine``.
 
-``cpu_rope_paged_attention`` is ``rope_paged_attention``'s twin: one call per layer from the QKV projection's output
-rotates q and k, writes K/V to the pool and attends the decodes, where the torch ops took a dozen calls (the rotary
-embedding alone cost as much as the attention at batch 64).
+- ``cpu_decode_attention``: decode attention over the paged pool, read in place through the block tables (the torch
+  twin first copies every sequence's K/V out of the pool, once per layer).
+- ``cpu_rope_paged_attention``: one layer from its QKV projection in one call: rotary embedding on q and k (in
+  place), the K/V write and the decodes' attention, where the torch ops take a dozen calls.
+- ``cpu_rms_norm``: HF's LlamaRMSNorm in one pass per row (``F.rms_norm`` on bf16 runs eight tensor ops).
+- ``cpu_linear_small`` and ``cpu_linear_amx``: ``op(x @ W.T + b)`` for a decode step's few rows, from a copy of the
+  weight laid out for each (``prepare_linear_weight*``); :class:`DecodeStack` runs every layer of a small decode-only
+  step in one call.
+- ``cpu_sample_rows``: the sampler's draw, one pass over each row.
 
-``cpu_rms_norm`` is HF's LlamaRMSNorm in one pass per row; ``F.rms_norm`` on bf16 runs eight tensor ops (widening
-the whole input to float32), which cost more than the layer's attention at batch 1 and 2.5x a layer_norm in prefill.
-
-The shared library is compiled from ``cpu_kernels.c`` with the system C compiler (``$CC``, default ``cc``) into
-``$XDG_CACHE_HOME/llm-batching-triton`` (keyed by source, flags and CPU), once per machine (about a second), for
-``-march=native`` (``LLM_CPU_MARCH`` names another target, e.g. ``x86-64-v2``: the tests build one without AVX-512).
-Without a compiler, on a non-glibc system, or with ``LLM_CPU_KERNELS=0``, :func:`load` returns ``None`` and the
-model keeps the torch code.
+The shared library is compiled from the C files in ``cpu/`` with the system C compiler (``$CC``, default ``cc``) into
+``$XDG_CACHE_HOME/llm-batching-triton`` (keyed by every source file, the flags and the CPU), once per machine (a few
+seconds), for ``-march=native`` (``LLM_CPU_MARCH`` names another target, e.g. ``x86-64-v2``: the tests build one
+without AVX-512). Without a compiler, on a non-glibc system, or with ``LLM_CPU_KERNELS=0``, :func:`load` returns
+``None`` and the engine keeps the torch code.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import logging
 import os
@@ -30,28 +32,31 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-
-from backend.engine.attention import (
-    AttentionMetadata,
-    attend_prefills,
-    paged_attention,
-    paged_decode_attention,
-    rope_paged_attention,
-)
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.c")
+_SOURCE_DIR = Path(__file__).with_name("cpu")
 # -ffast-math lets the compiler vectorise the float dot products (reassociation); inputs are finite by construction.
-_FLAGS = ("-O3", f"-march={os.environ.get('LLM_CPU_MARCH', 'native')}", "-mprefer-vector-width=512", "-Wno-psabi", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = ("-O3", f"-march={os.environ.get('LLM_CPU_MARCH', 'native')}", "-mprefer-vector-width=512", "-Wno-psabi",
+          "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _loaded = False
+
+
+class Limits(NamedTuple):
+    """The shapes the C kernels take, as the library exports them (``cpu/common.h``)."""
+
+    max_group: int  # query heads per KV head (attention)
+    max_head_dim: int  # attention
+    max_row: int  # hidden size (rms_norm, decode_stack)
+    linear_max_rows: int  # rows of x (linear_small, decode_stack)
+    linear_max_k: int  # columns of x (linear_small, linear_amx)
 
 
 def load() -> ctypes.CDLL | None:
@@ -66,63 +71,81 @@ def load() -> ctypes.CDLL | None:
                 _lib = _build_and_load()
             except (OSError, subprocess.SubprocessError) as exc:
                 detail = getattr(exc, "stderr", b"") or b""
-                log.warning("CPU decode kernel unavailable, using the torch path: %s %s", exc, detail.decode()[-500:])
+                log.warning("CPU kernels unavailable, using the torch path: %s %s", exc, detail.decode()[-500:])
         return _lib
+
+
+def limits() -> Limits | None:
+    """What the library takes, or ``None`` without it."""
+    lib = load()
+    return None if lib is None else lib.limits
+
+
+def _sources() -> list[Path]:
+    return sorted(p for p in _SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
 
 
 def _build_and_load() -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), compiler.encode(), _cpu_id()])).hexdigest()
+    sources = _sources()
+    parts = [part for path in sources for part in (path.name.encode(), path.read_bytes())]
+    key = hashlib.sha256(b"\0".join([*parts, " ".join(_FLAGS).encode(), compiler.encode(), _cpu_id()])).hexdigest()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-batching-triton"
     path = cache / f"cpu_kernels-{key[:16]}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then rename: safe with parallel builders
             built = Path(tmp) / path.name
-            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], check=True, capture_output=True,
+            c_files = [str(p) for p in sources if p.suffix == ".c"]
+            subprocess.run([compiler, *_FLAGS, *c_files, "-o", str(built), "-lm"], check=True, capture_output=True,
                            timeout=300)
             os.replace(built, path)
     lib = ctypes.CDLL(str(path))  # torch is imported first, so libgomp.so.1 resolves to torch's own OpenMP runtime
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    _declare(lib)
+    lib.limits = Limits(lib.max_group(), lib.max_head_dim(), lib.max_row(), lib.linear_max_rows(),
+                        lib.linear_max_k())
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """The C functions' argument and result types."""
+    i64, ptr, c_int, c_float = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.paged_decode_attention.argtypes = [
         ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, ptr,  # query, caches, block tables, context lens
-        i64, i64, i64, i64, i64, ctypes.c_float, i64,  # B, H, KVH, D, block_size, scale, max_context
-        ptr, i64, i64, ctypes.c_int, ctypes.c_int,  # out, dtype, num_threads
+        i64, i64, i64, i64, i64, c_float, i64,  # B, H, KVH, D, block_size, scale, max_context
+        ptr, i64, i64, c_int, c_int,  # out, dtype, num_threads
     ]
     lib.paged_decode_attention.restype = None
     lib.rope_paged_attention.argtypes = [
         ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,  # qkv, positions, tables, slots, caches
-        i64, ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, i64,  # decodes, block tables, H, KVH, D, scale
-        ptr, i64, i64, ctypes.c_int, ctypes.c_int,  # out, dtype, num_threads
+        i64, ptr, i64, ptr, i64, i64, i64, i64, c_float, i64,  # decodes, block tables, H, KVH, D, scale
+        ptr, i64, i64, c_int, c_int,  # out, dtype, num_threads
     ]
     lib.rope_paged_attention.restype = None
-    lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, c_float, c_int, c_int]
     lib.rms_norm.restype = None
-    lib.sample_rows.argtypes = [ptr, i64, ctypes.c_int, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    lib.sample_rows.argtypes = [ptr, i64, c_int, i64, ptr, i64, ptr, ptr, c_int]
     lib.sample_rows.restype = None
-    lib.linear_small.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_int, ptr, i64, ptr, ctypes.c_int]
-    lib.linear_small.restype = ctypes.c_int
-    lib.linear_weight_packed.restype = ctypes.c_int
+    lib.linear_small.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, c_int]
+    lib.linear_small.restype = c_int
+    lib.linear_weight_packed.restype = c_int
     lib.decode_stack.argtypes = [
         ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,  # h, weights per layer
-        ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float,  # AMX copies per layer, small_rows, I, eps
+        ptr, ptr, ptr, ptr, ptr, i64, i64, c_float,  # AMX copies per layer, small_rows, I, eps
         ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,  # positions, cos, sin, slots, K and V pools per layer, strides
-        ptr, i64, ptr, i64, i64, i64, i64, ctypes.c_float, i64,  # block tables, context lens, H, KVH, D, ...
-        ptr, ptr, ptr, ptr, ptr, ctypes.c_int,  # scratch: x, qkv, attn, gate, up; num_threads
+        ptr, i64, ptr, i64, i64, i64, i64, c_float, i64,  # block tables, context lens, H, KVH, D, ...
+        ptr, ptr, ptr, ptr, ptr, c_int,  # scratch: x, qkv, attn, gate, up; num_threads
     ]
-    lib.decode_stack.restype = ctypes.c_int
+    lib.decode_stack.restype = c_int
     lib.pack_linear_weight.argtypes = [ptr, i64, i64, ptr]
     lib.pack_linear_weight.restype = None
     lib.linear_amx.argtypes = lib.linear_small.argtypes
-    lib.linear_amx.restype = ctypes.c_int
-    lib.linear_amx_available.restype = ctypes.c_int
+    lib.linear_amx.restype = c_int
+    lib.linear_amx_available.restype = c_int
     lib.pack_linear_weight_amx.argtypes = [ptr, i64, i64, ptr]
     lib.pack_linear_weight_amx.restype = None
-    for limit in (lib.max_group, lib.max_head_dim, lib.max_row):
-        limit.restype = ctypes.c_int
-    lib.limits = (lib.max_group(), lib.max_head_dim(), lib.max_row())
-    return lib
+    for limit in (lib.max_group, lib.max_head_dim, lib.max_row, lib.linear_max_rows, lib.linear_max_k):
+        limit.restype = c_int
 
 
 def _cpu_id() -> bytes:
@@ -135,22 +158,28 @@ def _cpu_id() -> bytes:
     return "\n".join(wanted).encode()
 
 
+# ---- attention ----------------------------------------------------------------------------------------------------
+
+
 def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the kernel handles these tensors (else the caller uses the torch path)."""
+    """Whether the attention kernels take these tensors (else the caller runs the torch twin)."""
     lib = load()
     if lib is None or query.device.type != "cpu" or query.dtype not in _DTYPE_CODES:
         return False
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    max_group, max_head_dim, _ = lib.limits
     return (
         k_cache.dtype == v_cache.dtype == query.dtype
         and k_cache.stride() == v_cache.stride()
         and query.stride(-1) == k_cache.stride(-1) == 1
         and num_heads % num_kv_heads == 0
-        and num_heads // num_kv_heads <= max_group
-        and head_dim <= max_head_dim
+        and num_heads // num_kv_heads <= lib.limits.max_group
+        and head_dim <= lib.limits.max_head_dim
     )
+
+
+def _refuse(kernel: str) -> ValueError:
+    return ValueError(f"{kernel} cannot take these tensors (see cpu_kernels.supports*); run its torch twin")
 
 
 def cpu_decode_attention(
@@ -160,12 +189,10 @@ def cpu_decode_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32, padded (padding is never read)
     context_lens: torch.Tensor,  # [B] int32, each >= 1
     scale: float,
-    slots: torch.Tensor | None = None,  # unused: the torch path's gather indices
-    mask: torch.Tensor | None = None,  # unused
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
-    """The C twin of ``paged_decode_attention``; falls back to it for inputs the kernel does not handle."""
+    """The C twin of the torch reference's ``paged_decode_attention``, for the tensors :func:`supports` accepts."""
     if not supports(query, k_cache, v_cache):
-        return paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, slots, mask)
+        raise _refuse("cpu_decode_attention")
     batch, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty(batch, num_heads, head_dim, dtype=query.dtype)
@@ -183,45 +210,65 @@ def cpu_decode_attention(
     return out
 
 
+def supports_rope_attention(
+    qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+) -> bool:
+    """Whether :func:`cpu_rope_paged_attention` takes these tensors."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    query = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+    return (
+        qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+        and supports(query, k_cache, v_cache) and cos.dtype == sin_signed.dtype == qkv.dtype
+        and cos.is_contiguous() and sin_signed.is_contiguous() and cos.shape[1] == head_dim
+        and positions.dtype == slot_mapping.dtype == torch.int64
+    )
+
+
 def cpu_rope_paged_attention(
     qkv: torch.Tensor,  # [T, (num_heads + 2 num_kv_heads) head_dim]; q and k are rotated in place
     positions: torch.Tensor,  # [T] int64
     cos: torch.Tensor,  # [max_len, head_dim]
-    sin_signed: torch.Tensor,  # [max_len, head_dim]
+    sin_signed: torch.Tensor,  # [max_len, head_dim]: [-sin_lo, sin_hi]
+    slot_mapping: torch.Tensor,  # [T] int64: where each token's K/V is written (negative: nowhere)
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    block_tables: torch.Tensor,  # [num_decodes, max_blocks] int32, padded
+    context_lens: torch.Tensor,  # [num_decodes] int32
+    num_decodes: int,  # the first num_decodes tokens are single-token decodes
+    scale: float,
     num_heads: int,
-) -> torch.Tensor:  # [T, num_heads, head_dim]
-    """The C twin of ``rope_paged_attention``: rotary embedding, K/V write and the decodes' attention in one call (the
-    prefill chunks, if any, then attend in torch); falls back to the torch reference for inputs it does not handle."""
-    num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
-    num_kv_heads = k_cache.shape[2]
-    query = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
-    if not (
-        qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
-        and supports(query, k_cache, v_cache) and cos.dtype == sin_signed.dtype == qkv.dtype
-        and cos.is_contiguous() and sin_signed.is_contiguous() and cos.shape[1] == head_dim
-        and positions.dtype == meta.slot_mapping.dtype == torch.int64
-    ):
-        cpu_attention = functools.partial(paged_attention, decode_fn=cpu_decode_attention)
-        return rope_paged_attention(qkv, positions, cos, sin_signed, k_cache, v_cache, meta, num_heads, cpu_attention)
+) -> torch.Tensor:  # [T, num_heads, head_dim]: the decodes' rows written, the others left for the caller
+    """One layer from its QKV projection: rotary embedding on q and k (in place in ``qkv``), every token's K/V
+    written to the pool, then the decodes' attention, in one call. Its torch twin is the reference's rotation,
+    ``write_kv`` and ``paged_decode_attention``; the prefill chunks' attention is the caller's."""
+    if not supports_rope_attention(qkv, positions, cos, sin_signed, slot_mapping, k_cache, v_cache, num_heads):
+        raise _refuse("cpu_rope_paged_attention")
+    num_tokens = qkv.shape[0]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
-    tables, lens = meta.block_tables.to(torch.int32).contiguous(), meta.context_lens.to(torch.int32).contiguous()
-    positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
-    block_size = k_cache.shape[1]
+    tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+    positions, slots = positions.contiguous(), slot_mapping.contiguous()
     _lib.rope_paged_attention(
         qkv.data_ptr(), qkv.stride(0), num_tokens, positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
         slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), meta.num_decode_tokens, tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_heads,
-        num_kv_heads, head_dim, block_size, meta.scale, tables.shape[1] * block_size, out.data_ptr(), out.stride(0),
+        k_cache.stride(2), num_decodes, tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_heads,
+        num_kv_heads, head_dim, block_size, scale, tables.shape[1] * block_size, out.data_ptr(), out.stride(0),
         out.stride(1), _DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
     )
-    if meta.prefills:  # q and k were rotated in place and every token's K/V is in the cache
-        qk = qkv[:, : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_heads + num_kv_heads, head_dim)
-        value = qkv[:, (num_heads + num_kv_heads) * head_dim :].view(num_tokens, num_kv_heads, head_dim)
-        attend_prefills(out, qk[:, :num_heads], qk[:, num_heads:], value, k_cache, v_cache, meta)
     return out
+
+
+# ---- norms and projections ----------------------------------------------------------------------------------------
+
+
+def supports_rms_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    lib = load()
+    return (
+        lib is not None and x.dim() == 2 and x.device.type == "cpu" and x.dtype in _DTYPE_CODES
+        and weight.dtype == x.dtype and x.stride(-1) == 1 and weight.is_contiguous()
+        and x.shape[1] <= lib.limits.max_row
+    )
 
 
 def cpu_rms_norm(
@@ -230,28 +277,17 @@ def cpu_rms_norm(
     weight: torch.Tensor,  # [D]
     eps: float,
 ) -> torch.Tensor:  # [T, D]
-    """``weight * round(x / rms(x))`` as HF's LlamaRMSNorm computes it; falls back to ``F.rms_norm``."""
-    lib = load()
-    if (
-        lib is None
-        or x.dim() != 2
-        or x.device.type != "cpu"
-        or x.dtype not in _DTYPE_CODES
-        or weight.dtype != x.dtype
-        or x.stride(-1) != 1
-        or not weight.is_contiguous()
-        or x.shape[1] > lib.limits[2]
-    ):
-        return F.rms_norm(x, normalized_shape, weight, eps)
+    """``weight * round(x / rms(x))`` as HF's LlamaRMSNorm computes it (``F.rms_norm``'s signature)."""
+    if not supports_rms_norm(x, weight):
+        raise _refuse("cpu_rms_norm")
     out = torch.empty(x.shape, dtype=x.dtype)
-    lib.rms_norm(
+    _lib.rms_norm(
         x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
         _DTYPE_CODES[x.dtype], torch.get_num_threads(),
     )
     return out
 
 
-LINEAR_MAX_ROWS = 64  # linear_small's limit; the model decides below which row count it pays (model.small_rows_limit)
 LINEAR_OPS = {"none": 0, "silu": 1, "mul": 2, "add": 3}
 
 
@@ -260,7 +296,7 @@ def prepare_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     None where it cannot take this weight (not bf16 on CPU, or a shape the packed layout does not fit)."""
     lib = load()
     if (lib is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
-            or weight.shape[1] > 16384):
+            or weight.shape[1] > lib.limits.linear_max_k):
         return None
     weight = weight.contiguous()
     if not lib.linear_weight_packed():
@@ -274,7 +310,7 @@ def prepare_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def cpu_linear_small(
-    x: torch.Tensor,  # [T, K] bf16, T <= LINEAR_MAX_ROWS, rows may be strided
+    x: torch.Tensor,  # [T, K] bf16, T <= limits().linear_max_rows, rows may be strided
     weight: torch.Tensor,  # [N, K] bf16, from prepare_linear_weight
     bias: torch.Tensor | None = None,  # [N] bf16
     op: str = "none",  # then silu, or times / plus ``other``
@@ -289,6 +325,8 @@ def _fused_linear(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torc
                   other: torch.Tensor | None) -> torch.Tensor:
     """Call a C matmul with linear_small's arguments (``linear_small`` or ``linear_amx``)."""
     num_rows, (n, k) = x.shape[0], weight.shape
+    if x.dtype != torch.bfloat16 or x.stride(-1) != 1 or (other is not None and other.stride(-1) != 1):
+        raise _refuse(kernel)
     out = torch.empty((num_rows, n), dtype=torch.bfloat16)
     other_ptr, other_stride = (None, 0) if other is None else (other.data_ptr(), other.stride(0))
     status = getattr(_lib, kernel)(
@@ -305,7 +343,7 @@ def prepare_linear_weight_amx(weight: torch.Tensor) -> torch.Tensor | None:
     shape does not allow it (no AMX, not bf16 on CPU, N % 32 or K % 32)."""
     lib = load()
     if (lib is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
-            or weight.shape[0] % 32 or weight.shape[1] % 32 or weight.shape[1] > 16384
+            or weight.shape[0] % 32 or weight.shape[1] % 32 or weight.shape[1] > lib.limits.linear_max_k
             or not lib.linear_amx_available()):
         return None
     packed = torch.empty_like(weight)
@@ -325,52 +363,57 @@ def cpu_linear_amx(
     return _fused_linear("linear_amx", x, weight, bias, op, other)
 
 
+# ---- every layer of a small decode step ----------------------------------------------------------------------------
+
+
+class StackLayer(NamedTuple):
+    """One decoder layer's tensors as ``decode_stack`` reads them: the norms' weights, the projections in
+    ``cpu_linear_small``'s layout (``prepare_linear_weight``) and, where there are any, in ``cpu_linear_amx``'s."""
+
+    input_norm: torch.Tensor  # [D]
+    qkv: torch.Tensor  # [(H + 2 KVH) hd, D]
+    qkv_bias: torch.Tensor | None  # [(H + 2 KVH) hd]
+    o: torch.Tensor  # [D, H hd]
+    post_norm: torch.Tensor  # [D]
+    gate: torch.Tensor  # [I, D]
+    up: torch.Tensor  # [I, D]
+    down: torch.Tensor  # [D, I]
+    amx: tuple[torch.Tensor, ...] | None  # qkv, o, gate, up, down in cpu_linear_amx's layout
+
+
 class DecodeStack:
-    """``decode_stack``'s view of a model: every layer of a small decode-only step in one C call (the weights'
-    addresses gathered once, the step's metadata converted once instead of once per layer).
+    """Every layer of a small decode-only bf16 step in one C call (``decode_stack``): per layer RMSNorm, QKV,
+    rotary embedding + K/V write + decode attention, O plus the residual, RMSNorm, SiLU(gate) * up, down plus the
+    residual, from the same C functions as the calls above, so the result is the same to the bit. The weights'
+    addresses are gathered once."""
 
-    ``layers`` are ``backend.engine.model.Layer`` objects whose projections all have a ``small_rows_weight``."""
-
-    def __init__(self, layers: list, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int, eps: float) -> None:
+    def __init__(self, layers: list[StackLayer], hidden_size: int, intermediate_size: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, eps: float) -> None:
         def pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
             return (ctypes.c_void_p * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
-        self._keep = layers  # the pointers below are into these layers' tensors
+        if load() is None:
+            raise ValueError("DecodeStack needs the C kernels")
+        self._keep = layers  # the pointers below are into these tensors
         self.num_layers, self.hidden_size, self.intermediate_size = len(layers), hidden_size, intermediate_size
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
-        self.norm1 = pointers([layer.input_norm for layer in layers])
-        self.norm2 = pointers([layer.post_norm for layer in layers])
-        self.qkv = pointers([layer.qkv.small_rows_weight for layer in layers])
-        self.qkv_bias = pointers([layer.qkv.bias for layer in layers])
-        self.o = pointers([layer.o.small_rows_weight for layer in layers])
-        self.gate = pointers([layer.gate.small_rows_weight for layer in layers])
-        self.up = pointers([layer.up.small_rows_weight for layer in layers])
-        self.down = pointers([layer.down.small_rows_weight for layer in layers])
-        # Bigger steps read the AMX copies, where every projection has one (else the model keeps the stack to the
-        # rows linear_small takes)
-        amx = [[getattr(layer, p).amx_weight for layer in layers] for p in ("qkv", "o", "gate", "up", "down")]
-        self.takes_amx = all(w is not None for ws in amx for w in ws)
+        self.norm1, self.qkv, self.qkv_bias, self.o, self.norm2, self.gate, self.up, self.down = (
+            pointers([getattr(layer, name) for layer in layers]) for name in StackLayer._fields[:8])
+        # With AMX copies of every projection, steps of more rows than linear_small should take run linear_amx
+        self.takes_amx = all(layer.amx is not None for layer in layers)
         self.qkv_amx, self.o_amx, self.gate_amx, self.up_amx, self.down_amx = (
-            pointers(ws if self.takes_amx else [None] * len(layers)) for ws in amx)
+            pointers([layer.amx[i] if self.takes_amx else None for layer in layers]) for i in range(5))
         # (first K pool's address, whether the pools fit the kernels, K pointers, V pointers), built on first use:
         # the pools live as long as the engine
         self._pools: tuple = ()
 
-    @classmethod
-    def for_layers(cls, layers: list, shape, dtype: torch.dtype) -> DecodeStack | None:
-        """The stack for these layers, or None where the C path cannot run them all (see the class docstring)."""
-        if load() is None or dtype != torch.bfloat16 or not layers:
-            return None
-        projections = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate, layer.up, layer.down)]
-        if any(p.small_rows_weight is None for p in projections):
-            return None
-        max_group, max_head_dim, max_row = _lib.limits
-        if (shape.num_heads % shape.num_kv_heads or shape.num_heads // shape.num_kv_heads > max_group
-                or shape.head_dim > max_head_dim or shape.hidden_size > max_row):
-            return None
-        return cls(layers, shape.hidden_size, shape.intermediate_size, shape.num_heads, shape.num_kv_heads,
-                   shape.head_dim, shape.rms_norm_eps)
+    @staticmethod
+    def supports(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+        """Whether the kernels take a model of this shape."""
+        lib_limits = limits()
+        return (lib_limits is not None and num_heads % num_kv_heads == 0
+                and num_heads // num_kv_heads <= lib_limits.max_group and head_dim <= lib_limits.max_head_dim
+                and hidden_size <= lib_limits.max_row)
 
     def __call__(
         self,
@@ -379,7 +422,10 @@ class DecodeStack:
         cos: torch.Tensor,  # [max_len, head_dim]
         sin_signed: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (K, V) [num_blocks, block_size, kvh, hd]
-        meta: AttentionMetadata,  # decode-only: every token is a decode
+        slot_mapping: torch.Tensor,  # [T] int64
+        block_tables: torch.Tensor,  # [T, max_blocks] int32: every token is a decode
+        context_lens: torch.Tensor,  # [T] int32
+        scale: float,
         small_rows: int,  # up to this many rows the projections run cpu_linear_small, above it cpu_linear_amx
     ) -> bool:
         """Run every layer over ``h``; False (nothing done) where the pools or inputs are not what the kernels take."""
@@ -393,7 +439,7 @@ class DecodeStack:
                            (ctypes.c_void_p * self.num_layers)(*(v.data_ptr() for _, v in kv_caches)))
         if not (self._pools[1] and h.dtype == cos.dtype == sin_signed.dtype == torch.bfloat16 and h.is_contiguous()
                 and cos.is_contiguous() and sin_signed.is_contiguous() and positions.dtype == torch.int64
-                and num_tokens <= LINEAR_MAX_ROWS):
+                and num_tokens <= _lib.limits.linear_max_rows):
             return False
         q_size = self.num_heads * self.head_dim
         qkv_size = q_size + 2 * self.num_kv_heads * self.head_dim
@@ -402,8 +448,8 @@ class DecodeStack:
         attn = torch.empty(num_tokens, q_size, dtype=h.dtype)
         gate = torch.empty(num_tokens, self.intermediate_size, dtype=h.dtype)
         up = torch.empty_like(gate)
-        tables, lens = meta.block_tables.to(torch.int32).contiguous(), meta.context_lens.to(torch.int32).contiguous()
-        positions, slots = positions.contiguous(), meta.slot_mapping.contiguous()
+        tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+        positions, slots = positions.contiguous(), slot_mapping.contiguous()
         block_size = k_cache.shape[1]
         status = _lib.decode_stack(
             h.data_ptr(), num_tokens, self.hidden_size, self.num_layers, self.norm1, self.qkv, self.qkv_bias, self.o,
@@ -411,13 +457,16 @@ class DecodeStack:
             self.down_amx, small_rows, self.intermediate_size, self.eps, positions.data_ptr(),
             cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), self._pools[2], self._pools[3],
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.data_ptr(), tables.stride(0),
-            lens.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim, block_size, meta.scale,
+            lens.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim, block_size, scale,
             tables.shape[1] * block_size, x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate.data_ptr(),
             up.data_ptr(), torch.get_num_threads(),
         )
         if status != 0:
             raise ValueError(f"decode_stack cannot take {num_tokens} rows")
         return True
+
+
+# ---- sampling -----------------------------------------------------------------------------------------------------
 
 
 def supports_sampling(logits: torch.Tensor) -> bool:
@@ -433,7 +482,7 @@ def cpu_sample_rows(
     settings: torch.Tensor,  # [R, 4] float64: each row's temperature, top_k, top_p, uniform (see sampler.SETTINGS)
     rows: torch.Tensor | None = None,  # [R] int64, which rows of logits to sample; None: the first R
 ) -> torch.Tensor:  # [R] int64
-    """The C twin of ``backend.engine.sampler.sample_rows``; the caller checks :func:`supports_sampling` first."""
+    """The C twin of the sampler's ``sample_rows``; the caller checks :func:`supports_sampling` first."""
     num_rows = settings.shape[0]
     out = torch.empty(num_rows, dtype=torch.int64)
     if num_rows:

@@ -140,7 +140,7 @@ def cuda_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim] with a contiguous last dimension, e.g. a row slice
 ) -> torch.Tensor:  # [B, num_heads, head_dim]
-    """The kernel twin of ``backend.engine.attention.paged_decode_attention`` (same inputs, same result).
+    """The kernel twin of the torch reference's ``paged_decode_attention`` (same inputs, same result).
 
     ``num_splits=None`` picks the split count from the batch, the context bound and the GPU's SM count; the context
     bound is ``max_blocks * block_size`` (no device sync on ``context_lens``).

@@ -141,19 +141,20 @@ def cuda_prefill_attention(
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    chunk,  # backend.engine.attention.PrefillChunk
+    context_slots: torch.Tensor | None,  # [num_cached + n] the slots of the chunk's whole context; None: nothing cached
     scale: float,
 ) -> torch.Tensor:  # [n, num_heads, head_dim]
-    """The kernel twin of ``backend.engine.attention.prefill_attention``: one chunk, same inputs, same result."""
+    """The kernel twin of the torch reference's ``prefill_attention``: one chunk, same inputs, same result."""
     n = query.shape[0]
     device = query.device
-    if chunk.context_slots is None:
+    if context_slots is None:
         # Nothing cached: the chunk's own K/V are its whole context, read as one "block" of n positions.
         k_cache, v_cache = key.unsqueeze(0), value.unsqueeze(0)  # (1, n, kvh, hd)
         block_tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
     else:
-        block_tables = block_table_from_slots(chunk.context_slots, k_cache.shape[1])[None]
-    starts, lens, cached = torch.tensor([[0], [n], [chunk.num_cached_tokens]], dtype=torch.int32, device=device)
+        block_tables = block_table_from_slots(context_slots, k_cache.shape[1])[None]
+    num_cached = 0 if context_slots is None else context_slots.shape[0] - n
+    starts, lens, cached = torch.tensor([[0], [n], [num_cached]], dtype=torch.int32, device=device)
     return paged_prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, cached, scale, max_query_len=n)
 
 

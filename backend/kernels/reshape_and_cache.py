@@ -49,7 +49,7 @@ def cuda_write_kv(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T]
 ) -> None:
-    """The kernel twin of ``backend.engine.attention.write_kv``: store token t's K/V at flat slot ``slot_mapping[t]``."""
+    """The kernel twin of the torch reference's ``write_kv``: store token t's K/V at flat slot ``slot_mapping[t]``."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

@@ -67,18 +67,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from backend.engine.openmp import set_wait_policy
 
-from backend.engine.block_manager import BlockManager
-from backend.engine.config import EngineConfig, SamplingParams
-from backend.engine.llm_engine import LLMEngine
-from backend.engine.model_runner import read_model_shape
-from backend.engine.request import Request, RequestStatus
-from backend.engine.scheduler import Scheduler
-from backend.engine.stats import StepRecord
-from backend.tools.bench_llamacpp import llamacpp_column
-from backend.tools.bench_served import SERVED_MODELS, served_column
-from backend.triton.names import CONTINUOUS
+set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
+
+import torch  # noqa: E402
+
+from backend.engine.block_manager import BlockManager  # noqa: E402
+from backend.engine.config import EngineConfig, ModelShape, SamplingParams  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.engine.request import Request, RequestStatus  # noqa: E402
+from backend.engine.scheduler import ScheduledRequest, Scheduler  # noqa: E402
+from backend.engine.stats import StepRecord  # noqa: E402
+from backend.tools.bench_llamacpp import llamacpp_column  # noqa: E402
+from backend.tools.bench_served import SERVED_MODELS, served_column  # noqa: E402
+from backend.triton.names import CONTINUOUS  # noqa: E402
 
 
 @dataclass
@@ -214,7 +217,7 @@ def read_bandwidth_gbs(threads: int, num_bytes: int = 1 << 30, repeats: int = 5)
 def memory_floor(s: BenchSettings, bandwidth_gbs: float) -> dict:
     """What one decode step must read (every weight once, each sequence's cached K and V once) at the measured
     bandwidth: no step can be faster. The context is the fixed batches' mean (prompt plus half the new tokens)."""
-    shape = read_model_shape(s.model)
+    shape = ModelShape.from_model_dir(s.model)
     dtype_bytes = EngineConfig(dtype=s.dtype).dtype_bytes
     d, qkv = shape.hidden_size, (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
     per_layer = d * qkv + shape.num_heads * shape.head_dim * d + 3 * d * shape.intermediate_size + 2 * d
@@ -360,7 +363,7 @@ def real_step_ms(s: BenchSettings, num_seqs: int, context: int = 64, repeats: in
     timings = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        inputs = engine.runner.prepare([(r, 1) for r in requests])
+        inputs = engine.runner.prepare([ScheduledRequest.of(r, 1) for r in requests])
         engine.sampler(engine.runner.run(inputs), ids, params)
         timings.append(time.perf_counter() - start)
     del engine
@@ -390,12 +393,12 @@ def run_bench(s: BenchSettings, log=print) -> dict:
     llamacpp = None
     if s.llamacpp:
         log(f"[2/5] llama.cpp: {s.llamacpp}, the same decode workloads over HTTP streaming ...")
-        prompts = random_prompts(max(s.batches), s.prompt_len, read_model_shape(s.model).vocab_size, s.seed)
+        prompts = random_prompts(max(s.batches), s.prompt_len, ModelShape.from_model_dir(s.model).vocab_size, s.seed)
         llamacpp = llamacpp_column(s.llamacpp, s.model, s.threads, s.batches, prompts, s.new_tokens, s.repeats,
                                    s.seed, log)
 
     log(f"[3/5] workload: {s.workload_requests} requests, continuous vs static ...")
-    vocab = json.loads((Path(s.model) / "config.json").read_text())["vocab_size"]
+    vocab = ModelShape.from_model_dir(s.model).vocab_size
     requests = workload_requests(s, vocab)
     cont = run_workload(s, "continuous", requests)
     log(f"      continuous: {cont['tok_s']:.1f} tok/s, mean batch {cont['mean_batch']:.1f}")

@@ -129,10 +129,10 @@ def send_output(pb, open_request: OpenRequest, output: RequestOutput, batched: b
         open_request.sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(output.error)), flags=flags)
         return
     if open_request.stream:
-        text, token_ids = output.text, output.token_ids
+        text, token_ids = output.delta_text, output.new_token_ids
     else:
-        open_request.text.append(output.text)
-        open_request.token_ids += output.token_ids
+        open_request.text.append(output.delta_text)
+        open_request.token_ids += output.new_token_ids
         if not output.finished:
             return
         text, token_ids = "".join(open_request.text), open_request.token_ids

@@ -155,7 +155,7 @@ def engine_vs_hf(model: Path, device, dry_run: bool) -> dict:
     from backend.engine.config import EngineConfig, SamplingParams
     from backend.engine.llm_engine import LLMEngine
     from backend.engine.tokenizer import load_tokenizer
-    from backend.kernels import TRITON_ATTENTION
+    from backend.engine.attention.triton_backend import TritonAttention
 
     new_tokens = 6 if dry_run else 32
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -168,7 +168,7 @@ def engine_vs_hf(model: Path, device, dry_run: bool) -> dict:
         ours = {}
         for name, overrides in variants.items():
             engine = LLMEngine(EngineConfig(**base, **kv, **overrides))
-            backend = TRITON_ATTENTION if name == "all_kernels" else engine.runner.model.attention
+            backend = TritonAttention() if name == "all_kernels" else engine.runner.model.attention
             with attention_backend(engine, backend):
                 ours[name] = [c.token_ids for c in engine.generate(E2E_PROMPTS, params)]
             report.setdefault(dtype, {})[name] = {
@@ -246,7 +246,7 @@ def copy_bandwidth(device, num_bytes: int) -> float:
 def measure_decode(name, batch, context, num_heads, num_kv_heads, head_dim, block_size, device) -> dict:
     import torch
 
-    from backend.engine.attention import paged_decode_attention
+    from backend.engine.attention.torch_backend import paged_decode_attention
     from backend.kernels import cuda_decode_attention
 
     num_blocks = batch * context // block_size
@@ -298,10 +298,10 @@ def throughput(model: Path, device, dry_run: bool, deadline: float) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from backend.engine.attention import TORCH_ATTENTION
+    from backend.engine.attention import TorchAttention
+    from backend.engine.attention.triton_backend import TritonAttention
     from backend.engine.config import EngineConfig, SamplingParams
     from backend.engine.llm_engine import LLMEngine
-    from backend.kernels import TRITON_ATTENTION
 
     batches = [1, 2] if dry_run else [1, 32, 128, 256]
     prompt_len, new_tokens = (8, 4) if dry_run else (64, 128)
@@ -334,8 +334,8 @@ def throughput(model: Path, device, dry_run: bool, deadline: float) -> dict:
     # The engine as wired, beside the same engine with the other attention through the same hook: on CUDA the torch
     # reference (what the kernels gain), on a CPU dry run the kernels (interpreted: only that they run).
     other_key, other = (
-        ("engine_torch_attention_tok_s", TORCH_ATTENTION) if device.type == "cuda"
-        else ("engine_all_kernels_tok_s", TRITON_ATTENTION)
+        ("engine_torch_attention_tok_s", TorchAttention()) if device.type == "cuda"
+        else ("engine_all_kernels_tok_s", TritonAttention())
     )
     warmup = [[1] * prompt_len, [2] * (prompt_len // 2)]  # compiles the kernels before anything is timed
     engine.generate(warmup, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))

@@ -8,12 +8,14 @@ sends from one place (its sink); cancellations are polled before a step, every 0
 
 import time
 
-import triton_python_backend_utils as pb_utils
+from backend.engine.openmp import set_wait_policy
 
-from backend.engine.batching import EngineLoop
-from backend.engine.llm_engine import LLMEngine
-from backend.triton.responses import CancellationPoll
-from backend.triton.served_model import ServedModel
+set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
+
+from backend.engine.batching import EngineLoop  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.triton.responses import CancellationPoll  # noqa: E402
+from backend.triton.served_model import ServedModel  # noqa: E402
 
 
 class TritonPythonModel(ServedModel, batching="continuous"):

@@ -12,10 +12,14 @@ shares (parsing, the one place that sends, metrics, refusals, the shutdown notic
 
 import time
 
-from backend.engine.batching import run_to_completion
-from backend.engine.llm_engine import LLMEngine
-from backend.triton.responses import CancellationPoll
-from backend.triton.served_model import ServedModel
+from backend.engine.openmp import set_wait_policy
+
+set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
+
+from backend.engine.batching import run_to_completion  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.triton.responses import CancellationPoll  # noqa: E402
+from backend.triton.served_model import ServedModel  # noqa: E402
 
 
 class TritonPythonModel(ServedModel, batching="run_to_completion"):

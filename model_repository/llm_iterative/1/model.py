@@ -14,12 +14,14 @@ a response sent for a request Triton has let go of crashes tritonserver (Signal 
 import threading
 import time
 
-import triton_python_backend_utils as pb_utils
+from backend.engine.openmp import set_wait_policy
 
-from backend.engine.batching import IterationDriver
-from backend.engine.llm_engine import LLMEngine
-from backend.triton.model_config import sequence_idle_seconds
-from backend.triton.served_model import ServedModel
+set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
+
+from backend.engine.batching import IterationDriver  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.triton.model_config import sequence_idle_seconds  # noqa: E402
+from backend.triton.served_model import ServedModel  # noqa: E402
 
 
 class TritonPythonModel(ServedModel, batching="iterative"):

@@ -1,93 +1,42 @@
-"""Attention over the paged KV cache: the metadata one step needs, and the torch reference implementation.
+"""The torch reference of attention over the paged KV cache: the plain path every other backend is compared with.
 
-The KV pool of one layer is a pair of tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``. A sequence's
-token at position ``p`` lives in physical block ``block_table[p // block_size]``, offset ``p % block_size``; its
-flat *slot* is ``block * block_size + offset``.
-
-A step's tokens arrive flattened into one stream ``[T, ...]`` ordered as: decode tokens (one query per sequence)
-first, then each prefill chunk. Decodes are attended in one batched call; prefill chunks against their cached prefix
-plus the chunk itself with a causal mask (fresh chunks of equal length in one batched call).
-
-The functions here and their twins (the OpenAI Triton kernels in ``backend/kernels``, the C decode kernel in
-``backend/cpu_kernels``) share one signature each; tests compare them. The device decides which runs, once: the model
-runner picks an :class:`AttentionBackend` (one layer's attention for a whole step, ``paged_attention``'s signature)
-and the model calls it in every layer.
+Each function has a kernel twin with the same signature (``backend/kernels``: the OpenAI Triton kernels, the C
+kernels in ``cpu_kernels``); tests compare them. Decodes are attended in one batched call; prefill chunks against
+their cached prefix plus the chunk itself with a causal mask (fresh chunks of equal length in one batched call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """One sequence's chunk of ``num_query_tokens`` tokens in this step."""
-
-    token_start: int  # index of the chunk's first token in the step's token stream
-    num_query_tokens: int
-    num_cached_tokens: int  # tokens of this sequence already in the cache before this step
-    context_slots: torch.Tensor | None  # [num_cached + num_query] slots to gather, None when nothing is cached
+from backend.engine.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
 
 
 @dataclass(frozen=True)
-class PrefillTables:
-    """The step's prefill chunks as the kernels read them (on the device), built once per step for every layer."""
+class TorchAttentionMetadata(AttentionMetadata):
+    """The common metadata plus the decode gather's indices, built once per step instead of once per layer."""
 
-    block_tables: torch.Tensor  # [C, max_blocks] int32, padded with 0 (never read past a chunk's context)
-    query_starts: torch.Tensor  # [C] int32: each chunk's first token in the step's stream
-    query_lens: torch.Tensor  # [C] int32
-    num_cached: torch.Tensor  # [C] int32
-    max_query_len: int  # host-side bound on query_lens: sizes the kernel's grid without a device sync
-
-    @classmethod
-    def build(cls, prefills: tuple[PrefillChunk, ...], block_tables: torch.Tensor) -> "PrefillTables":
-        """The chunks' starts, lengths and cached counts beside their block tables, on the tables' device."""
-        starts, lens, cached = torch.tensor(
-            [[c.token_start for c in prefills], [c.num_query_tokens for c in prefills],
-             [c.num_cached_tokens for c in prefills]], dtype=torch.int32,
-        ).to(block_tables.device)  # (3, C): one copy to the device
-        return cls(block_tables, starts, lens, cached, max(c.num_query_tokens for c in prefills))
+    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks] int64 blocks to gather, None without decodes
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] float32 additive mask (0 / -inf)
 
 
-@dataclass(frozen=True)
-class AttentionMetadata:
-    """Everything attention needs about one step; built once per step by the model runner, passed to every layer."""
+class TorchAttention(AttentionBackend):
+    """Rotary embedding, K/V write and attention as torch ops."""
 
-    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
-    num_decode_tokens: int  # the first num_decode_tokens of the stream are single-token decodes
-    block_tables: torch.Tensor  # [num_decodes, max_blocks] int32, padded with 0 (masked by context_lens)
-    context_lens: torch.Tensor  # [num_decodes] int32: tokens each decode attends to (its own included)
-    decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks] int64 blocks to gather (torch path), or None
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] additive mask (0 / -inf)
-    prefills: tuple[PrefillChunk, ...]
-    scale: float
-    prefill_tables: PrefillTables | None = None  # the kernels' view of ``prefills``, when the backend reads it
+    name = "torch"
 
+    def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
+        block_ids = mask = None
+        if common.num_decode_tokens:
+            block_ids, mask = decode_gather_indices(common.block_tables, common.context_lens, common.block_size)
+        return common.extend(TorchAttentionMetadata, decode_block_ids=block_ids, decode_mask=mask)
 
-AttentionFn = Callable[..., torch.Tensor]  # (query, key, value, k_cache, v_cache, meta) -> [T, num_heads, head_dim]
-# (qkv, positions, cos, sin_signed, k_cache, v_cache, meta, num_heads) -> [T, num_heads, head_dim]
-RopeAttentionFn = Callable[..., torch.Tensor]
-
-
-@dataclass(frozen=True)
-class AttentionBackend:
-    """One layer's attention for a whole step, chosen once by device, and the optional metadata it reads.
-
-    ``forward`` has ``paged_attention``'s signature. ``rope_forward``, where a backend has one, takes the layer from
-    its QKV projection instead (``rope_paged_attention``'s signature: rotary embedding, K/V write and attention in one
-    call); the model then uses it. The flags tell the model runner which per-step extras to build, once per step
-    rather than once per layer.
-    """
-
-    name: str
-    forward: AttentionFn
-    rope_forward: RopeAttentionFn | None = None
-    reads_decode_gather: bool = False  # decode_block_ids / decode_mask: the torch decode reference's gather indices
-    reads_prefill_tables: bool = False  # prefill_tables: the kernels' block tables of the prefill chunks
+    def forward(self, qkv, positions, cos, sin_signed, k_cache, v_cache, meta, num_heads):
+        query, key, value = rope_qkv(qkv, positions, cos, sin_signed, num_heads, k_cache.shape[2])
+        return paged_attention(query, key, value, k_cache, v_cache, meta)
 
 
 def write_kv(
@@ -156,15 +105,15 @@ def prefill_attention(
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    chunk: PrefillChunk,
+    context_slots: torch.Tensor | None,  # [num_cached + n] the slots of the chunk's whole context; None: nothing cached
     scale: float,
 ) -> torch.Tensor:  # [n, num_heads, head_dim]
     """A chunk attends to its cached prefix plus itself, causally. Query i sits at position num_cached + i."""
     n, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    if chunk.context_slots is not None:
-        key = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, chunk.context_slots)  # (ctx, kvh, hd)
-        value = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, chunk.context_slots)
+    if context_slots is not None:
+        key = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, context_slots)  # (ctx, kvh, hd)
+        value = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, context_slots)
     context = key.shape[0]
     # NOTE: 4-D inputs: on CPU, 3-D ones miss SDPA's flash kernel and take the math path (3x slower at 512 tokens).
     q = query.transpose(0, 1)[None]  # (1, H, n, hd)
@@ -180,7 +129,7 @@ def prefill_attention(
     return out[0].transpose(0, 1)  # (n, H, hd)
 
 
-def _fresh_prefill_attention(
+def fresh_prefill_attention(
     query: torch.Tensor,  # [c * n, num_heads, head_dim]: c chunks of n tokens each, nothing cached
     key: torch.Tensor,  # [c * n, num_kv_heads, head_dim]
     value: torch.Tensor,
@@ -203,24 +152,19 @@ def paged_attention(
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    decode_fn=paged_decode_attention,
+    meta: AttentionMetadata,  # TorchAttentionMetadata saves each layer the decode gather's indices
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     """One layer's attention for a whole step: write the new K/V, then decodes in one call, prefill chunks after."""
     write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
-    nd = meta.num_decode_tokens
+    num_decodes = meta.num_decode_tokens
+    gather = (meta.decode_block_ids, meta.decode_mask) if isinstance(meta, TorchAttentionMetadata) else (None, None)
+    decode = (query[:num_decodes], k_cache, v_cache, meta.block_tables, meta.context_lens, meta.scale, *gather)
     if not meta.prefills:
-        return decode_fn(
-            query, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.scale, meta.decode_block_ids,
-            meta.decode_mask,
-        )
+        return paged_decode_attention(*decode)
     out = torch.empty_like(query)
-    if nd:
-        out[:nd] = decode_fn(
-            query[:nd], k_cache, v_cache, meta.block_tables, meta.context_lens, meta.scale,
-            meta.decode_block_ids, meta.decode_mask,
-        )
-    attend_prefills(out, query, key, value, k_cache, v_cache, meta)
+    if num_decodes:
+        out[:num_decodes] = paged_decode_attention(*decode)
+    attend_prefills(out, query, key, value, k_cache, v_cache, meta.prefills, meta.scale)
     return out
 
 
@@ -231,16 +175,18 @@ def attend_prefills(
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    prefills: tuple[PrefillChunk, ...],
+    scale: float,
 ) -> None:
     """The step's prefill chunks: runs of fresh equal-length chunks in one call, any other chunk alone."""
-    for group in _prefill_groups(meta.prefills):
+    for group in _prefill_groups(prefills):
         first = group[0]
         span = slice(first.token_start, first.token_start + first.num_query_tokens * len(group))
         if len(group) > 1:
-            out[span] = _fresh_prefill_attention(query[span], key[span], value[span], len(group), meta.scale)
+            out[span] = fresh_prefill_attention(query[span], key[span], value[span], len(group), scale)
         else:
-            out[span] = prefill_attention(query[span], key[span], value[span], k_cache, v_cache, first, meta.scale)
+            out[span] = prefill_attention(query[span], key[span], value[span], k_cache, v_cache, first.context_slots,
+                                          scale)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -254,26 +200,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return torch.addcmul(x * cos, swapped, sin_signed)
 
 
-def rope_paged_attention(
+def rope_qkv(
     qkv: torch.Tensor,  # [T, (num_heads + 2 num_kv_heads) head_dim], the QKV projection's output
     positions: torch.Tensor,  # [T] int64
     cos: torch.Tensor,  # [max_len, head_dim] the whole table
     sin_signed: torch.Tensor,  # [max_len, head_dim]
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
     num_heads: int,
-    attention_fn: AttentionFn = paged_attention,
-) -> torch.Tensor:  # [T, num_heads, head_dim]
-    """One layer's attention from its QKV projection: the rotary embedding on q and k, then ``attention_fn`` (which
-    writes K/V and attends). The torch reference of the C kernel that does all of it in one call."""
-    num_tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q (T, H, hd), k (T, kvh, hd), v (T, kvh, hd)
+    """The QKV projection's output as rotated queries and keys, and values (a view)."""
+    num_tokens = qkv.shape[0]
+    head_dim = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     qk_size = (num_heads + num_kv_heads) * head_dim
     rows = lambda table: table.index_select(0, positions)[:, None, :]  # noqa: E731  (T, 1, hd)
     qk = rotate(qkv[:, :qk_size].view(num_tokens, num_heads + num_kv_heads, head_dim), rows(cos), rows(sin_signed))
     value = qkv[:, qk_size:].view(num_tokens, num_kv_heads, head_dim)  # (T, kvh, hd)
-    return attention_fn(qk[:, :num_heads], qk[:, num_heads:], value, k_cache, v_cache, meta)
+    return qk[:, :num_heads], qk[:, num_heads:], value
 
 
 def _prefill_groups(prefills: tuple[PrefillChunk, ...]) -> list[list[PrefillChunk]]:
@@ -291,7 +233,3 @@ def _prefill_groups(prefills: tuple[PrefillChunk, ...]) -> list[list[PrefillChun
         else:
             groups.append([chunk])
     return groups
-
-
-# The torch reference: the plain path that every other backend is compared with.
-TORCH_ATTENTION = AttentionBackend("torch", paged_attention, reads_decode_gather=True)

@@ -1,0 +1,291 @@
+/*
+ * paged_decode_attention (twin of paged_decode_attention in backend/engine/attention/torch_backend.py): one query
+ * token per sequence reads its keys and values straight from the paged pool through its block table, so nothing is
+ * gathered into a temporary copy first. A work item is a whole sequence (or one (sequence, KV head) when there are
+ * few sequences): its query heads share every K/V row it reads.
+ *
+ * rope_paged_attention: the rotary embedding, the K/V write and the decodes' attention of one layer in one call,
+ * from the QKV projection's output (the prefill chunks' attention is left to the caller).
+ */
+#include "common.h"
+
+/*
+ * One work item: the NK KV heads from kv_begin of sequence b (NK * G query heads), against its `len` cached tokens.
+ * A whole sequence per item (NK = KVH) reads each cached token's K (then V) row for all heads as one contiguous run,
+ * and the next block is prefetched row by row while the current one is read: the pool is far larger than the
+ * caches, so the kernel runs at the speed it streams blocks in (one head's slice of each row, strided, leaves the
+ * loads waiting on memory). always_inline so that each call site below gets D and dtype as constants: the row
+ * loops are then fully unrolled and vectorised.
+ */
+/* The item's NQ query rows as float32, pre-scaled; their accumulators zeroed and running maxima reset. */
+static inline void start_queries(const char* q_rows, int64_t q_sh, int dtype, int64_t D, int64_t NQ, float scale,
+                                 float* q, float* acc, float* max_score) {
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
+    for (int64_t j = 0; j < NQ; ++j) {
+        load_row(q_rows + j * q_sh * esize, dtype, D, q + j * D);
+        for (int64_t d = 0; d < D; ++d) {
+            q[j * D + d] *= scale;
+            acc[j * D + d] = 0.f;
+        }
+        max_score[j] = -FLT_MAX;
+    }
+}
+
+/* scores[j][t] = exp(scores[j][t] - max_score[j]) for t < len, and sum[j] their total: the softmax's numerators. */
+static inline void exp_scores(float* scores, int64_t max_context, const float* max_score, int64_t NQ, int64_t len,
+                              float* sum) {
+    for (int64_t j = 0; j < NQ; ++j) {
+        float* s = scores + j * max_context;
+        float total = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+            s[t] = expf(s[t] - max_score[j]);
+            total += s[t];
+        }
+        sum[j] = total;
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_one(
+    const char* q_rows, int64_t q_sh, const char* k_bytes, const char* v_bytes, int64_t c_sb, int64_t c_ss,
+    int64_t c_sh, const int32_t* table, int64_t len, int64_t block_size, int64_t NK, int64_t G, const int64_t D,
+    const int dtype, float scale, float* scores, int64_t max_context, float* q, float* acc, char* out_rows,
+    int64_t o_sh) {
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
+    const int64_t num_blocks = (len + block_size - 1) / block_size, NQ = NK * G;
+    const int64_t row_bytes = NK * c_sh * esize;  /* one token's K (or V) row over the item's heads */
+    float row[MAX_HEAD_DIM], max_score[MAX_HEADS], sum[MAX_HEADS];
+    start_queries(q_rows, q_sh, dtype, D, NQ, scale, q, acc, max_score);
+    /* scores[j][t] = q_j . k_t, block by block (no division per token) */
+    for (int64_t i = 0, t = 0; i < num_blocks; ++i) {
+        const char* block = k_bytes + table[i] * c_sb * esize;
+        const char* next = i + 1 < num_blocks ? k_bytes + table[i + 1] * c_sb * esize
+                                              : v_bytes + table[0] * c_sb * esize;
+        for (int64_t offset = 0; offset < block_size && t < len; ++offset, ++t) {
+            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + offset * c_ss * esize + b);
+            for (int64_t h = 0; h < NK; ++h) {
+                load_row(block + (offset * c_ss + h * c_sh) * esize, dtype, D, row);
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t j = h * G + g;
+                    float dot = 0.f;
+                    for (int64_t d = 0; d < D; ++d) dot += q[j * D + d] * row[d];
+                    scores[j * max_context + t] = dot;
+                    max_score[j] = dot > max_score[j] ? dot : max_score[j];
+                }
+            }
+        }
+    }
+    exp_scores(scores, max_context, max_score, NQ, len, sum);
+    /* acc[j] = sum_t p[j][t] v_t, normalised on the way out */
+    for (int64_t i = 0, t = 0; i < num_blocks; ++i) {
+        const char* block = v_bytes + table[i] * c_sb * esize;
+        const char* next = v_bytes + table[i + 1 < num_blocks ? i + 1 : i] * c_sb * esize;
+        for (int64_t offset = 0; offset < block_size && t < len; ++offset, ++t) {
+            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + offset * c_ss * esize + b);
+            for (int64_t h = 0; h < NK; ++h) {
+                load_row(block + (offset * c_ss + h * c_sh) * esize, dtype, D, row);
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t j = h * G + g;
+                    const float p = scores[j * max_context + t];
+                    for (int64_t d = 0; d < D; ++d) acc[j * D + d] += p * row[d];
+                }
+            }
+        }
+    }
+    for (int64_t j = 0; j < NQ; ++j) store_row(out_rows + j * o_sh * esize, dtype, D, acc + j * D, 1.f / sum[j]);
+}
+
+/*
+ * The same work item for head dims that are a multiple of 16, TILE tokens at a time: their K (then V) rows are
+ * widened to float32 once into `tile` (L1-resident), then every query head of the item reads them from there. A
+ * head's TILE scores come out of one reduction of TILE partial-sum vectors (a transpose-add tree: about 3
+ * instructions a score instead of a horizontal sum each), and its output accumulates in registers across the tile.
+ */
+#define TILE 16
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16f hadd_pairs(v16f a, v16f b, v16i lo, v16i hi) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+/* r[i] = the sum of p[i]'s 16 lanes, for i < 16 */
+static inline v16f reduce16(const v16f* p) {
+    const v16i lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, hi1 = lo1 + 8;
+    const v16i lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}, hi2 = lo2 + 4;
+    const v16i lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, hi3 = lo3 + 2;
+    const v16i lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}, hi4 = lo4 + 1;
+    v16f b[8], c[4], d[2];
+    for (int i = 0; i < 8; ++i) b[i] = hadd_pairs(p[2 * i], p[2 * i + 1], lo1, hi1);
+    for (int i = 0; i < 4; ++i) c[i] = hadd_pairs(b[2 * i], b[2 * i + 1], lo2, hi2);
+    for (int i = 0; i < 2; ++i) d[i] = hadd_pairs(c[2 * i], c[2 * i + 1], lo3, hi3);
+    return hadd_pairs(d[0], d[1], lo4, hi4);
+}
+
+/* Rows of tokens t0 .. t0 + n - 1 (all NK heads) into tile [TILE, NK * D] as float32; the rows TILE tokens on are
+ * prefetched. */
+static inline __attribute__((always_inline)) void load_tile(
+    const char* base, const int32_t* table, int64_t c_sb, int64_t c_ss, int64_t c_sh, int64_t block_size,
+    int64_t t0, int64_t n, int64_t len, int64_t NK, const int64_t D, const int dtype, float* tile) {
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
+    for (int64_t tt = 0; tt < n; ++tt) {
+        const int64_t t = t0 + tt, ahead = t + TILE;
+        const char* src = base + (table[t / block_size] * c_sb + (t % block_size) * c_ss) * esize;
+        if (ahead < len) {
+            const char* next = base + (table[ahead / block_size] * c_sb + (ahead % block_size) * c_ss) * esize;
+            for (int64_t b = 0; b < NK * c_sh * esize; b += 64) __builtin_prefetch(next + b);
+        }
+        for (int64_t h = 0; h < NK; ++h) load_row(src + h * c_sh * esize, dtype, D, tile + (tt * NK + h) * D);
+    }
+    for (int64_t tt = n; tt < TILE; ++tt) memset(tile + tt * NK * D, 0, sizeof(float) * NK * D);
+}
+
+static inline __attribute__((always_inline)) void attend_tiled(
+    const char* q_rows, int64_t q_sh, const char* k_bytes, const char* v_bytes, int64_t c_sb, int64_t c_ss,
+    int64_t c_sh, const int32_t* table, int64_t len, int64_t block_size, int64_t NK, int64_t G, const int64_t D,
+    const int dtype, float scale, float* scores, int64_t max_context, float* q, float* acc, float* tile,
+    char* out_rows, int64_t o_sh) {
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4, NQ = NK * G, DV = D / 16;
+    float max_score[MAX_HEADS], sum[MAX_HEADS];
+    start_queries(q_rows, q_sh, dtype, D, NQ, scale, q, acc, max_score);
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {  /* scores[j][t] = q_j . k_t */
+        const int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        load_tile(k_bytes, table, c_sb, c_ss, c_sh, block_size, t0, n, len, NK, D, dtype, tile);
+        for (int64_t j = 0; j < NQ; ++j) {
+            const float* qj = q + j * D;
+            const float* rows = tile + (j / G) * D;
+            v16f part[TILE];
+            for (int64_t tt = 0; tt < TILE; ++tt) {
+                const float* r = rows + tt * NK * D;
+                v16f a = load16(qj) * load16(r);
+                for (int64_t c = 1; c < DV; ++c) a += load16(qj + 16 * c) * load16(r + 16 * c);
+                part[tt] = a;
+            }
+            const v16f sc = reduce16(part);
+            float* s = scores + j * max_context + t0;
+            for (int64_t tt = 0; tt < n; ++tt) {
+                s[tt] = sc[tt];
+                max_score[j] = sc[tt] > max_score[j] ? sc[tt] : max_score[j];
+            }
+        }
+    }
+    exp_scores(scores, max_context, max_score, NQ, len, sum);
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {  /* acc[j] = sum_t p[j][t] v_t */
+        const int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        load_tile(v_bytes, table, c_sb, c_ss, c_sh, block_size, t0, n, len, NK, D, dtype, tile);
+        for (int64_t j = 0; j < NQ; ++j) {
+            const float* rows = tile + (j / G) * D;
+            const float* p = scores + j * max_context + t0;
+            v16f a[MAX_HEAD_DIM / 16];
+            for (int64_t c = 0; c < DV; ++c) a[c] = load16(acc + j * D + 16 * c);
+            for (int64_t tt = 0; tt < n; ++tt) {
+                const v16f weight = (v16f){0.f} + p[tt];
+                for (int64_t c = 0; c < DV; ++c) a[c] += weight * load16(rows + tt * NK * D + 16 * c);
+            }
+            for (int64_t c = 0; c < DV; ++c) store16(acc + j * D + 16 * c, a[c]);
+        }
+    }
+    for (int64_t j = 0; j < NQ; ++j) store_row(out_rows + j * o_sh * esize, dtype, D, acc + j * D, 1.f / sum[j]);
+}
+
+/*
+ * Strides are in elements.
+ * query:  [B, H, D] strides (q_sb, q_sh, 1)
+ * k/v:    [num_blocks, block_size, KVH, D] strides (c_sb, c_ss, c_sh, 1), the same for K and V
+ * block_tables: [B, *] int32 with row stride bt_sb; context_lens: [B] int32, each in [1, max_context]
+ * out:    [B, H, D] strides (o_sb, o_sh, 1)
+ * Called inside a parallel region (its work is shared out by `omp for`).
+ */
+static void decode_attention_items(const void* query, int64_t q_sb, int64_t q_sh, const void* k_cache,
+                                   const void* v_cache, int64_t c_sb, int64_t c_ss, int64_t c_sh,
+                                   const int32_t* block_tables, int64_t bt_sb, const int32_t* context_lens, int64_t B,
+                                   int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,
+                                   int64_t max_context, void* out, int64_t o_sb, int64_t o_sh, int dtype,
+                                   int num_threads) {
+    const int64_t G = H / KVH;
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
+    /* A sequence per item when there are enough of them to share out; else one (sequence, KV head) per item. */
+    const int64_t NK = B >= 4 * num_threads && H <= MAX_HEADS ? KVH : 1, items_per_seq = KVH / NK;
+    float* scores = (float*)malloc(sizeof(float) * NK * G * max_context);  /* (NK * G, context) of the item */
+    float* q = (float*)malloc(sizeof(float) * NK * G * D);
+    float* acc = (float*)malloc(sizeof(float) * NK * G * D);
+    float* tile = (float*)malloc(sizeof(float) * TILE * NK * D);
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < B * items_per_seq; ++item) {
+        const int64_t b = item / items_per_seq, kv_begin = (item % items_per_seq) * NK;
+        const char* q_rows = (const char*)query + (b * q_sb + kv_begin * G * q_sh) * esize;
+        const char* k_bytes = (const char*)k_cache + kv_begin * c_sh * esize;
+        const char* v_bytes = (const char*)v_cache + kv_begin * c_sh * esize;
+        char* out_rows = (char*)out + (b * o_sb + kv_begin * G * o_sh) * esize;
+#define ARGS(HEAD_DIM, DTYPE)                                                                                       \
+    q_rows, q_sh, k_bytes, v_bytes, c_sb, c_ss, c_sh, block_tables + b * bt_sb, context_lens[b], block_size, NK, G, \
+        HEAD_DIM, DTYPE, scale, scores, max_context, q, acc
+        if (D == 64 && dtype == DTYPE_BF16) attend_tiled(ARGS(64, DTYPE_BF16), tile, out_rows, o_sh);
+        else if (D == 128 && dtype == DTYPE_BF16) attend_tiled(ARGS(128, DTYPE_BF16), tile, out_rows, o_sh);
+        else if (D == 64) attend_tiled(ARGS(64, DTYPE_F32), tile, out_rows, o_sh);
+        else if (D == 128) attend_tiled(ARGS(128, DTYPE_F32), tile, out_rows, o_sh);
+        else attend_one(ARGS(D, dtype), out_rows, o_sh);
+#undef ARGS
+    }
+    free(scores);
+    free(q);
+    free(acc);
+    free(tile);
+}
+
+void paged_decode_attention(const void* query, int64_t q_sb, int64_t q_sh, const void* k_cache, const void* v_cache,
+                            int64_t c_sb, int64_t c_ss, int64_t c_sh, const int32_t* block_tables, int64_t bt_sb,
+                            const int32_t* context_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                            int64_t block_size, float scale, int64_t max_context, void* out, int64_t o_sb,
+                            int64_t o_sh, int dtype, int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    decode_attention_items(query, q_sb, q_sh, k_cache, v_cache, c_sb, c_ss, c_sh, block_tables, bt_sb, context_lens,
+                           B, H, KVH, D, block_size, scale, max_context, out, o_sb, o_sh, dtype, num_threads);
+}
+
+/*
+ * One layer's attention for a decode-heavy step, after the QKV projection: the rotary embedding applied in place
+ * to the q and k heads of every token's row of qkv [T, (H + 2 KVH) D] (row stride qkv_st), each token's k and v
+ * heads stored in the pool at its slot (negative slots skipped), then the first `num_decodes` tokens attend (as
+ * paged_decode_attention; their query rows are qkv's rows); the rows of `out` past num_decodes are not written. One
+ * parallel region instead of a dozen tensor ops.
+ * cos, sin_signed: [max_len, D] tables in the dtype (sin_signed = [-sin_lo, sin_hi]); positions, slots: [T] int64.
+ * The rotation rounds as the torch twin does: round(round(x cos) + swap(x) sin_signed).
+ */
+void rope_paged_attention(void* qkv, int64_t qkv_st, int64_t T, const int64_t* positions, const void* cos,
+                          const void* sin_signed, const int64_t* slots, void* k_cache, void* v_cache, int64_t c_sb,
+                          int64_t c_ss, int64_t c_sh, int64_t num_decodes, const int32_t* block_tables, int64_t bt_sb,
+                          const int32_t* context_lens, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                          float scale, int64_t max_context, void* out, int64_t o_sb, int64_t o_sh, int dtype,
+                          int num_threads) {
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4, half = D / 2;
+#pragma omp parallel num_threads(num_threads) if (T >= 8 || num_decodes * max_context >= 1024)
+    {
+        float x[MAX_HEAD_DIM], c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], y[MAX_HEAD_DIM];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; ++t) {
+            char* row = (char*)qkv + t * qkv_st * esize;
+            load_row((const char*)cos + positions[t] * D * esize, dtype, D, c);
+            load_row((const char*)sin_signed + positions[t] * D * esize, dtype, D, s);
+            for (int64_t h = 0; h < H + KVH; ++h) {
+                char* head = row + h * D * esize;
+                load_row(head, dtype, D, x);
+                for (int64_t d = 0; d < D; ++d) {
+                    const float swapped = d < half ? x[d + half] : x[d - half];
+                    y[d] = round_to(x[d] * c[d], dtype) + swapped * s[d];
+                }
+                store_row(head, dtype, D, y, 1.f);
+            }
+            if (slots[t] < 0) continue;
+            const int64_t at = (slots[t] / block_size) * c_sb + (slots[t] % block_size) * c_ss;
+            for (int64_t h = 0; h < KVH; ++h) {
+                memcpy((char*)k_cache + (at + h * c_sh) * esize, row + (H + h) * D * esize, D * esize);
+                memcpy((char*)v_cache + (at + h * c_sh) * esize, row + (H + KVH + h) * D * esize, D * esize);
+            }
+        }
+        if (num_decodes > 0)
+            decode_attention_items(qkv, qkv_st, D, k_cache, v_cache, c_sb, c_ss, c_sh, block_tables, bt_sb,
+                                   context_lens, num_decodes, H, KVH, D, block_size, scale, max_context, out, o_sb,
+                                   o_sh, dtype, num_threads);
+    }
+}
+
+int max_group(void) { return MAX_GROUP; }
+int max_head_dim(void) { return MAX_HEAD_DIM; }

@@ -1,0 +1,105 @@
+/*
+ * What the CPU kernels share: dtype codes, the limits each kernel exports, row loads and stores with bf16
+ * rounding, vector helpers, and the exported functions that other kernels call (decode_stack calls them all).
+ *
+ * Every kernel is a C twin of a torch operation (same inputs, same result within float rounding);
+ * backend/kernels/cpu_kernels.py compiles the files of this folder into one shared library at first use
+ * (-O3 -march=native -ffast-math) and loads it with ctypes. Work is spread over torch's own OpenMP threads: the
+ * library's libgomp.so.1 resolves to the copy torch loaded. Arithmetic is float32; bf16 inputs are widened on load
+ * and outputs rounded to nearest even, as torch does.
+ */
+#ifndef CPU_KERNELS_COMMON_H
+#define CPU_KERNELS_COMMON_H
+
+#include <float.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_GROUP 16        /* query heads per KV head (attention) */
+#define MAX_HEADS 64        /* query heads one attention work item may hold (a whole sequence) */
+#define MAX_HEAD_DIM 256    /* attention */
+#define MAX_ROW 16384       /* hidden size (rms_norm) */
+#define LINEAR_MAX_T 64     /* rows of x (linear_small, and so decode_stack) */
+#define LINEAR_MAX_K 16384  /* columns of x (linear_small, linear_amx) */
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline void load_row(const void* src, int dtype, int64_t n, float* dst) {
+    if (dtype == DTYPE_BF16) {
+        const uint16_t* p = (const uint16_t*)src;
+        for (int64_t i = 0; i < n; ++i) {
+            union { uint32_t u; float f; } v = {.u = (uint32_t)p[i] << 16};  /* bf16 is a truncated float32 */
+            dst[i] = v.f;
+        }
+    } else {
+        const float* p = (const float*)src;
+        for (int64_t i = 0; i < n; ++i) dst[i] = p[i];
+    }
+}
+
+static inline float round_to(float f, int dtype) {  /* the value the dtype would hold */
+    if (dtype != DTYPE_BF16) return f;
+    union { uint32_t u; float f; } v = {.f = f};
+    v.u = (v.u + 0x7FFFu + ((v.u >> 16) & 1u)) & 0xFFFF0000u;
+    return v.f;
+}
+
+static inline void store_row(void* dst, int dtype, int64_t n, const float* src, float factor) {
+    if (dtype == DTYPE_BF16) {
+        uint16_t* p = (uint16_t*)dst;
+        for (int64_t i = 0; i < n; ++i) {
+            union { uint32_t u; float f; } v = {.f = src[i] * factor};
+            p[i] = (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);  /* round to nearest even, as torch */
+        }
+    } else {
+        float* p = (float*)dst;
+        for (int64_t i = 0; i < n; ++i) p[i] = src[i] * factor;
+    }
+}
+
+typedef float v16f __attribute__((vector_size(64)));
+
+static inline v16f load16(const float* p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float* p, v16f v) { memcpy(p, &v, sizeof v); }
+
+#if defined(__AVX512F__)
+/* e^e for 16 e in [-127, 0]: e = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so that n ln2 is exact), e^r by
+ * its Taylor series to r^7 (truncation below 1e-8 relative), scaled by 2^n. Within 0.9 ulp of e^e over [-87, 0], at a
+ * third of libmvec's cost here. */
+static inline __m512 exp16(__m512 e) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(e, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), e);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* The exported kernels other files call. */
+void rope_paged_attention(void* qkv, int64_t qkv_st, int64_t T, const int64_t* positions, const void* cos,
+                          const void* sin_signed, const int64_t* slots, void* k_cache, void* v_cache, int64_t c_sb,
+                          int64_t c_ss, int64_t c_sh, int64_t num_decodes, const int32_t* block_tables, int64_t bt_sb,
+                          const int32_t* context_lens, int64_t H, int64_t KVH, int64_t D, int64_t block_size,
+                          float scale, int64_t max_context, void* out, int64_t o_sb, int64_t o_sh, int dtype,
+                          int num_threads);
+void rms_norm(const void* x, int64_t x_st, const void* weight, void* out, int64_t T, int64_t D, float eps, int dtype,
+              int num_threads);
+int linear_small(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
+                 int op, const void* other, int64_t other_st, void* y, int num_threads);
+int linear_amx(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
+               int op, const void* other, int64_t other_st, void* y, int num_threads);
+
+#endif

@@ -1,0 +1,145 @@
+#include "common.h"
+
+/*
+ * linear_amx: y = op(x W^T + b) for any number of rows T, on AMX tiles (Sapphire Rapids and later), for the decode
+ * steps linear_small is slower at (backend/engine/cpu_fast_path.py decides which rows). The weight is packed once
+ * (pack_linear_weight_amx) into the tiles' pair-interleaved layout, [N/16][K/32][16 pairs of k][16 n][2], so each
+ * 16 x 32 block of W is one contiguous 1 KB tile load. A thread takes 32 outputs (two panels of W) at a time and runs
+ * every 32-row group of x past them: four 16 x 16 float32 accumulator tiles, so that each x tile and each W tile is
+ * loaded once per two multiplies.
+ * The bias, the elementwise op and the rounding to bf16 are applied 16 floats at a time on the way out, as oneDNN's
+ * fused post-ops do (float32 sum, one rounding).
+ * Returns -1 where this build or this kernel cannot run it (no AMX, N % 32, K % 32, K too large).
+ */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define LINEAR_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux hands a process the AMX register state only once asked (the first ask may come from oneDNN, or from here). */
+static int amx_permitted(void) {
+    static int state = 0;  /* 0: not asked yet, 1: granted, -1: refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+static inline __m512 widen16_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+/* Rows [t0, t0 + rows) x columns [j0, j0 + 16) of the output from the float32 sums in acc (16 floats a row). */
+static inline void amx_epilogue(const float* acc, int64_t t0, int64_t rows, int64_t j0, int64_t N, const uint16_t* b,
+                                int op, const uint16_t* other, int64_t other_st, uint16_t* out) {
+    const __m512 bias = b ? widen16_bf16(b + j0) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = t0 + r;
+        __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), bias);
+        if (op == 1) {  /* silu: v / (1 + e^-v), the exponent kept where exp16 is exact */
+            const __m512 e = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), v),
+                                                         _mm512_set1_ps(-127.f)), _mm512_set1_ps(88.f));
+            v = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(e)));
+        } else if (op == 2) {
+            v = _mm512_mul_ps(v, widen16_bf16(other + t * other_st + j0));
+        } else if (op == 3) {
+            v = _mm512_add_ps(v, widen16_bf16(other + t * other_st + j0));
+        }
+        _mm256_storeu_si256((__m256i*)(out + t * N + j0), (__m256i)_mm512_cvtneps_pbh(v));  /* nearest even */
+    }
+}
+#endif
+
+int linear_amx_available(void) {
+#if defined(LINEAR_AMX)
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+void pack_linear_weight_amx(const void* weight, int64_t N, int64_t K, void* packed) {
+    const uint16_t* w = (const uint16_t*)weight;
+    uint16_t* p = (uint16_t*)packed;
+    for (int64_t nb = 0; nb < N / 16; ++nb)
+        for (int64_t kb = 0; kb < K / 32; ++kb)
+            for (int64_t kp = 0; kp < 16; ++kp)
+                for (int64_t n = 0; n < 16; ++n)
+                    for (int64_t e = 0; e < 2; ++e)
+                        *p++ = w[(nb * 16 + n) * K + kb * 32 + 2 * kp + e];
+}
+
+int linear_amx(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
+               int op, const void* other, int64_t other_st, void* y, int num_threads) {
+#if defined(LINEAR_AMX)
+    if (T < 1 || N % 32 != 0 || K % 32 != 0 || K > LINEAR_MAX_K || !amx_permitted()) return -1;
+    /* x as the tiles read it: 32-row groups, so a T that is not a multiple of 32 is padded with zero rows */
+    const int64_t Tp = (T + 31) / 32 * 32;
+    uint16_t* padded = NULL;
+    const uint16_t* xa = (const uint16_t*)x;
+    int64_t xs = x_st;
+    if (Tp != T) {
+        padded = (uint16_t*)calloc((size_t)(Tp * K), sizeof(uint16_t));
+        if (padded == NULL) return -1;
+        for (int64_t t = 0; t < T; ++t) memcpy(padded + t * K, xa + t * x_st, sizeof(uint16_t) * K);
+        xa = padded;
+        xs = K;
+    }
+    const uint16_t* w = (const uint16_t*)weight;
+    const int64_t KB = K / 32, stride = xs * (int64_t)sizeof(uint16_t);
+#pragma omp parallel num_threads(num_threads) if (N * K >= 65536)
+    {
+        tile_config cfg = {0};
+        cfg.palette = 1;
+        for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }  /* 0-3 sums, 4-5 W, 6-7 x */
+        _tile_loadconfig(&cfg);
+        float acc[4][16 * 16];
+#pragma omp for schedule(static)
+        for (int64_t np = 0; np < N / 32; ++np) {  /* 32 outputs: two panels of W */
+            const uint16_t* panel = w + 2 * np * KB * 512;  /* panel nb: one 1 KB tile per 32 of K */
+            for (int64_t m0 = 0; m0 < Tp; m0 += 32) {
+                const char* a = (const char*)(xa + m0 * xs);
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t kb = 0; kb < KB; ++kb) {
+                    const uint16_t* b0 = panel + kb * 512;
+                    if (m0 == 0)  /* the next pair's tiles, on their way in */
+                        for (int l = 0; l < 32; ++l) __builtin_prefetch(b0 + 2 * KB * 512 + 32 * l, 0, 3);
+                    _tile_loadd(4, b0, 64);
+                    _tile_loadd(5, b0 + KB * 512, 64);
+                    _tile_loadd(6, a + kb * 64, stride);
+                    _tile_loadd(7, a + kb * 64 + 16 * stride, stride);
+                    _tile_dpbf16ps(0, 6, 4);
+                    _tile_dpbf16ps(1, 6, 5);
+                    _tile_dpbf16ps(2, 7, 4);
+                    _tile_dpbf16ps(3, 7, 5);
+                }
+                _tile_stored(0, acc[0], 64);
+                _tile_stored(1, acc[1], 64);
+                _tile_stored(2, acc[2], 64);
+                _tile_stored(3, acc[3], 64);
+                for (int q = 0; q < 4; ++q) {  /* q: rows m0 + 16 (q / 2), outputs 32 np + 16 (q % 2) */
+                    const int64_t t0 = m0 + 16 * (q / 2), rows = T - t0 < 16 ? T - t0 : 16;
+                    if (rows > 0)
+                        amx_epilogue(acc[q], t0, rows, 32 * np + 16 * (q % 2), N, (const uint16_t*)bias, op,
+                                     (const uint16_t*)other, other_st, (uint16_t*)y);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(padded);
+    return 0;
+#else
+    (void)x; (void)x_st; (void)weight; (void)bias; (void)T; (void)K; (void)N; (void)op; (void)other; (void)other_st;
+    (void)y; (void)num_threads;
+    return -1;
+#endif
+}

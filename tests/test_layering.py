@@ -1,0 +1,79 @@
+"""Imports point down the layers only (CONVENTIONS.md, rule 11): kernels <- engine <- Triton glue <- tools and load
+tests. Read from the source with ``ast`` (every import, function-level ones included), so nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Each layer: the folders (relative to the repository) whose files belong to it, and the module prefixes that name it.
+LAYERS = [
+    ("kernels", ("backend/kernels",), ("backend.kernels",)),
+    ("engine", ("backend/engine",), ("backend.engine",)),
+    ("Triton glue", ("backend/triton", "model_repository"), ("backend.triton", "model_repository")),
+    ("tools and load tests", ("backend/tools", "loadtest", "client"), ("backend.tools", "loadtest", "client")),
+]
+
+
+def layer_of_file(path: Path) -> int | None:
+    relative = path.relative_to(ROOT).as_posix()
+    return next((i for i, (_, folders, _) in enumerate(LAYERS) if relative.startswith(folders)), None)
+
+
+def layer_of_module(name: str) -> int | None:
+    return next((i for i, (_, _, prefixes) in enumerate(LAYERS)
+                 if any(name == p or name.startswith(p + ".") for p in prefixes)), None)
+
+
+def imported_modules(path: Path, root: Path = ROOT) -> list[tuple[int, str]]:
+    """(line, module) for every import in the file, relative imports resolved against its package."""
+    package = path.relative_to(root).with_suffix("").parts[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            # `from backend import kernels` names a module too
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
+    return found
+
+
+def project_files() -> list[Path]:
+    files = [p for _, folders, _ in LAYERS for folder in folders for p in (ROOT / folder).rglob("*.py")]
+    return sorted(p for p in files if "__pycache__" not in p.parts)
+
+
+def test_imports_point_down_the_layers_only():
+    files = project_files()
+    assert len(files) > 40 and all(layer_of_file(p) is not None for p in files)
+    upward = []
+    for path in files:
+        own = layer_of_file(path)
+        for line, module in imported_modules(path):
+            target = layer_of_module(module)
+            if target is not None and target > own:
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({LAYERS[own][0]}) imports {module} "
+                              f"({LAYERS[target][0]})")
+    assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
+
+
+def test_the_kernels_import_nothing_of_the_engine():
+    """The strictest case, spelled out: a kernel is a tensor operation and knows no engine type."""
+    kernel_files = [p for p in project_files() if layer_of_file(p) == 0]
+    assert kernel_files
+    for path in kernel_files:
+        assert not [m for _, m in imported_modules(path) if m.startswith(("backend.engine", "backend.triton"))], path
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """The reader resolves absolute, ``from package import module`` and relative imports."""
+    kernel = tmp_path / "backend" / "kernels" / "probe.py"
+    kernel.parent.mkdir(parents=True)
+    kernel.write_text("from backend import engine\nfrom ..engine import model\nimport backend.triton.serve\n")
+    modules = [m for _, m in imported_modules(kernel, root=tmp_path)]
+    assert modules == ["backend.engine", "backend.engine.model", "backend.triton.serve"]
+    assert [layer_of_module(m) for m in modules] == [1, 1, 2]
