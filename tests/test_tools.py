@@ -7,6 +7,7 @@ the commands. Runs on the tiny random Llama (SmolLM2's tokenizer) so that length
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import threading
@@ -21,8 +22,12 @@ from loadtest.metrics import scrape_metrics
 from tests.server_harness import REPO_ROOT, make_repository
 
 pytestmark = pytest.mark.server
-MODELS = ("llm_dynamic", "llm_continuous")
-BATCHED = {"llm_dynamic": True, "llm_continuous": False}
+MODELS = ("llm_static", "llm_dynamic", "llm_iterative", "llm_continuous")
+BATCHED = {"llm_static": True, "llm_dynamic": True, "llm_iterative": True, "llm_continuous": False}
+# perf_analyzer sends every request to a sequence-batched model (llm_iterative) as a sequence of its own: a
+# correlation id (counting from 1, --sequence-id-range) with the START and END flags.
+SEQUENCE_MODELS = {"llm_iterative"}
+_sequence_ids = itertools.count(1)
 OUTPUTS = ("finish_reason", "num_input_tokens", "num_output_tokens", "output_ids", "text_output")
 PROMPT = " heavy bier NURSE O Tybalt Tybalt the best friend I had O courteous Tybalt honest gentleman"
 AIPERF = REPO_ROOT / ".venv-aiperf" / "bin" / "aiperf"
@@ -30,7 +35,7 @@ AIPERF = REPO_ROOT / ".venv-aiperf" / "bin" / "aiperf"
 
 @pytest.fixture(scope="module")
 def server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
-    repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository")
+    repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository", models=MODELS)
     return triton_server_factory.start(repo, model=tiny_llama_dir)
 
 
@@ -39,7 +44,8 @@ def server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
 
 def stream_infer(server, model: str, tensors: list[tuple[str, str, list]]) -> dict:
     """One request on a gRPC stream as perf_analyzer sends it: ``tensors`` are (name, datatype, values) with the
-    model's batch dimension added, all five outputs requested, empty final response on. Returns what came back."""
+    model's batch dimension added, all five outputs requested, empty final response on, and to a sequence-batched
+    model a sequence of its own (a correlation id, START and END). Returns what came back."""
     lead = (1,) if BATCHED[model] else ()
     dtypes = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32}
     inputs = []
@@ -65,8 +71,11 @@ def stream_infer(server, model: str, tensors: list[tuple[str, str, list]]) -> di
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         client.start_stream(callback=callback)
+        sequence = {}
+        if model in SEQUENCE_MODELS:
+            sequence = {"sequence_id": next(_sequence_ids), "sequence_start": True, "sequence_end": True}
         client.async_stream_infer(model, inputs, outputs=[grpcclient.InferRequestedOutput(n) for n in OUTPUTS],
-                                  request_id="0", enable_empty_final_response=True)
+                                  request_id="0", enable_empty_final_response=True, **sequence)
         assert done.wait(120), f"{model}: no final response"
     finally:
         client.stop_stream()
@@ -116,6 +125,34 @@ def test_genai_perf_kserve_gets_exactly_the_deterministic_lengths(server, model,
         assert len(got["responses"]) == max_tokens  # streaming: one response per token
     plain = stream_infer(server, model, backend(9, deterministic=False))
     assert 1 <= len(plain["output_ids"]) <= 9 and plain["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.timeout(300)
+def test_perf_analyzers_sequences_are_served_side_by_side_on_llm_iterative(server):
+    """genai-perf --concurrency 4 against llm_iterative: four streams, each request a sequence of its own (START and
+    END). Each gets exactly its length, the relayed requests share forward steps as any others do, and nothing stays
+    open afterwards."""
+    model = "llm_iterative"
+    before = scrape_metrics(server.metrics_url)
+    results: dict[int, dict] = {}
+
+    def stream(i: int) -> None:
+        results[i] = stream_infer(server, model, genai_perf_vllm(12 + i, deterministic=True))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert sorted(results) == [0, 1, 2, 3]
+    for i, got in results.items():
+        assert len(got["output_ids"]) == got["num_output_tokens"] == 12 + i and got["finish_reason"] == "length"
+    after = scrape_metrics(server.metrics_url)
+    steps = {f"{k}": after[k] - before.get(k, 0.0) for k in after if k.startswith(f'llm_batch_size_') and model in k}
+    batched = steps[f'llm_batch_size_sum{{model="{model}"}}'] / steps[f'llm_batch_size_count{{model="{model}"}}']
+    assert batched > 1.5, f"the relayed requests ran one at a time: {batched:.2f} sequences per step"
+    assert after[f'llm_kv_blocks_used{{model="{model}"}}'] == 0
+    assert after[f'llm_num_requests_running{{model="{model}"}}'] == 0
 
 
 @pytest.mark.timeout(300)

@@ -12,6 +12,8 @@ from backend.engine.openmp import set_wait_policy
 
 set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
 
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
 from backend.engine.batching import EngineLoop  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.triton.responses import CancellationPoll  # noqa: E402

@@ -6,6 +6,10 @@ one engine step over exactly those and sends what it made; execute() hands the u
 RELEASE_RESCHEDULE. Their KV blocks stay in the paged cache between iterations. What every model shares (parsing,
 the one place that sends, metrics, refusals, the shutdown notice) is ``ServedModel``.
 
+A request that ends its client's own sequence (a correlation id with START and END: what perf_analyzer and
+genai-perf send to a sequence model) cannot be handed back in Triton 2.51; ``SequenceRelay`` serves it through a copy
+without the sequence, which Triton batches like any other.
+
 NOTE: Triton 2.51 never hands back a request whose client cancelled while it waited to be rescheduled, so a
 timer ends the requests not seen for max_sequence_idle_microseconds and frees their KV blocks, sending nothing:
 a response sent for a request Triton has let go of crashes tritonserver (Signal 11 in TRITONBACKEND_ResponseSend).
@@ -18,9 +22,12 @@ from backend.engine.openmp import set_wait_policy
 
 set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
 
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
 from backend.engine.batching import IterationDriver  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.triton.model_config import sequence_idle_seconds  # noqa: E402
+from backend.triton.sequence_relay import SequenceRelay  # noqa: E402
 from backend.triton.served_model import ServedModel  # noqa: E402
 
 
@@ -34,6 +41,7 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         self.gap = self.metrics.iteration_gap()
         self.released_at = None  # when the last execute() that handed requests back returned
         self.stopping = threading.Event()
+        self.relay = SequenceRelay(pb_utils, self.name)
         threading.Thread(target=self._reaper, args=(reap_after,), name="reaper", daemon=True).start()
         return engine
 
@@ -41,6 +49,10 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         started = time.perf_counter()
         handed = {}  # engine request id -> this iteration's Triton request
         for request in requests:
+            if self.relay.ends_client_sequence(request):
+                self.relay.forward(request)
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
+                continue
             correlation_id = int(pb_utils.get_input_tensor_by_name(request, "CORRID").as_numpy().item())
             if pb_utils.get_input_tensor_by_name(request, "START").as_numpy().item():
                 request_id = self.admit(request, started, self.driver.add)
@@ -78,4 +90,5 @@ class TritonPythonModel(ServedModel, batching="iterative"):
 
     def finalize(self):
         self.stopping.set()
+        self.relay.join(timeout=5.0)
         super().finalize()

@@ -1,0 +1,107 @@
+"""Requests that end a client's own sequence, served by the iterative model through a copy without the sequence.
+
+perf_analyzer (and genai-perf, which drives it) sends every request to a sequence-batched model as a sequence of its
+own: a correlation id with the START and END flags. Triton 2.51's iterative sequence batcher closes such a sequence
+when it schedules the request, so the model cannot hand it back for its next iteration: the rescheduled request is
+refused ("must specify the START flag on the first request of the sequence") and its client never gets an answer.
+
+:class:`SequenceRelay` serves such a request through a copy of itself that carries no sequence (the same inputs and
+outputs, sent to the same model over BLS) and a sequence of the relay's own: START alone, with a correlation id from
+the top half of the 64-bit range. Not Triton's own numbering (the one it gives requests without an id counts from 1,
+as clients' ids do): releasing the client's request ends the client's id once more, which would end a copy that had
+the same number. The iterative batcher then decides the copy's batch at every step like any other's; every response
+of the copy goes back to the client's stream, and its final flag ends the client's request. A relayed request costs
+one more hop per response inside the server; requests without sequence flags are not relayed.
+
+NOTE: releasing the client's request makes Triton 2.51 log "sequence_utils.cc ... must specify the START flag" once
+(it closes the sequence again with a request of its own, which it has already closed); nothing is lost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+
+# The sequence controls of config.pbtxt (control_input): what the relayed copy must not carry.
+CONTROL_INPUTS = ("CORRID", "START", "END")
+# The copies' correlation ids: far from the ids clients and Triton's own numbering use (both count from 1).
+FIRST_RELAY_ID = 1 << 63
+
+log = logging.getLogger(__name__)
+
+
+def flag(pb_utils, request, name: str) -> bool:
+    """A boolean sequence control of ``request`` (absent: false)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return tensor is not None and bool(tensor.as_numpy().item())
+
+
+class SequenceRelay:
+    """Serves requests whose client sequence ends with them through a flagless copy sent to ``model_name``."""
+
+    def __init__(self, pb_utils, model_name: str) -> None:
+        self.pb_utils = pb_utils
+        self.model_name = model_name
+        self._ids = itertools.count(FIRST_RELAY_ID)
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+
+    def ends_client_sequence(self, request) -> bool:
+        """True for a request that carries its client's END flag: Triton cannot reschedule it."""
+        return flag(self.pb_utils, request, "END")
+
+    def forward(self, request) -> None:
+        """Send the copy now and pass its responses to ``request``'s sender on a thread of its own; the caller
+        releases ``request`` (RELEASE_ALL) as execute() returns."""
+        pb = self.pb_utils
+        sender = request.get_response_sender()
+        inputs = [tensor for tensor in request.inputs() if tensor.name() not in CONTROL_INPUTS]
+        copy = pb.InferenceRequest(model_name=self.model_name, inputs=inputs,
+                                   requested_output_names=sorted(request.requested_output_names()),
+                                   correlation_id=next(self._ids), flags=pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
+        thread = threading.Thread(target=self._pass_on, args=(copy, sender), name="sequence-relay", daemon=True)
+        with self._lock:
+            self._threads.add(thread)
+        thread.start()
+
+    def _pass_on(self, copy, sender) -> None:
+        pb = self.pb_utils
+        final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        try:
+            responses = copy.exec(decoupled=True)
+            for response in responses:
+                if sender.is_cancelled():
+                    cancel = getattr(responses, "cancel", None)  # BLS cancellation, where the backend has it
+                    if cancel is not None:
+                        cancel()
+                    sender.send(pb.InferenceResponse(error=pb.TritonError("the request was cancelled")), flags=final)
+                    for _ in responses:  # the copy runs to its end; nothing more reaches the client
+                        pass
+                    return
+                if response.has_error():
+                    sender.send(pb.InferenceResponse(error=response.error()), flags=final)
+                    for _ in responses:
+                        pass
+                    return
+                outputs = response.output_tensors()
+                if outputs:
+                    sender.send(pb.InferenceResponse(output_tensors=outputs))
+            sender.send(flags=final)
+        except Exception as exc:  # noqa: BLE001: the client must get its final response whatever failed here
+            log.exception("relaying a sequence request failed")
+            try:
+                sender.send(pb.InferenceResponse(error=pb.TritonError(f"relaying the request failed: {exc}")),
+                            flags=final)
+            except Exception:  # noqa: BLE001: the sender is gone (final already sent, or the server stopping)
+                pass
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the relays in flight (finalize)."""
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(timeout)
