@@ -20,9 +20,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Model
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from frontend.openai.chat_template import ChatTemplate
@@ -73,10 +73,6 @@ def create_app(settings: Settings) -> FastAPI:
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def on_invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return await on_api_error(request, validation_error(exc))
-
     @app.exception_handler(HTTPException)
     async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -126,13 +122,13 @@ def create_app(settings: Settings) -> FastAPI:
         return Response(whole.model_dump_json(exclude_unset=True), media_type="application/json")
 
     @app.post("/v1/completions", dependencies=v1)
-    async def completions(request: CompletionRequest) -> Response:
-        request.check_supported()
+    async def completions(raw: Request) -> Response:
+        request = parse_body(CompletionRequest, await raw.body())
         return await answer("completion", request, request.prompt_text())
 
     @app.post("/v1/chat/completions", dependencies=v1)
-    async def chat_completions(request: ChatCompletionRequest) -> Response:
-        request.check_supported()
+    async def chat_completions(raw: Request) -> Response:
+        request = parse_body(ChatCompletionRequest, await raw.body())
         return await answer("chat", request, template.render(request.messages))
 
     return app
@@ -142,15 +138,30 @@ def model_card(name: str, created: int) -> dict:
     return Model(id=name, object="model", created=created, owned_by=OWNED_BY).model_dump(exclude_unset=True)
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """The first thing wrong with the body, named as OpenAI names it (``param``: the field's path)."""
-    first = exc.errors()[0]
-    where = [str(part) for part in first.get("loc", ()) if part != "body"]
+def parse_body(kind: type[SamplingRequest], body: bytes) -> SamplingRequest:
+    """The request in ``body`` (JSON, whatever the Content-Type says, as OpenAI reads it), checked for what the
+    engine cannot honour."""
+    try:
+        request = kind.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+    request.check_supported()
+    return request
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """What is wrong with the body, named as OpenAI names it (``param``: the field's path). Of a union's errors
+    (one per member), the deepest: the member the client most likely meant."""
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    where = [str(part) for part in first.get("loc", ()) if not _is_union_member(part)]
     param = ".".join(where) or None
     if first.get("type") == "extra_forbidden":
         return bad_request(f"Unrecognized request argument supplied: {param}", param, "unsupported_parameter")
     if first.get("type") == "json_invalid":
         return bad_request(f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}")
-    if first.get("type") == "missing" and not where:
-        return bad_request("the body must be a JSON object")
     return bad_request(f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param)
+
+
+def _is_union_member(part) -> bool:
+    """pydantic names a union's member in the error's location ("str", "list[TextPart]"): not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list") or "[" in part)

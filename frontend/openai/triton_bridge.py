@@ -50,7 +50,7 @@ def api_error(message: str, prompt_param: str) -> APIError:
     if any(text in message for text in CONTEXT_EXCEEDED) or message.startswith("text_input is"):
         param = "max_tokens" if message.startswith("max_tokens") or "lower max_tokens" in message else prompt_param
         return bad_request(message, param, "context_length_exceeded")
-    return bad_request(message)
+    return bad_request(message, "stop" if "stop string" in message else None)
 
 
 def unreachable(url: str, exc: BaseException) -> APIError:
