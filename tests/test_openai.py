@@ -168,22 +168,22 @@ def test_the_stream_is_server_sent_events_as_openai_sends_them(frontend):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", ["llm_continuous", "llm_dynamic"])
 def test_stop_strings_end_the_text_before_them(sdk, model):
-    kwargs = dict(model=model, prompt="Once upon a time", max_tokens=40, extra_body={"ignore_eos": True}, **GREEDY)
-    text = sdk.completions.create(**kwargs).choices[0].text
+    # NOTE: seeded sampling, not greedy: the random model's greedy text repeats one word (or newlines).
+    sampled = dict(model=model, max_tokens=40, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    text = sdk.completions.create(prompt="Once upon a time", **sampled).choices[0].text
     words = text.split()
     assert len(words) > 6, text
-    stop = words[5]
+    stop = words[len(words) // 2]
     expected = text[:text.find(stop)]
     for stop_value in (stop, [stop, "never appears"]):
-        cut = sdk.completions.create(**kwargs, stop=stop_value).choices[0]
+        cut = sdk.completions.create(prompt="Once upon a time", stop=stop_value, **sampled).choices[0]
         assert (cut.text, cut.finish_reason) == (expected, "stop")
-    streamed = list(sdk.completions.create(**kwargs, stop=[stop], stream=True))
+    streamed = list(sdk.completions.create(prompt="Once upon a time", stop=[stop], stream=True, **sampled))
     assert "".join(c.choices[0].text for c in streamed) == expected and streamed[-1].choices[0].finish_reason == "stop"
-    chat = sdk.chat.completions.create(model=model, messages=MESSAGES, max_tokens=30, extra_body={"ignore_eos": True},
-                                       **GREEDY).choices[0].message.content
-    chat_stop = chat.split()[3]
-    cut = sdk.chat.completions.create(model=model, messages=MESSAGES, max_tokens=30, stop=chat_stop,
-                                      extra_body={"ignore_eos": True}, **GREEDY).choices[0]
+
+    chat = sdk.chat.completions.create(messages=MESSAGES, **sampled).choices[0].message.content
+    chat_stop = chat.split()[len(chat.split()) // 2]
+    cut = sdk.chat.completions.create(messages=MESSAGES, stop=chat_stop, **sampled).choices[0]
     assert (cut.message.content, cut.finish_reason) == (chat[:chat.find(chat_stop)], "stop")
 
 

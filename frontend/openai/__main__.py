@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 import uvicorn
@@ -50,6 +51,10 @@ def main(argv=None) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     server = uvicorn.Server(config)
+    # NOTE: uvicorn handles SIGTERM and SIGINT while it serves, then raises the signal again under the handlers it
+    # found; with these, a stop it handled ends in exit status 0 rather than death by the signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
     return 0 if server.started else 1
 
