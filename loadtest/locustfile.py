@@ -377,30 +377,41 @@ class HttpStreamUser(StreamingLLMUser):
     def on_stop(self) -> None:
         self.session.close()
 
+    def url(self) -> str:
+        return f"{self.host.rstrip('/')}/v2/models/{self.model}/generate_stream"
+
+    def body(self, request: GenerationRequest) -> dict:
+        return {name: values[0] for name, values in request.input_values().items()}
+
+    def chunk(self, event: dict, time_s: float) -> Chunk:
+        return parse_chunk(event.get, time_s)
+
+    def error_text(self, body: str) -> str:
+        return _error_text(body)
+
     def stream(self, request: GenerationRequest, t0: float):
-        url = f"{self.host.rstrip('/')}/v2/models/{self.model}/generate_stream"
-        body = {name: values[0] for name, values in request.input_values().items()}
         deadline = t0 + self.options.request_timeout
         try:
-            with self.session.post(url, json=body, stream=True, timeout=(5, self.options.request_timeout)) as r:
+            with self.session.post(self.url(), json=self.body(request), stream=True,
+                                   timeout=(5, self.options.request_timeout)) as r:
                 if r.status_code != 200:
-                    raise StreamError(f"error: HTTP {r.status_code}: {_error_text(r.text)}")
+                    raise StreamError(f"error: HTTP {r.status_code}: {self.error_text(r.text)}")
                 # chunk_size=None: each chunk as the server flushed it, so arrival times are the events' own.
                 for line in r.iter_lines(chunk_size=None):
-                    if not line.startswith(b"data:"):
+                    if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                         continue
                     t = time.perf_counter()
                     event = json.loads(line[5:])
                     if "error" in event:
-                        raise StreamError(f"error: {event['error']}")
-                    yield parse_chunk(event.get, t - t0)
+                        raise StreamError(f"error: {self.error_text(json.dumps(event))}")
+                    yield self.chunk(event, t - t0)
                     if t > deadline:
                         raise StreamError("timeout: stream still running after --request-timeout")
         except requests.RequestException as exc:
             raise StreamError(f"{type(exc).__name__}: {exc}") from None
 
 
-class OpenAIStreamUser(StreamingLLMUser):
+class OpenAIStreamUser(HttpStreamUser):
     """The OpenAI-compatible frontend (frontend/openai/): POST /v1/completions with ``stream``, one SSE event per
     token, the usage chunk at the end; vLLM's ``ignore_eos`` as the other users send it."""
 
@@ -409,57 +420,34 @@ class OpenAIStreamUser(StreamingLLMUser):
     # stands for one token, also one whose text is still held back (part of a character).
     ONE_TOKEN = (0,)
 
-    def on_start(self) -> None:
-        self.session = requests.Session()
-        super().on_start()
+    def url(self) -> str:
+        return f"{(self.options.openai_url or _default_openai_url(self.host)).rstrip('/')}/v1/completions"
 
-    def on_stop(self) -> None:
-        self.session.close()
-
-    def stream(self, request: GenerationRequest, t0: float):
-        url = f"{(self.options.openai_url or _default_openai_url(self.host)).rstrip('/')}/v1/completions"
-        body = {"model": self.model, "prompt": request.text_input, "max_tokens": request.max_tokens,
+    def body(self, request: GenerationRequest) -> dict:
+        return {"model": self.model, "prompt": request.text_input, "max_tokens": request.max_tokens,
                 "temperature": request.temperature, "seed": request.seed, "ignore_eos": request.ignore_eos,
                 "stream": True, "stream_options": {"include_usage": True}}
-        deadline = t0 + self.options.request_timeout
+
+    def chunk(self, event: dict, time_s: float) -> Chunk:
+        """A content chunk as one token; the finish chunk and the usage chunk as no token, with what they tell."""
+        choice = event["choices"][0] if event["choices"] else {}
+        usage = event.get("usage") or {}
+        content = "finish_reason" in choice and choice["finish_reason"] is None
+        return Chunk(
+            text=choice.get("text") or "",
+            output_ids=self.ONE_TOKEN if content else (),
+            finish_reason=choice.get("finish_reason"),
+            num_input_tokens=usage.get("prompt_tokens"),
+            num_output_tokens=usage.get("completion_tokens"),
+            time_s=time_s,
+        )
+
+    def error_text(self, body: str) -> str:
+        """OpenAI's error body: keep just the message."""
         try:
-            with self.session.post(url, json=body, stream=True, timeout=(5, self.options.request_timeout)) as r:
-                if r.status_code != 200:
-                    raise StreamError(f"error: HTTP {r.status_code}: {_openai_error(r.text)}")
-                for line in r.iter_lines(chunk_size=None):
-                    if not line.startswith(b"data: {"):
-                        continue
-                    t = time.perf_counter()
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise StreamError(f"error: {event['error'].get('message')}")
-                    yield _openai_chunk(event, t - t0, self.ONE_TOKEN)
-                    if t > deadline:
-                        raise StreamError("timeout: stream still running after --request-timeout")
-        except requests.RequestException as exc:
-            raise StreamError(f"{type(exc).__name__}: {exc}") from None
-
-
-def _openai_chunk(event: dict, time_s: float, one_token: tuple[int, ...]) -> Chunk:
-    """A content chunk as one token; the finish chunk and the usage chunk as no token, with what they tell."""
-    choice = event["choices"][0] if event["choices"] else {}
-    usage = event.get("usage") or {}
-    content = "finish_reason" in choice and choice["finish_reason"] is None
-    return Chunk(
-        text=choice.get("text") or "",
-        output_ids=one_token if content else (),
-        finish_reason=choice.get("finish_reason"),
-        num_input_tokens=usage.get("prompt_tokens"),
-        num_output_tokens=usage.get("completion_tokens"),
-        time_s=time_s,
-    )
-
-
-def _openai_error(body: str) -> str:
-    try:
-        return json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return body.strip()[:300]
+            return json.loads(body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return body.strip()[:300]
 
 
 def _error_text(body: str) -> str:

@@ -24,6 +24,7 @@ from frontend.openai.protocol import APIError, ChatCompletionRequest, Completion
 from frontend.openai.triton_bridge import api_error
 from loadtest.metrics import model_sample, scrape_metrics
 from tests.server_harness import make_repository
+from tests.test_loadtest import read_requests, run_locust
 
 MODELS = ("llm_static", "llm_dynamic", "llm_iterative", "llm_continuous")
 MAX_MODEL_LEN = 512
@@ -403,6 +404,26 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_triton_request(fronten
     assert generated < MAX_MODEL_LEN - 16, f"the request ran to its end ({generated} tokens)"
     print(f"{model}: KV blocks free {1000 * freed_after:.0f} ms after the disconnect, after {generated:.0f} tokens")
     assert_still_serves(sdk, model)
+
+
+# ---- Locust: the OpenAI user measures what the others measure ------------------------------------------------------
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("user", ["HttpStreamUser", "OpenAIStreamUser"])
+def test_locust_users_over_http_measure_every_token_and_report_refusals(triton, frontend, tmp_path, user):
+    done, prefix = run_locust(triton, tmp_path, user, "llm_continuous", "--openai-url", frontend.url)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = read_requests(prefix)
+    assert len(records) == 6 and all(r["ok"] and r["num_output_tokens"] == r["max_tokens"] for r in records)
+    assert all(r["finish_reason"] == "length" and 0 < r["ttft_ms"] <= r["e2e_ms"] for r in records)
+    assert all(r["num_input_tokens"] > 0 for r in records)
+
+    refused, prefix = run_locust(triton, tmp_path / "refused", user, "llm_continuous", "--openai-url", frontend.url,
+                                 "--temperature", "-1")
+    assert refused.returncode == 1, refused.stderr[-3000:]  # Locust's "there were failures"
+    assert all(not r["ok"] and "temperature" in r["error"] for r in read_requests(prefix))
 
 
 # ---- the real SmolLM2, where the chat template matters ----------------------------------------------------------
