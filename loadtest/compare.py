@@ -102,7 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--duration", type=float, default=None, help="seconds of load per point (default per mode: 45, 20, 15)"
     )
     p.add_argument("--max-requests", type=int, default=None, help="at most this many requests per point")
-    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc", help="GrpcStreamUser or HttpStreamUser")
+    p.add_argument("--protocol", choices=["grpc", "http", "openai"], default="grpc",
+                   help="GrpcStreamUser, HttpStreamUser or OpenAIStreamUser (the OpenAI frontend, started beside a "
+                   "server started here)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS)
     p.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO_TPOT_MS)

@@ -3,8 +3,9 @@
     locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --model llm_continuous      # web UI on :8089
     locust --config loadtest/locust.conf --headless -u 8 -t 60s GrpcStreamUser               # headless
 
-Two users, the same measurements: ``GrpcStreamUser`` (tritonclient gRPC bidirectional streaming) and
-``HttpStreamUser`` (Triton's HTTP ``/v2/models/<model>/generate_stream``, server-sent events). Each request is
+Three users, the same measurements: ``GrpcStreamUser`` (tritonclient gRPC bidirectional streaming),
+``HttpStreamUser`` (Triton's HTTP ``/v2/models/<model>/generate_stream``, server-sent events) and
+``OpenAIStreamUser`` (the OpenAI-compatible frontend's streamed ``/v1/completions``, ``--openai-url``). Each request is
 timed with ``perf_counter`` and is one Locust request event, named ``<model> (e2e)``, timed end to end
 (response_length: output tokens), so Locust's requests/s, counts and failures are requests. What cannot be summed
 across requests (TTFT, TPOT, the longest inter-token gap, whether both SLOs held) goes to the latency table
@@ -48,7 +49,7 @@ from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 
 from backend.triton.names import CONTINUOUS  # noqa: E402
 from client.grpc_stream import GrpcStream  # noqa: E402
-from client.schema import GenerationRequest, build_inputs, parse_chunk  # noqa: E402
+from client.schema import Chunk, GenerationRequest, build_inputs, parse_chunk  # noqa: E402
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS  # noqa: E402
 from loadtest.live import LatencyBook, LiveView, attach_to_locust  # noqa: E402
 from loadtest.measure import Measurement, StreamError  # noqa: E402
@@ -65,6 +66,9 @@ def _add_options(parser) -> None:
     )
     group.add_argument(
         "--grpc-url", default="", help="host:port of Triton's gRPC endpoint (default: --host's host, port 8001)"
+    )
+    group.add_argument(
+        "--openai-url", default="", help="the OpenAI frontend's base URL (default: --host's host, port 9000)"
     )
     group.add_argument("--workload", default="long_tailed", choices=sorted(WORKLOADS), help="default: %(default)s")
     group.add_argument(
@@ -374,27 +378,77 @@ class HttpStreamUser(StreamingLLMUser):
     def on_stop(self) -> None:
         self.session.close()
 
+    def url(self) -> str:
+        return f"{self.host.rstrip('/')}/v2/models/{self.model}/generate_stream"
+
+    def body(self, request: GenerationRequest) -> dict:
+        return {name: values[0] for name, values in request.input_values().items()}
+
+    def chunk(self, event: dict, time_s: float) -> Chunk:
+        return parse_chunk(event.get, time_s)
+
+    def error_text(self, body: str) -> str:
+        return _error_text(body)
+
     def stream(self, request: GenerationRequest, t0: float):
-        url = f"{self.host.rstrip('/')}/v2/models/{self.model}/generate_stream"
-        body = {name: values[0] for name, values in request.input_values().items()}
         deadline = t0 + self.options.request_timeout
         try:
-            with self.session.post(url, json=body, stream=True, timeout=(5, self.options.request_timeout)) as r:
+            with self.session.post(self.url(), json=self.body(request), stream=True,
+                                   timeout=(5, self.options.request_timeout)) as r:
                 if r.status_code != 200:
-                    raise StreamError(f"error: HTTP {r.status_code}: {_error_text(r.text)}")
+                    raise StreamError(f"error: HTTP {r.status_code}: {self.error_text(r.text)}")
                 # chunk_size=None: each chunk as the server flushed it, so arrival times are the events' own.
                 for line in r.iter_lines(chunk_size=None):
-                    if not line.startswith(b"data:"):
+                    if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                         continue
                     t = time.perf_counter()
                     event = json.loads(line[5:])
                     if "error" in event:
-                        raise StreamError(f"error: {event['error']}")
-                    yield parse_chunk(event.get, t - t0)
+                        raise StreamError(f"error: {self.error_text(json.dumps(event))}")
+                    yield self.chunk(event, t - t0)
                     if t > deadline:
                         raise StreamError("timeout: stream still running after --request-timeout")
         except requests.RequestException as exc:
             raise StreamError(f"{type(exc).__name__}: {exc}") from None
+
+
+class OpenAIStreamUser(HttpStreamUser):
+    """The OpenAI-compatible frontend (frontend/openai/): POST /v1/completions with ``stream``, one SSE event per
+    token, the usage chunk at the end; vLLM's ``ignore_eos`` as the other users send it."""
+
+    protocol = "openai"
+    # NOTE: the frontend sends one content chunk per token, but OpenAI's chunks carry no token ids: each chunk
+    # stands for one token, also one whose text is still held back (part of a character).
+    ONE_TOKEN = (0,)
+
+    def url(self) -> str:
+        return f"{(self.options.openai_url or _default_openai_url(self.host)).rstrip('/')}/v1/completions"
+
+    def body(self, request: GenerationRequest) -> dict:
+        return {"model": self.model, "prompt": request.text_input, "max_tokens": request.max_tokens,
+                "temperature": request.temperature, "seed": request.seed, "ignore_eos": request.ignore_eos,
+                "stream": True, "stream_options": {"include_usage": True}}
+
+    def chunk(self, event: dict, time_s: float) -> Chunk:
+        """A content chunk as one token; the finish chunk and the usage chunk as no token, with what they tell."""
+        choice = event["choices"][0] if event["choices"] else {}
+        usage = event.get("usage") or {}
+        content = "finish_reason" in choice and choice["finish_reason"] is None
+        return Chunk(
+            text=choice.get("text") or "",
+            output_ids=self.ONE_TOKEN if content else (),
+            finish_reason=choice.get("finish_reason"),
+            num_input_tokens=usage.get("prompt_tokens"),
+            num_output_tokens=usage.get("completion_tokens"),
+            time_s=time_s,
+        )
+
+    def error_text(self, body: str) -> str:
+        """OpenAI's error body: keep just the message."""
+        try:
+            return json.loads(body)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return body.strip()[:300]
 
 
 def _error_text(body: str) -> str:
@@ -408,6 +462,10 @@ def _error_text(body: str) -> str:
 
 def _default_grpc_url(host: str | None) -> str:
     return f"{urlparse(host or 'http://127.0.0.1').hostname or '127.0.0.1'}:8001"
+
+
+def _default_openai_url(host: str | None) -> str:
+    return f"http://{urlparse(host or 'http://127.0.0.1').hostname or '127.0.0.1'}:9000"
 
 
 def _default_metrics_url(host: str | None) -> str:

@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -28,7 +28,7 @@ from loadtest.metrics import MetricsSampler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
-USER_CLASSES = {"grpc": "GrpcStreamUser", "http": "HttpStreamUser"}
+USER_CLASSES = {"grpc": "GrpcStreamUser", "http": "HttpStreamUser", "openai": "OpenAIStreamUser"}
 
 
 @dataclass
@@ -40,6 +40,7 @@ class Target:
     metrics_url: str
     server: object = None
     model_folder: str = ""
+    openai_url: str = ""  # the OpenAI frontend (--protocol openai)
 
     @property
     def server_pid(self) -> int | None:
@@ -112,6 +113,7 @@ def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--url", default=None, help="use this running server (HTTP URL) instead of starting one")
     parser.add_argument("--grpc-url", default=None, help="host:port (default: --url's host, port 8001)")
     parser.add_argument("--metrics-url", default=None, help="default: http://<--url's host>:8002/metrics")
+    parser.add_argument("--openai-url", default=None, help="the OpenAI frontend (default: http://<--url's host>:9000)")
     parser.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
     parser.add_argument(
         "--model",
@@ -126,12 +128,24 @@ def open_target(args: argparse.Namespace, log_path: Path, say=print):
     """The running server at ``args.url``, or one started here (and stopped on exit) when it is None; ``args`` has
     the server options of :func:`command_parser`."""
     if args.url:
-        yield Target.from_url(args.url, args.grpc_url, args.metrics_url)
+        host = urlparse(args.url).hostname or "127.0.0.1"
+        yield replace(Target.from_url(args.url, args.grpc_url, args.metrics_url),
+                                  openai_url=getattr(args, "openai_url", None) or f"http://{host}:9000")
         return
     say(f"starting tritonserver on {args.model_repository} (log: {log_path}) ...")
     with serve(args.model_repository, args.model, log_path) as target:
         say(f"server ready: {target.http_url}")
-        yield target
+        if getattr(args, "protocol", "grpc") != "openai":
+            yield target
+            return
+        from backend.triton.serve import DEFAULT_MODEL, free_ports
+        from frontend.openai.process import FrontendProcess
+
+        model_dir = args.model or target.model_folder or DEFAULT_MODEL
+        with FrontendProcess(target.grpc_url, free_ports(1)[0], model_dir,
+                             log_path=log_path.with_name("openai-frontend.log")) as frontend:
+            say(f"OpenAI frontend ready: {frontend.url}")
+            yield replace(target, openai_url=frontend.url)
 
 
 @dataclass(frozen=True)
@@ -287,6 +301,7 @@ def locust_command(
         "--run-time", f"{plan.run_s:g}s", "--stop-timeout", f"{plan.stop_timeout_s:g}",
         "--csv", str(csv_prefix), "--exit-code-on-error", "0",
         "--host", target.http_url, "--grpc-url", target.grpc_url, "--model", model,
+        *(["--openai-url", target.openai_url] if target.openai_url else []),
         "--workload", plan.workload, "--length-scale", f"{plan.length_scale:g}", "--seed", str(plan.seed),
         "--slo-ttft-ms", f"{plan.slo_ttft_ms:g}", "--slo-tpot-ms", f"{plan.slo_tpot_ms:g}",
         "--arrival-rate", f"{point.arrival_rate:g}", "--max-requests", str(plan.max_requests),

@@ -1,0 +1,132 @@
+"""The OpenAI answers for completions and chat: one JSON response, or server-sent events as OpenAI streams them.
+
+A stream is: (chat) a role chunk, one content chunk per Triton response (one per token on every model), a chunk
+with the ``finish_reason`` and an empty delta, the usage chunk when ``stream_options.include_usage`` asks (then
+every other chunk carries ``"usage": null``), and ``data: [DONE]``. An error after the first token is sent as
+``data: {"error": ...}`` before ``[DONE]``; one before it is an HTTP error (the first Triton response is awaited
+before the stream starts, so a refused request gets its status).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Literal
+
+from openai.types import Completion, CompletionChoice, CompletionUsage
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+
+from frontend.openai.protocol import APIError, SamplingRequest
+from frontend.openai.triton_bridge import Piece, TritonBridge, TritonGeneration
+
+DONE = "data: [DONE]\n\n"
+
+
+class CompletionChunkChoice(CompletionChoice):
+    """A streamed completion's choice: no finish reason until the last chunk (OpenAI's type requires one)."""
+
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+class CompletionChunk(Completion):
+    choices: list[CompletionChunkChoice]
+
+
+@dataclass
+class Answer:
+    """One generation in progress: its Triton request, the first response, and what the OpenAI answer needs."""
+
+    kind: Literal["chat", "completion"]
+    model: str
+    request: SamplingRequest
+    generation: TritonGeneration
+    first: Piece
+    id: str
+    created: int
+
+    @classmethod
+    async def start(cls, bridge: TritonBridge, kind, model: str, request: SamplingRequest, prompt: str) -> "Answer":
+        """Send the request and wait for its first response: an error before any token raises :class:`APIError`."""
+        prompt_param = "messages" if kind == "chat" else "prompt"
+        generation = await bridge.generate(model, request.generation_request(prompt), prompt_param)
+        try:
+            first = await generation.__anext__()
+        except BaseException:
+            await generation.aclose()
+            raise
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return cls(kind, model, request, generation, first, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+    # -- one JSON answer
+
+    async def whole(self) -> ChatCompletion | Completion:
+        """The whole answer (the models send it in one response when ``stream`` is false)."""
+        pieces = [self.first]
+        try:
+            async for piece in self.generation:
+                pieces.append(piece)
+        finally:
+            await self.generation.aclose()
+        text, last = "".join(p.text for p in pieces), pieces[-1]
+        usage = usage_of(last)
+        if self.kind == "chat":
+            message = ChatCompletionMessage(role="assistant", content=text)
+            choice = ChatChoice(index=0, message=message, finish_reason=last.finish_reason, logprobs=None)
+            return ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model,
+                                  choices=[choice], usage=usage)
+        choice = CompletionChoice(index=0, text=text, finish_reason=last.finish_reason, logprobs=None)
+        return Completion(id=self.id, object="text_completion", created=self.created, model=self.model,
+                          choices=[choice], usage=usage)
+
+    # -- server-sent events
+
+    async def events(self) -> AsyncIterator[str]:
+        """The SSE lines of the stream; the Triton request is cancelled if the client goes away."""
+        try:
+            if self.kind == "chat":
+                yield self._event(delta=ChoiceDelta(role="assistant", content=""))
+            piece = self.first
+            while True:
+                if piece.num_tokens or piece.text:
+                    yield self._event(text=piece.text)
+                if piece.finish_reason:
+                    break
+                piece = await self.generation.__anext__()
+            yield self._event(finish_reason=piece.finish_reason)
+            if self.request.include_usage:
+                yield self._event(usage=usage_of(piece))
+        except APIError as exc:
+            yield f"data: {json.dumps(exc.body(), separators=(',', ':'))}\n\n"
+        finally:
+            await self.generation.aclose()
+        yield DONE
+
+    def _event(self, text: str = "", delta: ChoiceDelta | None = None, finish_reason: str | None = None,
+               usage: CompletionUsage | None = None) -> str:
+        extra = {"usage": usage} if self.request.include_usage else {}
+        if usage is not None:
+            choices = []
+        elif self.kind == "chat":
+            delta = delta or (ChoiceDelta() if finish_reason else ChoiceDelta(content=text))
+            choices = [ChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=None)]
+        else:
+            choices = [CompletionChunkChoice(index=0, text=text, finish_reason=finish_reason, logprobs=None)]
+        if self.kind == "chat":
+            chunk = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
+                                        model=self.model, choices=choices, **extra)
+        else:
+            chunk = CompletionChunk(id=self.id, object="text_completion", created=self.created, model=self.model,
+                                    choices=choices, **extra)
+        return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+
+def usage_of(last: Piece) -> CompletionUsage:
+    """Token counts as the model counted them (its final response)."""
+    return CompletionUsage(prompt_tokens=last.num_input_tokens, completion_tokens=last.num_output_tokens,
+                           total_tokens=last.num_input_tokens + last.num_output_tokens)
+

@@ -1,0 +1,202 @@
+"""Triton's gRPC frontend seen from the OpenAI server: the served models, and one request on its own async stream.
+
+    bridge = TritonBridge("127.0.0.1:8001")
+    generation = await bridge.generate("llm_continuous", GenerationRequest("Hi", max_tokens=8, stream=True))
+    async for piece in generation:        # Piece: the new text, its token count, the finish reason at the end
+        ...
+    await generation.aclose()             # cancels the Triton request if it has not ended (a client went away)
+
+``tritonclient.grpc.aio``: one bidirectional stream per request on one shared channel, so nothing blocks the event
+loop and a request is cancelled by cancelling its stream (Triton's request cancellation; the models free its KV
+blocks at their next step). The request is the only message the stream carries; the models give every request
+exactly one final response, the one with a finish reason or an error, after which Triton closes the stream.
+
+The models answer every refusal as text (model_repository/README.md), so :func:`api_error` maps their messages onto
+OpenAI's statuses: a full queue 429, a server going down 503, a prompt or output beyond the context 400
+``context_length_exceeded``, any other refusal of the request's values 400, an engine failure on a request 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import grpc
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from client.schema import GenerationRequest, build_inputs
+from frontend.openai.protocol import APIError, bad_request
+
+# Triton's own queue refusal (llm_dynamic, llm_static, llm_iterative) and the engine's (llm_continuous).
+OVERLOADED = ("Exceeds maximum queue size", "the server is overloaded")
+UNAVAILABLE = ("the server is shutting down", "the engine failed and cannot go on")
+CONTEXT_EXCEEDED = ("max_model_len", "more than the whole KV cache holds")
+ENGINE_FAULT = "the engine failed while running this request"
+DRAIN_TIMEOUT_S = 5.0
+
+
+def api_error(message: str, prompt_param: str) -> APIError:
+    """The OpenAI error for a model's (or Triton's) error message about one request."""
+    if any(text in message for text in OVERLOADED):
+        return APIError(429, message, "rate_limit_error", None, "model_overloaded")
+    if any(text in message for text in UNAVAILABLE):
+        return APIError(503, message, "server_error", None, "service_unavailable")
+    if message.startswith(ENGINE_FAULT):
+        return APIError(500, message, "server_error", None, "internal_error")
+    if any(text in message for text in CONTEXT_EXCEEDED) or message.startswith("text_input is"):
+        param = "max_tokens" if message.startswith("max_tokens") or "lower max_tokens" in message else prompt_param
+        return bad_request(message, param, "context_length_exceeded")
+    return bad_request(message, "stop" if "stop string" in message else None)
+
+
+def unreachable(url: str, exc: BaseException) -> APIError:
+    return APIError(503, f"Triton's gRPC frontend at {url} did not answer: {exc}", "server_error", None,
+                    "service_unavailable")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One Triton response: the new text (whole UTF-8 characters only) and the counts it carries."""
+
+    text: str
+    num_tokens: int
+    finish_reason: str | None  # "stop", "length" or "abort" on the final response
+    num_input_tokens: int
+    num_output_tokens: int
+
+
+class TritonGeneration:
+    """One request in flight on its own gRPC stream; iterate it for :class:`Piece` s until the final one."""
+
+    def __init__(self, call, prompt_param: str, url: str) -> None:
+        self._call = call
+        self._prompt_param = prompt_param
+        self._url = url
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self.finished = False
+        self.sent_at = time.perf_counter()
+
+    def __aiter__(self) -> "TritonGeneration":
+        return self
+
+    async def __anext__(self) -> Piece:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            result, error = await self._call.__anext__()
+        except StopAsyncIteration:
+            self.finished = True
+            raise APIError(500, "Triton closed the stream before the final response", "server_error") from None
+        except grpc.aio.AioRpcError as exc:
+            self.finished = True
+            raise unreachable(self._url, exc) from None
+        if error is not None:
+            self.finished = True  # the models end a request with its error
+            raise api_error(error.message(), self._prompt_param)
+        return self._piece(result)
+
+    def _piece(self, result) -> Piece:
+        reason = _first(result.as_numpy("finish_reason"))
+        reason = reason.decode() if reason else None
+        self.finished = bool(reason)
+        if reason == "abort":  # ended by the server, not by this client (it would not be reading any more)
+            raise APIError(503, "the server aborted the request", "server_error", None, "service_unavailable")
+        # NOTE: the models send whole characters; the incremental decoder still holds back a cut one, so no delta
+        # ever carries half a character (or U+FFFD in its place).
+        text = self._decoder.decode(_first(result.as_numpy("text_output")) or b"", final=self.finished)
+        ids = result.as_numpy("output_ids")
+        return Piece(
+            text=text,
+            num_tokens=0 if ids is None else int(ids.size),
+            finish_reason=reason,
+            num_input_tokens=int(_first(result.as_numpy("num_input_tokens")) or 0),
+            num_output_tokens=int(_first(result.as_numpy("num_output_tokens")) or 0),
+        )
+
+    async def aclose(self) -> None:
+        """Cancel the request if it has not ended; otherwise let Triton close the stream (NOTE: cancelling right
+        after the final response can keep a model from unloading in Triton 2.51: backend/triton/shutdown.py)."""
+        if not self.finished:
+            self.finished = True
+            self._call.cancel()
+            return
+        try:
+            await asyncio.wait_for(self._drain(), DRAIN_TIMEOUT_S)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):  # nothing is left to free
+            self._call.cancel()
+
+    async def _drain(self) -> None:
+        async for _ in self._call:
+            pass
+
+
+class TritonBridge:
+    """The Triton server at ``url`` (gRPC): health, the served models, and generations.
+
+    Create it inside the event loop that uses it (the aio channel belongs to that loop).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = grpcclient.InferenceServerClient(url)
+        self._batch_sizes: dict[str, int] = {}
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def is_live(self) -> bool:
+        try:
+            return await self.client.is_server_live(client_timeout=2.0)
+        except InferenceServerException:
+            return False
+
+    async def is_ready(self) -> bool:
+        try:
+            return await self.client.is_server_ready(client_timeout=2.0)
+        except InferenceServerException:
+            return False
+
+    async def models(self) -> list[tuple[str, bool]]:
+        """Every model in Triton's repository index: ``(name, ready)``."""
+        try:
+            index = await self.client.get_model_repository_index(as_json=True, client_timeout=5.0)
+        except InferenceServerException as exc:
+            raise unreachable(self.url, exc) from None
+        return [(m["name"], m.get("state") == "READY") for m in index.get("models", [])]
+
+    async def max_batch_size(self, model: str) -> int:
+        """The model's ``max_batch_size`` (the shape of its inputs), asked once per model; 404 for a model Triton
+        does not serve, 503 for one that is not ready (asked again next time: it may be loaded later)."""
+        if model in self._batch_sizes:
+            return self._batch_sizes[model]
+        served = dict(await self.models())
+        if model not in served:
+            names = ", ".join(sorted(served)) or "(none)"
+            raise APIError(404, f"The model '{model}' does not exist; served models: {names}", "invalid_request_error",
+                           "model", "model_not_found")
+        if not served[model]:
+            raise APIError(503, f"The model '{model}' is not ready", "server_error", "model", "model_not_ready")
+        try:
+            config = await self.client.get_model_config(model, as_json=True, client_timeout=5.0)
+        except InferenceServerException as exc:
+            raise unreachable(self.url, exc) from None
+        self._batch_sizes[model] = int(config["config"].get("max_batch_size", 0))
+        return self._batch_sizes[model]
+
+    async def generate(self, model: str, request: GenerationRequest, prompt_param: str) -> TritonGeneration:
+        """Send ``request`` to ``model`` on a stream of its own."""
+        inputs = build_inputs(request, await self.max_batch_size(model))
+
+        async def one_request() -> AsyncIterator[dict]:
+            yield {"model_name": model, "inputs": inputs}
+
+        call = self.client.stream_infer(one_request())
+        return TritonGeneration(call, prompt_param, self.url)
+
+
+def _first(array):
+    return None if array is None or array.size == 0 else array.reshape(-1)[0]

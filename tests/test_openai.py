@@ -1,0 +1,496 @@
+"""The OpenAI-compatible frontend (frontend/openai/) in front of a real tritonserver, driven by the official SDK.
+
+Most tests use the tiny random Llama (SmolLM2's tokenizer and chat template, so the rendering is SmolLM2's) on all
+four models; one test uses the real SmolLM2. Greedy texts are compared with Triton's own answer for the same
+rendered prompt; token counts are asked for with ``ignore_eos`` / ``min_tokens``, never left to where EOS falls.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+
+from backend.triton.serve import copy_model_repository, free_ports
+from client import grpc_stream
+from frontend.openai.chat_template import ChatTemplate
+from frontend.openai.process import FrontendProcess
+from frontend.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from frontend.openai.triton_bridge import api_error
+from loadtest.metrics import model_sample, scrape_metrics
+from tests.server_harness import make_repository
+from tests.test_loadtest import read_requests, run_locust
+
+MODELS = ("llm_static", "llm_dynamic", "llm_iterative", "llm_continuous")
+MAX_MODEL_LEN = 512
+QUEUE = 4  # llm_continuous's and llm_dynamic's queue bound on the test server
+GREEDY = {"temperature": 0.0}
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "Another one?"},
+]
+# A template that refuses what many templates refuse (Llama 2's, Mistral's): turns that do not alternate.
+ALTERNATING_TEMPLATE = (
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+)
+
+
+# ---- fixtures: one tiny server, frontends as the CLI starts them ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def triton(triton_server_factory, tiny_llama_dir, tmp_path_factory):
+    repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository",
+                           {"max_model_len": str(MAX_MODEL_LEN), "max_queue_size": str(QUEUE)},
+                           models=MODELS, dynamic_queue_size=QUEUE)
+    return triton_server_factory.start(repo, model=tiny_llama_dir)
+
+
+def start_frontend(triton_grpc_url: str, model_dir, log_dir, api_key: str | None = None) -> FrontendProcess:
+    frontend = FrontendProcess(triton_grpc_url, free_ports(1)[0], model_dir, api_key=api_key,
+                               log_path=log_dir / "frontend.log")
+    return frontend.__enter__()
+
+
+@pytest.fixture(scope="module")
+def frontend(triton, tiny_llama_dir, tmp_path_factory):
+    frontend = start_frontend(triton.grpc_url, tiny_llama_dir, tmp_path_factory.mktemp("frontend"))
+    yield frontend
+    assert frontend.stop() == 0, "SIGTERM must stop the frontend cleanly"
+
+
+@pytest.fixture(scope="module")
+def sdk(frontend):
+    return openai.OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def template(tiny_llama_dir):
+    return ChatTemplate(tiny_llama_dir)
+
+
+def triton_generate(triton, model: str, prompt: str, **values) -> grpc_stream.GrpcStream:
+    stream = grpc_stream.generate(triton.grpc_url, model, prompt, timeout=120, **values)
+    assert stream.final and stream.error is None, stream.error
+    return stream
+
+
+def metric(triton, name: str, model: str) -> float:
+    return model_sample(scrape_metrics(triton.metrics_url), name, model)
+
+
+def assert_still_serves(sdk, model: str = "llm_continuous") -> None:
+    answer = sdk.completions.create(model=model, prompt="Still there?", max_tokens=3, extra_body={"ignore_eos": True})
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 3
+
+
+# ---- the SDK against every model --------------------------------------------------------------------------------
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_models_are_listed_by_their_triton_names(sdk):
+    assert sorted(m.id for m in sdk.models.list()) == sorted(MODELS)
+    assert sdk.models.retrieve("llm_dynamic").id == "llm_dynamic"
+
+
+@pytest.mark.server
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", MODELS)
+def test_chat_and_completions_streamed_and_not_equal_triton_generate(sdk, triton, template, model):
+    rendered = template.render(ChatCompletionRequest(model=model, messages=MESSAGES).messages)
+    assert rendered.endswith("<|im_start|>assistant\n") and "<|im_start|>system\nYou are terse.<|im_end|>" in rendered
+    reference = triton_generate(triton, model, rendered, max_tokens=12, min_tokens=12, **GREEDY)
+    extra = {"min_tokens": 12}
+
+    whole = sdk.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, extra_body=extra, **GREEDY)
+    assert whole.object == "chat.completion" and whole.model == model
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == reference.text
+    assert whole.choices[0].finish_reason == "length"
+    prompt_tokens = reference.chunks[-1].num_input_tokens
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens) == \
+        (prompt_tokens, 12, prompt_tokens + 12)
+
+    chunks = list(sdk.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=12,
+                                              stream=True, stream_options={"include_usage": True},
+                                              extra_body=extra, **GREEDY))
+    assert len({c.id for c in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
+    role, *content, final, usage = chunks
+    assert role.choices[0].delta.role == "assistant" and role.choices[0].delta.content == ""
+    assert len(content) == 12, "one content chunk per token"
+    assert all(c.choices[0].finish_reason is None and c.choices[0].delta.role is None for c in content)
+    assert "".join(c.choices[0].delta.content for c in content) == reference.text
+    assert final.choices[0].finish_reason == "length" and final.choices[0].delta.content is None
+    assert usage.choices == [] and usage.usage.completion_tokens == 12 and usage.usage.prompt_tokens == prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+    prompt = "The quick brown fox"
+    plain = triton_generate(triton, model, prompt, max_tokens=10, ignore_eos=True, **GREEDY)
+    completion = sdk.completions.create(model=model, prompt=prompt, max_tokens=10, extra_body={"ignore_eos": True},
+                                        **GREEDY)
+    assert completion.choices[0].text == plain.text and completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 10
+    assert completion.usage.prompt_tokens == plain.chunks[-1].num_input_tokens
+    streamed = list(sdk.completions.create(model=model, prompt=prompt, max_tokens=10, stream=True,
+                                           extra_body={"ignore_eos": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in streamed) == plain.text
+    assert [c.choices[0].finish_reason for c in streamed] == [None] * 10 + ["length"]
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_the_stream_is_server_sent_events_as_openai_sends_them(frontend):
+    body = {"model": "llm_continuous", "messages": MESSAGES, "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with requests.post(f"{frontend.url}/v1/chat/completions", json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        text = r.text
+    events = text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert len(payloads) == 1 + 4 + 1 + 1  # role, one per token, finish, usage
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert payloads[-2]["choices"][0] == {"delta": {}, "index": 0, "finish_reason": "length", "logprobs": None}
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["llm_continuous", "llm_dynamic"])
+def test_stop_strings_end_the_text_before_them(sdk, model):
+    # NOTE: seeded sampling, not greedy: the random model's greedy text repeats one word (or newlines).
+    sampled = dict(model=model, max_tokens=40, temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    text = sdk.completions.create(prompt="Once upon a time", **sampled).choices[0].text
+    words = text.split()
+    assert len(words) > 6, text
+    stop = words[len(words) // 2]
+    expected = text[:text.find(stop)]
+    for stop_value in (stop, [stop, "never appears"]):
+        cut = sdk.completions.create(prompt="Once upon a time", stop=stop_value, **sampled).choices[0]
+        assert (cut.text, cut.finish_reason) == (expected, "stop")
+    streamed = list(sdk.completions.create(prompt="Once upon a time", stop=[stop], stream=True, **sampled))
+    assert "".join(c.choices[0].text for c in streamed) == expected and streamed[-1].choices[0].finish_reason == "stop"
+
+    chat = sdk.chat.completions.create(messages=MESSAGES, **sampled).choices[0].message.content
+    chat_stop = chat.split()[len(chat.split()) // 2]
+    cut = sdk.chat.completions.create(messages=MESSAGES, stop=chat_stop, **sampled).choices[0]
+    assert (cut.message.content, cut.finish_reason) == (chat[:chat.find(chat_stop)], "stop")
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_no_delta_holds_half_a_character(sdk):
+    # The random model's tokens include single bytes of multi-byte characters; a delta that cut one would show
+    # U+FFFD where the whole text has the character.
+    kwargs = dict(model="llm_continuous", prompt="ü ö 日本語 😀", max_tokens=250, seed=7, temperature=1.0,
+                  extra_body={"ignore_eos": True})
+    whole = sdk.completions.create(**kwargs).choices[0].text
+    deltas = [c.choices[0].text for c in sdk.completions.create(**kwargs, stream=True)]
+    assert "".join(deltas) == whole
+    assert any(ord(ch) > 0x7F for ch in whole), "the sample should hold multi-byte characters"
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_sampling_parameters_reach_the_model(sdk):
+    kwargs = dict(model="llm_continuous", prompt="Pick a word", max_tokens=12, temperature=1.0, top_p=0.9,
+                  extra_body={"top_k": 50, "ignore_eos": True})
+    first = sdk.completions.create(**kwargs, seed=1).choices[0].text
+    assert sdk.completions.create(**kwargs, seed=1).choices[0].text == first
+    assert sdk.completions.create(**kwargs, seed=2).choices[0].text != first
+    short = sdk.completions.create(model="llm_continuous", prompt="Hi", max_tokens=5, extra_body={"min_tokens": 5})
+    assert short.usage.completion_tokens == 5
+
+
+# ---- errors: OpenAI's body and status, for that request only ----------------------------------------------------
+
+
+def assert_error(response: requests.Response, status: int, param: str | None = None, code: str | None = None,
+                 says: str = "") -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    error = body["error"]
+    assert error["param"] == param and error["code"] == code, error
+    assert says in error["message"], error
+    return error
+
+
+BAD_REQUESTS = [
+    # (endpoint, fields beyond model and prompt/messages, param, code, what the message says)
+    ("chat", {"n": 2}, "n", "unsupported_parameter", "n=2"),
+    ("chat", {"logprobs": True}, "logprobs", "unsupported_parameter", "logprobs"),
+    ("chat", {"top_logprobs": 3}, "top_logprobs", "unsupported_parameter", ""),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter", ""),
+    ("chat", {"tool_choice": "auto"}, "tool_choice", "unsupported_parameter", ""),
+    ("chat", {"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter", ""),
+    ("chat", {"frequency_penalty": -1}, "frequency_penalty", "unsupported_parameter", ""),
+    ("chat", {"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_parameter", ""),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter", ""),
+    ("completion", {"best_of": 3}, "best_of", "unsupported_parameter", ""),
+    ("completion", {"echo": True}, "echo", "unsupported_parameter", ""),
+    ("completion", {"logprobs": 2}, "logprobs", "unsupported_parameter", ""),
+    ("completion", {"suffix": "end"}, "suffix", "unsupported_parameter", ""),
+    ("chat", {"repetition_penalty": 1.2}, "repetition_penalty", "unsupported_parameter", "Unrecognized"),
+    ("chat", {"temperature": 2.5}, "temperature", None, "less than or equal to 2"),
+    ("chat", {"top_p": 0}, "top_p", None, "greater than 0"),
+    ("chat", {"max_tokens": 0}, "max_tokens", None, "greater than or equal to 1"),
+    ("chat", {"seed": -1}, "seed", None, ""),
+    ("chat", {"max_tokens": 4, "min_tokens": 5}, "min_tokens", None, "min_tokens (5) must be <= max_tokens (4)"),
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options", None, "only allowed when stream"),
+    ("chat", {"stop": [f"s{i}" for i in range(17)]}, "stop", None, "at most 16 stop strings"),
+    ("chat", {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages.0.role", None, ""),
+    ("chat", {"messages": []}, "messages", None, "at least 1"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content.0.type", None, "'text'"),
+    ("completion", {"prompt": ["one", "two"]}, "prompt", None, "one string"),
+    ("completion", {"prompt": ""}, "prompt", None, "empty"),
+    ("completion", {"max_tokens": 5000}, "max_tokens", "context_length_exceeded", f"max_model_len ({MAX_MODEL_LEN})"),
+    ("completion", {"prompt": "hello " * (MAX_MODEL_LEN + 10)}, "prompt", "context_length_exceeded",
+     f"max_model_len is {MAX_MODEL_LEN}"),
+    ("chat", {"messages": [{"role": "user", "content": "hello " * (MAX_MODEL_LEN + 10)}]}, "messages",
+     "context_length_exceeded", f"max_model_len is {MAX_MODEL_LEN}"),
+]
+
+
+@pytest.mark.server
+@pytest.mark.timeout(600)
+def test_bad_requests_get_a_400_naming_the_parameter_and_the_next_request_is_served(frontend, sdk):
+    failures = []
+    for endpoint, fields, param, code, says in BAD_REQUESTS:
+        base = {"model": "llm_continuous", "max_tokens": 4}
+        base.update({"messages": MESSAGES} if endpoint == "chat" else {"prompt": "Hi"})
+        for stream in (False, True):
+            body = {**base, **fields, **({"stream": True} if stream else {})}
+            if stream and "stream_options" in fields:
+                continue
+            response = requests.post(f"{frontend.url}/v1/{'chat/' if endpoint == 'chat' else ''}completions",
+                                     json=body, timeout=60)
+            try:
+                assert_error(response, 400, param, code, says)
+            except AssertionError as exc:
+                failures.append(f"{endpoint} {fields} stream={stream}: {exc}")
+    assert not failures, "\n".join(failures)
+    assert_still_serves(sdk)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_malformed_bodies_unknown_models_and_routes(frontend, sdk):
+    url = f"{frontend.url}/v1/chat/completions"
+    assert_error(requests.post(url, data=b"{not json", timeout=30), 400, says="not valid JSON")
+    assert_error(requests.post(url, data=b"[1, 2]", timeout=30), 400)
+    assert_error(requests.post(url, json={"messages": MESSAGES}, timeout=30), 400, "model", says="model")
+    error = assert_error(requests.post(url, json={"model": "gpt-4o", "messages": MESSAGES}, timeout=30), 404,
+                         "model", "model_not_found", "gpt-4o")
+    assert all(m in error["message"] for m in MODELS)
+    assert_error(requests.get(f"{frontend.url}/v1/models/gpt-4o", timeout=30), 404, "model", "model_not_found")
+    assert_error(requests.get(f"{frontend.url}/v1/embeddings", timeout=30), 404)
+    with pytest.raises(openai.NotFoundError):
+        sdk.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    assert_still_serves(sdk)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_a_message_list_the_template_cannot_render_is_a_400_that_says_why(triton, tiny_llama_dir, tmp_path):
+    model_dir = tmp_path / "alternating"
+    shutil.copytree(tiny_llama_dir, model_dir)
+    (model_dir / "chat_template.jinja").write_text(ALTERNATING_TEMPLATE)
+    frontend = start_frontend(triton.grpc_url, model_dir, tmp_path)
+    try:
+        body = {"model": "llm_continuous", "messages": MESSAGES, "max_tokens": 4}
+        assert_error(requests.post(f"{frontend.url}/v1/chat/completions", json=body, timeout=30), 400, "messages",
+                     says="Conversation roles must alternate")
+        alternating = {**body, "messages": MESSAGES[1:]}
+        answer = requests.post(f"{frontend.url}/v1/chat/completions", json=alternating, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        assert frontend.stop() == 0
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_an_api_key_is_required_when_configured(triton, tiny_llama_dir, tmp_path):
+    frontend = start_frontend(triton.grpc_url, tiny_llama_dir, tmp_path, api_key="s3cret")
+    try:
+        body = {"model": "llm_continuous", "prompt": "Hi", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            for method, path, json_body in (("POST", "/v1/completions", body), ("GET", "/v1/models", None)):
+                response = requests.request(method, frontend.url + path, json=json_body, headers=headers, timeout=30)
+                assert_error(response, 401, None, "invalid_api_key")
+        assert requests.get(f"{frontend.url}/health", timeout=30).status_code == 200  # probes need no key
+        good = openai.OpenAI(base_url=f"{frontend.url}/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model="llm_continuous", prompt="Hi", max_tokens=2).usage.completion_tokens
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{frontend.url}/v1", api_key="nope", max_retries=0).models.list()
+    finally:
+        assert frontend.stop() == 0
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_without_triton_the_frontend_answers_503_and_keeps_serving(tiny_llama_dir, tmp_path):
+    nobody = f"127.0.0.1:{free_ports(1)[0]}"
+    frontend = start_frontend(nobody, tiny_llama_dir, tmp_path)
+    try:
+        assert_error(requests.get(f"{frontend.url}/health", timeout=30), 503, code="service_unavailable")
+        assert_error(requests.get(f"{frontend.url}/health/ready", timeout=30), 503, code="service_unavailable")
+        body = {"model": "llm_continuous", "prompt": "Hi", "max_tokens": 2}
+        for _ in range(2):
+            assert_error(requests.post(f"{frontend.url}/v1/completions", json=body, timeout=30), 503,
+                         code="service_unavailable", says=nobody)
+    finally:
+        assert frontend.stop() == 0
+
+
+@pytest.mark.server
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", ["llm_continuous", "llm_dynamic"])
+def test_a_full_queue_is_a_429_and_the_model_recovers(frontend, sdk, triton, model):
+    body = {"model": model, "prompt": "burst", "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+    def send(_):
+        with requests.post(f"{frontend.url}/v1/completions", json=body, stream=True, timeout=300) as r:
+            return r.status_code, r.text
+
+    with ThreadPoolExecutor(max_workers=40) as pool:
+        answers = list(pool.map(send, range(40)))
+    refused = [text for status, text in answers if status == 429]
+    served = [text for status, text in answers if status == 200]
+    assert len(refused) + len(served) == len(answers), [status for status, _ in answers]
+    assert len(refused) >= 10 and len(served) >= QUEUE, (len(refused), len(served))
+    for text in refused:
+        error = json.loads(text)["error"]
+        assert error["code"] == "model_overloaded" and error["type"] == "rate_limit_error", error
+    for text in served:
+        assert text.endswith("data: [DONE]\n\n") and '"finish_reason":"length"' in text
+    assert_still_serves(sdk, model)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["llm_continuous", "llm_dynamic"])
+def test_a_client_that_disconnects_mid_stream_cancels_its_triton_request(frontend, sdk, triton, model):
+    assert metric(triton, "llm_kv_blocks_used", model) == 0
+    generated_before = metric(triton, "llm_generation_tokens_total", model)
+    body = {"model": model, "prompt": "Tell me a long story", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True,
+            "stream": True}
+    with requests.post(f"{frontend.url}/v1/completions", json=body, stream=True, timeout=60) as r:
+        tokens = 0
+        for line in r.iter_lines():
+            tokens += line.startswith(b"data: {")
+            if tokens == 5:
+                break
+        assert metric(triton, "llm_kv_blocks_used", model) > 0
+    disconnected = time.monotonic()  # the connection is closed here
+    while metric(triton, "llm_kv_blocks_used", model) > 0:
+        assert time.monotonic() - disconnected < 5, "the request's KV blocks were not freed"
+        time.sleep(0.02)
+    freed_after = time.monotonic() - disconnected
+    generated = metric(triton, "llm_generation_tokens_total", model) - generated_before
+    assert generated < MAX_MODEL_LEN - 16, f"the request ran to its end ({generated} tokens)"
+    print(f"{model}: KV blocks free {1000 * freed_after:.0f} ms after the disconnect, after {generated:.0f} tokens")
+    assert_still_serves(sdk, model)
+
+
+# ---- Locust: the OpenAI user measures what the others measure ------------------------------------------------------
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("user", ["HttpStreamUser", "OpenAIStreamUser"])
+def test_locust_users_over_http_measure_every_token_and_report_refusals(triton, frontend, tmp_path, user):
+    done, prefix = run_locust(triton, tmp_path, user, "llm_continuous", "--openai-url", frontend.url)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = read_requests(prefix)
+    assert len(records) == 6 and all(r["ok"] and r["num_output_tokens"] == r["max_tokens"] for r in records)
+    assert all(r["finish_reason"] == "length" and 0 < r["ttft_ms"] <= r["e2e_ms"] for r in records)
+    assert all(r["num_input_tokens"] > 0 for r in records)
+
+    refused, prefix = run_locust(triton, tmp_path / "refused", user, "llm_continuous", "--openai-url", frontend.url,
+                                 "--temperature", "-1")
+    assert refused.returncode == 1, refused.stderr[-3000:]  # Locust's "there were failures"
+    assert all(not r["ok"] and "temperature" in r["error"] for r in read_requests(prefix))
+
+
+# ---- the real SmolLM2, where the chat template matters ----------------------------------------------------------
+
+
+@pytest.mark.server
+@pytest.mark.smollm2
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_smollm2_chat_is_rendered_with_its_template(triton_server_factory, smollm2_dir, tmp_path):
+    repo = copy_model_repository(tmp_path / "model_repository", ["llm_continuous"])
+    server = triton_server_factory.start(repo, model=smollm2_dir)
+    try:
+        with FrontendProcess(server.grpc_url, free_ports(1)[0], smollm2_dir, log_path=tmp_path / "fe.log") as frontend:
+            sdk = openai.OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=300)
+            messages = [{"role": "user", "content": "What is the capital of France?"}]
+            rendered = ChatTemplate(smollm2_dir).render(ChatCompletionRequest(model="m", messages=messages).messages)
+            assert rendered == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+                                "Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                                "<|im_start|>assistant\n")
+            reference = triton_generate(server, "llm_continuous", rendered, max_tokens=16, min_tokens=16, **GREEDY)
+            chunks = list(sdk.chat.completions.create(model="llm_continuous", messages=messages, max_tokens=16,
+                                                      stream=True, stream_options={"include_usage": True},
+                                                      extra_body={"min_tokens": 16}, **GREEDY))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert text == reference.text
+            assert chunks[-1].usage.completion_tokens == 16
+            assert chunks[-1].usage.prompt_tokens == reference.chunks[-1].num_input_tokens
+            print(f"SmolLM2 via the OpenAI API: {text!r}")
+    finally:
+        server.stop()
+
+
+# ---- no server: the protocol and the error mapping ---------------------------------------------------------------
+
+
+def test_neutral_values_of_unsupported_parameters_are_accepted():
+    request = ChatCompletionRequest(model="m", messages=MESSAGES, n=1, presence_penalty=0.0, frequency_penalty=0,
+                                    logprobs=False, tools=[], tool_choice="none", response_format={"type": "text"},
+                                    logit_bias={}, store=False, user="someone")
+    request.check_supported()
+    with pytest.raises(APIError) as refused:
+        ChatCompletionRequest(model="m", messages=MESSAGES, n=3).check_supported()
+    assert refused.value.param == "n"
+    completion = CompletionRequest(model="m", prompt="Hi")
+    completion.check_supported()
+    assert completion.generation_request("Hi").max_tokens == 16  # OpenAI's default for completions
+    chat = ChatCompletionRequest(model="m", messages=MESSAGES).generation_request("x")
+    assert chat.max_tokens is None and chat.sampling_parameters == {"max_tokens": None}  # up to the context
+
+
+@pytest.mark.parametrize("message, status, code, param", [
+    ("the server is overloaded: 4 requests are already waiting (max_queue_size=4); retry later", 429,
+     "model_overloaded", None),
+    ("Exceeds maximum queue size", 429, "model_overloaded", None),
+    ("the server is shutting down", 503, "service_unavailable", None),
+    ("the engine failed and cannot go on (RuntimeError()); restart the server", 503, "service_unavailable", None),
+    ("the engine failed while running this request: RuntimeError: boom", 500, "internal_error", None),
+    ("the prompt has 600 tokens but max_model_len is 512, which leaves no room", 400, "context_length_exceeded",
+     "prompt"),
+    ("text_input is 25000 bytes; the limit is 8192 bytes (16 per token of max_model_len 512)", 400,
+     "context_length_exceeded", "prompt"),
+    ("the request may grow to 600 tokens (prompt + max_tokens, capped by max_model_len), more than the whole KV "
+     "cache holds (16 blocks of 16 tokens); lower max_tokens", 400, "context_length_exceeded", "max_tokens"),
+    ("top_k must be an integer >= 0", 400, None, None),
+])
+def test_model_errors_map_onto_openai_statuses(message, status, code, param):
+    error = api_error(message, "prompt")
+    assert (error.status, error.code, error.param) == (status, code, param)
+    assert error.body()["error"]["message"] == message
