@@ -154,7 +154,7 @@ def launcher_args(repository: Path, model: Path, ports: list[int] | None = None)
     http, grpc, metrics = ports or free_ports(3)
     return [
         "--model-repository", str(repository), "--model", str(model), "--address", LOCALHOST,
-        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", "0",
     ]  # fmt: skip
 
 

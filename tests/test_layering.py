@@ -13,7 +13,8 @@ LAYERS = [
     ("kernels", ("backend/kernels",), ("backend.kernels",)),
     ("engine", ("backend/engine",), ("backend.engine",)),
     ("Triton glue", ("backend/triton", "model_repository"), ("backend.triton", "model_repository")),
-    ("tools and load tests", ("backend/tools", "loadtest", "client"), ("backend.tools", "loadtest", "client")),
+    ("tools, frontends and load tests", ("backend/tools", "frontend", "loadtest", "client"),
+     ("backend.tools", "frontend", "loadtest", "client")),
 ]
 
 

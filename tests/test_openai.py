@@ -16,7 +16,7 @@ import openai
 import pytest
 import requests
 
-from backend.triton.serve import copy_model_repository, free_ports
+from backend.triton.launch_options import copy_model_repository, free_ports
 from client import grpc_stream
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.process import FrontendProcess
@@ -494,3 +494,54 @@ def test_model_errors_map_onto_openai_statuses(message, status, code, param):
     error = api_error(message, "prompt")
     assert (error.status, error.code, error.param) == (status, code, param)
     assert error.body()["error"]["message"] == message
+
+
+# ---- `make serve`: the launcher starts the frontend beside tritonserver and stops it after ----------------------
+
+
+@pytest.mark.timeout(240)
+def test_make_serve_starts_the_frontend_and_stops_it_with_the_server(tiny_llama_dir, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from tests.server_harness import LOCALHOST, REPO_ROOT
+
+    repo = make_repository(tmp_path / "model_repository", {"max_model_len": str(MAX_MODEL_LEN)},
+                           models=("llm_continuous",))
+    http, grpc, metrics, openai_port = free_ports(4)
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(repo), "--model",
+               str(tiny_llama_dir), "--address", LOCALHOST, "--http-port", str(http), "--grpc-port", str(grpc),
+               "--metrics-port", str(metrics), "--openai-port", str(openai_port), "--max-restarts", "0"]
+    serve = subprocess.Popen(command, cwd=REPO_ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://{LOCALHOST}:{openai_port}"
+    try:
+        deadline = time.monotonic() + 180
+        while "[serve] ready" not in log.read_text():
+            assert serve.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        assert f"OpenAI {url}/v1" in log.read_text()
+        while requests.get(f"{url}/health/ready", timeout=5).status_code != 200 if _answers(url) else True:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        answer = client.chat.completions.create(model="llm_continuous", messages=MESSAGES, max_tokens=5,
+                                                extra_body={"ignore_eos": True}, **GREEDY)
+        assert answer.usage.completion_tokens == 5
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    assert "[serve] the OpenAI frontend exited with status 0" in log.read_text()
+    assert not _answers(url), "the frontend outlived the server"
+
+
+def _answers(url: str) -> bool:
+    try:
+        requests.get(f"{url}/health", timeout=2)
+        return True
+    except requests.ConnectionError:
+        return False

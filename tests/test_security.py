@@ -249,7 +249,7 @@ def run_launcher(tmp_path: Path, env: dict[str, str], *extra: str) -> subprocess
     ports = [str(p) for p in free_ports(3)]
     command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(tmp_path), "--model", str(model),
                "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2], "--address", "127.0.0.1",
-               "--max-restarts", "0", "--ready-timeout", "20", *extra]
+               "--max-restarts", "0", "--ready-timeout", "20", "--openai-port", "0", *extra]
     return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 

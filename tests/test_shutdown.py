@@ -246,7 +246,7 @@ def test_stopping_make_serve_under_locust_load(case, tiny_llama_dir, tmp_path):
     repo = make_repository(tmp_path / "model_repository", CONTEXT, models=MODELS)
     command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(repo), "--model", str(tiny_llama_dir),
                "--address", LOCALHOST, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-               "--metrics-port", str(metrics_port), "--max-restarts", "0"]
+               "--metrics-port", str(metrics_port), "--max-restarts", "0", "--openai-port", "0"]
     serve_log = tmp_path / "serve.log"
     serve = subprocess.Popen(command, cwd=REPO_ROOT, stdout=open(serve_log, "w"), stderr=subprocess.STDOUT)
     locusts: dict[str, subprocess.Popen] = {}

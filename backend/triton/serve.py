@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -26,11 +27,13 @@ from backend.triton.launch_options import (
     DEFAULT_MODEL,
     GRPC_HEADER_PREFIX,
     MODEL_ENV_VAR,
+    REPO_ROOT,
     LauncherError,
+    check_ports,
     copy_model_repository,
     restricted_api_args,
 )
-from backend.triton.server import ServerError, TritonServer, start_on_free_ports
+from backend.triton.server import ServerError, TritonServer, die_with_parent, start_on_free_ports
 from backend.triton.server_home import server_home
 
 __all__ = ["copy_model_repository", "main", "parse_args", "server_home", "start_on_free_ports", "TritonServer"]
@@ -65,6 +68,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--grpc-port", type=int, default=_env_int("GRPC_PORT", 8001))
     parser.add_argument("--metrics-port", type=int, default=_env_int("METRICS_PORT", 8002))
     parser.add_argument("--address", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    parser.add_argument(
+        "--openai-port",
+        type=int,
+        default=_env_int("OPENAI_PORT", 9000),
+        help="port of the OpenAI-compatible frontend (frontend/openai), started beside tritonserver and stopped "
+        "after it (default: $OPENAI_PORT or %(default)s; 0: no frontend)",
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds (default: %(default)s)")
     parser.add_argument(
         "--max-restarts",
@@ -81,18 +91,21 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, extra_args = parse_args(sys.argv[1:] if argv is None else argv)
-    # Every option but --max-restarts (this loop's own) is one of TritonServer's keywords, under the same name.
-    options = {name: value for name, value in vars(args).items() if name != "max_restarts"}
+    # Every option but this loop's own (--max-restarts, --openai-port) is one of TritonServer's keywords.
+    options = {name: value for name, value in vars(args).items() if name not in ("max_restarts", "openai_port")}
 
     def new_server(env: Mapping[str, str] | None = None) -> TritonServer:
         return TritonServer(**options, extra_args=extra_args, env=env, echo=True)
 
     server = new_server()
     try:
+        if args.openai_port:
+            check_ports({"OpenAI": args.openai_port}, args.address)
         server.start()
     except LauncherError as exc:
         print(f"serve: error: {exc}", file=sys.stderr)
         return 2
+    frontend = start_frontend(server, args.address, args.openai_port) if args.openai_port else None
 
     signals_received: list[int] = []
 
@@ -121,9 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _exit_status(server.wait()) or 1
         if restarts == 0:
             _print_admin_key_hint(extra_args, server)
+        openai = f"  OpenAI {server.http_url.rsplit(':', 1)[0]}:{args.openai_port}/v1" if frontend else ""
         print(
             f"[serve] ready in {seconds:.1f} s: HTTP {server.http_url}  gRPC {server.grpc_url}  "
-            f"metrics {server.metrics_url}  (model {server.model}; Ctrl+C stops)",
+            f"metrics {server.metrics_url}{openai}  (model {server.model}; Ctrl+C stops)",
             flush=True,
         )
         code = server.wait()
@@ -145,11 +159,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     status = _exit_status(code)
     print(f"[serve] tritonserver exited with status {status}", file=sys.stderr)
+    if frontend is not None:
+        stop_frontend(frontend)
     if status and any("Exit timeout expired" in line for line in server.output_lines()[-50:]):
         print("[serve] tritonserver gave up waiting at --exit-timeout-secs: a model could not unload (a gRPC client "
               "that cancels a stream right after its final response can cause that in Triton 2.51), or a client "
               "connection could not be closed; see docs/server.md, \"Stopping the server\"", file=sys.stderr)
     return status
+
+
+def start_frontend(server: TritonServer, address: str, port: int) -> subprocess.Popen:
+    """The OpenAI-compatible frontend (``python -m frontend.openai``), a gRPC client of this server, on ``port``.
+
+    NOTE: started as a command, not imported: the frontend is a client of the server, a layer above this glue. It
+    outlives restarts of tritonserver (each request opens its own stream) and is stopped after tritonserver has
+    drained, so streams still running through it end with their last token."""
+    command = [sys.executable, "-m", "frontend.openai", "--triton-grpc", server.grpc_url, "--host", address,
+               "--port", str(port), "--model-dir", str(server.model)]
+    return subprocess.Popen(command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=die_with_parent)
+
+
+def stop_frontend(frontend: subprocess.Popen, timeout: float = 15.0) -> None:
+    if frontend.poll() is None:
+        frontend.send_signal(signal.SIGTERM)
+        try:
+            frontend.wait(timeout)
+        except subprocess.TimeoutExpired:
+            frontend.kill()
+            frontend.wait()
+    print(f"[serve] the OpenAI frontend exited with status {frontend.returncode}", file=sys.stderr)
 
 
 def _print_admin_key_hint(extra_args: Sequence[str], server: TritonServer) -> None:

@@ -59,7 +59,7 @@ class ServerError(RuntimeError):
     """The server exited or did not become ready; the message carries the server's own error lines."""
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # NOTE: PR_SET_PDEATHSIG stops an orphaned server if the launcher (or a test run) is killed outright.
     # Linux sends it when the *thread* that started the server exits, so start servers from a long-lived thread.
     libc = ctypes.CDLL(None, use_errno=True)
@@ -216,7 +216,7 @@ class TritonServer:
                 # Its own session and process group (pgid == pid): signals reach it only through us, never twice,
                 # and stop() can kill the stubs with it.
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         finally:
             if stdout is not subprocess.PIPE:

@@ -15,7 +15,7 @@ import sys
 
 import uvicorn
 
-from backend.triton.serve import DEFAULT_MODEL, MODEL_ENV_VAR
+from backend.triton.launch_options import DEFAULT_MODEL, MODEL_ENV_VAR
 from frontend.openai.app import Settings, create_app
 
 PORT_ENV_VAR = "OPENAI_PORT"

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import requests
 
-from backend.triton.serve import DEFAULT_MODEL, copy_model_repository, free_ports, start_on_free_ports
+from backend.triton.launch_options import DEFAULT_MODEL, copy_model_repository, free_ports
+from backend.triton.server import start_on_free_ports
 from client import grpc_stream
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.process import FrontendProcess
