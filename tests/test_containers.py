@@ -92,7 +92,7 @@ class Container:
     def __init__(self, env: dict) -> None:
         self.env = env
         self.name = f"llm-test-{uuid.uuid4().hex[:8]}"
-        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        self.http_port, self.grpc_port, self.metrics_port, self.openai_port = free_ports(4)
         self.http_url = f"http://{LOCALHOST}:{self.http_port}"
         self.grpc_url = f"{LOCALHOST}:{self.grpc_port}"
         self.metrics_url = f"http://{LOCALHOST}:{self.metrics_port}/metrics"
@@ -104,7 +104,8 @@ class Container:
         cmd = [*cmd[:split], "--address", LOCALHOST, *cmd[split:]]
         run("docker", "run", "-d", "--name", self.name, "--network", "host", "--shm-size", "1g",
             "-e", f"HTTP_PORT={self.http_port}", "-e", f"GRPC_PORT={self.grpc_port}",
-            "-e", f"METRICS_PORT={self.metrics_port}", TRITON_IMAGE, *cmd, env=env)
+            "-e", f"METRICS_PORT={self.metrics_port}", "-e", f"OPENAI_PORT={self.openai_port}", TRITON_IMAGE, *cmd,
+            env=env)
 
     def state(self) -> dict:
         return json.loads(run("docker", "inspect", "--format", "{{json .State}}", self.name, env=self.env).stdout)
@@ -141,7 +142,7 @@ def test_cpu_image_holds_the_venvs_server_and_no_cuda(docker_env):
     config = json.loads(run("docker", "image", "inspect", "--format", "{{json .Config}}", TRITON_IMAGE,
                             env=docker_env).stdout)
     assert config["User"].split(":")[0] not in ("", "root", "0")
-    assert set(config["ExposedPorts"]) == {"8000/tcp", "8001/tcp", "8002/tcp"}
+    assert set(config["ExposedPorts"]) == {"8000/tcp", "8001/tcp", "8002/tcp", "9000/tcp"}
     assert "probe.py" in " ".join(config["Healthcheck"]["Test"])
     packages = json.loads(run("docker", "run", "--rm", "--network", "none", TRITON_IMAGE, "python3", "-m", "pip", "list",
                               "--format", "json", env=docker_env).stdout)
@@ -165,6 +166,14 @@ def test_container_is_ready_and_every_model_answers(container):
     for model in MODELS:
         out = generate(container.http_url, model, PROMPTS[0], max_tokens=8)
         assert out["num_output_tokens"] == 8 and out["finish_reason"] == "length", (model, out)
+    # The OpenAI-compatible frontend that `make serve` starts beside tritonserver, in the container too.
+    openai_url = f"http://{LOCALHOST}:{container.openai_port}/v1"
+    listed = requests.get(f"{openai_url}/models", timeout=10).json()
+    assert sorted(m["id"] for m in listed["data"]) == sorted(MODELS)
+    chat = requests.post(f"{openai_url}/chat/completions", timeout=120, json={
+        "model": "llm_continuous", "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6,
+        "temperature": 0, "ignore_eos": True}).json()
+    assert chat["usage"]["completion_tokens"] == 6 and chat["choices"][0]["finish_reason"] == "length", chat
     metrics = requests.get(container.metrics_url, timeout=5).text
     for model in MODELS:
         assert re.search(rf'^llm_engine_healthy{{[^}}]*model="{model}"[^}}]*}} 1', metrics, re.M), model
@@ -245,8 +254,8 @@ def prometheus_image(env: dict) -> str | None:
 def compose_override(tmp_path: Path, env: dict, locust_run_s: int) -> tuple[Path, dict]:
     """The test's override: every service on the host's network and free 127.0.0.1 ports, Locust headless over every
     model for a bounded run, Prometheus scraping Triton there. Returns the file and the ports."""
-    http, grpc, metrics, prometheus, master = free_ports(5)
-    ports = {"http": http, "grpc": grpc, "metrics": metrics, "prometheus": prometheus}
+    http, grpc, metrics, prometheus, master, openai = free_ports(6)
+    ports = {"http": http, "grpc": grpc, "metrics": metrics, "prometheus": prometheus, "openai": openai}
     scrape = yaml.safe_load((REPO_ROOT / "docker" / "prometheus.yml").read_text())
     scrape["scrape_configs"][0]["static_configs"] = [{"targets": [f"{LOCALHOST}:{metrics}"]}]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(scrape))
@@ -254,7 +263,8 @@ def compose_override(tmp_path: Path, env: dict, locust_run_s: int) -> tuple[Path
     services = {
         "triton": {**host, "environment": {"HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics)},
                    "command": ["python3", "-m", "backend.triton.serve", "--model-repository=/opt/llm/model_repository",
-                               "--address", LOCALHOST, "--", "--exit-timeout-secs=30"]},
+                               "--address", LOCALHOST, "--openai-port", str(openai), "--",
+                               "--exit-timeout-secs=30"]},
         "locust-master": {**host, "command": [
             "-f", "loadtest/locustfile.py", "--master", "--master-bind-host", LOCALHOST, "--master-bind-port",
             str(master), "--headless", "--expect-workers", "2", "-u", "8", "-r", "8", "--run-time", f"{locust_run_s}s",

@@ -161,7 +161,7 @@ def test_triton_image_layers_serving_setup_and_order():
     assert repository == f"{workdir}/model_repository"
     assert f"PYTHONPATH={workdir}" in env, "the models' model.py imports backend/ from PYTHONPATH"
 
-    assert set(args["EXPOSE"].split()) == {"8000", "8001", "8002"}
+    assert set(args["EXPOSE"].split()) == {"8000", "8001", "8002", "9000"}
     assert json.loads(args["HEALTHCHECK"].split("CMD", 1)[1]) == ["python3", f"{workdir}/backend/triton/probe.py", "ready"]
     user = [a for k, a in instructions if k == "USER"][-1]
     assert user.split(":")[0] not in ("root", "0")
@@ -512,7 +512,7 @@ def test_compose_services_build_and_reach_each_other():
     ports = {name: {int(str(p).split(":")[-1]) for p in s.get("ports", [])} for name, s in services.items()}
     ports["locust-master"].add(5557)  # the master's worker port (not published)
     triton = services["triton"]
-    assert ports["triton"] == {8000, 8001, 8002}
+    assert ports["triton"] == {8000, 8001, 8002, 9000}
     assert triton["shm_size"], "the Python backend needs more than Docker's 64 MB of /dev/shm"
     (device,) = triton["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
