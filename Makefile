@@ -31,6 +31,7 @@ STAMP := $(VENV)/.installed$(if $(TORCH),-torch-$(TORCH))
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+OPENAI_PORT ?= 9000
 MODEL ?= models/smollm2-135m-instruct
 PYTHON310 ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.10.*/bin/python3.10) $(shell command -v python3.10))
 VENV310 ?= .venv310
@@ -54,7 +55,7 @@ LLAMACPP_BIN := $(LLAMACPP_DIR)/bin/llama-server
 LLAMACPP_GGUF := $(LLAMACPP_DIR)/$(notdir $(MODEL))-bf16.gguf
 # How OpenMP threads wait (a bounded spin) is set by each process that builds an engine (backend/engine/openmp.py);
 # OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment (or on make's command line) override it.
-export HTTP_PORT GRPC_PORT METRICS_PORT MODEL
+export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL
 
 .PHONY: docker docker-down venv venv310 aiperf-venv chromium model serve test compare slo locust bench llamacpp soak gpu-check aiperf clean
 
@@ -110,7 +111,7 @@ model: $(STAMP)
 
 serve: model
 	$(PY) -m backend.triton.serve --model-repository model_repository --model "$(MODEL)" \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) $(ARGS)
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) $(ARGS)
 
 test: model venv310 aiperf-venv chromium
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \

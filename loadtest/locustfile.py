@@ -35,6 +35,7 @@ import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from urllib.parse import urlparse  # noqa: E402
 
@@ -449,6 +450,12 @@ class OpenAIStreamUser(HttpStreamUser):
             return json.loads(body)["error"]["message"]
         except (ValueError, KeyError, TypeError):
             return body.strip()[:300]
+
+
+# NOTE: Locust runs every user class of a locustfile when the command line names none; this one needs the OpenAI
+# frontend, so it runs only when named (`locust ... OpenAIStreamUser`, as loadtest/runner.py's --protocol openai does):
+# Locust drops a class of weight 0 from its defaults.
+OpenAIStreamUser.weight = 1 if "OpenAIStreamUser" in sys.argv else 0
 
 
 def _error_text(body: str) -> str:

@@ -134,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _exit_status(server.wait()) or 1
         if restarts == 0:
             _print_admin_key_hint(extra_args, server)
+        if frontend is not None and frontend.poll() is not None:
+            print(f"[serve] the OpenAI frontend exited with status {frontend.returncode} (its output is above)",
+                  file=sys.stderr, flush=True)
         openai = f"  OpenAI {server.http_url.rsplit(':', 1)[0]}:{args.openai_port}/v1" if frontend else ""
         print(
             f"[serve] ready in {seconds:.1f} s: HTTP {server.http_url}  gRPC {server.grpc_url}  "
