@@ -1,4 +1,5 @@
 # One-command entry points. Every target sets up what it needs (virtual environment, default model) first.
+#   make help      this list
 #   make serve     serve model_repository/ on a real Triton server (HTTP 8000, gRPC 8001, metrics 8002)
 #   make test      the whole test suite (starts and stops its own servers on free ports)
 #   make compare   serve the models, compare llm_dynamic and llm_continuous under the same Locust load (reports/)
@@ -16,7 +17,8 @@
 #   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
 #   make aiperf    NVIDIA's aiperf against a running `make serve` (AIPERF_MODEL, default llm_continuous;
 #                  ARGS for aiperf)
-# Overrides (also as environment variables): HTTP_PORT GRPC_PORT METRICS_PORT MODEL ARGS PYTEST_ARGS TORCH
+# Overrides (also as environment variables): HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL ARGS PYTEST_ARGS TORCH
+#   TRITON_IMAGE LOCUST_IMAGE DOCKER_CA (make docker)
 #   TORCH=cpu      torch's CPU build from PyTorch's CPU wheel index (TORCH_CPU_INDEX), no CUDA libraries; the rest
 #                  from the normal index. Default (empty): the pins as they resolve: the CUDA 13 build on a public
 #                  Linux machine. Switching TORCH reinstalls torch (each choice has its own stamp file).
@@ -57,7 +59,11 @@ LLAMACPP_GGUF := $(LLAMACPP_DIR)/$(notdir $(MODEL))-bf16.gguf
 # OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment (or on make's command line) override it.
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL
 
-.PHONY: docker docker-down venv venv310 aiperf-venv chromium model serve test compare slo locust bench llamacpp soak gpu-check aiperf clean
+.PHONY: help docker docker-down venv venv310 aiperf-venv chromium model serve test compare slo locust bench llamacpp soak gpu-check aiperf clean
+
+# `make` alone, or `make help`: the header above (targets and settings).
+help:
+	@sed -n '2,/^$$/p' $(firstword $(MAKEFILE_LIST)) | sed -n 's/^# \{0,1\}//p'
 
 venv: $(STAMP)
 

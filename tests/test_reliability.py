@@ -1,4 +1,4 @@
-"""Reliability and security of the models through a real tritonserver (issue 8).
+"""Reliability and security of the models through a real tritonserver.
 
 Bad input, cancellation and disconnects, overload, KV pressure, engine faults, unload/reload, SIGTERM and a short
 soak, observed from the client side over tritonclient gRPC streaming and Triton's HTTP endpoints. The models run

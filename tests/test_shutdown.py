@@ -1,4 +1,4 @@
-"""Stopping the server under load (issue 14): `make serve`'s launcher, a real Locust run, SIGTERM or Ctrl-C.
+"""Stopping the server under load: `make serve`'s launcher, a real Locust run, SIGTERM or Ctrl-C.
 
 Each case runs the launcher's CLI (``python -m backend.triton.serve``, what ``make serve`` runs) on the three models with
 the tiny Llama, Locust against llm_continuous (``--config loadtest/locust.conf``, gRPC and HTTP users, as a user

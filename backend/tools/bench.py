@@ -1,5 +1,5 @@
 """Engine benchmark: the engine beside HF ``generate`` and beside its memory floor, served through a real
-tritonserver beside offline, continuous beside static batching, scheduler cost, and issue 16's targets judged.
+tritonserver beside offline, continuous beside static batching, scheduler cost, and the speed targets judged.
 
     python -m backend.tools.bench --model models/smollm2-135m-instruct [--quick] [--hf-batches 1,8,32]
         [--served-models llm_continuous,llm_dynamic] [--llamacpp .llamacpp/bin/llama-server] [--out reports/bench.json]
@@ -38,7 +38,7 @@ the same run beside it. Keys of the JSON file:
     ``server_ms_per_token`` (llama.cpp's own ``predicted_per_token_ms``, median over the streams) and ``server_cpu``.
     See ``backend/tools/bench_llamacpp.py``.
 ``targets``
-    issue 16's targets: ``name``, ``value`` (``null`` if not measured), ``goal``, ``met`` (``null``: not judged),
+    the speed targets: ``name``, ``value`` (``null`` if not measured), ``goal``, ``met`` (``null``: not judged),
     ``detail``.
 ``workload``
     the same request mix (all at t=0, prompt and output lengths drawn with a fixed seed, ``ignore_eos``) run under
@@ -599,7 +599,7 @@ def format_table(result: dict) -> str:
         f"4. Scheduler: schedule + update with {sc['num_seqs']} running decodes: {sc['us_per_step']:.0f} us/step = "
         f"{sc['share_of_step']:.2%} of a {sc['step_ms']:.1f} ms step ({sc['step_source']})",
         "",
-        "5. Targets (issue 16), judged on this run's figures",
+        "5. Speed targets, judged on this run's figures",
     ]
     for t in result["targets"]:
         verdict = {True: "met", False: "MISSED", None: "not judged"}[t["met"]]

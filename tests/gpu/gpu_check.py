@@ -39,7 +39,7 @@ E2E_PROMPTS = [
     "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker who",
     "Paris is the capital of",
 ]
-BANDWIDTH_TARGET = 0.70  # of measured copy bandwidth, at large batch x context (issue 6)
+BANDWIDTH_TARGET = 0.70  # of measured copy bandwidth, at large batch x context
 
 
 def main(argv=None) -> int:
