@@ -64,6 +64,7 @@ install_plugins() {  # docker compose and docker buildx, from Debian trixie's pa
     say "installing ${missing[*]} from Debian $PLUGIN_SUITE"
     local tmp
     tmp="$(mktemp -d)"
+    chmod 755 "$tmp"  # apt fetches as its own user (_apt)
     mkdir -p "$tmp/lists/partial"
     echo "deb $DEBIAN_MIRROR $PLUGIN_SUITE main" > "$tmp/sources.list"
     local apt_opts=(-q -o "Dir::Etc::sourcelist=$tmp/sources.list" -o Dir::Etc::sourceparts=- -o "Dir::State::Lists=$tmp/lists")
