@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Each layer: the folders (relative to the repository) whose files belong to it, and the module prefixes that name it.
 LAYERS = [

@@ -1,0 +1,527 @@
+"""The load tests' parts without a server: workloads, metrics parsing, the measurement window, the report and its plots,
+the SLO ladder, the capacity plan, the soak's crash report.
+
+tests/server/test_loadtest.py runs headless Locust and `make compare --smoke` against real servers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from client.schema import Chunk
+from loadtest import compare, metrics, report, slo, soak, stats
+from loadtest.measure import Measurement, StreamError
+from loadtest.runner import REPO_ROOT, LoadPoint, Plan, batcher_settings, measurement_window
+from loadtest.slo import verdict
+from loadtest.workloads import WORKLOADS, get_workload, make_request
+
+FIXTURE = Path(__file__).parents[1] / "data" / "loadtest_results.json"
+
+
+@pytest.mark.timeout(10)
+def test_request_i_is_the_same_everywhere_and_long_tailed_is_long_tailed():
+    workload = get_workload("long_tailed")
+    assert make_request(workload, 7, seed=3) == make_request(workload, 7, seed=3)
+    assert make_request(workload, 7, seed=3) != make_request(workload, 7, seed=4)
+    specs = [make_request(workload, i) for i in range(2000)]
+    long = [s for s in specs if s.max_tokens >= 256]
+    assert 0.07 < len(long) / len(specs) < 0.13  # about one in ten
+    assert all(16 <= s.max_tokens <= 64 or 256 <= s.max_tokens <= 512 for s in specs)
+    assert all(len(s.prompt.split()) == s.num_prompt_words for s in specs[:50])
+
+
+@pytest.mark.timeout(10)
+def test_scaled_workloads_keep_their_shape():
+    quick = [make_request(get_workload("long_tailed", 0.5), i).max_tokens for i in range(500)]
+    assert max(quick) <= 256 and min(quick) >= 8
+    small = [make_request(get_workload("constant", 0.1), i) for i in range(20)]
+    assert {(s.num_prompt_words, s.max_tokens) for s in small} == {(6, 13)}  # prompts scale with outputs
+    with pytest.raises(ValueError, match="unknown workload"):
+        get_workload("nope")
+    assert set(WORKLOADS) == {"constant", "uniform", "long_tailed", "bimodal"}
+
+
+def chunk(t: float, n: int = 1, reason: str | None = None) -> Chunk:
+    return Chunk(
+        text="x" * n,
+        output_ids=tuple(range(n)),
+        finish_reason=reason,
+        num_input_tokens=12,
+        num_output_tokens=None,
+        time_s=t,
+    )
+
+
+@pytest.mark.timeout(10)
+def test_measurement_times_tokens_and_flags_truncated_streams():
+    m = Measurement(index=0, max_tokens=4, t_start_unix=100.0)
+    for t, reason in ((0.5, None), (0.6, None), (0.9, None), (1.0, "length")):
+        m.add(chunk(t, reason=reason))
+    m.e2e_s = 1.01
+    m.check_complete()
+    assert (m.ttft_s, round(m.tpot_s, 6), round(m.itl_max_s, 6)) == (0.5, round(0.5 / 3, 6), 0.3)
+    record = m.record()
+    assert record["token_ms"] == [500.0, 600.0, 900.0, 1000.0] and record["ok"] and record["num_input_tokens"] == 12
+
+    short = Measurement(index=1, max_tokens=4, t_start_unix=100.0)
+    short.add(chunk(0.5, n=2, reason="length"))
+    with pytest.raises(StreamError, match="2 of 4 tokens"):
+        short.check_complete()
+    unfinished = Measurement(index=2, max_tokens=1, t_start_unix=100.0)
+    unfinished.add(chunk(0.5))
+    with pytest.raises(StreamError, match="without finish_reason"):
+        unfinished.check_complete()
+
+
+PROMETHEUS_TEXT = """
+# HELP llm_batch_size Sequences in each forward step
+# TYPE llm_batch_size histogram
+llm_batch_size_bucket{model="llm_dynamic",le="1"} 3
+llm_batch_size_bucket{model="llm_dynamic",le="2"} 5
+llm_batch_size_bucket{model="llm_dynamic",le="+Inf"} 10
+llm_batch_size_sum{model="llm_dynamic"} 25
+llm_batch_size_count{model="llm_dynamic"} 10
+llm_num_requests_running{model="llm_continuous"} 4
+nv_inference_pending_request_count{model="llm_dynamic",version="1"} 6
+llm_request_success_total{finish_reason="length",model="llm_dynamic"} 9
+nv_gpu_utilization{gpu_uuid="x"} 0.5
+garbage line
+"""
+
+
+@pytest.mark.timeout(10)
+def test_prometheus_text_is_selected_by_model_and_prefix():
+    values = metrics.select(metrics.parse_prometheus(PROMETHEUS_TEXT), "llm_dynamic")
+    assert values['llm_batch_size_bucket{le="2"}'] == 5
+    assert values["llm_batch_size_count"] == 10
+    assert values["nv_inference_pending_request_count"] == 6
+    assert values['llm_request_success_total{finish_reason="length"}'] == 9
+    assert "llm_num_requests_running" not in values and not any(k.startswith("nv_gpu") for k in values)
+    assert "llm_batch_size_bucket" not in "".join(
+        metrics.select(metrics.parse_prometheus(PROMETHEUS_TEXT), "llm_dynamic", buckets=False)
+    )
+
+
+@pytest.mark.timeout(10)
+def test_a_model_with_several_instances_is_read_as_the_sum_of_its_instances():
+    from backend.triton.metrics import instance_label
+
+    text = """
+llm_kv_blocks_used{instance="llm_dynamic_0_0",model="llm_dynamic"} 30
+llm_kv_blocks_used{instance="llm_dynamic_0_1",model="llm_dynamic"} 12
+llm_kv_blocks_total{instance="llm_dynamic_0_0",model="llm_dynamic"} 1024
+llm_kv_blocks_total{instance="llm_dynamic_0_1",model="llm_dynamic"} 1024
+llm_batch_size_count{instance="llm_dynamic_0_0",model="llm_dynamic"} 7
+llm_batch_size_count{instance="llm_dynamic_0_1",model="llm_dynamic"} 5
+"""
+    values = metrics.select(metrics.parse_prometheus(text), "llm_dynamic")
+    assert values == {"llm_kv_blocks_used": 42, "llm_kv_blocks_total": 2048, "llm_batch_size_count": 12}
+    # Only a model served by several instances labels its series by instance (one instance keeps the plain labels).
+    args = {"model_instance_name": "llm_dynamic_0_1"}
+    assert instance_label(args, {"instance_group": [{"count": 2, "kind": "KIND_CPU"}]}) == "llm_dynamic_0_1"
+    assert instance_label(args, {"instance_group": [{"count": 1, "kind": "KIND_CPU"}]}) is None
+    assert instance_label(args, {}) is None
+
+
+@pytest.mark.timeout(10)
+def test_histogram_deltas_give_steps_per_second_and_batch_size():
+    samples = [
+        {
+            "t": 10.0,
+            "values": {
+                "llm_batch_size_count": 100,
+                "llm_batch_size_sum": 400,
+                'llm_batch_size_bucket{le="1"}': 10,
+                'llm_batch_size_bucket{le="+Inf"}': 100,
+            },
+        },
+        {"t": 10.5, "values": {"llm_batch_size_count": 110, "llm_batch_size_sum": 480}},
+        {"t": 11.0, "values": {"llm_batch_size_count": 110, "llm_batch_size_sum": 480}},  # idle: left out
+        {
+            "t": 11.5,
+            "values": {
+                "llm_batch_size_count": 130,
+                "llm_batch_size_sum": 500,
+                'llm_batch_size_bucket{le="1"}': 30,
+                'llm_batch_size_bucket{le="+Inf"}': 130,
+            },
+        },
+    ]
+    assert metrics.histogram_rate(samples, "llm_batch_size") == [(10.25, 20.0, 8.0), (11.25, 40.0, 1.0)]
+    assert metrics.histogram_delta(samples[0]["values"], samples[-1]["values"], "llm_batch_size") == {
+        "1": 20,
+        "+Inf": 10,
+    }
+
+
+def record(t_start: float, token_ms: list[float], error: str | None = None, cut: bool = False) -> dict:
+    """A records-file line as the Locust users write it (times in ms since the request was sent)."""
+    done = error is None and not cut
+    n = len(token_ms)
+    return {
+        "t_start": t_start,
+        "ok": done,
+        "error": error,
+        "cut": cut,
+        "ttft_ms": token_ms[0] if token_ms else None,
+        "tpot_ms": (token_ms[-1] - token_ms[0]) / (n - 1) if done and n > 1 else None,
+        "e2e_ms": token_ms[-1] + 1.0 if token_ms else 10.0,
+        "num_output_tokens": n,
+        "token_ms": token_ms,
+    }
+
+
+@pytest.mark.timeout(10)
+def test_window_counts_tokens_that_arrived_in_it_and_latency_of_requests_started_in_it(monkeypatch):
+    monkeypatch.setattr(stats, "MIN_REQUESTS", 1)  # four requests in 4 s: the arithmetic, not the rule below
+    monkeypatch.setattr(stats, "MIN_WINDOW_S", 1.0)
+    early = record(99.0, [500.0, 1000.0, 1500.0])  # tokens at 99.5, 100.0, 100.5; done at 100.501
+    inside = record(101.0, [100.0, 4900.0])  # its second token comes after the window
+    failed = record(102.0, [], error="error: boom")
+    cut = record(103.0, [300.0, 5000.0], cut=True)  # still streaming when the drain limit ended the run
+    run = {
+        "model": "m",
+        "users": 2,
+        "arrival_rate": 0.0,
+        "load": "2 users",
+        "requests": [early, inside, failed, cut],
+        "metrics": [],
+        "window": (100.0, 104.0),
+    }
+    row = stats.summarize(run, slo_ttft_ms=200, slo_tpot_ms=200)
+    assert row["num_requests"] == 3  # the early request is not in the latencies
+    assert (row["num_failed"], row["num_unfinished"], row["errors"]) == (1, 1, ["error: boom"])
+    assert row["output_tok_per_s"] == 4 / 4  # 100.0, 100.5 (early), 101.1 (inside), 103.3 (cut)
+    assert row["req_per_s"] == 1 / 4  # only the early one completed inside the window
+    assert row["ttft_p50_ms"] == 200.0  # inside (100 ms) and cut (300 ms): a cut request's first token counts
+    assert row["e2e_p99_ms"] == 4901.0 and row["goodput_req_per_s"] == 0.0  # inside's TPOT is 4.8 s
+    assert measurement_window(
+        [{"event": "test_start", "t": 5.0}, {"event": "stop_issuing", "t": 20.0}, {"event": "test_stop", "t": 30.0}],
+        ramp_s=3,
+    ) == (8.0, 20.0)
+
+
+def steady_run(num_requests: int, window_s: float, stop_reason: str = "stopping", model: str = "m") -> dict:
+    """A closed-loop run whose ``num_requests`` requests start evenly in a window of ``window_s`` seconds from 100 s,
+    each with four tokens 100 ms apart."""
+    step = window_s / num_requests if num_requests else window_s
+    return {
+        "model": model,
+        "users": 8,
+        "arrival_rate": 0.0,
+        "load": "8 users",
+        "requests": [record(100.0 + i * step, [50.0, 150.0, 250.0, 350.0]) for i in range(num_requests)],
+        "events": [
+            {"event": "test_start", "t": 95.0},
+            {"event": "stop_issuing", "t": 100.0 + window_s, "reason": stop_reason},
+            {"event": "test_stop", "t": 101.0 + window_s},
+        ],
+        "metrics": [],
+        "window": (100.0, 100.0 + window_s),
+    }
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    "num_requests,window_s,stop_reason,reason",
+    [
+        (3, 30.0, "stopping", "3 requests in 30 s: too few to measure"),
+        (3, 0.48, "stopping", "3 requests in 0.48 s: too few to measure"),
+        (40, 2.5, "stopping", "40 requests in 2.5 s: window too short to measure"),
+        (3, 0.48, "max_requests", "request budget spent (3 requests in 0.48 s)"),
+        (0, 0.0, "max_requests", "request budget spent (0 requests in 0 s)"),
+    ],
+)
+def test_a_window_too_short_or_too_sparse_gives_no_figures(num_requests, window_s, stop_reason, reason):
+    row = stats.summarize(steady_run(num_requests, window_s, stop_reason), slo_ttft_ms=2000, slo_tpot_ms=100)
+    assert row["not_measured"] == reason
+    assert (row["num_requests"], row["window_s"]) == (num_requests, pytest.approx(window_s))  # the counts stay
+    figures = ("req_per_s", "output_tok_per_s", "goodput_req_per_s", "ttft_p99_ms", "tpot_p50_ms", "e2e_p99_ms")
+    assert all(row[key] is None for key in figures)
+    cells = report.table_rows([row])[0]
+    assert cells[2] == f"not measured: {reason}" and set(cells[3:11]) == {"–"}
+
+
+@pytest.mark.timeout(10)
+def test_a_normal_window_is_measured_even_when_its_budget_ran_out():
+    for stop_reason in ("stopping", "max_requests"):
+        row = stats.summarize(steady_run(40, 20.0, stop_reason), slo_ttft_ms=2000, slo_tpot_ms=100)
+        assert row["not_measured"] is None and row["budget_spent"] == (stop_reason == "max_requests")
+        assert (row["req_per_s"], row["output_tok_per_s"], row["ttft_p99_ms"]) == (2.0, 8.0, 50.0)
+        assert verdict(row, 2000, 100) is None
+        assert report.table_rows([row])[0][2] == "2.00"
+
+
+@pytest.mark.timeout(10)
+def test_slo_ladder_skips_a_sparse_point_and_stops_where_the_budget_ran_out(monkeypatch):
+    runs = iter([steady_run(5, 30.0), steady_run(40, 20.0), steady_run(3, 0.48, "max_requests"), steady_run(40, 20.0)])
+    monkeypatch.setattr(slo, "run_load_point", lambda *args: next(runs))
+    said = []
+    points = [LoadPoint(u) for u in (1, 4, 8, 12)]
+    result = slo.search(None, "m", points, Plan(), Path("unused"), say=said.append)
+    assert result["best"]["load"] == "8 users" and result["first_violation"] is None  # the fixture calls all "8 users"
+    assert [p["load"] for p in result["not_measured"]] == ["1 users", "8 users"] and len(result["rows"]) == 3
+    assert said[0] == "  m at 1 users: not measured: 5 requests in 30 s: too few to measure"
+    assert said[2] == "  m at 8 users: not measured: request budget spent (3 requests in 0.48 s)"
+    assert not any("BROKEN" in line for line in said)
+    line = slo.outcome_line(result)
+    assert "every measured point held; not measured at 1 users: 5 requests in 30 s: too few to measure" in line
+    assert line.endswith("not measured at 8 users: request budget spent (3 requests in 0.48 s) (raise --max-requests "
+                         "to measure higher loads)")
+
+
+@pytest.mark.timeout(60)
+def test_report_marks_points_not_measured_and_leaves_them_out_of_the_plots(tmp_path):
+    results = json.loads(FIXTURE.read_text())
+    sparse = next(run for run in results["runs"] if run["model"] == "llm_dynamic" and run["users"] == 4)
+    start = sparse["window"][0]
+    sparse["window"] = [start, start + 0.48]  # a handful of requests in half a second
+    built = report.build(results, tmp_path)
+
+    assert built["headline"].startswith("continuous vs dynamic at 2 users:")  # the highest load with both measured
+    row = next(r for r in built["rows"] if r["model"] == "llm_dynamic" and r["users"] == 4)
+    reason = row["not_measured"]
+    assert reason.endswith("in 0.48 s: too few to measure")
+    md = (tmp_path / "report.md").read_text()
+    assert f"| llm_dynamic | 4 users | not measured: {reason} | – |" in md
+    assert f"| 4 users | not measured (llm_dynamic: {reason}) |" in md
+    assert f"llm_dynamic at 4 users ({reason})" in md.split("**Not measured:**")[1]
+    assert "## Why: batch size over time at 2 users" in md
+    assert (tmp_path / "throughput_vs_load.png").stat().st_size > 15_000
+
+
+# As /v2/models/<model>/config answers (Triton fills in preferred_batch_size when config.pbtxt has none).
+SERVED_CONFIGS = {
+    "llm_dynamic": {
+        "name": "llm_dynamic",
+        "max_batch_size": 8,
+        "dynamic_batching": {"preferred_batch_size": [8], "max_queue_delay_microseconds": 2000},
+        "instance_group": [{"name": "llm_dynamic_0", "kind": "KIND_CPU", "count": 2}],
+        "parameters": {
+            "max_num_seqs": {"string_value": "8"},
+            "max_num_batched_tokens": {"string_value": "2048"},
+            "kv_cache_memory_bytes": {"string_value": "536870912"},
+        },
+    },
+    "llm_continuous": {
+        "name": "llm_continuous",
+        "max_batch_size": 0,
+        "instance_group": [{"name": "llm_continuous_0", "kind": "KIND_CPU", "count": 1}],
+        "parameters": {"max_num_seqs": {"string_value": "8"}, "num_kv_blocks": {"string_value": "300"}},
+    },
+}
+
+
+@pytest.mark.timeout(60)
+def test_report_states_every_batcher_setting_as_served(tmp_path):
+    settings = batcher_settings(SERVED_CONFIGS["llm_dynamic"])
+    assert settings == {
+        "batcher": "dynamic",
+        "max_batch_size": 8,
+        "preferred_batch_size": [8],
+        "max_queue_delay_microseconds": 2000,
+        "instance_count": 2,
+        "max_num_seqs": "8",
+        "max_num_batched_tokens": "2048",
+        "num_kv_blocks": None,
+        "kv_cache_memory_bytes": "536870912",
+    }
+    assert batcher_settings(SERVED_CONFIGS["llm_continuous"])["batcher"] == "none: the model's own loop"
+    iterative = {"max_batch_size": 8, "sequence_batching": {"iterative_sequence": True, "oldest": {
+        "max_candidate_sequences": 8, "preferred_batch_size": [8], "max_queue_delay_microseconds": 0}}}
+    assert batcher_settings(iterative)["batcher"] == "sequence (iterative)"
+    assert batcher_settings(iterative)["max_queue_delay_microseconds"] == 0
+    results = json.loads(FIXTURE.read_text())
+    results["meta"]["configs"] = {model: batcher_settings(config) for model, config in SERVED_CONFIGS.items()}
+    for run in results["runs"]:
+        if run["model"] == "llm_dynamic":  # the KV pool as the engine reported it wins over the configured bytes
+            run["metrics"] = [s for s in run["metrics"] if "llm_kv_blocks_total" not in s["values"]]
+    report.build(results, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    table = md.split("## Configurations served")[1].split("\n\n")[1].splitlines()
+    assert table[0] == (
+        "| model | batcher | max_batch_size | preferred_batch_size | max_queue_delay | instances | max_num_seqs | "
+        "max_num_batched_tokens | KV blocks |"
+    )
+    assert table[2] == "| llm_dynamic | dynamic | 8 | 8 | 2 ms | 2 | 8 | 2048 | 512 MiB |"
+    assert table[3].startswith("| llm_continuous | none: the model's own loop | 0 | – | – | 1 | 8 | – | ")
+    assert "Every model runs at most 8 sequences at once per instance (llm_dynamic: 2 instances)." in md
+
+
+@pytest.mark.timeout(10)
+def test_compare_serves_llm_dynamic_variants_beside_the_shipped_models(tmp_path):
+    args = compare.parse_args(["--smoke", "--dynamic-variants", "3x4@50000,1x16@0"])
+    assert [v.name for v in args.variants] == ["llm_dynamic_3x4_50000us", "llm_dynamic_1x16_0us"]
+    models = args.models.split(",")
+    assert models == ["llm_static", "llm_dynamic", "llm_dynamic_3x4_50000us", "llm_dynamic_1x16_0us",
+                      "llm_iterative", "llm_continuous"]
+    served = compare.served_repository(args.model_repository, tmp_path / "repo", models, args.variants)
+    assert sorted(p.name for p in served.iterdir()) == sorted(models)
+    config = (served / "llm_dynamic_3x4_50000us" / "config.pbtxt").read_text()
+    assert 'name: "llm_dynamic_3x4_50000us"' in config and 'name: "llm_dynamic"' not in config
+    assert "\nmax_batch_size: 4\n" in config
+    assert "instance_group [ { count: 3, kind: KIND_CPU } ]" in config
+    assert "max_queue_delay_microseconds: 50000" in config and "max_queue_delay_microseconds: 2000" not in config
+    assert 'key: "max_num_seqs", value: { string_value: "4" }' in config
+    assert 'key: "num_threads"' in config  # three instances share the cores
+    assert (served / "llm_dynamic_3x4_50000us" / "1" / "model.py").is_file()
+    single = (served / "llm_dynamic_1x16_0us" / "config.pbtxt").read_text()
+    assert "max_queue_delay_microseconds: 0\n" in single and 'key: "num_threads"' not in single
+    for model in ("llm_dynamic", "llm_continuous"):
+        shipped = (REPO_ROOT / "model_repository" / model / "config.pbtxt").read_text()
+        assert (served / model / "config.pbtxt").read_text() == shipped
+
+    # The default: the four models and llm_dynamic at its best; a running server: the four as it serves them.
+    default = compare.parse_args([])
+    assert default.models.split(",") == ["llm_static", "llm_dynamic",
+                                         compare.DynamicVariant.parse(compare.BEST_DYNAMIC).name,
+                                         "llm_iterative", "llm_continuous"]
+    chosen = compare.parse_args(["--models", "llm_dynamic,llm_continuous", "--dynamic-variants", "2x4@2000"])
+    assert chosen.models == "llm_dynamic,llm_dynamic_2x4_2000us,llm_continuous"
+    running = compare.parse_args(["--url", "http://127.0.0.1:8000"])
+    assert running.models == "llm_static,llm_dynamic,llm_iterative,llm_continuous" and running.variants == []
+    for bad in (["--dynamic-variants", "0x8@2000"], ["--dynamic-variants", "2x8"],
+                ["--dynamic-variants", "2x4@2000", "--url", "http://127.0.0.1:8000"],
+                ["--dynamic-variants", "2x4@2000", "--models", "llm_continuous"]):
+        with pytest.raises(SystemExit):
+            compare.parse_args(bad)
+
+
+@pytest.mark.timeout(60)
+def test_report_builds_tables_and_plots_from_fixed_results(tmp_path):
+    results = json.loads(FIXTURE.read_text())
+    built = report.build(results, tmp_path)
+
+    assert built["headline"].startswith("continuous vs dynamic at 4 users: 1.6x output tokens/s")
+    assert "8.0x lower TTFT p99" in built["headline"]
+    for name in (
+        "throughput_vs_load",
+        "latency_vs_load",
+        "e2e_latency_cdf",
+        "batch_size_over_time",
+        "kv_blocks_over_time",
+        "batch_size_histogram",
+    ):
+        png = tmp_path / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 15_000, name
+
+    md = (tmp_path / "report.md").read_text()
+    table = md.split("## Every load point")[1].split("\n\n")[1].splitlines()
+    assert table[0].startswith("| model | load | req/s | output tok/s | TTFT p50 | TTFT p90 | TTFT p99 | TPOT p50")
+    assert [line.split(" | ")[:2] for line in table[2:]] == [
+        ["| llm_dynamic", "2 users"],
+        ["| llm_dynamic", "4 users"],
+        ["| llm_continuous", "2 users"],
+        ["| llm_continuous", "4 users"],
+    ]
+    assert "| 4 users | 1.59x |" in md  # the side-by-side table
+    assert "Continuous beside static" not in md  # no llm_static runs, no table for it
+    html = (tmp_path / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 6 and "<table>" in html and 'src="batch' not in html
+    rows = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    dynamic4 = next(r for r in rows if r["model"] == "llm_dynamic" and r["users"] == 4)
+    assert (
+        dynamic4["num_failed"] == 0 and dynamic4["goodput_fraction"] == 0.0 and 2.5 < dynamic4["mean_batch_size"] < 3.5
+    )
+
+
+@pytest.mark.timeout(60)
+def test_report_puts_static_first_and_compares_continuous_with_it(tmp_path):
+    results = json.loads(FIXTURE.read_text())
+    dynamic = [run for run in results["runs"] if run["model"] == "llm_dynamic"]
+    results["runs"] += [{**run, "model": "llm_static"} for run in dynamic]  # static measured as dynamic was
+    built = report.build(results, tmp_path)
+    assert built["headline"].startswith("continuous vs dynamic at 4 users: 1.6x output tokens/s")
+    md = (tmp_path / "report.md").read_text()
+    table = md.split("## Every load point")[1].split("\n\n")[1].splitlines()
+    assert [line.split(" | ")[0] for line in table[2:]] == ["| llm_static"] * 2 + ["| llm_dynamic"] * 2 + [
+        "| llm_continuous"
+    ] * 2
+    against_static = md.split("## Continuous beside static")[1]
+    assert "goodput req/s (cont. vs static)" in against_static and "| 4 users | 1.59x |" in against_static
+    assert "Static batching: the batcher waits for a full batch" in md
+
+
+@pytest.mark.timeout(10)
+def test_slo_verdict_names_what_broke():
+    row = {"num_requests": 10, "num_failed": 0, "ttft_p99_ms": 2500.0, "tpot_p99_ms": 50.0}
+    assert verdict(row, 2000, 100) == "TTFT p99 2.50 s > 2000 ms"
+    assert verdict({**row, "ttft_p99_ms": 100.0}, 2000, 100) is None
+    assert "3 failures" in verdict({**row, "num_failed": 3, "ttft_p99_ms": 100.0}, 2000, 100)
+
+
+@pytest.mark.timeout(20)
+def test_capacity_gives_the_paged_models_the_seats_their_kv_pool_holds(tmp_path, tiny_llama_dir):
+    args = slo.parse_args(["--capacity", "--dynamic-variants", "1x16@2000"])
+    assert args.models == "llm_dynamic_1x16_2000us,llm_iterative,llm_continuous"
+    assert args.rates == slo.CAPACITY_RATES and args.duration == slo.CAPACITY_DURATION_S
+    for bad in (["--capacity", "--url", "http://127.0.0.1:8000"], ["--dynamic-variants", "1x16@2000"]):
+        with pytest.raises(SystemExit):
+            slo.parse_args(bad)
+
+    # The pool's blocks over the mean request's blocks (the shipped 512 MiB for the tiny Llama's KV layout).
+    hf = json.loads((tiny_llama_dir / "config.json").read_text())
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    per_block = 2 * hf["num_hidden_layers"] * 16 * hf["num_key_value_heads"] * head_dim * 2
+    capacity = slo.capacity_seats(tiny_llama_dir, REPO_ROOT / "model_repository", "long_tailed")
+    assert capacity["kv_blocks"] == 536870912 // per_block and capacity["block_size"] == 16
+    spec = [make_request(get_workload("long_tailed"), i) for i in range(2000)]
+    blocks = [-(-(r.num_prompt_words + r.max_tokens) // 16) for r in spec]  # ceil(tokens / block_size)
+    assert capacity["mean_blocks"] == pytest.approx(sum(blocks) / 2000)
+    assert capacity["seats"] == min(slo.MAX_CAPACITY_SEATS, int(capacity["kv_blocks"] // capacity["mean_blocks"]))
+
+    repo = slo.capacity_repository(REPO_ROOT / "model_repository", tmp_path / "repo", 96, args.variants)
+    assert sorted(p.name for p in repo.iterdir()) == ["llm_continuous", "llm_dynamic_1x16_2000us", "llm_iterative"]
+    iterative = (repo / "llm_iterative" / "config.pbtxt").read_text()
+    assert "\nmax_batch_size: 96\n" in iterative and "max_candidate_sequences: 96 }" in iterative
+    for model in ("llm_iterative", "llm_continuous"):
+        assert 'key: "max_num_seqs", value: { string_value: "96" }' in (repo / model / "config.pbtxt").read_text()
+
+
+@pytest.mark.timeout(10)
+def test_capacity_table_sets_continuous_beside_the_best_dynamic_configuration():
+    def result(model, req_per_s, seats, instances=1, broke="3 req/s"):
+        best = None if req_per_s is None else {
+            "req_per_s": req_per_s, "load": f"{req_per_s:g} req/s", "output_tok_per_s": 100 * req_per_s,
+            "ttft_p99_ms": 900.0, "tpot_p99_ms": 60.0}
+        return {"model": model, "best": best, "first_violation": {"load": broke, "why": "TTFT p99 3.00 s > 2000 ms"},
+                "rows": [{"load": "0.5 req/s"}], "config": {"instance_count": instances, "max_num_seqs": str(seats)}}
+
+    results = [result("llm_dynamic_1x8_2000us", 0.5, 8), result("llm_dynamic_2x16_2000us", 1.0, 16, 2),
+               result("llm_continuous", 4.0, 151, broke="6 req/s")]
+    table = slo.capacity_table(results, 2000, 100)
+    assert "| llm_dynamic_2x16_2000us | 2 x 16 | 1.00 (offered 1 req/s) | 100 | 900 ms | 60 ms | 3 req/s: TTFT" in table
+    assert table.endswith("llm_continuous sustains 4.00 req/s within the SLO; the best dynamic configuration "
+                          "(llm_dynamic_2x16_2000us) 1.00: 4.0x.")
+    none_held = slo.capacity_table([result("llm_dynamic", None, 8), results[2]], 2000, 100)
+    assert "| llm_dynamic | 8 | none of the ladder |" in none_held
+    assert none_held.endswith("no dynamic configuration held even the ladder's lowest load (0.5 req/s).")
+
+
+def test_soak_shows_the_crash_when_the_server_dies(tmp_path):
+    log = tmp_path / "tritonserver.log"
+    log.write_text("I1129 started\nSignal (11) received.\n 0# 0x1 in tritonserver\n 1# 0x2 in libc.so.6\n")
+    assert soak.crash_lines(log) == ["Signal (11) received.", " 0# 0x1 in tritonserver", " 1# 0x2 in libc.so.6"]
+    log.write_text("".join(f"line {i}\n" for i in range(30)))
+    assert soak.crash_lines(log, count=3) == ["line 27", "line 28", "line 29"]
+
+
+def test_soak_names_the_function_a_tritonserver_crash_happened_in():
+    from backend.triton.server_home import server_distribution
+
+    binary = server_distribution()[0] / "bin" / "tritonserver"
+    symbols = subprocess.run(["nm", "-C", str(binary)], capture_output=True, text=True, check=True).stdout
+    address = {line.split(" ", 2)[2]: int(line.split()[0], 16) for line in symbols.splitlines() if line[:1] != " "}
+    handler = address["triton::server::(anonymous namespace)::ErrorSignalHandler(int)"]
+    process = next(a for name, a in address.items() if name.startswith("triton::server::grpc::ModelStreamInferHandler"
+                                                                         "::Process("))
+    base = 0x5618B9F7C000  # where the binary was loaded: any page-aligned address
+    stack = ["Signal (11) received.", f" 0# 0x{base + handler + 0xBD:016X} in {binary}",
+             " 1# 0x00007F0DB4E5A050 in /lib/x86_64-linux-gnu/libc.so.6",
+             f" 2# 0x{base + process + 0x3E:016X} in {binary}"]
+    assert soak.crash_site(stack).startswith("triton::server::grpc::ModelStreamInferHandler::Process(")
+    assert soak.crash_site(stack[:2]) is None and soak.crash_site(["Signal (11) received."]) is None
