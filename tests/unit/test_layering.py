@@ -1,5 +1,6 @@
-"""Imports point down the layers only (CONVENTIONS.md, rule 11): kernels <- engine <- Triton glue <- tools and load
-tests. Read from the source with ``ast`` (every import, function-level ones included), so nothing is imported."""
+"""Imports point down the layers only: kernels <- engine <- Triton glue <- tools, the frontend and the load tests (the
+README's layout). Read from the source with ``ast`` (every import, function-level ones included), so nothing is
+imported."""
 
 from __future__ import annotations
 
