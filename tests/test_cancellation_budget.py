@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 
-from backend.triton import responses
 from backend.triton.responses import CancellationPoll, OpenRequest, OpenRequests
 
 ASK_S = 35e-6  # one is_cancelled() round trip, as measured on the development machine
@@ -35,10 +34,8 @@ class Sender:
 
 
 @pytest.fixture
-def clock(monkeypatch):
-    fake = Clock()
-    monkeypatch.setattr(responses.time, "monotonic", fake)
-    return fake
+def clock():
+    return Clock()
 
 
 def running(clock: Clock, count: int) -> tuple[OpenRequests, dict[str, Sender]]:
@@ -60,7 +57,7 @@ def steps(clock: Clock, poll: CancellationPoll, ids: list[str], count: int) -> l
 @pytest.mark.parametrize("batch", [1, 4])
 def test_a_small_batch_is_asked_before_every_step(clock, batch):
     open_requests, senders = running(clock, batch)
-    poll, ids = CancellationPoll(open_requests), list(senders)
+    poll, ids = CancellationPoll(open_requests, clock=clock), list(senders)
     steps(clock, poll, ids, 5)  # the first poll (every open request) and the budget filling up
     asked = {rid: s.asked for rid, s in senders.items()}
     steps(clock, poll, ids, 10)
@@ -72,7 +69,7 @@ def test_a_small_batch_is_asked_before_every_step(clock, batch):
 def test_the_timer_alone_would_take_several_steps(clock):
     """The baseline the budget improves on: without it a cancelled request waits up to ``streaming_every``."""
     open_requests, senders = running(clock, 1)
-    poll = CancellationPoll(open_requests, budget=0)
+    poll = CancellationPoll(open_requests, budget=0, clock=clock)
     steps(clock, poll, ["r0"], 2)
     senders["r0"].cancelled = True
     found = steps(clock, poll, ["r0"], 10)
@@ -81,7 +78,7 @@ def test_the_timer_alone_would_take_several_steps(clock):
 
 def test_a_large_batch_is_asked_round_robin_within_the_budget(clock):
     open_requests, senders = running(clock, 32)
-    poll, ids = CancellationPoll(open_requests, budget=0.01, streaming_every=10.0, all_every=100.0), list(senders)
+    poll, ids = CancellationPoll(open_requests, budget=0.01, streaming_every=10.0, all_every=100.0, clock=clock), list(senders)
     steps(clock, poll, ids, 3)
     asked = {rid: s.asked for rid, s in senders.items()}
     clock.asking, started = 0.0, clock.now

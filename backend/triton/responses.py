@@ -6,7 +6,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,8 +116,9 @@ class CancellationPoll:
     ASK_COST_S = 35e-6  # one is_cancelled() until measured
 
     def __init__(self, open_requests: OpenRequests, budget: float = 0.01, streaming_every: float = 0.2,
-                 all_every: float = 1.0) -> None:
+                 all_every: float = 1.0, clock: Callable[[], float] | None = None) -> None:
         self._open = open_requests
+        self._clock = clock or time.monotonic
         self._budget, self._streaming_every, self._all_every = budget, streaming_every, all_every
         self._next_streaming = self._next_all = 0.0
         self._last_poll: float | None = None
@@ -128,7 +129,7 @@ class CancellationPoll:
     def __call__(self, request_ids: Iterable[str]) -> list[str]:
         """The cancelled ones among ``request_ids`` (those being stepped) that were asked now, or among every open
         request when that poll is due; [] when nothing was asked."""
-        now = time.monotonic()
+        now = self._clock()
         since, self._last_poll = (0.0 if self._last_poll is None else now - self._last_poll), now
         if now >= self._next_all:
             self._next_all, self._next_streaming = now + self._all_every, now + self._streaming_every
@@ -146,7 +147,7 @@ class CancellationPoll:
         if not chosen:
             return []
         cancelled = self._open.cancelled(chosen)
-        spent = time.monotonic() - now
+        spent = self._clock() - now
         if not due:
             self._credit = max(self._credit - spent, 0.0)
         if spent > 0:

@@ -39,7 +39,8 @@ apt_dir="$work/apt"
 mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$work/debs"
 echo "deb $mirror trixie main" > "$apt_dir/sources.list"
 apt_opts=(-o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o "Dir::Etc::sourceparts=-"
-          -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache" -o "APT::Get::List-Cleanup=0")
+          -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache" -o "APT::Get::List-Cleanup=0"
+          -o "APT::Sandbox::User=root")  # the files are in a folder of our own, which apt's user cannot read
 apt-get -q "${apt_opts[@]}" update >/dev/null
 (cd "$work/debs" && apt-get -q "${apt_opts[@]}" download libc6 libstdc++6 libgcc-s1 >/dev/null)
 runtime="$(cd "$venv" && pwd)/trixie-runtime"

@@ -1,37 +1,49 @@
-"""NVIDIA's benchmark clients in their OpenAI modes against the OpenAI frontend: aiperf in its default mode (chat)
-and genai-perf ``--endpoint-type chat``, each asked for fixed output lengths, which the server's own count must show
-exactly (the tools re-tokenize the text they get, and may count a token more or less). On the tiny random Llama
-(SmolLM2's tokenizer and chat template), so that lengths, not text, are what is checked.
+"""The OpenAI frontend with clients people already have, and with clients that go away, on the tiny random Llama
+(SmolLM2's tokenizer and chat template) behind llm_dynamic and llm_continuous:
 
-aiperf comes from ``make aiperf-venv`` (.venv-aiperf), genai-perf from ``make genai-perf-venv`` (.venv-genai-perf;
-``make test`` builds both). Where genai-perf could not be built, its test skips with the reason the build gave.
+- NVIDIA's benchmark clients in their OpenAI modes: aiperf in its default mode (chat) and genai-perf
+  ``--endpoint-type chat``, each asked for fixed output lengths, which the server's own count must show exactly (the
+  tools re-tokenize the text they get, and may count a token more or less). aiperf comes from ``make aiperf-venv``
+  (.venv-aiperf), genai-perf from ``make genai-perf-venv`` (.venv-genai-perf; ``make test`` builds both); where
+  genai-perf could not be built, its test skips with the reason the build gave.
+- A client that goes away frees its request's KV blocks within a step or two: mid-stream, and before a non-streamed
+  answer (which the frontend cancels too). Measured as the tokens the engine still makes after the disconnect, and
+  the time until ``llm_kv_blocks_used`` is back to 0.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
+import time
+from urllib.parse import urlsplit
 
 import pytest
 
 from backend.triton.launch_options import free_ports
 from frontend.openai.process import FrontendProcess
-from loadtest.metrics import scrape_metrics
+from loadtest.metrics import model_sample, scrape_metrics
 from tests.server_harness import REPO_ROOT, make_repository
 
-pytestmark = [pytest.mark.server, pytest.mark.slow]
+pytestmark = pytest.mark.server
 MODELS = ("llm_dynamic", "llm_continuous")  # a run-to-completion batcher and an iteration-level one
 AIPERF = REPO_ROOT / ".venv-aiperf" / "bin" / "aiperf"
 GENAI_PERF_VENV = REPO_ROOT / ".venv-genai-perf"
 REQUESTS, CONCURRENCY, INPUT_TOKENS, OUTPUT_TOKENS = 8, 2, 16, 12
 # vLLM's extra parameters, which the frontend honours: every answer is exactly OUTPUT_TOKENS long.
-EXACT_LENGTH = [f"ignore_eos:true", f"min_tokens:{OUTPUT_TOKENS}"]
+EXACT_LENGTH = ["ignore_eos:true", f"min_tokens:{OUTPUT_TOKENS}"]
+MAX_MODEL_LEN = 512
+# At most this many tokens after a disconnect: the frontend's and Triton's notice plus a step or two. Polled on the
+# old 0.2 s timer alone, the tiny model made far more (it steps every few milliseconds).
+MAX_TOKENS_AFTER = 12
 
 
 @pytest.fixture(scope="module")
 def server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
-    repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository", models=MODELS)
+    repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository",
+                           {"max_model_len": str(MAX_MODEL_LEN)}, models=MODELS)
     return triton_server_factory.start(repo, model=tiny_llama_dir)
 
 
@@ -56,6 +68,7 @@ def run_tool(command: list[str], server, model: str) -> float:
     return generated_tokens(server, model) - before
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model", MODELS)
 def test_aiperf_in_its_default_chat_mode_gets_exact_output_lengths(frontend, server, model, smollm2_dir, tmp_path):
@@ -85,6 +98,7 @@ def genai_perf() -> str:
     return str(binary)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model", MODELS)
 def test_genai_perf_chat_gets_exact_output_lengths(frontend, server, model, smollm2_dir, tmp_path):
@@ -102,3 +116,54 @@ def test_genai_perf_chat_gets_exact_output_lengths(frontend, server, model, smol
     summary = json.loads(exports[0].read_text())
     assert summary["request_count"]["avg"] == REQUESTS
     assert abs(summary["output_sequence_length"]["avg"] - OUTPUT_TOKENS) <= 1  # re-tokenized by genai-perf
+
+
+# ---- clients that go away ---------------------------------------------------------------------------------------
+
+
+def metric(server, name: str, model: str) -> float:
+    return model_sample(scrape_metrics(server.metrics_url), name, model)
+
+
+def post_and_hang_up(frontend, server, model: str, stream: bool) -> tuple[float, float]:
+    """Send a long generation on a raw connection, close it once the request holds KV blocks (streamed: after its
+    first chunk); returns (tokens generated after the close, seconds until its KV blocks were free)."""
+    body = json.dumps({"model": model, "prompt": "Tell me a long story", "max_tokens": MAX_MODEL_LEN - 32,
+                       "ignore_eos": True, "stream": stream}).encode()
+    address = urlsplit(frontend.url)
+    assert metric(server, "llm_kv_blocks_used", model) == 0
+    with socket.create_connection((address.hostname, address.port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        if stream:
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 30
+        while metric(server, "llm_kv_blocks_used", model) == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.005)
+        generated_at_close = metric(server, "llm_generation_tokens_total", model)
+    closed = time.monotonic()
+    while metric(server, "llm_kv_blocks_used", model) > 0:
+        assert time.monotonic() - closed < 5, "the request's KV blocks were not freed"
+        time.sleep(0.002)
+    freed_after = time.monotonic() - closed
+    time.sleep(0.1)  # any step still in flight has counted its tokens
+    return metric(server, "llm_generation_tokens_total", model) - generated_at_close, freed_after
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
+@pytest.mark.parametrize("model", MODELS)
+def test_a_client_that_goes_away_frees_its_kv_blocks_within_a_step_or_two(frontend, server, model, stream):
+    after, freed_after = post_and_hang_up(frontend, server, model, stream)
+    print(f"{model} {'streamed' if stream else 'not streamed'}: {after:.0f} tokens after the disconnect, "
+          f"KV blocks free {1000 * freed_after:.0f} ms after it")
+    assert after <= MAX_TOKENS_AFTER, f"{after:.0f} tokens were generated after the client went away"
+    # and the model serves the next request
+    with socket.create_connection((urlsplit(frontend.url).hostname, urlsplit(frontend.url).port), timeout=30) as c:
+        body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}).encode()
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        reply = b"".join(iter(lambda: c.recv(65536), b""))
+    assert reply.startswith(b"HTTP/1.1 200") and b'"completion_tokens":3' in reply
