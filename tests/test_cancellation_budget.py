@@ -78,7 +78,8 @@ def test_the_timer_alone_would_take_several_steps(clock):
 
 def test_a_large_batch_is_asked_round_robin_within_the_budget(clock):
     open_requests, senders = running(clock, 32)
-    poll, ids = CancellationPoll(open_requests, budget=0.01, streaming_every=10.0, all_every=100.0, clock=clock), list(senders)
+    poll = CancellationPoll(open_requests, budget=0.01, streaming_every=10.0, all_every=100.0, clock=clock)
+    ids = list(senders)
     steps(clock, poll, ids, 3)
     asked = {rid: s.asked for rid, s in senders.items()}
     clock.asking, started = 0.0, clock.now

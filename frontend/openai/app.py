@@ -14,7 +14,6 @@ routes stay open for probes. Every error, a bug included, is answered in OpenAI'
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
