@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -63,6 +64,7 @@ def run_tool(command: list[str], server, model: str) -> float:
     before = generated_tokens(server, model)
     # NOTE: both tools refuse a local tokenizer folder while the Hugging Face offline switches are set.
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["PATH"] = f"{Path(command[0]).parent}{os.pathsep}{env.get('PATH', '')}"  # genai-perf runs perf_analyzer
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=500, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return generated_tokens(server, model) - before
