@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GPU_PINS = ROOT / "docker" / "requirements-gpu.txt"
 FRONTEND_SOURCES = ("frontend/openai", "client")  # what `python -m frontend.openai` imports
 
