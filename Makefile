@@ -18,7 +18,8 @@
 #   make aiperf    NVIDIA's aiperf against a running `make serve` (AIPERF_MODEL, default llm_continuous;
 #                  ARGS for aiperf)
 #   make genai-perf-venv  genai-perf in .venv-genai-perf, perf_analyzer under Debian trixie's runtime where glibc is
-#                  older than 2.38 (loadtest/genai_perf/install.sh); used by tests/server/test_openai_tools_and_disconnects.py
+#                  older than 2.38 (loadtest/genai_perf/install.sh); used by
+#                  tests/server/test_openai_tools_and_disconnects.py
 # Overrides (also as environment variables): HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL ARGS PYTEST_ARGS TORCH
 #   TRITON_IMAGE LOCUST_IMAGE DOCKER_CA (make docker)
 #   TORCH=cpu      torch's CPU build from PyTorch's CPU wheel index (TORCH_CPU_INDEX), no CUDA libraries; the rest

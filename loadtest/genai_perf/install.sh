@@ -25,7 +25,8 @@ if [ "$(printf '%s\n2.38\n' "$glibc" | sort -V | head -n 1)" = 2.38 ]; then  # g
 fi
 
 for tool in apt-get dpkg-deb; do
-    command -v "$tool" >/dev/null || { echo "glibc $glibc < 2.38 and no $tool to fetch Debian trixie's runtime" >&2; exit 3; }
+    command -v "$tool" >/dev/null \
+        || { echo "glibc $glibc < 2.38 and no $tool to fetch Debian trixie's runtime" >&2; exit 3; }
 done
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
