@@ -6,8 +6,6 @@
   tools re-tokenize the text they get, and may count a token more or less). aiperf comes from ``make aiperf-venv``
   (.venv-aiperf), genai-perf from ``make genai-perf-venv`` (.venv-genai-perf; ``make test`` builds both); where
   genai-perf could not be built, its test skips with the reason the build gave.
-- genai-perf in its default kserve mode against llm_iterative: perf_analyzer's own sequences of several requests
-  (START on the first, END on the last) are served to the end.
 - A client that goes away frees its request's KV blocks within a step or two: mid-stream, and before a non-streamed
   answer (which the frontend cancels too). Measured as the tokens the engine still makes after the disconnect, and
   the time until ``llm_kv_blocks_used`` is back to 0.
@@ -32,7 +30,6 @@ from tests.server_harness import REPO_ROOT, make_repository
 
 pytestmark = pytest.mark.server
 MODELS = ("llm_dynamic", "llm_continuous")  # a run-to-completion batcher and an iteration-level one
-SERVED = (*MODELS, "llm_iterative")
 AIPERF = REPO_ROOT / ".venv-aiperf" / "bin" / "aiperf"
 GENAI_PERF_VENV = REPO_ROOT / ".venv-genai-perf"
 REQUESTS, CONCURRENCY, INPUT_TOKENS, OUTPUT_TOKENS = 8, 2, 16, 12
@@ -47,7 +44,7 @@ MAX_TOKENS_AFTER = 12
 @pytest.fixture(scope="module")
 def server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
     repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository",
-                           {"max_model_len": str(MAX_MODEL_LEN)}, models=SERVED)
+                           {"max_model_len": str(MAX_MODEL_LEN)}, models=MODELS)
     return triton_server_factory.start(repo, model=tiny_llama_dir)
 
 
@@ -121,22 +118,6 @@ def test_genai_perf_chat_gets_exact_output_lengths(frontend, server, model, smol
     summary = json.loads(exports[0].read_text())
     assert summary["request_count"]["avg"] == REQUESTS
     assert abs(summary["output_sequence_length"]["avg"] - OUTPUT_TOKENS) <= 1  # re-tokenized by genai-perf
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_genai_perf_kserve_sequences_are_served_to_the_end_on_llm_iterative(server, smollm2_dir, tmp_path):
-    """perf_analyzer sends a sequence model sequences of about 20 requests (its --sequence-length): every request of
-    them, not only each sequence's first, gets its whole answer."""
-    binary = genai_perf()
-    command = [binary, "profile", "-m", "llm_iterative", "--endpoint-type", "kserve", "--backend", "vllm",
-               "--streaming", "--output-tokens-mean-deterministic", "-u", server.grpc_url,
-               "--tokenizer", str(smollm2_dir),
-               "--synthetic-input-tokens-mean", str(INPUT_TOKENS), "--synthetic-input-tokens-stddev", "0",
-               "--output-tokens-mean", str(OUTPUT_TOKENS), "--concurrency", str(CONCURRENCY),
-               "--request-count", str(REQUESTS), "--warmup-request-count", "0", "--random-seed", "0",
-               "--artifact-dir", str(tmp_path)]
-    assert run_tool(command, server, "llm_iterative") == REQUESTS * OUTPUT_TOKENS
 
 
 # ---- clients that go away ---------------------------------------------------------------------------------------

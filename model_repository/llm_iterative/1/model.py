@@ -6,10 +6,9 @@ one engine step over exactly those and sends what it made; execute() hands the u
 RELEASE_RESCHEDULE. Their KV blocks stay in the paged cache between iterations. What every model shares (parsing,
 the one place that sends, metrics, refusals, the shutdown notice) is ``ServedModel``.
 
-perf_analyzer and genai-perf send a sequence model sequences of their own: a correlation id, START on the first
-request, END on the last. The first is served as any new request. A request that ends its client's sequence cannot be
-handed back in Triton 2.51, and one between the first and the last is the client's, not a hand-back of one of ours;
-``SequenceRelay`` serves both through a copy without the client's sequence, which Triton batches like any other.
+A request that ends its client's own sequence (a correlation id with START and END: what perf_analyzer and
+genai-perf send to a sequence model) cannot be handed back in Triton 2.51; ``SequenceRelay`` serves it through a copy
+without the sequence, which Triton batches like any other.
 
 NOTE: Triton 2.51 never hands back a request whose client cancelled while it waited to be rescheduled, so a
 timer ends the requests not seen for max_sequence_idle_microseconds and frees their KV blocks, sending nothing:
@@ -39,10 +38,6 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         self.driver = IterationDriver(engine, self.open.send, self.open.forget, reap_after,
                                       after_step=self.observe_steps)
         self.request_ids = {}  # Triton's correlation id -> engine request id, while the request is open
-        self.reap_after = reap_after
-        # Correlation ids whose request the driver ended while Triton held it (reaped, or every request ended by a
-        # failure): Triton may still hand it back, and it must then be released unanswered. -> when
-        self.let_go = {}
         self.gap = self.metrics.iteration_gap()
         self.released_at = None  # when the last execute() that handed requests back returned
         self.stopping = threading.Event()
@@ -60,19 +55,11 @@ class TritonPythonModel(ServedModel, batching="iterative"):
                 continue
             correlation_id = int(pb_utils.get_input_tensor_by_name(request, "CORRID").as_numpy().item())
             if pb_utils.get_input_tensor_by_name(request, "START").as_numpy().item():
-                self.let_go.pop(correlation_id, None)
                 request_id = self.admit(request, started, self.driver.add)
-            elif correlation_id not in self.request_ids and correlation_id not in self.let_go:
-                # NOTE: not a hand-back (none of ours is open under this id): the next request of its client's own
-                # sequence, after the one before it got its final response.
-                self.relay.forward(request)
-                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
-                continue
             else:  # rescheduled; unknown once the driver ended it (its final response went out then)
                 if self.released_at is not None:  # the hand-back: the last execute()'s end to this one's start
                     self.gap.observe(started - self.released_at)
                     self.released_at = None
-                self.let_go.pop(correlation_id, None)
                 request_id = self.request_ids.get(correlation_id)
                 if request_id is not None and not self.open.rebind(request_id, request.get_response_sender()):
                     request_id = None
@@ -92,14 +79,8 @@ class TritonPythonModel(ServedModel, batching="iterative"):
             else:
                 self.request_ids.pop(correlation_id, None)
                 request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
-        # Requests the driver ended while Triton held them (reaped: Triton let go of them; or a failure) are
-        # forgotten, and remembered as let go until Triton's own idle timeout has surely ended their sequences.
-        now = time.perf_counter()
-        for correlation_id, request_id in list(self.request_ids.items()):
-            if not self.driver.is_open(request_id):
-                del self.request_ids[correlation_id]
-                self.let_go[correlation_id] = now
-        self.let_go = {c: t for c, t in self.let_go.items() if now - t < 2 * self.reap_after}
+        # Requests the driver reaped (Triton let go of them) never come back: forget them.
+        self.request_ids = {c: r for c, r in self.request_ids.items() if self.driver.is_open(r)}
         self.released_at = time.perf_counter() if unfinished else None
         return None
 
