@@ -6,6 +6,8 @@
   tools re-tokenize the text they get, and may count a token more or less). aiperf comes from ``make aiperf-venv``
   (.venv-aiperf), genai-perf from ``make genai-perf-venv`` (.venv-genai-perf; ``make test`` builds both); where
   genai-perf could not be built, its test skips with the reason the build gave.
+- genai-perf in its kserve mode against llm_iterative: perf_analyzer's own sequences of several requests get a clear
+  error at once (Triton 2.51 cannot serve them there), one request per sequence is served.
 - A client that goes away frees its request's KV blocks within a step or two: mid-stream, and before a non-streamed
   answer (which the frontend cancels too). Measured as the tokens the engine still makes after the disconnect, and
   the time until ``llm_kv_blocks_used`` is back to 0.
@@ -30,6 +32,7 @@ from tests.server_harness import REPO_ROOT, make_repository
 
 pytestmark = pytest.mark.server
 MODELS = ("llm_dynamic", "llm_continuous")  # a run-to-completion batcher and an iteration-level one
+SERVED = (*MODELS, "llm_iterative")
 AIPERF = REPO_ROOT / ".venv-aiperf" / "bin" / "aiperf"
 GENAI_PERF_VENV = REPO_ROOT / ".venv-genai-perf"
 REQUESTS, CONCURRENCY, INPUT_TOKENS, OUTPUT_TOKENS = 8, 2, 16, 12
@@ -44,7 +47,7 @@ MAX_TOKENS_AFTER = 12
 @pytest.fixture(scope="module")
 def server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
     repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository",
-                           {"max_model_len": str(MAX_MODEL_LEN)}, models=MODELS)
+                           {"max_model_len": str(MAX_MODEL_LEN)}, models=SERVED)
     return triton_server_factory.start(repo, model=tiny_llama_dir)
 
 
@@ -59,14 +62,16 @@ def generated_tokens(server, model: str) -> float:
     return scrape_metrics(server.metrics_url).get(f'llm_generation_tokens_total{{model="{model}"}}', 0.0)
 
 
-def run_tool(command: list[str], server, model: str) -> float:
-    """Run ``command``; returns the tokens the model generated meanwhile (the server's own count)."""
+def run_tool(command: list[str], server, model: str, expect_ok: bool = True) -> float:
+    """Run ``command`` (``expect_ok``: it must succeed); returns the tokens the model generated meanwhile (the
+    server's own count), and the tool's output as ``run_tool.output``."""
     before = generated_tokens(server, model)
     # NOTE: both tools refuse a local tokenizer folder while the Hugging Face offline switches are set.
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env["PATH"] = f"{Path(command[0]).parent}{os.pathsep}{env.get('PATH', '')}"  # genai-perf runs perf_analyzer
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=500, env=env)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_tool.output = done.stdout + done.stderr
+    assert (done.returncode == 0) == expect_ok, done.stdout[-3000:] + done.stderr[-3000:]
     return generated_tokens(server, model) - before
 
 
@@ -118,6 +123,24 @@ def test_genai_perf_chat_gets_exact_output_lengths(frontend, server, model, smol
     summary = json.loads(exports[0].read_text())
     assert summary["request_count"]["avg"] == REQUESTS
     assert abs(summary["output_sequence_length"]["avg"] - OUTPUT_TOKENS) <= 1  # re-tokenized by genai-perf
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_genai_perf_kserve_on_llm_iterative_one_request_per_sequence(server, smollm2_dir, tmp_path):
+    """perf_analyzer's default sequences (about 20 requests, START on the first, END on the last) get an error that
+    says what to send, at once; with one request per sequence every answer is whole."""
+    base = [genai_perf(), "profile", "-m", "llm_iterative", "--endpoint-type", "kserve", "--backend", "vllm",
+            "--streaming", "--output-tokens-mean-deterministic", "-u", server.grpc_url, "--tokenizer", str(smollm2_dir),
+            "--synthetic-input-tokens-mean", str(INPUT_TOKENS), "--synthetic-input-tokens-stddev", "0",
+            "--output-tokens-mean", str(OUTPUT_TOKENS), "--concurrency", str(CONCURRENCY),
+            "--request-count", str(REQUESTS), "--warmup-request-count", "0", "--random-seed", "0"]
+    started = time.monotonic()
+    run_tool([*base, "--artifact-dir", str(tmp_path / "sequences")], server, "llm_iterative", expect_ok=False)
+    assert "--sequence-length 1" in run_tool.output and time.monotonic() - started < 120
+    served = run_tool([*base, "--artifact-dir", str(tmp_path / "single"), "--", "--sequence-length", "1"], server,
+                      "llm_iterative")
+    assert served == REQUESTS * OUTPUT_TOKENS
 
 
 # ---- clients that go away ---------------------------------------------------------------------------------------
