@@ -18,6 +18,9 @@
 #   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
 #   make aiperf    NVIDIA's aiperf against a running `make serve` (AIPERF_MODEL, default llm_continuous;
 #                  ARGS for aiperf)
+#   make genai-perf-venv  genai-perf in .venv-genai-perf, perf_analyzer under Debian trixie's runtime where glibc is
+#                  older than 2.38 (loadtest/genai_perf/install.sh); used by
+#                  tests/server/test_openai_tools_and_disconnects.py
 # Overrides (also as environment variables): HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL ARGS PYTEST_ARGS TORCH
 #   TRITON_IMAGE LOCUST_IMAGE DOCKER_CA (make docker)
 #   TORCH=cpu      torch's CPU build from PyTorch's CPU wheel index (TORCH_CPU_INDEX), no CUDA libraries; the rest
@@ -50,6 +53,8 @@ comma := ,
 AIPERF_VENV ?= .venv-aiperf
 AIPERF_STAMP := $(AIPERF_VENV)/.installed
 AIPERF_MODEL ?= llm_continuous
+GENAI_PERF_VENV ?= .venv-genai-perf
+GENAI_PERF_STAMP := $(GENAI_PERF_VENV)/.installed
 AIPERF_ARTIFACTS ?= reports/aiperf-$(AIPERF_MODEL)
 LLAMACPP_VERSION ?= 0.3.36
 LLAMACPP_DIR ?= .llamacpp
@@ -60,7 +65,8 @@ LLAMACPP_GGUF := $(LLAMACPP_DIR)/$(notdir $(MODEL))-bf16.gguf
 # OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment (or on make's command line) override it.
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL
 
-.PHONY: help docker docker-down venv venv310 aiperf-venv chromium model serve test test-unit compare slo locust bench llamacpp soak gpu-check aiperf clean
+.PHONY: help docker docker-down venv venv310 aiperf-venv genai-perf-venv chromium model serve test test-unit compare slo locust \
+	bench llamacpp soak gpu-check aiperf clean
 
 # `make` alone, or `make help`: the header above (targets and settings).
 help:
@@ -101,6 +107,17 @@ $(AIPERF_STAMP): loadtest/aiperf/requirements.txt
 	$(AIPERF_VENV)/bin/python -m pip install -q --disable-pip-version-check -r loadtest/aiperf/requirements.txt
 	@touch $(AIPERF_STAMP)
 
+# genai-perf in its own environment (loadtest/genai_perf/install.sh). When it cannot be built here (no network to a
+# Debian mirror, no apt-get), a note, and the reason in $(GENAI_PERF_VENV)/UNAVAILABLE, which the tests that use it
+# give as their reason to skip; the next `make` tries again.
+genai-perf-venv: $(GENAI_PERF_STAMP)
+
+$(GENAI_PERF_STAMP): loadtest/genai_perf/requirements.txt loadtest/genai_perf/install.sh
+	@mkdir -p $(GENAI_PERF_VENV); rm -f $(GENAI_PERF_VENV)/UNAVAILABLE
+	@if bash loadtest/genai_perf/install.sh $(GENAI_PERF_VENV) $(PYTHON) 2> $(GENAI_PERF_VENV)/install.log; then \
+		touch $@; else tail -n 5 $(GENAI_PERF_VENV)/install.log > $(GENAI_PERF_VENV)/UNAVAILABLE; \
+		echo "note: genai-perf could not be installed ($(GENAI_PERF_VENV)/install.log); its tests will say so" >&2; fi
+
 # Headless Chromium (Debian's chromium package) for tests/*/test_live.py, which loads the live view in it: installed
 # when missing and apt-get can run as root; otherwise a note, and that test says why it cannot run (on CI it fails).
 chromium:
@@ -121,7 +138,7 @@ serve: model
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) $(ARGS)
 
 # pytest exits 5 when it collected nothing (a typo in PYTEST_ARGS): a failure, not a pass.
-test: model venv310 aiperf-venv chromium
+test: model venv310 aiperf-venv genai-perf-venv chromium
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as failure" >&2; exit 1; fi; exit $$rc
 
@@ -210,4 +227,4 @@ docker-down:
 	bash docker/engine.sh down
 
 clean:
-	rm -rf $(VENV) $(VENV310) $(AIPERF_VENV) .triton .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV310) $(AIPERF_VENV) $(GENAI_PERF_VENV) .triton .pytest_cache .hypothesis

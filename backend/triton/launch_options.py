@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -126,6 +127,18 @@ def check_ports(ports: Mapping[str, int], address: str) -> None:
                 f"{name} port {port} on {address} is already in use (another server?); "
                 f"free it or pick another with --{name.lower()}-port / {name.upper()}_PORT"
             )
+
+
+# ---- the OpenAI frontend --------------------------------------------------------------------------------
+
+
+def frontend_command(triton_grpc_url: str, host: str, port: int, model_dir: str | os.PathLike) -> list[str]:
+    """The command that runs the OpenAI-compatible frontend (``frontend/openai``) in front of Triton's gRPC port.
+
+    NOTE: a command, not an import: the frontend is a client of the server, a layer above this glue. Its one owner,
+    for the launcher (``serve.py``) and for ``frontend.openai.process`` alike."""
+    return [sys.executable, "-m", "frontend.openai", "--triton-grpc", triton_grpc_url, "--host", host,
+            "--port", str(port), "--model-dir", str(model_dir)]
 
 
 # ---- the admin APIs --------------------------------------------------------------------------------------

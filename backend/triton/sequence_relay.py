@@ -75,13 +75,12 @@ class SequenceRelay:
                     cancel = getattr(responses, "cancel", None)  # BLS cancellation, where the backend has it
                     if cancel is not None:
                         cancel()
-                    sender.send(pb.InferenceResponse(error=pb.TritonError("the request was cancelled")), flags=final)
+                    error = pb.TritonError("the request was cancelled")
+                else:
+                    error = response.error() if response.has_error() else None
+                if error is not None:
+                    sender.send(pb.InferenceResponse(error=error), flags=final)
                     for _ in responses:  # the copy runs to its end; nothing more reaches the client
-                        pass
-                    return
-                if response.has_error():
-                    sender.send(pb.InferenceResponse(error=response.error()), flags=final)
-                    for _ in responses:
                         pass
                     return
                 outputs = response.output_tensors()

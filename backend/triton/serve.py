@@ -31,6 +31,7 @@ from backend.triton.launch_options import (
     LauncherError,
     check_ports,
     copy_model_repository,
+    frontend_command,
     restricted_api_args,
 )
 from backend.triton.server import ServerError, TritonServer, die_with_parent, start_on_free_ports
@@ -174,11 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def start_frontend(server: TritonServer, address: str, port: int) -> subprocess.Popen:
     """The OpenAI-compatible frontend (``python -m frontend.openai``), a gRPC client of this server, on ``port``.
 
-    NOTE: started as a command, not imported: the frontend is a client of the server, a layer above this glue. It
-    outlives restarts of tritonserver (each request opens its own stream) and is stopped after tritonserver has
+    It outlives restarts of tritonserver (each request opens its own stream) and is stopped after tritonserver has
     drained, so streams still running through it end with their last token."""
-    command = [sys.executable, "-m", "frontend.openai", "--triton-grpc", server.grpc_url, "--host", address,
-               "--port", str(port), "--model-dir", str(server.model)]
+    command = frontend_command(server.grpc_url, address, port, server.model)
     return subprocess.Popen(command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=die_with_parent)
 

@@ -13,11 +13,13 @@ routes stay open for probes. Every error, a bug included, is answered in OpenAI'
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Awaitable, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -32,6 +34,8 @@ from frontend.openai.triton_bridge import TritonBridge
 
 log = logging.getLogger("frontend.openai")
 OWNED_BY = "triton"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away (nobody reads it)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,9 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             await bridge.close()
 
-    def check_api_key(request: Request) -> None:
+    # NOTE: async, so FastAPI runs it on the event loop: a plain def would go through its thread pool, a thread
+    # hand-off for every request, which spread a burst of requests over milliseconds before they reached Triton.
+    async def check_api_key(request: Request) -> None:
         if settings.api_key is None:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
@@ -113,25 +119,61 @@ def create_app(settings: Settings) -> FastAPI:
 
     # -- generation
 
-    async def answer(kind: str, request: SamplingRequest, prompt: str) -> Response:
-        generation = await Answer.start(bridge, kind, request.model, request, prompt)
+    async def answer(raw: Request, kind: str, request: SamplingRequest, prompt: str) -> Response:
         if request.stream:
+            # NOTE: once streaming, Starlette cancels the events when the client goes away; until the first token,
+            # the watch here does.
+            generation = await unless_disconnected(raw, Answer.start(bridge, kind, request.model, request, prompt))
+            if generation is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
             return StreamingResponse(generation.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        whole = await generation.whole()
+
+        async def whole():
+            generation = await Answer.start(bridge, kind, request.model, request, prompt)
+            return await generation.whole()
+
+        whole = await unless_disconnected(raw, whole())
+        if whole is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return Response(whole.model_dump_json(exclude_unset=True), media_type="application/json")
 
     @app.post("/v1/completions", dependencies=v1)
     async def completions(raw: Request) -> Response:
         request = parse_body(CompletionRequest, await raw.body())
-        return await answer("completion", request, request.prompt_text())
+        return await answer(raw, "completion", request, request.prompt_text())
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(raw: Request) -> Response:
         request = parse_body(ChatCompletionRequest, await raw.body())
-        return await answer("chat", request, template.render(request.messages))
+        return await answer(raw, "chat", request, template.render(request.messages))
 
     return app
+
+
+async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None once the client has gone away first: then ``work`` is cancelled, and with it its
+    Triton request (the models free its KV blocks), as for a client that leaves mid-stream."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        done, _ = await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request's handler was cancelled (the server stopping)
+        task.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # its Triton request is cancelled on the way out
+    return None
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns when the client closes its connection (the body has been read, so nothing else arrives)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 def model_card(name: str, created: int) -> dict:

@@ -1,13 +1,15 @@
 """The OpenAI frontend's own cost, beside direct gRPC to the same Triton model, in one run (a benchmark, not a test).
 
-    python -m frontend.openai.bench [--model-dir models/smollm2-135m-instruct] [--rounds 6] [--tokens 128]
+    python -m frontend.openai.bench [--model-dir models/smollm2-135m-instruct] [--rounds 8] [--tokens 128]
 
 Starts tritonserver (``llm_continuous`` only) and the frontend beside it, then at 1 and 8 concurrent streams sends
-rounds of requests (each exactly ``--tokens`` new tokens, ``ignore_eos``, greedy, the same prompt) alternately
-straight to Triton's gRPC stream (tritonclient, the project's client) and through the frontend's streamed
-``/v1/chat/completions`` (one content chunk per token), so background load hits both alike. Both clients run on
-threads of this process. Per concurrency it prints TTFT p50 (first token, or first content chunk) and output
-tokens/s (tokens over the wall time of the rounds), the gRPC baseline beside the frontend.
+rounds of requests (each exactly ``--tokens`` new tokens, ``ignore_eos``, greedy, the same prompt) straight to
+Triton's gRPC stream (tritonclient, the project's client) and through the frontend's streamed
+``/v1/chat/completions`` (one content chunk per token), the two paths alternating (ABBA), so background load hits
+both alike. Both clients run on threads of this process and keep their connection between requests (a gRPC channel
+per thread, an HTTP session), as real clients do; each request's clock starts when its client starts sending it.
+Per round it takes the TTFT p50 (first token, or first content chunk) and the output tokens/s (tokens over the
+round's wall time); per concurrency it prints the median of the rounds, the gRPC baseline beside the frontend.
 """
 
 from __future__ import annotations
@@ -16,15 +18,18 @@ import argparse
 import json
 import statistics
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
+import tritonclient.grpc as grpcclient
 
 from backend.triton.launch_options import DEFAULT_MODEL, copy_model_repository, free_ports
 from backend.triton.server import start_on_free_ports
-from client import grpc_stream
+from client.grpc_stream import GrpcStream, max_batch_size
+from client.schema import input_tensors, raw_input_values
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.process import FrontendProcess
 from frontend.openai.protocol import ChatMessage
@@ -33,13 +38,23 @@ MODEL = "llm_continuous"
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
 
 
+_local = threading.local()
+
+
 def grpc_once(grpc_url: str, prompt: str, tokens: int) -> tuple[float, int]:
-    """(TTFT s, tokens) of one request straight to Triton."""
-    stream = grpc_stream.generate(grpc_url, MODEL, prompt, timeout=600, max_tokens=tokens, ignore_eos=True,
-                                  temperature=0.0, stream=True)
+    """(TTFT s, tokens) of one request straight to Triton, on this thread's own channel."""
+    if not hasattr(_local, "client"):
+        _local.client = grpcclient.InferenceServerClient(grpc_url)
+    t0 = time.perf_counter()
+    values = raw_input_values(prompt, max_tokens=tokens, ignore_eos=True, temperature=0.0, stream=True)
+    stream = GrpcStream.start(_local.client, MODEL, input_tensors(values, max_batch_size(grpc_url, MODEL)))
+    try:
+        stream.wait(600)
+    finally:
+        stream.close()
     if stream.error or not stream.chunks:
         raise RuntimeError(f"gRPC request failed: {stream.error}")
-    return stream.chunks[0].time_s, len(stream.token_ids)
+    return stream.sent_at - t0 + stream.chunks[0].time_s, len(stream.token_ids)
 
 
 def openai_once(session: requests.Session, url: str, tokens: int) -> tuple[float, int]:
@@ -62,12 +77,12 @@ def openai_once(session: requests.Session, url: str, tokens: int) -> tuple[float
     return ttft, usage
 
 
-def run_round(send, concurrency: int) -> tuple[list[float], int, float]:
-    """``concurrency`` requests at once: (their TTFTs, tokens in all, wall seconds)."""
+def run_round(pool: ThreadPoolExecutor, send, concurrency: int) -> tuple[float, float]:
+    """``concurrency`` requests at once: (their TTFT p50 in ms, output tokens/s over the round)."""
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(lambda _: send(), range(concurrency)))
-    return [r[0] for r in results], sum(r[1] for r in results), time.perf_counter() - t0
+    results = list(pool.map(lambda _: send(), range(concurrency)))
+    wall = time.perf_counter() - t0
+    return 1000 * statistics.median(r[0] for r in results), sum(r[1] for r in results) / wall
 
 
 def main(argv=None) -> None:
@@ -75,7 +90,7 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=DEFAULT_MODEL)
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=6, help="rounds per protocol and concurrency (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=8, help="rounds per protocol and concurrency (default: %(default)s)")
     p.add_argument("--concurrency", default="1,8")
     args = p.parse_args(argv)
     prompt = ChatTemplate(args.model_dir).render([ChatMessage(**m) for m in MESSAGES])
@@ -90,24 +105,23 @@ def main(argv=None) -> None:
                 "gRPC": lambda: grpc_once(server.grpc_url, prompt, args.tokens),
                 "OpenAI": lambda: openai_once(session, frontend.url, args.tokens),
             }
-            for send in senders.values():  # warm up both paths
-                run_round(send, 2)
             rows = []
             for concurrency in [int(c) for c in args.concurrency.split(",")]:
-                ttfts = {name: [] for name in senders}
-                tokens = {name: 0 for name in senders}
-                wall = {name: 0.0 for name in senders}
-                for _ in range(args.rounds):
-                    for name, send in senders.items():  # alternate, so background load hits both alike
-                        round_ttfts, round_tokens, round_wall = run_round(send, concurrency)
-                        ttfts[name] += round_ttfts
-                        tokens[name] += round_tokens
-                        wall[name] += round_wall
-                rows.append((concurrency, {n: (1000 * statistics.median(ttfts[n]), tokens[n] / wall[n])
-                                           for n in senders}))
+                rounds = {name: [] for name in senders}
+                # NOTE: the same threads for every round, so each keeps its gRPC channel and HTTP connection.
+                with ThreadPoolExecutor(concurrency) as pool:
+                    for send in senders.values():  # warm up both paths: connections, the first steps
+                        run_round(pool, send, concurrency)
+                    for i in range(args.rounds):
+                        order = list(senders) if i % 2 == 0 else list(reversed(senders))  # ABBA: drift hits both
+                        for name in order:
+                            rounds[name].append(run_round(pool, senders[name], concurrency))
+                rows.append((concurrency, {n: (statistics.median(r[0] for r in rounds[n]),
+                                               statistics.median(r[1] for r in rounds[n])) for n in senders}))
                 print(f"  {concurrency} streams done", flush=True)
 
-    print(f"\n{args.rounds} rounds per cell, {args.tokens} tokens per stream, {MODEL}, {Path(args.model_dir).name}")
+    print(f"\nmedians of {args.rounds} rounds per cell, {args.tokens} tokens per stream, {MODEL}, "
+          f"{Path(args.model_dir).name}")
     print("| streams | TTFT p50 gRPC | TTFT p50 OpenAI | difference | tok/s gRPC | tok/s OpenAI | difference |")
     print("|---|---|---|---|---|---|---|")
     for concurrency, cell in rows:

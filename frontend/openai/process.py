@@ -13,14 +13,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from backend.triton.launch_options import REPO_ROOT, frontend_command
 
 
 class FrontendProcess:
@@ -36,10 +35,7 @@ class FrontendProcess:
         log_path: str | os.PathLike | None = None,
     ) -> None:
         self.url = f"http://{host}:{port}"
-        self.command = [
-            sys.executable, "-m", "frontend.openai", "--triton-grpc", triton_grpc_url, "--host", host,
-            "--port", str(port), "--model-dir", str(model_dir), *extra_args,
-        ]
+        self.command = [*frontend_command(triton_grpc_url, host, port, model_dir), *extra_args]
         self.api_key = api_key
         self.log_path = Path(log_path) if log_path else None
         self.process: subprocess.Popen | None = None

@@ -51,7 +51,7 @@ def open_requests(**senders: FakeSender) -> OpenRequests:
 
 def test_cancellations_are_polled_on_a_timer_not_every_step(clock):
     running, waiting = FakeSender(), FakeSender(cancelled=True)
-    poll = CancellationPoll(open_requests(run=running, wait=waiting), streaming_every=0.05, all_every=0.25)
+    poll = CancellationPoll(open_requests(run=running, wait=waiting), budget=0, streaming_every=0.05, all_every=0.25)
     assert poll(["run"]) == ["wait"]  # the first poll looks at every open request
     assert (running.asked, waiting.asked) == (1, 1)
     for _ in range(10):  # steps within 50 ms: no IPC at all
@@ -69,7 +69,7 @@ def test_cancellations_are_polled_on_a_timer_not_every_step(clock):
 
 def test_a_cancelled_request_is_found_within_one_poll_interval(clock):
     sender = FakeSender()
-    poll = CancellationPoll(open_requests(a=sender), streaming_every=0.05, all_every=0.25)
+    poll = CancellationPoll(open_requests(a=sender), budget=0, streaming_every=0.05, all_every=0.25)
     poll(["a"])
     sender.cancelled = True
     found_at = None

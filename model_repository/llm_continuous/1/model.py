@@ -2,7 +2,7 @@
 
 The driver (``EngineLoop``, backend/engine/batching.py) runs the engine on a thread of its own: every step it admits
 waiting requests and drops finished ones. execute() hands each request to the loop and returns at once; the loop
-sends from one place (its sink); cancellations are polled before a step, every 0.2 s. What every model shares
+sends from one place (its sink); cancellations are polled before a step, within a time budget. What every model shares
 (parsing, the one place that sends, metrics, refusals, the shutdown notice) is ``ServedModel``.
 """
 

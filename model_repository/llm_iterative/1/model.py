@@ -6,9 +6,12 @@ one engine step over exactly those and sends what it made; execute() hands the u
 RELEASE_RESCHEDULE. Their KV blocks stay in the paged cache between iterations. What every model shares (parsing,
 the one place that sends, metrics, refusals, the shutdown notice) is ``ServedModel``.
 
-A request that ends its client's own sequence (a correlation id with START and END: what perf_analyzer and
-genai-perf send to a sequence model) cannot be handed back in Triton 2.51; ``SequenceRelay`` serves it through a copy
-without the sequence, which Triton batches like any other.
+perf_analyzer and genai-perf send a sequence model sequences of their own: a correlation id, START on the first
+request, END on the last (``--sequence-length``, 20 by default). A request that carries START and END (one request per
+sequence) cannot be handed back in Triton 2.51; ``SequenceRelay`` serves it through a copy without the client's
+sequence, which Triton batches like any other. A sequence of several requests cannot be served: releasing its first
+request closes it in Triton 2.51, which then refuses the third itself; the second, which would otherwise wait for
+ever, is answered at once with an error that says what to send instead (``MULTI_REQUEST_SEQUENCE``).
 
 NOTE: Triton 2.51 never hands back a request whose client cancelled while it waited to be rescheduled, so a
 timer ends the requests not seen for max_sequence_idle_microseconds and frees their KV blocks, sending nothing:
@@ -27,8 +30,15 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from backend.engine.batching import IterationDriver  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.triton.model_config import sequence_idle_seconds  # noqa: E402
+from backend.triton.responses import send_error  # noqa: E402
 from backend.triton.sequence_relay import SequenceRelay  # noqa: E402
 from backend.triton.served_model import ServedModel  # noqa: E402
+
+MULTI_REQUEST_SEQUENCE = (
+    "llm_iterative serves one request per client sequence (Triton 2.51's iterative sequence batcher closes a sequence "
+    "when its first request is done): send each request as a sequence of its own, with START and END, or with no "
+    "sequence id (perf_analyzer --sequence-length 1; genai-perf: add -- --sequence-length 1)"
+)
 
 
 class TritonPythonModel(ServedModel, batching="iterative"):
@@ -38,6 +48,10 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         self.driver = IterationDriver(engine, self.open.send, self.open.forget, reap_after,
                                       after_step=self.observe_steps)
         self.request_ids = {}  # Triton's correlation id -> engine request id, while the request is open
+        self.reap_after = reap_after
+        # Correlation ids whose request the driver ended while Triton held it (reaped, or every request ended by a
+        # failure): Triton may still hand it back, and it must then be released unanswered. -> when
+        self.let_go = {}
         self.gap = self.metrics.iteration_gap()
         self.released_at = None  # when the last execute() that handed requests back returned
         self.stopping = threading.Event()
@@ -55,11 +69,19 @@ class TritonPythonModel(ServedModel, batching="iterative"):
                 continue
             correlation_id = int(pb_utils.get_input_tensor_by_name(request, "CORRID").as_numpy().item())
             if pb_utils.get_input_tensor_by_name(request, "START").as_numpy().item():
+                self.let_go.pop(correlation_id, None)
                 request_id = self.admit(request, started, self.driver.add)
+            elif correlation_id not in self.request_ids and correlation_id not in self.let_go:
+                # NOTE: not a hand-back (none of ours is open under this id): the next request of its client's own
+                # sequence, after the one before it got its final response.
+                send_error(pb_utils, request.get_response_sender(), MULTI_REQUEST_SEQUENCE)
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
+                continue
             else:  # rescheduled; unknown once the driver ended it (its final response went out then)
                 if self.released_at is not None:  # the hand-back: the last execute()'s end to this one's start
                     self.gap.observe(started - self.released_at)
                     self.released_at = None
+                self.let_go.pop(correlation_id, None)
                 request_id = self.request_ids.get(correlation_id)
                 if request_id is not None and not self.open.rebind(request_id, request.get_response_sender()):
                     request_id = None
@@ -79,8 +101,14 @@ class TritonPythonModel(ServedModel, batching="iterative"):
             else:
                 self.request_ids.pop(correlation_id, None)
                 request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
-        # Requests the driver reaped (Triton let go of them) never come back: forget them.
-        self.request_ids = {c: r for c, r in self.request_ids.items() if self.driver.is_open(r)}
+        # Requests the driver ended while Triton held them (reaped: Triton let go of them; or a failure) are
+        # forgotten, and remembered as let go until Triton's own idle timeout has surely ended their sequences.
+        now = time.perf_counter()
+        for correlation_id, request_id in list(self.request_ids.items()):
+            if not self.driver.is_open(request_id):
+                del self.request_ids[correlation_id]
+                self.let_go[correlation_id] = now
+        self.let_go = {c: t for c, t in self.let_go.items() if now - t < 2 * self.reap_after}
         self.released_at = time.perf_counter() if unfinished else None
         return None
 

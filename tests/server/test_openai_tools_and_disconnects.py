@@ -1,0 +1,194 @@
+"""The OpenAI frontend with clients people already have, and with clients that go away, on the tiny random Llama
+(SmolLM2's tokenizer and chat template) behind llm_dynamic and llm_continuous:
+
+- NVIDIA's benchmark clients in their OpenAI modes: aiperf in its default mode (chat) and genai-perf
+  ``--endpoint-type chat``, each asked for fixed output lengths, which the server's own count must show exactly (the
+  tools re-tokenize the text they get, and may count a token more or less). aiperf comes from ``make aiperf-venv``
+  (.venv-aiperf), genai-perf from ``make genai-perf-venv`` (.venv-genai-perf; ``make test`` builds both); where
+  genai-perf could not be built, its test skips with the reason the build gave.
+- genai-perf in its kserve mode against llm_iterative: perf_analyzer's own sequences of several requests get a clear
+  error at once (Triton 2.51 cannot serve them there), one request per sequence is served.
+- A client that goes away frees its request's KV blocks within a step or two: mid-stream, and before a non-streamed
+  answer (which the frontend cancels too). Measured as the tokens the engine still makes after the disconnect, and
+  the time until ``llm_kv_blocks_used`` is back to 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from backend.triton.launch_options import free_ports
+from frontend.openai.process import FrontendProcess
+from loadtest.metrics import model_sample, scrape_metrics
+from tests.server_harness import REPO_ROOT, make_repository
+
+pytestmark = pytest.mark.server
+MODELS = ("llm_dynamic", "llm_continuous")  # a run-to-completion batcher and an iteration-level one
+SERVED = (*MODELS, "llm_iterative")
+AIPERF = REPO_ROOT / ".venv-aiperf" / "bin" / "aiperf"
+GENAI_PERF_VENV = REPO_ROOT / ".venv-genai-perf"
+REQUESTS, CONCURRENCY, INPUT_TOKENS, OUTPUT_TOKENS = 8, 2, 16, 12
+# vLLM's extra parameters, which the frontend honours: every answer is exactly OUTPUT_TOKENS long.
+EXACT_LENGTH = ["ignore_eos:true", f"min_tokens:{OUTPUT_TOKENS}"]
+MAX_MODEL_LEN = 512
+# At most this many tokens after a disconnect: the frontend's and Triton's notice plus a step or two. Polled on the
+# old 0.2 s timer alone, the tiny model made far more (it steps every few milliseconds).
+MAX_TOKENS_AFTER = 12
+
+
+@pytest.fixture(scope="module")
+def server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
+    repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository",
+                           {"max_model_len": str(MAX_MODEL_LEN)}, models=SERVED)
+    return triton_server_factory.start(repo, model=tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def frontend(server, tiny_llama_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("frontend") / "frontend.log"
+    with FrontendProcess(server.grpc_url, free_ports(1)[0], tiny_llama_dir, log_path=log) as frontend:
+        yield frontend
+
+
+def generated_tokens(server, model: str) -> float:
+    return scrape_metrics(server.metrics_url).get(f'llm_generation_tokens_total{{model="{model}"}}', 0.0)
+
+
+def run_tool(command: list[str], server, model: str, expect_ok: bool = True) -> float:
+    """Run ``command`` (``expect_ok``: it must succeed); returns the tokens the model generated meanwhile (the
+    server's own count), and the tool's output as ``run_tool.output``."""
+    before = generated_tokens(server, model)
+    # NOTE: both tools refuse a local tokenizer folder while the Hugging Face offline switches are set.
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env["PATH"] = f"{Path(command[0]).parent}{os.pathsep}{env.get('PATH', '')}"  # genai-perf runs perf_analyzer
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=500, env=env)
+    run_tool.output = done.stdout + done.stderr
+    assert (done.returncode == 0) == expect_ok, done.stdout[-3000:] + done.stderr[-3000:]
+    return generated_tokens(server, model) - before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", MODELS)
+def test_aiperf_in_its_default_chat_mode_gets_exact_output_lengths(frontend, server, model, smollm2_dir, tmp_path):
+    assert AIPERF.exists(), "aiperf is not installed: `make aiperf-venv` (make test does it) creates .venv-aiperf"
+    extra = [arg for value in EXACT_LENGTH for arg in ("--extra-inputs", value)]
+    command = [str(AIPERF), "profile", "-m", model, "-u", frontend.url, "--streaming", "--tokenizer", str(smollm2_dir),
+               "--isl", str(INPUT_TOKENS), "--isl-stddev", "0", "--osl", str(OUTPUT_TOKENS), "--osl-stddev", "0",
+               "--concurrency", str(CONCURRENCY), "--request-count", str(REQUESTS),
+               "--num-dataset-entries", str(REQUESTS), "--random-seed", "0", *extra,
+               "--no-server-metrics", "--no-gpu-telemetry", "--ui", "simple", "--artifact-dir", str(tmp_path)]
+    assert run_tool(command, server, model) == REQUESTS * OUTPUT_TOKENS  # exactly --osl tokens each
+    summary = json.loads((tmp_path / "profile_export_aiperf.json").read_text())
+    assert summary["request_count"]["avg"] == REQUESTS and summary.get("error_request_count", {}).get("avg", 0) == 0
+    assert abs(summary["output_sequence_length"]["avg"] - OUTPUT_TOKENS) <= 1  # re-tokenized by aiperf
+    assert summary["time_to_first_token"]["avg"] > 0
+
+
+def genai_perf() -> str:
+    unavailable = GENAI_PERF_VENV / "UNAVAILABLE"
+    if unavailable.exists():
+        reason = f"genai-perf could not be built here: {unavailable.read_text().strip()}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    binary = GENAI_PERF_VENV / "bin" / "genai-perf"
+    assert binary.exists(), "genai-perf is not installed: `make genai-perf-venv` (make test does it)"
+    return str(binary)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", MODELS)
+def test_genai_perf_chat_gets_exact_output_lengths(frontend, server, model, smollm2_dir, tmp_path):
+    binary = genai_perf()
+    extra = [arg for value in EXACT_LENGTH for arg in ("--extra-inputs", value)]
+    command = [binary, "profile", "-m", model, "--endpoint-type", "chat", "--streaming",
+               "-u", frontend.url.removeprefix("http://"), "--tokenizer", str(smollm2_dir),
+               "--synthetic-input-tokens-mean", str(INPUT_TOKENS), "--synthetic-input-tokens-stddev", "0",
+               "--output-tokens-mean", str(OUTPUT_TOKENS), "--output-tokens-stddev", "0",
+               "--concurrency", str(CONCURRENCY), "--request-count", str(REQUESTS), "--warmup-request-count", "0",
+               "--random-seed", "0", *extra, "--artifact-dir", str(tmp_path)]
+    assert run_tool(command, server, model) == REQUESTS * OUTPUT_TOKENS
+    exports = list(tmp_path.rglob("*genai_perf.json"))
+    assert exports, f"no genai-perf export in {tmp_path}"
+    summary = json.loads(exports[0].read_text())
+    assert summary["request_count"]["avg"] == REQUESTS
+    assert abs(summary["output_sequence_length"]["avg"] - OUTPUT_TOKENS) <= 1  # re-tokenized by genai-perf
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_genai_perf_kserve_on_llm_iterative_one_request_per_sequence(server, smollm2_dir, tmp_path):
+    """perf_analyzer's default sequences (about 20 requests, START on the first, END on the last) get an error that
+    says what to send, at once; with one request per sequence every answer is whole."""
+    base = [genai_perf(), "profile", "-m", "llm_iterative", "--endpoint-type", "kserve", "--backend", "vllm",
+            "--streaming", "--output-tokens-mean-deterministic", "-u", server.grpc_url, "--tokenizer", str(smollm2_dir),
+            "--synthetic-input-tokens-mean", str(INPUT_TOKENS), "--synthetic-input-tokens-stddev", "0",
+            "--output-tokens-mean", str(OUTPUT_TOKENS), "--concurrency", str(CONCURRENCY),
+            "--request-count", str(REQUESTS), "--warmup-request-count", "0", "--random-seed", "0"]
+    started = time.monotonic()
+    run_tool([*base, "--artifact-dir", str(tmp_path / "sequences")], server, "llm_iterative", expect_ok=False)
+    assert "--sequence-length 1" in run_tool.output and time.monotonic() - started < 120
+    served = run_tool([*base, "--artifact-dir", str(tmp_path / "single"), "--", "--sequence-length", "1"], server,
+                      "llm_iterative")
+    assert served == REQUESTS * OUTPUT_TOKENS
+
+
+# ---- clients that go away ---------------------------------------------------------------------------------------
+
+
+def metric(server, name: str, model: str) -> float:
+    return model_sample(scrape_metrics(server.metrics_url), name, model)
+
+
+def post_and_hang_up(frontend, server, model: str, stream: bool) -> tuple[float, float]:
+    """Send a long generation on a raw connection, close it once the request holds KV blocks (streamed: after its
+    first chunk); returns (tokens generated after the close, seconds until its KV blocks were free)."""
+    body = json.dumps({"model": model, "prompt": "Tell me a long story", "max_tokens": MAX_MODEL_LEN - 32,
+                       "ignore_eos": True, "stream": stream}).encode()
+    address = urlsplit(frontend.url)
+    assert metric(server, "llm_kv_blocks_used", model) == 0
+    with socket.create_connection((address.hostname, address.port), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        if stream:
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 30
+        while metric(server, "llm_kv_blocks_used", model) == 0:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.005)
+        generated_at_close = metric(server, "llm_generation_tokens_total", model)
+    closed = time.monotonic()
+    while metric(server, "llm_kv_blocks_used", model) > 0:
+        assert time.monotonic() - closed < 5, "the request's KV blocks were not freed"
+        time.sleep(0.002)
+    freed_after = time.monotonic() - closed
+    time.sleep(0.1)  # any step still in flight has counted its tokens
+    return metric(server, "llm_generation_tokens_total", model) - generated_at_close, freed_after
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not-streamed"])
+@pytest.mark.parametrize("model", MODELS)
+def test_a_client_that_goes_away_frees_its_kv_blocks_within_a_step_or_two(frontend, server, model, stream):
+    after, freed_after = post_and_hang_up(frontend, server, model, stream)
+    print(f"{model} {'streamed' if stream else 'not streamed'}: {after:.0f} tokens after the disconnect, "
+          f"KV blocks free {1000 * freed_after:.0f} ms after it")
+    assert after <= MAX_TOKENS_AFTER, f"{after:.0f} tokens were generated after the client went away"
+    # and the model serves the next request
+    with socket.create_connection((urlsplit(frontend.url).hostname, urlsplit(frontend.url).port), timeout=30) as c:
+        body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}).encode()
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        reply = b"".join(iter(lambda: c.recv(65536), b""))
+    assert reply.startswith(b"HTTP/1.1 200") and b'"completion_tokens":3' in reply
