@@ -54,6 +54,7 @@ class EngineSnapshot:
     num_kv_blocks_total: int
     num_steps: int
     running_request_ids: tuple[str, ...]
+    num_engines_busy: int = 1  # engines sharing the cores at the last forward, this one included (shared_cores.py)
 
 
 @dataclass
@@ -141,6 +142,7 @@ class LLMEngine:
             num_kv_blocks_total=self.block_manager.num_blocks,
             num_steps=self.stats.num_steps,
             running_request_ids=tuple(r.request_id for r in self.scheduler.running),
+            num_engines_busy=self.cores.last_busy,
         )
 
     def _fail(self, request: Request, exc: Exception) -> RequestOutput:

@@ -112,7 +112,7 @@ class TritonMetrics:
         self._set("waiting", snapshot.num_waiting)
         self._set("kv_used", snapshot.num_kv_blocks_used)
         self._set("kv_total", snapshot.num_kv_blocks_total)
-        self._set("engines_busy", engine.cores.last_busy)
+        self._set("engines_busy", snapshot.num_engines_busy)
 
     def set_healthy(self, healthy: bool) -> None:
         """``llm_engine_healthy``: 0 once the engine failed (``ServedModel.fail``); the only way to set it."""
