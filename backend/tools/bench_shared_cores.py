@@ -13,7 +13,8 @@ step's parallel regions (``backend/engine/openmp.py``), all of them registered i
 * ``passive``: ``off`` in processes started with ``OMP_WAIT_POLICY=PASSIVE`` (threads sleep between regions):
   what switching the wait policy while another engine is busy would give while it is busy.
 
-Every round runs every arm at every N, arms alternating, so background load hits them alike; figures are medians
+Every round runs every arm at every N, arms alternating (another first each round), so background load hits them
+alike; figures are medians
 over the rounds. Per arm and N: ``step_ms`` (median decode step over the engines), ``ratio`` (against the same arm
 alone) and ``ratio_vs_spin_alone`` (against ``off`` alone: today's engine alone), ``tok_s`` (all engines' tokens
 per second together) and ``tok_s_vs_alone`` (against ``off`` alone).
@@ -89,8 +90,9 @@ def run(model: str, engines: list[int], batch: int, seconds: float, rounds: int,
         log(f"{sum(map(len, groups.values()))} engine processes ready ({batch} sequences each)")
         samples: dict[tuple[str, int], list[tuple[float, float]]] = {}
         for r in range(rounds):
+            order = arms[r % len(arms):] + arms[:r % len(arms)]  # NOTE: each round another arm goes first
             for n in engines:
-                for arm in arms:
+                for arm in order:
                     workers = groups[arm == "passive"][:n]
                     start_at = time.monotonic() + 1.5
                     for _, conn in workers:

@@ -7,8 +7,8 @@ beside the same model alone, for each way of sharing the cores, in one run.
 One server per arm, all started before the first phase (the models load once, then sleep while another arm is
 driven): ``divide`` and ``step_lock`` (the engine's ``core_sharing``), ``off`` (every engine on every thread: the
 engine before the registry) and ``passive`` (``off`` with ``OMP_WAIT_POLICY=PASSIVE``: threads that sleep between
-parallel regions). Each round runs, for every arm in turn, the phases: ``llm_continuous`` alone, ``llm_dynamic``
-alone, the two together, and (with ``--four``) all four models together. A phase is ``--users`` closed-loop gRPC
+parallel regions). Each round runs, for every arm in turn (another arm first each round), the phases: each model
+alone, ``llm_continuous`` and ``llm_dynamic`` together, and (with ``--four``) all four models together. A phase is ``--users`` closed-loop gRPC
 streams per model (each sends its next request when the last one ends: ``--max-tokens`` tokens, ``ignore_eos``),
 for ``--phase-s`` seconds after a short ramp. Per model and phase: ``itl_ms`` (median gap between two tokens of a
 request, its first two left out) and ``tok_s`` (tokens that arrived in the window). Figures are medians over rounds.
@@ -77,8 +77,8 @@ def drive(url: str, models: tuple[str, ...], users: int, seconds: float, max_tok
 
 
 def run(arms: list[str], users: int, phase_s: float, rounds: int, max_tokens: int, four: bool, log=print) -> dict:
-    phases = [("alone", (CONTINUOUS,)), ("alone", (DYNAMIC,)), ("pair", PAIR)] + ([("four", FOUR)] if four else [])
     models = FOUR if four else PAIR
+    phases = [("alone", (model,)) for model in models] + [("pair", PAIR)] + ([("four", FOUR)] if four else [])
     servers = {}
     with tempfile.TemporaryDirectory(prefix="shared-served-") as tmp:
         try:
@@ -95,8 +95,11 @@ def run(arms: list[str], users: int, phase_s: float, rounds: int, max_tokens: in
                 drive(server.grpc_url, models, 1, 1.0, 8)
             samples: dict[tuple, list[dict]] = {}
             for r in range(rounds):
+                # NOTE: the first arm after a phase change measured slower alone: each round another goes first.
+                order = arms[r % len(arms):] + arms[:r % len(arms)]
                 for kind, phase_models in phases:
-                    for arm, server in servers.items():
+                    for arm in order:
+                        server = servers[arm]
                         result = drive(server.grpc_url, phase_models, users, phase_s, max_tokens)
                         for model, figures in result.items():
                             key = (arm, "alone" if kind == "alone" else kind, model)
