@@ -159,10 +159,15 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--arms from {', '.join(ARMS)}; --engines positive and including 1 (the baseline); got "
                 f"{args.arms!r}, {args.engines!r}")
     result = run(args.model, engines, args.batch, args.seconds, args.rounds, arms)
-    print(table(result))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(result, table(result), args.out)
+
+
+def write_result(result: dict, text: str, out: str) -> None:
+    """Print the table, write the figures as JSON."""
+    print(text)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

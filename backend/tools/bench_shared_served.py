@@ -17,7 +17,6 @@ request, its first two left out) and ``tok_s`` (tokens that arrived in the windo
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import threading
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from backend.triton.launch_options import copy_model_repository
 from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE, STATIC
+from backend.tools.bench_shared_cores import write_result
 from backend.triton.server import start_on_free_ports
 from client.grpc_stream import generate
 
@@ -160,10 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     if not arms or set(arms) - set(ARMS):
         p.error(f"--arms from {', '.join(ARMS)}; got {args.arms!r}")
     result = run(arms, args.users, args.phase_s, args.rounds, args.max_tokens, args.four)
-    print(table(result))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(result, table(result), args.out)
 
 
 if __name__ == "__main__":
