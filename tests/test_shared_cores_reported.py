@@ -3,6 +3,12 @@ cores: ``backend/engine/shared_cores.py``), from the metrics port's step counts;
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import time
+
+import pytest
+
 from loadtest import live, report
 from loadtest.metrics import models_under_load, parse_prometheus, steps_by_model
 
@@ -52,3 +58,25 @@ def test_the_report_says_whether_models_took_turns_or_shared_the_cores():
     text = report._shared_text(together)
     assert "More than one model was under load at once" in text and "llm_continuous at 8 users (beside llm_dynamic)" in text
     assert report._shared_text([{**together[0], "metrics": [{"t": 11.0, "values": {}}]}]) == ""  # older results say nothing
+
+
+def test_the_live_page_says_two_models_are_under_load_at_once(monkeypatch, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("no Chromium (make chromium)")
+    steps = {"llm_dynamic": 0, "llm_continuous": 0}
+
+    def scrape(url, timeout):  # both models step every second
+        for model in steps:
+            steps[model] += 10
+        return metrics_text(steps)
+
+    monkeypatch.setattr(live, "scrape", scrape)
+    view = live.LiveView(live.LatencyBook(2000, 100), "http://127.0.0.1:1/metrics", interval_s=0.2)
+    with live.serve(view) as page:
+        time.sleep(1.5)
+        done = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                               f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=4000",
+                               "--dump-dom", page.url], capture_output=True, text=True, timeout=120)
+    assert 'data-sharing="now"' in done.stdout
+    assert "2 models under load at once now (llm_continuous, llm_dynamic)" in done.stdout
