@@ -7,8 +7,8 @@ per forward step), ``llm_time_to_first_token_seconds`` and others. Triton adds `
 request: Triton holds them until the running batch returns).
 
 A sample is ``{"t": unix time, "values": {series: value}, "cpu": {process: percent of one core}, "steps":
-{model: forward steps so far}}``; ``steps`` covers every model, so a run can tell which others were under load. Series keys
-are ``name`` plus the labels other than ``model``, ``version`` and ``instance``
+{model: forward steps so far}}``; ``steps`` covers every model, so a run can tell which others were under load.
+Series keys are ``name`` plus the labels other than ``model``, ``version`` and ``instance``
 (``llm_request_success_total{finish_reason="length"}``): a model served by several instances exports each
 instance's series (its own engine and KV pool) under an ``instance`` label, and a sample holds their sum.
 Histogram buckets are kept only in the first and last sample of a run (enough for the run's distribution).

@@ -48,16 +48,20 @@ def run(model: str, steps: list[dict[str, int]], window=(10.0, 20.0)) -> dict:
 
 
 def test_the_report_says_whether_models_took_turns_or_shared_the_cores():
-    alone = [run("llm_dynamic", [{"llm_dynamic": 0, "llm_continuous": 0}, {"llm_dynamic": 10, "llm_continuous": 0},
-                                 {"llm_dynamic": 90, "llm_continuous": 0}]),
-             run("llm_continuous", [{"llm_dynamic": 90, "llm_continuous": 0},
-                                    {"llm_dynamic": 90, "llm_continuous": 8}, {"llm_dynamic": 90, "llm_continuous": 80}])]
-    assert report._shared_text(alone).startswith("One model was under load at a time")
-    together = [run("llm_continuous", [{"llm_dynamic": 0, "llm_continuous": 0}, {"llm_dynamic": 10, "llm_continuous": 8},
-                                       {"llm_dynamic": 50, "llm_continuous": 80}])]
-    text = report._shared_text(together)
-    assert "More than one model was under load at once" in text and "llm_continuous at 8 users (beside llm_dynamic)" in text
-    assert report._shared_text([{**together[0], "metrics": [{"t": 11.0, "values": {}}]}]) == ""  # older results say nothing
+    dynamic_alone = run("llm_dynamic", [{"llm_dynamic": 0, "llm_continuous": 0},
+                                        {"llm_dynamic": 10, "llm_continuous": 0},
+                                        {"llm_dynamic": 90, "llm_continuous": 0}])
+    continuous_alone = run("llm_continuous", [{"llm_dynamic": 90, "llm_continuous": 0},
+                                              {"llm_dynamic": 90, "llm_continuous": 8},
+                                              {"llm_dynamic": 90, "llm_continuous": 80}])
+    assert report._shared_text([dynamic_alone, continuous_alone]).startswith("One model was under load at a time")
+    together = run("llm_continuous", [{"llm_dynamic": 0, "llm_continuous": 0}, {"llm_dynamic": 10, "llm_continuous": 8},
+                                      {"llm_dynamic": 50, "llm_continuous": 80}])
+    text = report._shared_text([together])
+    assert "More than one model was under load at once" in text
+    assert "llm_continuous at 8 users (beside llm_dynamic)" in text
+    older = {**together, "metrics": [{"t": 11.0, "values": {}}]}  # results from before the step counts: nothing said
+    assert report._shared_text([older]) == ""
 
 
 def test_the_live_page_says_two_models_are_under_load_at_once(monkeypatch, tmp_path):

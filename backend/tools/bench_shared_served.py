@@ -8,10 +8,11 @@ One server per arm, all started before the first phase (the models load once, th
 driven): ``divide`` and ``step_lock`` (the engine's ``core_sharing``), ``off`` (every engine on every thread: the
 engine before the registry) and ``passive`` (``off`` with ``OMP_WAIT_POLICY=PASSIVE``: threads that sleep between
 parallel regions). Each round runs, for every arm in turn (another arm first each round), the phases: each model
-alone, ``llm_continuous`` and ``llm_dynamic`` together, and (with ``--four``) all four models together. A phase is ``--users`` closed-loop gRPC
-streams per model (each sends its next request when the last one ends: ``--max-tokens`` tokens, ``ignore_eos``),
-for ``--phase-s`` seconds after a short ramp. Per model and phase: ``itl_ms`` (median gap between two tokens of a
-request, its first two left out) and ``tok_s`` (tokens that arrived in the window). Figures are medians over rounds.
+alone, ``llm_continuous`` and ``llm_dynamic`` together, and (with ``--four``) all four models together. A phase is
+``--users`` closed-loop gRPC streams per model (each sends its next request when the last one ends:
+``--max-tokens`` tokens, ``ignore_eos``), for ``--phase-s`` seconds after a short ramp. Per model and phase:
+``itl_ms`` (median gap between two tokens of a request, its first two left out) and ``tok_s`` (tokens that arrived
+in the window). Figures are medians over rounds.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import threading
 import time
 from pathlib import Path
 
+from backend.tools.bench_shared_cores import write_result
 from backend.triton.launch_options import copy_model_repository
 from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE, STATIC
-from backend.tools.bench_shared_cores import write_result
 from backend.triton.server import start_on_free_ports
 from client.grpc_stream import generate
 
@@ -91,7 +92,7 @@ def run(arms: list[str], users: int, phase_s: float, rounds: int, max_tokens: in
                                              log_path=Path(tmp) / f"{arm}.log")
                 servers[arm] = server.__enter__()
                 log(f"{arm}: server ready ({server.grpc_url})")
-            for arm, server in servers.items():  # warm-up: every model's first steps, once
+            for server in servers.values():  # warm-up: every model's first steps, once
                 drive(server.grpc_url, models, 1, 1.0, 8)
             samples: dict[tuple, list[dict]] = {}
             for r in range(rounds):
