@@ -11,8 +11,10 @@ parallel regions). Each round runs, for every arm in turn (another arm first eac
 alone, ``llm_continuous`` and ``llm_dynamic`` together, and (with ``--four``) all four models together. A phase is
 ``--users`` closed-loop gRPC streams per model (each sends its next request when the last one ends:
 ``--max-tokens`` tokens, ``ignore_eos``), for ``--phase-s`` seconds after a short ramp. Per model and phase:
-``itl_ms`` (median gap between two tokens of a request, its first two left out) and ``tok_s`` (tokens that arrived
-in the window). Figures are medians over rounds.
+``itl_ms`` (median gap between two tokens of a request, its first two left out), ``tpot_ms`` (the median over
+requests of each one's mean gap in the window: a burst of tokens delivered together makes many gaps near zero, which
+the median gap counts and the mean gap does not) and ``tok_s`` (tokens that arrived in the window). Figures are
+medians over rounds.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def drive(url: str, models: tuple[str, ...], users: int, seconds: float, max_tok
     start = time.perf_counter()
     window = (start + RAMP_S, start + RAMP_S + seconds)
     gaps: dict[str, list[float]] = {m: [] for m in models}
+    tpots: dict[str, list[float]] = {m: [] for m in models}  # per request: its mean gap in the window
     tokens: dict[str, int] = dict.fromkeys(models, 0)
     errors: list[str] = []
     lock = threading.Lock()
@@ -63,7 +66,10 @@ def drive(url: str, models: tuple[str, ...], users: int, seconds: float, max_tok
                 if stream.error:
                     errors.append(f"{model}: {stream.error}")
                     return
-                gaps[model] += [b - a for a, b in zip(times[2:], times[3:]) if window[0] <= a and b <= window[1]]
+                inside = [t for t in times[2:] if window[0] <= t <= window[1]]
+                gaps[model] += [b - a for a, b in zip(inside, inside[1:])]
+                if len(inside) >= 8:
+                    tpots[model].append((inside[-1] - inside[0]) / (len(inside) - 1))
                 tokens[model] += sum(window[0] <= t < window[1] for t in times)
 
     threads = [threading.Thread(target=user, args=(m,), daemon=True) for m in models for _ in range(users)]
@@ -73,7 +79,8 @@ def drive(url: str, models: tuple[str, ...], users: int, seconds: float, max_tok
         thread.join()
     if errors:
         raise RuntimeError("; ".join(sorted(set(errors))[:5]))
-    return {m: {"itl_ms": statistics.median(gaps[m]) * 1e3 if gaps[m] else None, "tok_s": tokens[m] / seconds}
+    return {m: {"itl_ms": statistics.median(gaps[m]) * 1e3 if gaps[m] else None,
+                "tpot_ms": statistics.median(tpots[m]) * 1e3 if tpots[m] else None, "tok_s": tokens[m] / seconds}
             for m in models}
 
 
@@ -127,9 +134,12 @@ def summarize(samples: dict, arms: list[str], four: bool) -> dict:
                 alone_itl = med(arm, "alone", model, "itl_ms")
                 base_itl = med("off", "alone", model, "itl_ms") if "off" in arms else None
                 itl = med(arm, kind, model, "itl_ms")
+                tpot, alone_tpot = med(arm, kind, model, "tpot_ms"), med(arm, "alone", model, "tpot_ms")
                 rows.append({
                     "arm": arm, "phase": kind, "model": model, "itl_ms": itl,
                     "alone_itl_ms": alone_itl, "ratio": itl / alone_itl if itl and alone_itl else None,
+                    "tpot_ms": tpot, "alone_tpot_ms": alone_tpot,
+                    "tpot_ratio": tpot / alone_tpot if tpot and alone_tpot else None,
                     "spin_alone_itl_ms": base_itl, "tok_s": med(arm, kind, model, "tok_s"),
                     "alone_tok_s": med(arm, "alone", model, "tok_s"), "models_tok_s": together,
                 })
@@ -138,11 +148,13 @@ def summarize(samples: dict, arms: list[str], four: bool) -> dict:
 
 def table(result: dict) -> str:
     f = lambda v, d=1: "–" if v is None else f"{v:.{d}f}"  # noqa: E731
-    lines = ["| arm | phase | model | gap alone ms | gap together ms | ratio | off alone ms | tok/s alone | "
-             "tok/s together | all models' tok/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | phase | model | gap alone ms | gap together ms | ratio | TPOT alone ms | TPOT together ms | "
+             "ratio | off alone gap ms | tok/s alone | tok/s together | all models' tok/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lines.append(f"| {r['arm']} | {r['phase']} | {r['model']} | {f(r['alone_itl_ms'])} | {f(r['itl_ms'])} | "
-                     f"{f(r['ratio'], 2)}x | {f(r['spin_alone_itl_ms'])} | {f(r['alone_tok_s'], 0)} | "
+                     f"{f(r['ratio'], 2)}x | {f(r['alone_tpot_ms'])} | {f(r['tpot_ms'])} | {f(r['tpot_ratio'], 2)}x | "
+                     f"{f(r['spin_alone_itl_ms'])} | {f(r['alone_tok_s'], 0)} | "
                      f"{f(r['tok_s'], 0)} | {f(r['models_tok_s'], 0)} |")
     return "\n".join(lines)
 
