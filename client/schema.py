@@ -13,7 +13,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-# Input name -> (Triton datatype, numpy dtype), as every model's config.pbtxt declares it (the inputs this client sends).
+# Input name -> (Triton datatype, numpy dtype), as every model's config.pbtxt declares it (the inputs this client
+# sends).
 INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "text_input": ("BYTES", np.object_),
     "max_tokens": ("INT32", np.int32),
@@ -157,7 +158,8 @@ def describe_batching(config: Mapping[str, Any]) -> str:
         delay_us = int(config["dynamic_batching"].get("max_queue_delay_microseconds", 0))
         return f"dynamic batcher (max_batch_size {max_batch_size}, max_queue_delay {delay_us} µs)"
     if config.get("sequence_batching", {}).get("iterative_sequence"):
-        return f"{'decoupled, ' if decoupled else ''}Triton's iterative sequence batcher (max_batch_size {max_batch_size})"
+        mode = "decoupled, " if decoupled else ""
+        return f"{mode}Triton's iterative sequence batcher (max_batch_size {max_batch_size})"
     if policy:
         return f"{'decoupled, ' if decoupled else ''}engine-side {policy} batching"
     return f"no batching (max_batch_size {max_batch_size})"

@@ -3,7 +3,7 @@
 #   docker buildx build -f docker/locust.Dockerfile -t llm-batching-locust:latest .      (from the repository root)
 #
 # The same base as the CPU Triton image (python:3.11-slim-bookworm) and Python 3.11 like the project's virtual
-# environment, so docker/requirements-locust.txt pins exactly what requirements.txt pins (tests/test_deploy.py checks
+# environment, so docker/requirements-locust.txt pins exactly what requirements.txt pins (tests/unit/test_deploy.py checks
 # it). No torch: the load generator only speaks tritonclient. A certificate authority for pip: `--secret id=ca,src=FILE`
 # (docker/pip-install.sh).
 FROM python:3.11-slim-bookworm

@@ -60,7 +60,7 @@ from loadtest.workloads import WORKLOADS, get_workload
 # llm_dynamic at its best on the development machine (2 cores): two instances of 8 seats, the shipped 2 ms delay. Of
 # 1x8@2000 (shipped), 2x4@2000, 2x8@2000, 1x8@50000 and 1x16@2000 at 8 and 16 users (`make compare ARGS="--models
 # llm_dynamic --dynamic-variants 2x4@2000,2x8@2000,1x8@50000,1x16@2000 --users 8,16"`), it had the most output
-# tokens/s and goodput at both: README, "The dynamic batcher at its best".
+# tokens/s and goodput at both: docs/comparison.md, "The dynamic batcher at its best".
 BEST_DYNAMIC = "2x8@2000"
 
 # Per mode: the sweep and how long each point runs (then at most stop_timeout_s of drain). The shorter modes scale
@@ -113,7 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--dynamic-variants",
         default=None,
-        help="comma-separated llm_dynamic settings to serve beside it, each INSTANCESxMAX_BATCH_SIZE@MAX_QUEUE_DELAY_US "
+        help="comma-separated llm_dynamic settings to serve beside it, each "
+        "INSTANCESxMAX_BATCH_SIZE@MAX_QUEUE_DELAY_US "
         f"(default: {BEST_DYNAMIC}, the best found here; with --url: none; '' for none)",
     )
     args = p.parse_args(argv)

@@ -393,7 +393,8 @@ def crash_site(lines: list[str]) -> str | None:
         )
         base = (frames[0][1] - handler) & ~0xFFF
         where = subprocess.run(
-            ["addr2line", "-f", "-C", "-e", binary, hex(frames[1][1] - base)], capture_output=True, text=True, timeout=60
+            ["addr2line", "-f", "-C", "-e", binary, hex(frames[1][1] - base)],
+            capture_output=True, text=True, timeout=60,
         ).stdout.splitlines()
     except (OSError, subprocess.SubprocessError, StopIteration, ValueError):
         return None

@@ -1,6 +1,8 @@
-"""Shared fixtures: real tritonservers on free ports, the SmolLM2 folder, a tiny random Llama.
+"""Fixtures of both tiers: the SmolLM2 folder and a tiny random Llama; a failing test's report gets the log tail of
+every server it used (tests/server_harness.py).
 
-The helpers live in tests/server_harness.py; a failing test's report gets the log tail of every server it used.
+The tiers are folders: tests/unit/ starts no server (`make test-unit`), tests/server/ starts real tritonservers on
+free loopback ports (its conftest.py has those fixtures), tests/server/test_containers.py a Docker engine.
 """
 
 from __future__ import annotations
@@ -17,29 +19,6 @@ from backend.tools.prepare_model import ensure_model  # noqa: E402
 from tests import server_harness  # noqa: E402
 
 _TEST_STARTED = pytest.StashKey[float]()
-
-
-@pytest.fixture(scope="session")
-def triton_server_factory(tmp_path_factory) -> server_harness.ServerFactory:
-    """``factory.start(model_repository, model=None, env=None, extra_args=()) -> TritonServer`` (ready)."""
-    factory = server_harness.ServerFactory(tmp_path_factory.mktemp("tritonserver-logs"))
-    yield factory
-    factory.stop_all()
-
-
-@pytest.fixture
-def start_server(triton_server_factory):
-    """Like ``triton_server_factory.start``, but the servers stop when the test ends."""
-    started = []
-
-    def start(model_repository, **kwargs):
-        server = triton_server_factory.start(model_repository, **kwargs)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

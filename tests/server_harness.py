@@ -73,9 +73,9 @@ def make_repository(
     max_batch_size: int | None = None,
     dynamic_queue_size: int | None = None,
 ) -> Path:
-    """A copy of model_repository/'s ``models`` (by default the two compared ones) for the tiny Llama: ``TINY_SETTINGS``,
-    then ``params``, set in their configs. ``max_batch_size`` and ``dynamic_queue_size`` change llm_dynamic's batch
-    size and Triton's queue bound."""
+    """A copy of model_repository/'s ``models`` (by default the two compared ones) for the tiny Llama:
+    ``TINY_SETTINGS``, then ``params``, set in their configs. ``max_batch_size`` and ``dynamic_queue_size`` change
+    llm_dynamic's batch size and Triton's queue bound."""
     copy_model_repository(dst, models, {**TINY_SETTINGS, **(params or {})})
     path = dst / "llm_dynamic" / "config.pbtxt"
     if path.exists() and (max_batch_size is not None or dynamic_queue_size is not None):
@@ -95,7 +95,8 @@ def servers_alive_since(t0: float) -> list[TritonServer]:
 
 def log_sections(t0: float, num_lines: int = 60) -> list[tuple[str, str]]:
     """Report sections with the log tail of every server a test may have used."""
-    return [(f"tritonserver log tail ({server.log_path})", server.output_tail(num_lines)) for server in servers_alive_since(t0)]
+    return [(f"tritonserver log tail ({server.log_path})", server.output_tail(num_lines))
+            for server in servers_alive_since(t0)]
 
 
 @atexit.register

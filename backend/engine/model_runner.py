@@ -150,7 +150,8 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch_bytes = max(0, total - free - torch.cuda.memory_reserved(self.device))
         return num_gpu_kv_blocks(
-            total, self.config.gpu_memory_utilization, weights_bytes, peak_activation_bytes, non_torch_bytes, block_bytes
+            total, self.config.gpu_memory_utilization, weights_bytes, peak_activation_bytes, non_torch_bytes,
+            block_bytes,
         )
 
     def profile_run(self) -> int:
@@ -229,7 +230,8 @@ class ModelRunner:
     def run(self, inputs: ModelInput) -> torch.Tensor:  # [S, V] in the model's dtype
         if not inputs.sampled_requests and inputs.input_ids.numel() == 0:
             return torch.empty(0, self.shape.vocab_size, dtype=self.dtype)
-        return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices)
+        return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                  inputs.logits_indices)
 
 
 def _padded_block_tables(block_ids: list[list[int]]) -> torch.Tensor:  # [len(block_ids), max_blocks] int32

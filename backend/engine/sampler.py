@@ -5,8 +5,8 @@ which other requests share the batch; every per-row operation reads only that ro
 token is the inverse CDF of its number over the softmax weights, in vocabulary order, restricted to its top-k and
 top-p prefix: one uniform number per row instead of noise over the whole vocabulary, and no sort of the vocabulary.
 
-``sample_rows`` is the torch reference; the C twin in ``backend.kernels.cpu_kernels`` (same inputs, same tokens up to float
-rounding) runs wherever it builds, in one pass over each row.
+``sample_rows`` is the torch reference; the C twin in ``backend.kernels.cpu_kernels`` (same inputs, same tokens up to
+float rounding) runs wherever it builds, in one pass over each row.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ the same run beside it. Keys of the JSON file:
     ``runs``, one per model, batch and ``temperature`` (0 or 1): ``itl_ms`` (median inter-token gap of the streams,
     best of ``config.repeats``), ``itl_p90_ms``, ``tok_s``, ``client_cpu`` and ``server_cpu`` (cores used by this
     process as the client and by tritonserver with its stubs), ``offline_step_ms`` (the fixed batches' median decode
-    step at that batch and sampling) and ``ratio`` (``itl_ms / offline_step_ms``). See ``backend/tools/bench_served.py``.
+    step at that batch and sampling) and ``ratio`` (``itl_ms / offline_step_ms``). See
+    ``backend/tools/bench_served.py``.
 ``llamacpp`` (only with ``--llamacpp PATH``: llama.cpp's ``llama-server``, built by ``make llamacpp``)
     the same decode workloads (random prompts of ``prompt_len`` token ids) through ``llama-server`` on the BF16 GGUF
     of the same weights, HTTP streaming ``/completion``: ``server``, ``version``, ``gguf``, ``command``, ``threads``,
@@ -558,7 +559,8 @@ def format_table(result: dict) -> str:
             sampling = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
             lines.append(
                 f"   {r['model']:>14}  {r['batch']:>5}  {sampling:>8}  {r['itl_ms']:>13.1f}  "
-                f"{r['offline_step_ms']:>15.1f}  {r['ratio']:>15.2f}x  {r['itl_p90_ms']:>10.1f}  {r['client_cpu']:>10.0%}  {r['server_cpu']:>10.0%}"
+                f"{r['offline_step_ms']:>15.1f}  {r['ratio']:>15.2f}x  {r['itl_p90_ms']:>10.1f}  "
+                f"{r['client_cpu']:>10.0%}  {r['server_cpu']:>10.0%}"
             )
     llamacpp = result.get("llamacpp")
     if llamacpp:
@@ -567,7 +569,8 @@ def format_table(result: dict) -> str:
         lines += [
             "",
             f"2b. llama.cpp's llama-server ({llamacpp['version']}) on {Path(llamacpp['gguf']).name}: "
-            f"{llamacpp['prompt_len']}-token prompts (ids), {llamacpp['new_tokens']} new tokens, {llamacpp['threads']} threads, {llamacpp['num_slots']} slots, "
+            f"{llamacpp['prompt_len']}-token prompts (ids), {llamacpp['new_tokens']} new tokens, "
+            f"{llamacpp['threads']} threads, {llamacpp['num_slots']} slots, "
             "continuous batching, HTTP streaming, client in this process",
             f"   {'batch':>5}  {'sampling':>8}  {'llama.cpp ITL ms':>16}  {'ITL p90 ms':>10}  {'tok/s':>7}  "
             f"{'server ms/token':>16}  {'server CPU':>10}  {'served ITL ms':>13}  {'llama.cpp / served':>18}",

@@ -82,7 +82,8 @@ class TritonMetrics:
         reason = output.finish_reason or FinishReason.ERROR.value
         counter = self._finished_by_reason.get(reason)
         if counter is None:
-            counter = self._finished_by_reason[reason] = self._finished.Metric({**self._labels, "finish_reason": reason})
+            counter = self._finished.Metric({**self._labels, "finish_reason": reason})
+            self._finished_by_reason[reason] = counter
         counter.increment(1)
         self.prompt_tokens.increment(output.num_prompt_tokens)
         self.generation_tokens.increment(output.num_output_tokens)

@@ -100,7 +100,8 @@ def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, paramete
         values.update(_json_object("sampling_parameters", text))
     stream = bool(_scalar("stream", inputs["stream"])) if "stream" in inputs else False
     params = SamplingParams.from_dict(values)
-    omitted = frozenset(out for name, out in RETURN_INPUTS.items() if name in inputs and not _scalar(name, inputs[name]))
+    omitted = frozenset(out for name, out in RETURN_INPUTS.items()
+                        if name in inputs and not _scalar(name, inputs[name]))
     if params.max_tokens is not None and params.max_tokens >= limits.max_model_len:
         raise ValueError(
             f"max_tokens is {params.max_tokens}, beyond this model's max_model_len ({limits.max_model_len}): "

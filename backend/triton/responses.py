@@ -126,7 +126,8 @@ def send_output(pb, open_request: OpenRequest, output: RequestOutput, batched: b
     """Send what one engine output means for this request: a delta (streaming), or the whole text at the end."""
     flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
     if output.error is not None:
-        open_request.sender.send(pb.InferenceResponse(output_tensors=[], error=pb.TritonError(output.error)), flags=flags)
+        error = pb.InferenceResponse(output_tensors=[], error=pb.TritonError(output.error))
+        open_request.sender.send(error, flags=flags)
         return
     if open_request.stream:
         text, token_ids = output.delta_text, output.new_token_ids

@@ -88,12 +88,12 @@ class SequenceRelay:
                 if outputs:
                     sender.send(pb.InferenceResponse(output_tensors=outputs))
             sender.send(flags=final)
-        except Exception as exc:  # noqa: BLE001: the client must get its final response whatever failed here
+        except Exception as exc:  # noqa: BLE001 (the client must get its final response whatever failed here)
             log.exception("relaying a sequence request failed")
             try:
                 sender.send(pb.InferenceResponse(error=pb.TritonError(f"relaying the request failed: {exc}")),
                             flags=final)
-            except Exception:  # noqa: BLE001: the sender is gone (final already sent, or the server stopping)
+            except Exception:  # noqa: BLE001 (the sender is gone: final already sent, or the server stopping)
                 pass
         finally:
             with self._lock:

@@ -1,6 +1,6 @@
 """Stop a tritonserver 2.51 so that its models drain, unload and it exits 0, which SIGTERM alone does not do.
 
-What tritonserver 2.51 does on SIGTERM (measured; tests/test_shutdown.py runs each case against a real server):
+What tritonserver 2.51 does on SIGTERM (measured; tests/server/test_shutdown.py runs each case against a real server):
 
 - It tells its Python-backend stubs nothing. Our models learn of the shutdown only from the signal itself
   (``ShutdownNotice``), so it must reach the stubs too: then they refuse new requests, finish the running ones and

@@ -1,4 +1,4 @@
-# Test-only stand-in for prom/prometheus where no registry can be reached (tests/test_containers.py builds it
+# Test-only stand-in for prom/prometheus where no registry can be reached (tests/server/test_containers.py builds it
 # only when `docker pull prom/prometheus:<tag>` fails): Debian bookworm's own Prometheus on the project's one base
 # image, with the official image's entry point and defaults. docker/compose.yaml keeps naming the real image.
 FROM python:3.11-slim-bookworm

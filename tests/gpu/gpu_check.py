@@ -1,6 +1,6 @@
 """One-shot check for a machine with a GPU (``make gpu-check``), under five minutes:
 
-1. the kernel tests (tests/test_kernels.py) on CUDA tensors, compiled;
+1. the kernel tests (tests/unit/test_kernels.py) on CUDA tensors, compiled;
 2. the engine on CUDA generates HF ``generate``'s greedy tokens (float32), with attention as model_runner wires it
    (every attention op on the kernels: KV write, decode, prefill) and the KV pool sized from gpu_memory_utilization
    after a profiling forward, and again with a token budget of 16 (chunked prefill mixed with decodes);
@@ -11,7 +11,7 @@
 
 Results go to a JSON file (written after every section, so a timeout keeps what finished) whose path is printed.
 ``--dry-run`` runs every section on the CPU with ``TRITON_INTERPRET=1``, a tiny random Llama and tiny sizes: the
-figures mean nothing, but every line of the script runs (tests/test_gpu_check.py calls it).
+figures mean nothing, but every line of the script runs (tests/unit/test_gpu_check.py calls it).
 
     python -m tests.gpu.gpu_check [--model models/smollm2-135m-instruct] [--out reports/gpu_check.json]
 """
@@ -119,7 +119,7 @@ def kernel_tests(dry_run: bool) -> dict:
     else:
         env.pop("TRITON_INTERPRET", None)
         select = []
-    cmd = [sys.executable, "-m", "pytest", "tests/test_kernels.py", "-q", "-p", "no:cacheprovider", *select]
+    cmd = [sys.executable, "-m", "pytest", "tests/unit/test_kernels.py", "-q", "-p", "no:cacheprovider", *select]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     print(proc.stdout[-3000:] if proc.returncode else summary, flush=True)
@@ -152,10 +152,10 @@ def engine_vs_hf(model: Path, device, dry_run: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from backend.engine.attention.triton_backend import TritonAttention
     from backend.engine.config import EngineConfig, SamplingParams
     from backend.engine.llm_engine import LLMEngine
     from backend.engine.tokenizer import load_tokenizer
-    from backend.engine.attention.triton_backend import TritonAttention
 
     new_tokens = 6 if dry_run else 32
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)

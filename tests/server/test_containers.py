@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import threading
 import time
@@ -29,8 +28,8 @@ import requests
 import yaml
 
 from backend.triton.launch_options import free_ports
+from tests.server.test_shutdown import SHUTTING_DOWN, MetricsTrail, requests_of, start_locust, unload_times
 from tests.server_harness import LOCALHOST, REPO_ROOT
-from tests.test_shutdown import SHUTTING_DOWN, MetricsTrail, requests_of, start_locust, unload_times
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -53,7 +52,8 @@ def docker_host() -> str | None:
 def run(*args: str, env: dict, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(list(args), env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
     if check and result.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        raise AssertionError(
+            f"{' '.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
 
 
@@ -144,11 +144,12 @@ def test_cpu_image_holds_the_venvs_server_and_no_cuda(docker_env):
     assert config["User"].split(":")[0] not in ("", "root", "0")
     assert set(config["ExposedPorts"]) == {"8000/tcp", "8001/tcp", "8002/tcp", "9000/tcp"}
     assert "probe.py" in " ".join(config["Healthcheck"]["Test"])
-    packages = json.loads(run("docker", "run", "--rm", "--network", "none", TRITON_IMAGE, "python3", "-m", "pip", "list",
-                              "--format", "json", env=docker_env).stdout)
+    packages = json.loads(run("docker", "run", "--rm", "--network", "none", TRITON_IMAGE,
+                              "python3", "-m", "pip", "list", "--format", "json", env=docker_env).stdout)
     installed = {p["name"].lower().replace("_", "-"): p["version"] for p in packages}
     assert installed["torch"].endswith("+cpu"), installed["torch"]
-    cuda = sorted(n for n in installed if n.startswith(("nvidia-", "cuda-")) and n != "nvidia-pytriton" or n == "triton")
+    cuda = sorted(n for n in installed
+                  if n.startswith(("nvidia-", "cuda-")) and n != "nvidia-pytriton" or n == "triton")
     assert not cuda, f"CUDA packages in the CPU image: {cuda}"
     # The server the tests run: the same tritonserver wheel, torch and transformers as this virtual environment.
     from importlib import metadata
@@ -186,7 +187,8 @@ def test_greedy_text_from_the_container_equals_the_venv_server(container, start_
         for prompt in PROMPTS:
             theirs = generate(container.http_url, model, prompt)
             ours = generate(local.http_url, model, prompt)
-            assert theirs["output_ids"] == ours["output_ids"], (model, prompt, theirs["text_output"], ours["text_output"])
+            assert theirs["output_ids"] == ours["output_ids"], (
+                model, prompt, theirs["text_output"], ours["text_output"])
             assert theirs["text_output"] == ours["text_output"]
             assert len(theirs["output_ids"]) == 24
 
@@ -227,7 +229,8 @@ def test_docker_stop_under_locust_load_drains_and_exits_0(container, tmp_path):
                            (r["error"] or "") else "other error" for r in records)
         final = last[model]
         print(f"  {model}: {dict(outcomes)}; server at unload: {dict(final)}")
-        assert final["llm_kv_blocks_used"] == final["llm_num_requests_running"] == final["llm_num_requests_waiting"] == 0
+        assert final["llm_kv_blocks_used"] == 0
+        assert final["llm_num_requests_running"] == final["llm_num_requests_waiting"] == 0
         assert outcomes["ok"] > 0 and outcomes["cut"] == 0, (model, outcomes)
         streamed = [r for r in records if r["num_output_tokens"] > 0]
         assert not [r for r in streamed if not r["ok"] and SHUTTING_DOWN not in (r["error"] or "")], model
@@ -261,7 +264,8 @@ def compose_override(tmp_path: Path, env: dict, locust_run_s: int) -> tuple[Path
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(scrape))
     host = {"network_mode": "host", "ports": "RESET"}
     services = {
-        "triton": {**host, "environment": {"HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics)},
+        "triton": {**host,
+                   "environment": {"HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics)},
                    "command": ["python3", "-m", "backend.triton.serve", "--model-repository=/opt/llm/model_repository",
                                "--address", LOCALHOST, "--openai-port", str(openai), "--",
                                "--exit-timeout-secs=30"]},
@@ -281,7 +285,8 @@ def compose_override(tmp_path: Path, env: dict, locust_run_s: int) -> tuple[Path
         services["prometheus"]["image"] = stand_in
     text = yaml.safe_dump({"services": services}, sort_keys=False)
     text = text.replace("ports: RESET", "ports: !reset []").replace(
-        "volumes: OVERRIDE", f"volumes: !override\n    - {tmp_path / 'prometheus.yml'}:/etc/prometheus/prometheus.yml:ro")
+        "volumes: OVERRIDE",
+        f"volumes: !override\n    - {tmp_path / 'prometheus.yml'}:/etc/prometheus/prometheus.yml:ro")
     path = tmp_path / "compose.test.yaml"
     path.write_text(text)
     return path, ports

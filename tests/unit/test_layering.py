@@ -1,12 +1,13 @@
-"""Imports point down the layers only (CONVENTIONS.md, rule 11): kernels <- engine <- Triton glue <- tools and load
-tests. Read from the source with ``ast`` (every import, function-level ones included), so nothing is imported."""
+"""Imports point down the layers only: kernels <- engine <- Triton glue <- tools, the frontend and the load tests (the
+README's layout). Read from the source with ``ast`` (every import, function-level ones included), so nothing is
+imported."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Each layer: the folders (relative to the repository) whose files belong to it, and the module prefixes that name it.
 LAYERS = [

@@ -1,4 +1,5 @@
-"""``backend.tools.bench`` end to end on the tiny random Llama with the smallest settings: it runs and writes every key."""
+"""``backend.tools.bench`` end to end on the tiny random Llama with the smallest settings: it runs and writes every
+key."""
 
 from __future__ import annotations
 

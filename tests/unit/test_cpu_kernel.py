@@ -250,9 +250,10 @@ def test_kernels_forward_and_greedy_engine_hold_without_avx512_or_amx(tmp_path):
     greedy text against HF still pass, in a process of their own."""
     env = {**os.environ, "LLM_CPU_MARCH": "x86-64-v2", "XDG_CACHE_HOME": str(tmp_path),
            "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
-    tests = ["tests/test_cpu_kernel.py", "tests/test_sampler.py", "tests/test_model_forward.py", "tests/test_engine.py",
+    tests = ["tests/unit/test_cpu_kernel.py", "tests/unit/test_sampler.py", "tests/unit/test_model_forward.py",
+             "tests/unit/test_engine.py",
              "-k", "not without_avx512 and (not test_engine or greedy_matches_hf or min_tokens)"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
-                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=550)
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=550)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert list(tmp_path.rglob("cpu_kernels-*.so")), "the kernels were not rebuilt for the baseline ISA"

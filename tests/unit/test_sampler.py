@@ -1,4 +1,5 @@
-"""The sampler on crafted logits: seeds make rows reproducible whatever else is in the batch; filters do what they say."""
+"""The sampler on crafted logits: seeds make rows reproducible whatever else is in the batch; filters do what they
+say."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_same_seed_different_request_ids_same_tokens():
 def test_different_seeds_differ():
     sampler = Sampler()
     logits = [random_logits(2, seed=s) for s in range(STEPS)]
-    rows = [sampler(l, ["a", "b"], [SamplingParams(seed=1), SamplingParams(seed=2)]) for l in logits]
+    rows = [sampler(row, ["a", "b"], [SamplingParams(seed=1), SamplingParams(seed=2)]) for row in logits]
     a, b = zip(*rows)
     assert a != b
 

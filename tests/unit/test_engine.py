@@ -161,7 +161,8 @@ def test_max_tokens_finishes_with_length_and_deltas_join_to_decode(engine):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for out in engine.generate(PROMPTS + ["안녕하세요, 제 이름은", "Emoji story: 🎉"], params):
         assert out.finish_reason == "length" and len(out.token_ids) == 12
-        decoded = engine.tokenizer.hf.decode(out.token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        decoded = engine.tokenizer.hf.decode(out.token_ids, skip_special_tokens=True,
+                                             clean_up_tokenization_spaces=False)
         # A length stop inside a multi-byte character drops its bytes instead of sending U+FFFD.
         assert "".join(out.delta_texts) == out.text == decoded.rstrip("\ufffd")
         assert "\ufffd" not in out.text

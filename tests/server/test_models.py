@@ -139,7 +139,8 @@ def test_dynamic_queues_a_request_until_the_running_batch_finishes(server):
 def triton_counter(server, name: str, model: str) -> float:
     """One of Triton's own per-model counters (labelled with the model and its version)."""
     lines = requests.get(server.metrics_url, timeout=10).text.splitlines()
-    found = [float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name + "{") and f'model="{model}"' in line]
+    found = [float(line.rsplit(" ", 1)[1]) for line in lines
+             if line.startswith(name + "{") and f'model="{model}"' in line]
     assert found, f"{name} for {model} is not on the metrics port"
     return sum(found)
 

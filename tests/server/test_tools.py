@@ -11,7 +11,6 @@ import itertools
 import json
 import subprocess
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,7 +147,7 @@ def test_perf_analyzers_sequences_are_served_side_by_side_on_llm_iterative(serve
     for i, got in results.items():
         assert len(got["output_ids"]) == got["num_output_tokens"] == 12 + i and got["finish_reason"] == "length"
     after = scrape_metrics(server.metrics_url)
-    steps = {f"{k}": after[k] - before.get(k, 0.0) for k in after if k.startswith(f'llm_batch_size_') and model in k}
+    steps = {f"{k}": after[k] - before.get(k, 0.0) for k in after if k.startswith('llm_batch_size_') and model in k}
     batched = steps[f'llm_batch_size_sum{{model="{model}"}}'] / steps[f'llm_batch_size_count{{model="{model}"}}']
     assert batched > 1.5, f"the relayed requests ran one at a time: {batched:.2f} sequences per step"
     assert after[f'llm_kv_blocks_used{{model="{model}"}}'] == 0
@@ -163,7 +162,8 @@ def test_min_length_and_min_tokens_hold_back_what_would_stop_the_request(server,
     first = stream_infer(server, model, [("text_input", "BYTES", [PROMPT]), ("max_tokens", "INT32", [8]),
                                          ("sampling_parameters", "BYTES", [json.dumps(greedy)])])["output_ids"][0]
     stopping = json.dumps({**greedy, "stop_token_ids": [first]})
-    base = [("text_input", "BYTES", [PROMPT]), ("max_tokens", "INT32", [8]), ("sampling_parameters", "BYTES", [stopping])]
+    base = [("text_input", "BYTES", [PROMPT]), ("max_tokens", "INT32", [8]),
+            ("sampling_parameters", "BYTES", [stopping])]
     stopped = stream_infer(server, model, base)
     assert stopped["output_ids"] == [first] and stopped["finish_reason"] == "stop"
     for extra in (("min_length", "INT32", [8]), ("min_tokens", "INT32", [8])):

@@ -49,7 +49,8 @@ thread.join()
 tokens["loaded on the main thread, run on another"] = box["tokens"]
 loop = EngineLoop.build(make_engine)  # as llm_continuous serves: loaded and stepped on the loop's thread
 streams = [loop.submit(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS))]
-tokens["loaded and stepped on the engine loop's thread"] = [[t for out in s for t in out.new_token_ids] for s in streams]
+tokens["loaded and stepped on the engine loop's thread"] = [
+    [t for out in s for t in out.new_token_ids] for s in streams]
 loop.shutdown()
 settings = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 print(json.dumps({"settings": settings, "tokens": tokens}))

@@ -1,25 +1,23 @@
 """Stopping the server under load: `make serve`'s launcher, a real Locust run, SIGTERM or Ctrl-C.
 
-Each case runs the launcher's CLI (``python -m backend.triton.serve``, what ``make serve`` runs) on the three models with
-the tiny Llama, Locust against llm_continuous (``--config loadtest/locust.conf``, gRPC and HTTP users, as a user
+Each case runs the launcher's CLI (``python -m backend.triton.serve``, what ``make serve`` runs) on the three models
+with the tiny Llama, Locust against llm_continuous (``--config loadtest/locust.conf``, gRPC and HTTP users, as a user
 would run it) and against llm_dynamic and llm_static, then signals. It checks what a user and a Kubernetes grace
 period rely on: exit status 0 well inside the exit timeout (30 s, Triton's default), every model unloaded, KV blocks
 and open requests back to 0 in every model, and every request a model accepted answered: the server's count of
 finished requests equals what the clients saw finish, none was cut off, and every request that had streamed a token
 ended with its last token or with "the server is shutting down".
 
-What tritonserver 2.51 does by itself on SIGTERM, and what backend/triton/shutdown.py adds, is written at the top of that
-module. The small tests below check its parts without a server.
+What tritonserver 2.51 does by itself on SIGTERM, and what backend/triton/shutdown.py adds, is written at the top of
+that module; tests/unit/test_shutdown.py checks its parts without a server.
 """
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,7 +28,6 @@ from pathlib import Path
 import pytest
 import requests
 
-from backend.triton import probe, processes, shutdown
 from backend.triton.launch_options import free_ports
 from tests.server_harness import LOCALHOST, REPO_ROOT, make_repository
 
@@ -41,115 +38,6 @@ CONTEXT = {"max_model_len": "512"}
 SHUTTING_DOWN = "the server is shutting down"
 # Generous for a loaded 2-core machine (about 5 s here), and still short of the 20 s stall the issue saw.
 SHUTDOWN_BOUND_S = 15.0
-
-
-# ---- the parts, without a server ------------------------------------------------------------------------------
-
-
-def test_the_drain_grace_is_read_from_tritonservers_command_line():
-    assert shutdown.exit_timeout(["tritonserver"]) == 30.0
-    args = ["tritonserver", "--exit-timeout-secs", "20", "--http-port=9000", "--exit-timeout-secs=12"]
-    assert shutdown.exit_timeout(args) == 12.0  # the last one wins, as in tritonserver
-    assert shutdown.drain_grace(args) == 12.0 - shutdown.SHUTDOWN_MARGIN_S
-    assert shutdown.drain_grace(["tritonserver", "--exit-timeout-secs", "3"]) == 0.0
-    assert processes.command_line(os.getpid())[0].endswith(("python", "python3", Path(sys.executable).name))
-
-
-class _Pages(http.server.BaseHTTPRequestHandler):
-    pages: dict[str, tuple[int, str]] = {}
-
-    def do_GET(self):  # noqa: N802
-        status, body = self.pages.get(self.path, (404, ""))
-        self.send_response(status)
-        self.end_headers()
-        self.wfile.write(body.encode())
-
-    def log_message(self, *args):
-        pass
-
-
-@pytest.fixture
-def pages():
-    """A loopback HTTP server answering ``pages[path] = (status, body)``; yields ``(base_url, pages)``."""
-    server = http.server.ThreadingHTTPServer((LOCALHOST, 0), _Pages)
-    _Pages.pages = {}
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://{LOCALHOST}:{server.server_address[1]}", _Pages.pages
-    server.shutdown()
-    server.server_close()
-
-
-METRICS = """# HELP llm_num_requests_running x
-llm_num_requests_running{model="llm_continuous"} 2
-llm_num_requests_waiting{model="llm_continuous"} 1
-nv_inference_pending_request_count{model="llm_dynamic",version="1"} 3
-llm_kv_blocks_used{model="llm_continuous"} 40
-llm_engine_healthy{model="llm_continuous"} 1
-llm_engine_healthy{model="llm_dynamic"} 0
-"""
-
-
-def test_open_requests_and_failed_engines_are_read_from_the_metrics(pages):
-    url, table = pages
-    table["/metrics"] = (200, METRICS)
-    assert shutdown.open_requests(f"{url}/metrics") == (3, 3)  # running + waiting; Triton's own queue
-    assert shutdown.open_requests(f"http://{LOCALHOST}:{free_ports(1)[0]}/metrics") is None
-    assert probe.failed_engines(METRICS) == ["llm_dynamic"]
-
-    table["/v2/health/ready"] = (200, "")
-    assert "llm_dynamic" in probe.check("ready", url, f"{url}/metrics")
-    assert probe.check("live", url, f"{url}/metrics") == "/v2/health/live answered 404"
-    table["/metrics"] = (200, METRICS.replace('"llm_dynamic"} 0', '"llm_dynamic"} 1'))
-    assert probe.check("ready", url, f"{url}/metrics") is None
-    table["/v2/health/ready"] = (400, "")
-    assert probe.check("ready", url, f"{url}/metrics") == "/v2/health/ready answered 400"
-
-
-HOLDER = """
-import socket, sys, time
-listener = socket.create_server(("127.0.0.1", 0))
-print(listener.getsockname()[1], flush=True)
-conn, _ = listener.accept()
-print("accepted", flush=True)
-print("read", conn.recv(10), flush=True)  # b"" once the connection is shut down
-time.sleep(30)
-"""
-
-
-@pytest.mark.timeout(30)
-def test_a_childs_client_connections_are_found_and_shut_down():
-    """What shutdown.stop does to the keep-alive connections tritonserver waits for: found by port, shut down from
-    outside; the child's next read ends and the client sees the connection closed."""
-    child = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(child.stdout.readline())
-        client = socket.create_connection((LOCALHOST, port), timeout=10)
-        assert child.stdout.readline().strip() == "accepted"
-        fds = shutdown.client_connections(child.pid, [port])
-        assert len(fds) == 1 and shutdown.client_connections(child.pid, [port + 1]) == []
-        assert shutdown.shut_down_connections(child.pid, fds, min_idle_s=60) == 0  # not idle for that long
-        assert shutdown.shut_down_connections(child.pid, fds) == 1
-        assert child.stdout.readline().strip() == "read b''"
-        assert client.recv(10) == b""
-        client.close()
-    finally:
-        child.kill()
-        child.wait()
-
-
-@pytest.mark.timeout(60)
-def test_probe_and_stop_run_as_files_on_the_standard_library_alone():
-    """The containers run backend/triton/probe.py and shutdown.py as files, with no site-packages to rely on."""
-    python = [sys.executable, "-I", "-S"]  # isolated, and no site-packages: the standard library alone
-    nobody = f"http://{LOCALHOST}:{free_ports(1)[0]}"
-    probe_run = subprocess.run([*python, str(REPO_ROOT / "backend" / "triton" / "probe.py"), "live", "--url", nobody,
-                                "--metrics-url", f"{nobody}/metrics"], capture_output=True, text=True, timeout=30)
-    assert (probe_run.returncode, probe_run.stdout.strip()) == (1, "/v2/health/live answered nothing"), probe_run.stderr
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    stop_run = subprocess.run([*python, str(REPO_ROOT / "backend" / "triton" / "shutdown.py"), "stop", "--pid",
-                               str(gone.pid)], capture_output=True, text=True, timeout=30)
-    assert (stop_run.returncode, stop_run.stderr) == (0, "")
 
 
 # ---- the real server, the real Locust ---------------------------------------------------------------------------
@@ -244,9 +132,10 @@ def test_stopping_make_serve_under_locust_load(case, tiny_llama_dir, tmp_path):
     sig, locust_lead = CASES[case]
     http_port, grpc_port, metrics_port = free_ports(3)
     repo = make_repository(tmp_path / "model_repository", CONTEXT, models=MODELS)
-    command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(repo), "--model", str(tiny_llama_dir),
-               "--address", LOCALHOST, "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-               "--metrics-port", str(metrics_port), "--max-restarts", "0", "--openai-port", "0"]
+    command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(repo),
+               "--model", str(tiny_llama_dir), "--address", LOCALHOST, "--http-port", str(http_port),
+               "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--max-restarts", "0",
+               "--openai-port", "0"]
     serve_log = tmp_path / "serve.log"
     serve = subprocess.Popen(command, cwd=REPO_ROOT, stdout=open(serve_log, "w"), stderr=subprocess.STDOUT)
     locusts: dict[str, subprocess.Popen] = {}

@@ -9,26 +9,12 @@ Triton's dynamic batcher (``max_batch_size: 8``) and unbatched (``max_batch_size
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
-from backend.triton.launch_options import free_ports
-from client import (
-    Chunk,
-    GenerationError,
-    GenerationRequest,
-    GenerationResult,
-    LLMClient,
-    ModelNotServed,
-    ServerUnavailable,
-    build_inputs,
-    describe_batching,
-)
+from client import GenerationError, GenerationRequest, GenerationResult, LLMClient, ModelNotServed
 from tests.server_harness import REPO_ROOT
+from tests.unit.test_client import BOTH_PROTOCOLS, run_cli
 
 STAND_IN_MODEL = '''
 import json
@@ -138,9 +124,6 @@ STAND_INS = {
     ),
 }
 BOTH = pytest.mark.parametrize("model", sorted(STAND_INS))
-BOTH_PROTOCOLS = pytest.mark.parametrize("protocol", ["grpc", "http"])
-
-
 @pytest.fixture(scope="module")
 def stand_in_server(triton_server_factory, tmp_path_factory):
     repository = tmp_path_factory.mktemp("stand-in-repository")
@@ -157,12 +140,6 @@ def make_client(server, protocol: str = "grpc") -> LLMClient:
     return LLMClient(server.grpc_url, server.http_url, protocol=protocol, timeout=60)
 
 
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "client", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
-    )
-
-
 def server_flags(server) -> list[str]:
     return ["--url", server.grpc_url, "--http-url", server.http_url]
 
@@ -175,104 +152,6 @@ def check_timings(result: GenerationResult) -> None:
     assert result.ttft_s + sum(result.itl_s) <= result.e2e_s + 1e-6
     if result.itl_s:
         assert result.tpot_s == pytest.approx(sum(result.itl_s) / len(result.itl_s))
-
-
-# ---------------------------------------------------------------------------------------------- no server
-
-
-@pytest.mark.parametrize("max_batch_size, batch_dims", [(0, ()), (8, (1,))])
-def test_build_inputs_shapes_and_types(max_batch_size, batch_dims):
-    request = GenerationRequest(
-        "hi", max_tokens=4, temperature=0.0, seed=7, stop=["a", "bc"], ignore_eos=True, sampling_parameters={"top_k": 2}
-    )
-    inputs = {tensor.name(): tensor for tensor in build_inputs(request, max_batch_size)}
-    assert sorted(inputs) == ["ignore_eos", "max_tokens", "sampling_parameters", "seed", "stop", "stream", "temperature", "text_input"]
-    expected = {
-        "text_input": ("BYTES", [1]),
-        "max_tokens": ("INT32", [1]),
-        "temperature": ("FP32", [1]),
-        "seed": ("UINT64", [1]),
-        "stop": ("BYTES", [2]),
-        "ignore_eos": ("BOOL", [1]),
-        "stream": ("BOOL", [1]),
-        "sampling_parameters": ("BYTES", [1]),
-    }
-    for name, (datatype, shape) in expected.items():
-        assert inputs[name].datatype() == datatype, name
-        assert inputs[name].shape() == [*batch_dims, *shape], name
-
-
-def test_input_types_match_every_served_model_config():
-    """The client's type table is what every model in model_repository/ declares (Triton refuses any other type)."""
-    import re
-
-    from client.schema import INPUT_TYPES
-
-    for config in sorted((REPO_ROOT / "model_repository").glob("*/config.pbtxt")):
-        declared = dict(re.findall(r'\{ name: "(\w+)", data_type: TYPE_(\w+)', config.read_text().split("output [")[0]))
-        for name, (datatype, _) in INPUT_TYPES.items():
-            assert declared.get(name, "").replace("STRING", "BYTES") == datatype, f"{config}: {name}"
-
-
-def test_request_values_leave_unset_inputs_out():
-    assert GenerationRequest("x").input_values() == {"text_input": ["x"], "stream": [True]}
-    values = GenerationRequest("x", stop="END", stream=False, sampling_parameters={"max_tokens": "3"}).input_values()
-    assert values["stop"] == ["END"] and values["stream"] == [False]
-    assert json.loads(values["sampling_parameters"][0]) == {"max_tokens": "3"}
-    with pytest.raises(ValueError, match="text_input must be a str"):
-        GenerationRequest(b"x")
-
-
-def test_result_timings_from_chunks():
-    def chunk(time_s, ids, text="t", finish=None, count=None):
-        return Chunk(text, tuple(ids), finish, 3, count, time_s)
-
-    result = GenerationResult.from_chunks(
-        [chunk(0.5, [1], "a", count=1), chunk(0.75, [2], " b", count=2), chunk(1.25, [3, 4], " cd", "length", 4)],
-        e2e_s=1.5,
-    )
-    assert result.text == "a b cd" and result.output_ids == [1, 2, 3, 4]
-    assert (result.finish_reason, result.num_input_tokens, result.num_output_tokens) == ("length", 3, 4)
-    assert result.ttft_s == 0.5 and result.itl_s == [0.25, 0.5] and result.e2e_s == 1.5
-    assert result.tpot_s == pytest.approx((1.25 - 0.5) / 3)  # three tokens came after the first response
-    # An empty final response carries no token: it changes neither the first token time nor the gaps.
-    only = GenerationResult.from_chunks([chunk(0.2, [9], count=1), chunk(0.3, [], "", "stop")], e2e_s=0.3)
-    assert (only.ttft_s, only.tpot_s, only.itl_s, only.finish_reason) == (0.2, None, [], "stop")
-
-
-def test_describe_batching_tells_the_modes_apart():
-    dynamic = {"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_microseconds": "2000"}}  # gRPC JSON: str
-    continuous = {
-        "model_transaction_policy": {"decoupled": True},
-        "parameters": {"batching": {"string_value": "continuous"}},
-    }
-    assert describe_batching(dynamic) == "dynamic batcher (max_batch_size 8, max_queue_delay 2000 µs)"
-    assert describe_batching(continuous) == "decoupled, engine-side continuous batching"
-    iterative = {
-        "max_batch_size": 8, "model_transaction_policy": {"decoupled": True},
-        "sequence_batching": {"iterative_sequence": True}, "parameters": {"batching": {"string_value": "iterative"}},
-    }
-    assert describe_batching(iterative) == "decoupled, Triton's iterative sequence batcher (max_batch_size 8)"
-    assert describe_batching({}) == "no batching (max_batch_size 0)"
-
-
-@BOTH_PROTOCOLS
-@pytest.mark.timeout(30)
-def test_server_down_message(protocol):
-    port = free_ports(1)[0]
-    client = LLMClient(f"127.0.0.1:{port}", f"127.0.0.1:{port}", protocol=protocol)
-    with pytest.raises(ServerUnavailable, match=rf"no Triton server at 127\.0\.0\.1:{port} — start one with `make serve`"):
-        client.generate("llm_continuous", GenerationRequest("hi"))
-    with pytest.raises(ServerUnavailable):
-        client.models()
-
-
-@pytest.mark.timeout(60)
-def test_cli_server_down_exits_with_one_line():
-    port = free_ports(1)[0]
-    done = run_cli("generate", "--url", f"127.0.0.1:{port}", "hello")
-    assert done.returncode == 1
-    assert done.stderr.strip() == f"client: error: no Triton server at 127.0.0.1:{port} — start one with `make serve`"
 
 
 # ---------------------------------------------------------------------------------------------- stand-in model
@@ -343,7 +222,7 @@ def test_server_error_becomes_generation_error(stand_in_server, model, protocol,
         with pytest.raises(GenerationError, match=f"'{model}': text_input is empty"):
             client.generate(model, GenerationRequest("", stream=stream))
         generation = client.stream(model, GenerationRequest("", stream=stream))
-        for attempt in range(2):  # the error stays the generation's answer
+        for _ in range(2):  # the error stays the generation's answer
             with pytest.raises(GenerationError, match="text_input is empty"):
                 generation.result()
         # The error was this request's only: the next one is served.
@@ -355,7 +234,8 @@ def test_server_error_becomes_generation_error(stand_in_server, model, protocol,
 @BOTH_PROTOCOLS
 def test_unknown_model_names_the_served_ones(stand_in_server, protocol):
     with make_client(stand_in_server, protocol) as client:
-        with pytest.raises(ModelNotServed, match="model 'nope' is not served; served models: echo_continuous, echo_dynamic"):
+        served = "model 'nope' is not served; served models: echo_continuous, echo_dynamic"
+        with pytest.raises(ModelNotServed, match=served):
             client.generate("nope", GenerationRequest("hi"))
 
 
@@ -401,7 +281,8 @@ def test_models_lists_batching_and_readiness(stand_in_server, protocol):
 @pytest.mark.server
 @pytest.mark.timeout(120)
 def test_cli_generate_streams_text(stand_in_server):
-    done = run_cli("generate", *server_flags(stand_in_server), "--model", "echo_dynamic", "--max-tokens", "3", "Tell me a story")
+    done = run_cli("generate", *server_flags(stand_in_server), "--model", "echo_dynamic", "--max-tokens", "3",
+                   "Tell me a story")
     assert done.returncode == 0, done.stderr
     assert done.stdout == "Tell me a\n"
     assert done.stderr.startswith("[length] 4 prompt + 3 generated tokens; ttft ")
@@ -418,7 +299,8 @@ def test_cli_generate_json(stand_in_server, extra):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert sorted(result) == sorted(["ttft_s", "tpot_s", "e2e_s", "num_input_tokens", "num_output_tokens", "finish_reason", "text"])
+    assert sorted(result) == sorted(["ttft_s", "tpot_s", "e2e_s", "num_input_tokens", "num_output_tokens",
+                                     "finish_reason", "text"])
     assert (result["text"], result["finish_reason"], result["num_input_tokens"], result["num_output_tokens"]) == (
         "Tell me a", "stop", 4, 3
     )  # fmt: skip
@@ -434,7 +316,8 @@ def test_cli_models_and_errors(stand_in_server):
     lines = done.stdout.splitlines()
     assert lines[0].split() == ["MODEL", "STATE", "BATCHING"]
     assert lines[1].split(None, 2) == ["echo_continuous", "READY", "decoupled, engine-side continuous batching"]
-    assert lines[2].split(None, 2) == ["echo_dynamic", "READY", "dynamic batcher (max_batch_size 8, max_queue_delay 1000 µs)"]
+    batching = "dynamic batcher (max_batch_size 8, max_queue_delay 1000 µs)"
+    assert lines[2].split(None, 2) == ["echo_dynamic", "READY", batching]
 
     done = run_cli("generate", *server_flags(stand_in_server), "--model", "nope", "hi")
     assert done.returncode == 1

@@ -1,0 +1,191 @@
+"""The launcher (backend.triton.serve) and model preparation (backend.tools.prepare_model), without a server:
+the errors a user gets before tritonserver starts, the wheel's layout, the fixtures' models.
+
+tests/server/test_launcher.py starts real tritonservers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from backend.tools import prepare_model
+from backend.triton.launch_options import LauncherError, free_ports
+from backend.triton.server_home import find_stub, prepare_server_home, server_distribution, stub_versions
+from tests.server_harness import LOCALHOST, REPO_ROOT
+
+
+def fake_model_folder(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text("{}")
+    return path
+
+
+def run_launcher(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "backend.triton.serve", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def launcher_args(repository: Path, model: Path, ports: list[int] | None = None) -> list[str]:
+    http, grpc, metrics = ports or free_ports(3)
+    return [
+        "--model-repository", str(repository), "--model", str(model), "--address", LOCALHOST,
+        "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", "0",
+    ]  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_missing_model_folder(tmp_path):
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    result = run_launcher(*launcher_args(repository, tmp_path / "no-such-model"))
+    assert result.returncode != 0
+    assert "no-such-model does not exist" in result.stderr and "make model" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_model_folder_without_config(tmp_path):
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    (tmp_path / "model").mkdir()
+    result = run_launcher(*launcher_args(repository, tmp_path / "model"))
+    assert result.returncode != 0
+    assert "has no config.json" in result.stderr and "make model" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_missing_model_repository(tmp_path):
+    result = run_launcher(*launcher_args(tmp_path / "no-such-repository", fake_model_folder(tmp_path / "model")))
+    assert result.returncode != 0
+    assert "no-such-repository does not exist" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_port_in_use(tmp_path):
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    http, grpc, metrics = free_ports(3)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind((LOCALHOST, grpc))
+        busy.listen()
+        result = run_launcher(*launcher_args(repository, fake_model_folder(tmp_path / "model"), [http, grpc, metrics]))
+    assert result.returncode != 0
+    assert f"gRPC port {grpc} on {LOCALHOST} is already in use" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_python_version_without_stub(tmp_path):
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    args = launcher_args(repository, fake_model_folder(tmp_path / "model"))
+    result = run_launcher(*args, "--python-version", "3.7")
+    assert result.returncode != 0
+    assert "no stub for Python 3.7" in result.stderr
+    tree, _, _ = server_distribution()
+    for version in stub_versions(tree):
+        assert version in result.stderr
+
+
+def test_stub_lookup():
+    tree, _, _ = server_distribution()
+    versions = stub_versions(tree)
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" in versions
+    assert versions == sorted(versions, key=lambda v: tuple(map(int, v.split("."))))
+    assert find_stub(tree, versions[0]).is_file()
+    with pytest.raises(LauncherError, match="stubs exist for Python"):
+        find_stub(tree, "2.7")
+
+
+@pytest.mark.timeout(60)
+def test_layout_is_reused_and_a_half_copy_redone(tmp_path):
+    home = prepare_server_home(layout_root=tmp_path)
+    stub = home / "backends" / "python" / "triton_python_backend_stub"
+    assert stub.is_file() and os.access(stub, os.X_OK) and (home / ".complete").is_file()
+    copied_at = (home / ".complete").stat().st_mtime_ns
+    assert prepare_server_home(layout_root=tmp_path) == home
+    assert (home / ".complete").stat().st_mtime_ns == copied_at  # reused, not copied again
+
+    (home / ".complete").unlink()  # as if the copy had been interrupted
+    (home / "leftover").write_text("x")
+    assert prepare_server_home(layout_root=tmp_path) == home
+    assert (home / ".complete").is_file() and not (home / "leftover").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [home.name]
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, monkeypatch):
+    """Point prepare_model at a tiny stand-in GGUF and count conversions (which write a fake folder)."""
+    gguf = tmp_path / "package" / prepare_model.GGUF_NAME
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    conversions = []
+
+    def fake_convert(source, dest, dtype):
+        conversions.append(dest)
+        dest.mkdir(parents=True)
+        for name in prepare_model.REQUIRED_FILES:
+            (dest / name).write_text("{}")
+        return {"converted_with": "test"}
+
+    monkeypatch.setattr(prepare_model, "find_gguf", lambda: gguf)
+    monkeypatch.setattr(prepare_model, "convert", fake_convert)
+    return conversions
+
+
+def test_prepare_model_skips_a_complete_folder(tmp_path, fake_gguf, capsys):
+    out = tmp_path / "models" / "m"
+    assert prepare_model.main(["--out", str(out)]) == 0
+    assert len(fake_gguf) == 1 and json.loads((out / ".complete").read_text())["dtype"] == "bfloat16"
+    assert not list(out.parent.glob(".m.tmp-*"))
+
+    t0 = time.perf_counter()
+    assert prepare_model.main(["--out", str(out)]) == 0
+    assert time.perf_counter() - t0 < 0.5
+    assert len(fake_gguf) == 1
+    assert "already complete; skipped" in capsys.readouterr().out
+
+    assert prepare_model.ensure_model(out, dtype="float32") == out  # another dtype is another conversion
+    assert len(fake_gguf) == 2
+
+
+def test_prepare_model_redoes_a_half_written_folder(tmp_path, fake_gguf):
+    out = tmp_path / "m"
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # a previous run died before writing the marker
+    (out / "stale.bin").write_bytes(b"x")
+    assert prepare_model.ensure_model(out) == out
+    assert len(fake_gguf) == 1
+    assert (out / ".complete").is_file() and not (out / "stale.bin").exists()
+
+
+@pytest.mark.timeout(300)
+def test_model_fixtures(smollm2_dir, tiny_llama_dir):
+    assert json.loads((smollm2_dir / ".complete").read_text())["dtype"] == "bfloat16"
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    assert config["vocab_size"] == json.loads((smollm2_dir / "config.json").read_text())["vocab_size"]
+    assert (config["num_hidden_layers"], config["num_key_value_heads"], config["tie_word_embeddings"]) == (2, 2, True)
+    assert (tiny_llama_dir / "tokenizer.json").is_file()
+
+
+def test_cli_passes_unknown_options_and_everything_after_dashes_to_tritonserver(monkeypatch):
+    from backend.triton.serve import parse_args
+
+    monkeypatch.setenv("HTTP_PORT", "18080")
+    monkeypatch.setenv("MODEL", "models/other")
+    args, extra = parse_args(
+        ["--grpc-port", "18081", "--model-control-mode", "explicit", "--load-model=upper", "--", "--log-verbose", "1"]
+    )
+    assert (args.http_port, args.grpc_port, args.metrics_port, args.model) == (18080, 18081, 8002, "models/other")
+    assert extra == ["--model-control-mode", "explicit", "--load-model=upper", "--log-verbose", "1"]
