@@ -75,7 +75,7 @@ class CoreRegistry:
             self._map = mmap.mmap(fd, MAX_ENGINES * _SLOT.size)
         finally:
             os.close(fd)
-        self._lock_path = self.path.with_name(self.path.name + ".step")
+        self._lock_path = _step_lock_path(self.path)
 
     def register(self) -> int:
         """A free slot (never used, released, or left by a process that died), now owned by this process."""
@@ -95,7 +95,7 @@ class CoreRegistry:
         _SLOT.pack_into(self._map, slot * _SLOT.size, 0, 0.0)
 
     def mark_busy(self, slot: int, until: float) -> None:
-        # NOTE: an aligned 8-byte store; a reader sees the old or the new deadline, both harmless.
+        # NOTE: the pid is unchanged and the deadline an aligned 8-byte store: a reader sees the old or the new one.
         _SLOT.pack_into(self._map, slot * _SLOT.size, os.getpid(), until)
 
     def num_busy(self, now: float) -> int:
@@ -153,6 +153,16 @@ class SharedCores:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def remove_registry(path: str | os.PathLike) -> None:
+    """Remove a registry's files (its server has stopped; engines that still map it keep their mapping)."""
+    Path(path).unlink(missing_ok=True)
+    _step_lock_path(Path(path)).unlink(missing_ok=True)
+
+
+def _step_lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".step")
 
 
 @contextlib.contextmanager

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from backend.engine.shared_cores import remove_registry
+
 ARMS = ("divide", "step_lock", "off", "passive")
 
 
@@ -111,8 +113,7 @@ def run(model: str, engines: list[int], batch: int, seconds: float, rounds: int,
             for process, _ in workers:
                 if process.is_alive():
                     process.kill()
-        Path(registry).unlink(missing_ok=True)
-        Path(registry + ".step").unlink(missing_ok=True)
+        remove_registry(registry)
     return summarize(samples, engines, arms, batch, seconds, rounds)
 
 

@@ -30,7 +30,7 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from backend.engine.shared_cores import SHARED_CORES_ENV_VAR
+from backend.engine.shared_cores import SHARED_CORES_ENV_VAR, remove_registry
 from backend.triton import shutdown
 from backend.triton.launch_options import (
     ADMIN_HEADER,
@@ -353,8 +353,7 @@ class TritonServer:
             time.sleep(0.05)
         self._group_ended = True
         if self._shared_cores is not None:
-            self._shared_cores.unlink(missing_ok=True)
-            self._shared_cores.with_name(self._shared_cores.name + ".step").unlink(missing_ok=True)
+            remove_registry(self._shared_cores)
 
     def stop(self, timeout: float = 45.0) -> int | None:
         """Stop gracefully (:meth:`begin_stop`), wait up to ``timeout`` s for tritonserver to exit (the models drain,
