@@ -8,6 +8,9 @@
 #   make locust    Locust's web UI (:8089) against a running `make serve`, with the live batching tab
 #   make soak      mixed load with cancellations and bad requests, 10 min; RSS/KV report in reports/soak-<time>/
 #   make bench     offline engine benchmark (reports/bench.json)
+#   make bench-shared  engines that share the cores: 1, 2, 4 engines stepping at once, each way of sharing beside
+#                  its baseline (reports/shared_cores.json); models of real servers under load together beside
+#                  alone: .venv/bin/python -m backend.tools.bench_shared_served (reports/shared_served.json)
 #   make llamacpp  llama.cpp's llama-server from the llama-cpp-python sdist on PyPI and a BF16 GGUF of MODEL in
 #                  .llamacpp/, about 8 min on 2 cores, never in CI; then
 #                  make bench ARGS="--llamacpp .llamacpp/bin/llama-server" (llama.cpp beside the served engine)
@@ -66,7 +69,7 @@ LLAMACPP_GGUF := $(LLAMACPP_DIR)/$(notdir $(MODEL))-bf16.gguf
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL
 
 .PHONY: help docker docker-down venv venv310 aiperf-venv genai-perf-venv chromium model serve test test-unit compare slo locust \
-	bench llamacpp soak gpu-check aiperf clean
+	bench bench-shared llamacpp soak gpu-check aiperf clean
 
 # `make` alone, or `make help`: the header above (targets and settings).
 help:
@@ -163,6 +166,9 @@ soak: model
 
 bench: model
 	$(PY) -m backend.tools.bench --model "$(MODEL)" $(ARGS)
+
+bench-shared: model
+	$(PY) -m backend.tools.bench_shared_cores --model "$(MODEL)" $(ARGS)
 
 # llama.cpp's llama-server, the baseline of bench's --llamacpp column, from the only registry at hand: the sdist of
 # llama-cpp-python (PyPI) vendors llama.cpp. CPU only, tuned for this CPU, no HTTPS and no web UI (which the build

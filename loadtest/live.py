@@ -32,7 +32,15 @@ from typing import NamedTuple
 from backend.triton import names
 from loadtest.colors import color
 from loadtest.measure import meets_slo
-from loadtest.metrics import counter_delta, histogram_rate, parse_prometheus, scrape, select
+from loadtest.metrics import (
+    counter_delta,
+    histogram_rate,
+    models_under_load,
+    parse_prometheus,
+    scrape,
+    select,
+    steps_by_model,
+)
 from loadtest.stats import percentile
 
 PAGE_DIR = Path(__file__).with_name("live_page")
@@ -263,6 +271,7 @@ class LiveView:
             lambda: collections.deque(maxlen=TOKEN_RATE_SAMPLES)
         )
         self._status: dict = {"url": None, "ok": None, "error": None, "since": None, "last_ok": None}
+        self._steps: dict[str, float] | None = None  # every model's forward steps at the last read
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -287,23 +296,28 @@ class LiveView:
         now = time.time() if now is None else now
         for follower in self.followers:
             follower.poll(self.book)
-        server = self._read_server(now)
+        server, under_load = self._read_server(now)
         client = self.book.recent_percentiles(now)
         with self._lock:
-            self._ticks.append({"t": now, "server": server, "client": client})
+            self._ticks.append({"t": now, "server": server, "client": client, "under_load": under_load})
 
-    def _read_server(self, now: float) -> dict | None:
-        """Per model, this second's point; None when the metrics port could not be read (a gap on the page)."""
+    def _read_server(self, now: float) -> tuple[dict | None, list[str]]:
+        """Per model, this second's point (None when the metrics port could not be read: a gap on the page), and
+        the models under load since the last read (every model of the server, shown or not)."""
         url = self.metrics_url
         if not url:
             self._set_status(url, ok=None, error="waiting for the server to start", now=now)
-            return None
+            return None, []
         try:
             series = parse_prometheus(scrape(url, timeout=2.0))
         except (OSError, ValueError) as exc:
             self._set_status(url, ok=False, error=f"{type(exc).__name__}: {exc}", now=now)
             self._history.clear()  # NOTE: no rate across the gap
-            return None
+            self._steps = None
+            return None, []
+        steps = steps_by_model(series)
+        under_load = models_under_load(self._steps, steps) if self._steps is not None else []
+        self._steps = steps
         points = {}
         for model in self.models or sorted(llm_models(series)):
             sample = {"t": now, "values": select(series, model, buckets=False)}
@@ -311,7 +325,7 @@ class LiveView:
                 points[model] = server_point(list(self._history[model]), sample)
                 self._history[model].append(sample)
         self._set_status(url, ok=True, error=None, now=now)
-        return points
+        return points, under_load
 
     def _set_status(self, url: str | None, ok: bool | None, error: str | None, now: float) -> None:
         with self._lock:
@@ -349,6 +363,9 @@ class LiveView:
             "colors": {model: color(model) for model in models},
             "t": [round(tick["t"], 3) for tick in ticks],
             "series": series,
+            # NOTE: models under load in the same second share the cores (backend/engine/shared_cores.py): the page
+            # says so, as each one's latencies then include the others' load.
+            "under_load": [tick["under_load"] for tick in ticks],
             "summary": self.book.summary(),
             "summary_columns": SUMMARY_COLUMNS,
         }

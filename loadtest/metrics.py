@@ -6,8 +6,9 @@ per forward step), ``llm_time_to_first_token_seconds`` and others. Triton adds `
 ``nv_inference_pending_request_count`` is the queue in front of ``llm_dynamic`` (its engine never has a waiting
 request: Triton holds them until the running batch returns).
 
-A sample is ``{"t": unix time, "values": {series: value}, "cpu": {process: percent of one core}}``. Series keys
-are ``name`` plus the labels other than ``model``, ``version`` and ``instance``
+A sample is ``{"t": unix time, "values": {series: value}, "cpu": {process: percent of one core}, "steps":
+{model: forward steps so far}}``; ``steps`` covers every model, so a run can tell which others were under load.
+Series keys are ``name`` plus the labels other than ``model``, ``version`` and ``instance``
 (``llm_request_success_total{finish_reason="length"}``): a model served by several instances exports each
 instance's series (its own engine and KV pool) under an ``instance`` label, and a sample holds their sum.
 Histogram buckets are kept only in the first and last sample of a run (enough for the run's distribution).
@@ -76,6 +77,21 @@ def select(series: list[Series], model: str, prefixes=PREFIXES, buckets: bool = 
         key = series_key(s.name, s.labels)
         values[key] = values.get(key, 0.0) + s.value
     return values
+
+
+def steps_by_model(series: list[Series]) -> dict[str, float]:
+    """Forward steps each model has run so far (the count of its ``llm_batch_size``, instances summed)."""
+    steps: dict[str, float] = {}
+    for s in series:
+        if s.name == f"{names.BATCH_SIZE}_count" and "model" in s.labels:
+            steps[s.labels["model"]] = steps.get(s.labels["model"], 0.0) + s.value
+    return steps
+
+
+def models_under_load(first: dict[str, float], last: dict[str, float]) -> list[str]:
+    """The models that ran forward steps between two readings of :func:`steps_by_model`: those under load then.
+    More than one means their engines shared the cores (``backend/engine/shared_cores.py``)."""
+    return sorted(model for model, steps in last.items() if steps > first.get(model, steps))
 
 
 def scrape(url: str, timeout: float = 2.0) -> str:
@@ -170,10 +186,12 @@ class MetricsSampler:
             self._sample(buckets=False)
 
     def _sample(self, buckets: bool) -> None:
-        sample = {"t": time.time(), "values": {}, "cpu": self._cpu.read()}
+        sample = {"t": time.time(), "values": {}, "cpu": self._cpu.read(), "steps": {}}
         if self.url:
             try:
-                sample["values"] = select(parse_prometheus(scrape(self.url)), self.model, buckets=buckets)
+                series = parse_prometheus(scrape(self.url))
+                sample["values"] = select(series, self.model, buckets=buckets)
+                sample["steps"] = steps_by_model(series)
             except OSError as exc:
                 if len(self.errors) < 20:
                     self.errors.append(f"{time.time():.1f}: {exc}")

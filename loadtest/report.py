@@ -249,6 +249,9 @@ def _sections(
             )
         )
     s.append(("p", _setup_text(meta, runs)))
+    shared = _shared_text(runs)
+    if shared:
+        s.append(("p", shared))
     if meta.get("configs"):
         s += [
             ("h2", "Configurations served"),
@@ -460,6 +463,31 @@ def _setup_text(meta: dict, runs: list[dict]) -> str:
                 "than on an idle one, and the models were measured under the same conditions only roughly."
             )
     return " ".join(parts)
+
+
+def others_under_load(run: dict) -> list[str] | None:
+    """The other models that ran forward steps during the run's measured window (None: the samples do not say)."""
+    start, end = run["window"]
+    within = [s for s in run.get("metrics", []) if s.get("steps") and start <= s["t"] <= end]
+    if len(within) < 2:
+        return None
+    return [m for m in metrics.models_under_load(within[0]["steps"], within[-1]["steps"]) if m != run["model"]]
+
+
+def _shared_text(runs: list[dict]) -> str:
+    """Whether the models were under load one at a time, or which shared the machine with which."""
+    seen = {(run["model"], run["load"]): others_under_load(run) for run in runs}
+    known = {key: others for key, others in seen.items() if others is not None}
+    if not known:
+        return ""
+    shared = {key: others for key, others in known.items() if others}
+    if not shared:
+        return ("One model was under load at a time: no other model ran a forward step during any measured window, "
+                "so no row includes another model's load on the cores.")
+    return ("**More than one model was under load at once** in " + "; ".join(
+        f"{model} at {load} (beside {', '.join(others)})" for (model, load), others in sorted(shared.items()))
+        + ". Their engines shared the cores (divided among the busy engines: backend/engine/shared_cores.py), so "
+        "those rows measure the sharing as well as the batching.")
 
 
 def _loadgen_text(rows: list[dict]) -> str:

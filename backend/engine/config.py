@@ -17,6 +17,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from backend.engine.shared_cores import CORE_SHARING, CoreSharing
+
 Batching = Literal["continuous", "run_to_completion", "iterative"]
 BATCHING = ("continuous", "run_to_completion", "iterative")
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -114,6 +116,9 @@ class EngineConfig:
     # scheduling_policy (fcfs / priority): the queue is always first come, first served.
     batching: Batching = "continuous"
     num_threads: int | None = None  # torch intra-op threads; None = all cores
+    # How engines that step at once share the cores (backend/engine/shared_cores.py): "divide" the threads among
+    # the busy ones, one forward at a time ("step_lock"), or every engine on every thread ("off").
+    core_sharing: CoreSharing = "divide"
     max_queue_size: int = 1024  # waiting requests beyond this are refused ("overloaded")
     seed: int = 0
 
@@ -145,6 +150,8 @@ class EngineConfig:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {self.batching!r}")
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
+        if self.core_sharing not in CORE_SHARING:
+            raise ValueError(f"core_sharing must be one of {', '.join(CORE_SHARING)}; got {self.core_sharing!r}")
         _positive("max_queue_size", self.max_queue_size)
 
     def _check_max_model_len(self) -> None:

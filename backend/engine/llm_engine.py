@@ -20,6 +20,7 @@ from backend.engine.openmp import check_wait_policy
 from backend.engine.request import FinishReason, Request, RequestTimings
 from backend.engine.sampler import Sampler
 from backend.engine.scheduler import Scheduler
+from backend.engine.shared_cores import SharedCores
 from backend.engine.stats import EngineStats, StepTimes
 from backend.engine.tokenizer import load_tokenizer
 
@@ -53,6 +54,7 @@ class EngineSnapshot:
     num_kv_blocks_total: int
     num_steps: int
     running_request_ids: tuple[str, ...]
+    num_engines_busy: int = 1  # engines sharing the cores at the last forward, this one included (shared_cores.py)
 
 
 @dataclass
@@ -76,6 +78,9 @@ class LLMEngine:
         check_wait_policy()
         self.tokenizer = load_tokenizer(config.model)
         self.runner = ModelRunner(config)
+        # NOTE: a GPU's forward needs no share of the CPU's cores.
+        self.cores = SharedCores.for_engine(self.runner.num_threads or 1,
+                                            config.core_sharing if self.runner.num_threads else "off")
         capacity = self.runner.num_kv_blocks * config.block_size
         if capacity < self.max_model_len:
             raise ValueError(
@@ -137,6 +142,7 @@ class LLMEngine:
             num_kv_blocks_total=self.block_manager.num_blocks,
             num_steps=self.stats.num_steps,
             running_request_ids=tuple(r.request_id for r in self.scheduler.running),
+            num_engines_busy=self.cores.last_busy,
         )
 
     def _fail(self, request: Request, exc: Exception) -> RequestOutput:
@@ -159,7 +165,9 @@ class LLMEngine:
                 self.fault_hook([s.request for s in sched.scheduled])
             inputs = self.runner.prepare(sched.scheduled)
             t2 = time.perf_counter()
-            logits = self.runner.run(inputs)  # (S, V): one row per request that reached the end of its tokens
+            with self.cores.forward() as num_threads:  # its share of the cores, beside the other busy engines
+                self.runner.use_threads(num_threads)
+                logits = self.runner.run(inputs)  # (S, V): one row per request that reached the end of its tokens
             t3 = time.perf_counter()
             sampled = inputs.sampled_requests
             token_ids = self.sampler(

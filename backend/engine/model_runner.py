@@ -7,7 +7,6 @@ backend for the device (``backend.engine.attention``), whose metadata it builds 
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +16,7 @@ from backend.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, ModelShape, Resolv
 from backend.engine.model import LlamaModel
 from backend.engine.request import Request
 from backend.engine.scheduler import ScheduledRequest
+from backend.engine.shared_cores import cores_available
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -92,8 +92,11 @@ class ModelRunner:
     def __init__(self, config: ResolvedConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        # Intra-op threads on a CPU (all the cores this process may use, unless the config caps them); a GPU's
+        # forward needs no share of the cores.
+        self.num_threads = config.num_threads or cores_available() if self.device.type == "cpu" else None
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
             _keep_freed_memory_in_process()
         elif self.device.index is not None:
             torch.cuda.set_device(self.device)  # OpenAI Triton launches on the current device
@@ -116,6 +119,12 @@ class ModelRunner:
              torch.zeros(cache_shape, dtype=self.dtype, device=self.device))
             for _ in range(s.num_layers)
         ]
+
+    def use_threads(self, num_threads: int) -> None:
+        """Run the next forwards on ``num_threads`` (its share of the cores). Call it on the thread that steps the
+        engine: OpenMP keeps the thread count per thread."""
+        if num_threads != torch.get_num_threads():
+            torch.set_num_threads(num_threads)
 
     def _num_kv_blocks(self) -> int:
         c, block_bytes = self.config, self.config.block_bytes

@@ -6,8 +6,10 @@ for each one, a large share of a small step; threads that spin for ever (``ACTIV
 load generator on busy cores. So they spin for a bounded count (``GOMP_SPINCOUNT`` counts PAUSE loops, about 0.14 ms
 here): long enough to bridge the Python between two regions of a step, short enough that they sleep between steps.
 Spinning pays only with one OpenMP team per process (libgomp cuts the spin short once it manages more threads than
-there are cores), hence ``EngineLoop.build``. Where a CPU-bound process shares the cores, set
-``OMP_WAIT_POLICY=PASSIVE``: a wait policy or spin count in the environment wins. The figures: ``docs/cpu-kernels.md``.
+there are cores), hence ``EngineLoop.build``. Engines of one server that step at once divide the cores among them
+(``backend/engine/shared_cores.py``), so no two teams spin against each other. Where another CPU-bound process
+shares the cores, set ``OMP_WAIT_POLICY=PASSIVE``: a wait policy or spin count in the environment wins. The figures:
+``docs/cpu-kernels.md``.
 
 libgomp reads these variables once, when it is loaded, which is when torch is first imported. So the processes that
 build an engine (each Triton model's ``model.py``, ``make bench``, the tests) call :func:`set_wait_policy` before

@@ -50,6 +50,9 @@ class TritonMetrics:
         self.waiting = family(names.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled", F.GAUGE).Metric(labels)
         self.kv_used = family(names.KV_BLOCKS_USED, "KV-cache blocks in use", F.GAUGE).Metric(labels)
         self.kv_total = family(names.KV_BLOCKS_TOTAL, "KV-cache blocks in the pool", F.GAUGE).Metric(labels)
+        self.engines_busy = family(
+            names.ENGINES_BUSY, "Engines of this server stepping at once at this engine's last forward, this one "
+            "included; above 1 they share the cores (backend/engine/shared_cores.py)", F.GAUGE).Metric(labels)
         self._engine_healthy = family(
             names.ENGINE_HEALTHY, "1 while the engine serves; 0 once it failed and refuses every request "
             "(Triton 2.51 lets a Python model report this nowhere else)", F.GAUGE).Metric(labels)
@@ -110,6 +113,7 @@ class TritonMetrics:
         self._set("waiting", snapshot.num_waiting)
         self._set("kv_used", snapshot.num_kv_blocks_used)
         self._set("kv_total", snapshot.num_kv_blocks_total)
+        self._set("engines_busy", snapshot.num_engines_busy)
 
     def set_healthy(self, healthy: bool) -> None:
         """``llm_engine_healthy``: 0 once the engine failed (``ServedModel.fail``); the only way to set it."""

@@ -28,6 +28,7 @@ NUM_REQUESTS_WAITING = "llm_num_requests_waiting"
 KV_BLOCKS_USED = "llm_kv_blocks_used"
 KV_BLOCKS_TOTAL = "llm_kv_blocks_total"
 ENGINE_HEALTHY = "llm_engine_healthy"
+ENGINES_BUSY = "llm_engines_busy"  # engines stepping at once, this one included, at its last forward
 # Histograms (Prometheus adds _bucket, _sum and _count)
 TIME_TO_FIRST_TOKEN = "llm_time_to_first_token_seconds"
 TIME_PER_OUTPUT_TOKEN = "llm_time_per_output_token_seconds"

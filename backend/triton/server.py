@@ -30,6 +30,7 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from backend.engine.shared_cores import SHARED_CORES_ENV_VAR, remove_registry
 from backend.triton import shutdown
 from backend.triton.launch_options import (
     ADMIN_HEADER,
@@ -114,6 +115,7 @@ class TritonServer:
         self._reader: threading.Thread | None = None
         self._group_ended = False
         self._stopper: threading.Thread | None = None
+        self._shared_cores: Path | None = None  # the registry its engines share the cores through
 
     # -- addresses
 
@@ -184,6 +186,8 @@ class TritonServer:
         env["PATH"] = os.pathsep.join(filter(None, [str(Path(sys.executable).parent), env.get("PATH")]))
         if self.model is not None:
             env[MODEL_ENV_VAR] = str(self.model)
+        if self._shared_cores is not None and SHARED_CORES_ENV_VAR not in env:  # one set by the user wins
+            env[SHARED_CORES_ENV_VAR] = str(self._shared_cores)
         env.update(self.env)
         return env
 
@@ -196,6 +200,10 @@ class TritonServer:
             check_model_folder(self.model)
         home = server_home(self.python_version, self.layout_root)
         check_ports({"HTTP": self.http_port, "gRPC": self.grpc_port, "metrics": self.metrics_port}, self.address)
+        # NOTE: the server's model instances (one process each) see each other's forwards through this file.
+        fd, name = tempfile.mkstemp(prefix="llm-shared-cores-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.close(fd)
+        self._shared_cores = Path(name)
 
         if self.echo:
             stdout = subprocess.PIPE
@@ -344,6 +352,8 @@ class TritonServer:
                 break
             time.sleep(0.05)
         self._group_ended = True
+        if self._shared_cores is not None:
+            remove_registry(self._shared_cores)
 
     def stop(self, timeout: float = 45.0) -> int | None:
         """Stop gracefully (:meth:`begin_stop`), wait up to ``timeout`` s for tritonserver to exit (the models drain,

@@ -22,7 +22,8 @@
     { id: "tpot", title: "TPOT, clients", unit: "ms, p99 solid, p50 dashed", client: true,
       value: (s, i) => s.tpot_p99[i], p50: (s, i) => s.tpot_p50[i] },
   ];
-  const state = { t: [], series: {}, models: [], colors: {}, charts: [], windowS: 300, now: 0, lastData: null };
+  const state = { t: [], underLoad: [], series: {}, models: [], colors: {}, charts: [], windowS: 300, now: 0,
+    lastData: null };
 
   if (EMBED) document.body.classList.add("embed");
 
@@ -41,12 +42,14 @@
       }
     }
     state.t.push(...d.t);
+    state.underLoad.push(...(d.under_load || d.t.map(() => [])));
     state.windowS = d.window_s;
     state.now = d.now;
     let drop = 0;
     while (drop < state.t.length && state.t[drop] < d.now - d.window_s) drop++;
     if (drop) {
       state.t.splice(0, drop);
+      state.underLoad.splice(0, drop);
       for (const series of Object.values(state.series)) {
         for (const key of Object.keys(series)) series[key].splice(0, drop);
       }
@@ -161,10 +164,24 @@
       text = `Live: ${state.models.length} model${state.models.length > 1 ? "s" : ""} from ${m.url}, ` +
         `${state.t.length} points; last read ${at(m.last_ok)}.`;
       cls = "ok"; pageState = "live";
+      text += " " + sharingText();
     }
     banner.textContent = text;
     banner.className = cls;
     document.body.dataset.state = pageState;
+  }
+
+  // Models under load in the same second share the cores: each one's latencies then include the others' load.
+  function sharingText() {
+    const now = state.underLoad.length ? state.underLoad[state.underLoad.length - 1] : [];
+    const shared = state.underLoad.filter((models) => models.length > 1).length;
+    document.body.dataset.sharing = now.length > 1 ? "now" : shared ? "earlier" : "none";
+    if (now.length > 1) {
+      return `${now.length} models under load at once now (${now.join(", ")}): their engines share the cores, ` +
+        "so each one's steps and latencies include the others' load.";
+    }
+    if (shared) return `More than one model was under load at once for ${shared} s of the window shown.`;
+    return now.length ? `One model under load (${now[0]}).` : "No model under load.";
   }
 
   const fmt = (v, digits = 0) => (v == null ? "–" : Number(v).toFixed(digits));
