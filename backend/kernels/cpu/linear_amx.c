@@ -2,9 +2,9 @@
 
 /*
  * linear_amx: y = op(x W^T + b) for any number of rows T, on AMX tiles (Sapphire Rapids and later), for the decode
- * steps linear_small is slower at (backend/engine/cpu_fast_path.py decides which rows). The weight is packed once
- * (pack_linear_weight_amx) into the tiles' pair-interleaved layout, [N/16][K/32][16 pairs of k][16 n][2], so each
- * 16 x 32 block of W is one contiguous 1 KB tile load. A thread takes 32 outputs (two panels of W) at a time and runs
+ * steps linear_small is slower at (backend/engine/cpu_fast_path.py decides which rows). It reads the weight as
+ * pack_linear_weight lays it out for linear_small, the tiles' pair-interleaved layout, [N/16][K/32][16 pairs of k]
+ * [16 n][2], so each 16 x 32 block of W is one contiguous 1 KB tile load. A thread takes 32 outputs (two panels of W) at a time and runs
  * every 32-row group of x past them: four 16 x 16 float32 accumulator tiles, so that each x tile and each W tile is
  * loaded once per two multiplies.
  * The bias, the elementwise op and the rounding to bf16 are applied 16 floats at a time on the way out, as oneDNN's
@@ -64,17 +64,6 @@ int linear_amx_available(void) {
 #else
     return 0;
 #endif
-}
-
-void pack_linear_weight_amx(const void* weight, int64_t N, int64_t K, void* packed) {
-    const uint16_t* w = (const uint16_t*)weight;
-    uint16_t* p = (uint16_t*)packed;
-    for (int64_t nb = 0; nb < N / 16; ++nb)
-        for (int64_t kb = 0; kb < K / 32; ++kb)
-            for (int64_t kp = 0; kp < 16; ++kp)
-                for (int64_t n = 0; n < 16; ++n)
-                    for (int64_t e = 0; e < 2; ++e)
-                        *p++ = w[(nb * 16 + n) * K + kb * 32 + 2 * kp + e];
 }
 
 int linear_amx(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
