@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from backend.engine import cpu_fast_path
+from backend.engine import cpu_fast_path, weight_file
 from backend.engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from backend.engine.config import ModelShape, ResolvedConfig
 from backend.engine.cpu_fast_path import Layout, Linear
@@ -25,7 +25,7 @@ from backend.engine.cpu_fast_path import Layout, Linear
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K, V) pools, each [num_blocks, block_size, kvh, hd]
 
 
-Prepared = dict[str, "torch.Tensor | Linear"]  # what the forward reads, by the engine's names (see prepare_weights)
+Prepared = weight_file.Prepared  # what the forward reads, by the engine's names (see prepare_weights)
 _PROJECTIONS = ("qkv", "o", "gate", "up", "down")
 
 
@@ -75,9 +75,12 @@ class LlamaModel:
     ) -> None:
         self.shape = s = config.model_shape
         self.dtype, self.device = dtype, device
-        weights = {k: v.to(device) for k, v in _load_safetensors(Path(config.model)).items()}
-        prepared = prepare_weights(weights, s, dtype)
-        del weights
+        def prepare() -> Prepared:
+            weights = {k: v.to(device) for k, v in _load_safetensors(Path(config.model)).items()}
+            return prepare_weights(weights, s, dtype)
+
+        # one copy per machine where the weights can be mapped from a file, else one per engine
+        prepared = weight_file.prepared_weights(Path(config.model), dtype, device, prepare)
         self.lm_head: Linear = prepared["lm_head"]
         self._embed: torch.Tensor | None = prepared.get("embed")  # None: rows of the LM head's copy
         self.final_norm = prepared["final_norm"]  # (D,)
@@ -140,12 +143,38 @@ class LlamaModel:
         return layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)  # (T, D): h + down(silu(gate x) * up x)
 
 
+# rope types whose tables are fixed by the config: HF's rotary class computes them as below; the others ("dynamic",
+# "longrope") adapt to the sequence's length in its forward, which runs as HF's own code.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 def _rope_tables(shape: ModelShape, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for every position, computed by HF's own rotary class so every ``rope_scaling`` type is honoured."""
+    """cos/sin for every position, as HF's rotary class computes them, so every ``rope_scaling`` type is honoured.
+    Static types take the class's two lines here: importing HF's Llama module (for its class) costs an engine
+    190 MiB of resident memory (torch's compiler stack and OpenAI Triton come with it)."""
     from transformers import AutoConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config = AutoConfig.for_model(**shape.hf_config)  # the config.json the engine read, not read again
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        return _hf_rope_tables(config, max_len, device)
+    if rope_type == "default":
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base = config.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    freqs = torch.arange(max_len, device=device)[:, None].float() * inv_freq.to(device=device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling  # (L, hd) in float32
+
+
+def _hf_rope_tables(config, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin from HF's rotary class itself."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     rope = LlamaRotaryEmbedding(config, device=device) if _takes_device() else LlamaRotaryEmbedding(config)
     positions = torch.arange(max_len, device=device)[None, :]
     probe = torch.zeros(1, dtype=torch.float32, device=device)

@@ -81,6 +81,17 @@ def limits() -> Limits | None:
     return None if lib is None else lib.limits
 
 
+def cache_dir() -> Path:
+    """Where the library (and what else is built once per machine) is kept: ``$XDG_CACHE_HOME/llm-batching-triton``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-batching-triton"
+
+
+def library_key() -> str | None:
+    """The loaded library's key (its sources, flags, compiler and this CPU), or ``None`` without it."""
+    lib = load()
+    return None if lib is None else lib.key
+
+
 def _sources() -> list[Path]:
     return sorted(p for p in _SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
 
@@ -90,7 +101,7 @@ def _build_and_load() -> ctypes.CDLL:
     sources = _sources()
     parts = [part for path in sources for part in (path.name.encode(), path.read_bytes())]
     key = hashlib.sha256(b"\0".join([*parts, " ".join(_FLAGS).encode(), compiler.encode(), _cpu_id()])).hexdigest()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-batching-triton"
+    cache = cache_dir()
     path = cache / f"cpu_kernels-{key[:16]}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
@@ -101,6 +112,7 @@ def _build_and_load() -> ctypes.CDLL:
                            timeout=300)
             os.replace(built, path)
     lib = ctypes.CDLL(str(path))  # torch is imported first, so libgomp.so.1 resolves to torch's own OpenMP runtime
+    lib.key = key[:16]
     _declare(lib)
     lib.limits = Limits(lib.max_group(), lib.max_head_dim(), lib.max_row(), lib.linear_max_rows(),
                         lib.linear_max_k())
@@ -289,27 +301,23 @@ def cpu_rms_norm(
 LINEAR_OPS = {"none": 0, "silu": 1, "mul": 2, "add": 3}
 
 
-def prepare_linear_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+def prepare_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight as :func:`cpu_linear_small` and :func:`cpu_linear_amx` read it, or None where they cannot take it
     (not bf16 on CPU, or a shape the packed layout does not fit). Where the build reads it packed
-    (:func:`weight_packed`), the layout of the AMX tiles, [N/16][K/32][16 pairs of k][16 n][2], written into ``out``
-    (an [N, K] bf16 tensor, e.g. a slice of a file mapping) where one is given; else row-major."""
+    (:func:`weight_packed`), a copy in the AMX tiles' layout, [N/16][K/32][16 pairs of k][16 n][2]; else row-major."""
     lib = load()
     if (lib is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
             or weight.shape[1] > lib.limits.linear_max_k):
         return None
     weight = weight.contiguous()
-    packed = lib.linear_weight_packed()
+    if not lib.linear_weight_packed():
+        return weight
     n, k = weight.shape
-    if packed and (n % 32 or k % 32):
+    if n % 32 or k % 32:
         return None
-    if out is None:
-        out = weight if not packed else torch.empty_like(weight)
-    elif not packed:
-        out.copy_(weight)
-    if packed:
-        lib.pack_linear_weight(weight.data_ptr(), n, k, out.data_ptr())
-    return out
+    packed = torch.empty_like(weight)
+    lib.pack_linear_weight(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
 
 
 def weight_packed() -> bool:
