@@ -159,3 +159,26 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
     torch.testing.assert_close(stacked, by_layer, atol=0, rtol=0)
     reference = decode(None, c_paths=False)
     torch.testing.assert_close(stacked.float(), reference.float(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("rope", [
+    {}, {"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 1024},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+], ids=["default", "linear", "dynamic", "llama3", "yarn"])
+def test_rope_tables_equal_hf_rotary_class_to_the_bit(tiny_llama_dir, rope):
+    """The static rope types' tables are computed without HF's Llama module (whose import costs an engine 190 MiB):
+    they must be HF's own, bit for bit."""
+    from transformers import AutoConfig
+
+    from backend.engine import model
+
+    config = AutoConfig.from_pretrained(str(tiny_llama_dir))
+    config.max_position_embeddings = 4096
+    if rope:
+        config.rope_parameters = {"rope_theta": config.rope_parameters["rope_theta"], **rope}
+    shape = type("Shape", (), {"hf_config": config.to_dict()})
+    ours = model._rope_tables(shape, 3000, torch.device("cpu"))
+    hf = model._hf_rope_tables(AutoConfig.for_model(**config.to_dict()), 3000, torch.device("cpu"))
+    assert torch.equal(ours[0], hf[0]) and torch.equal(ours[1], hf[1])
