@@ -21,7 +21,8 @@ int decode_stack(void* h, int64_t T, int64_t Dm, int64_t num_layers, const void*
                  const void* const* qkv_w, const void* const* qkv_b, const void* const* o_w,
                  const void* const* norm2, const void* const* gate_w, const void* const* up_w,
                  const void* const* down_w, int64_t small_rows, int64_t I, float eps, const int64_t* positions,
-                 const void* cos, const void* sin_signed, const int64_t* slots, void* const* k_caches, void* const* v_caches,
+                 const void* cos, const void* sin_signed, const int64_t* slots, void* const* k_caches,
+                 void* const* v_caches,
                  int64_t c_sb, int64_t c_ss, int64_t c_sh, const int32_t* block_tables, int64_t bt_sb,
                  const int32_t* context_lens, int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale,
                  int64_t max_context, void* x, void* qkv, void* attn, void* gate, void* up, int num_threads) {

@@ -156,16 +156,11 @@ static void linear_small_packed(const uint16_t* xb, const uint16_t* w, const uin
                 case 7: dot_panels_bf16(wp, K, xt, 7, acc); break;
                 default: dot_panels_bf16(wp, K, xt, 8, acc); break;
             }
-            for (int p = 0; p < 2; ++p)
-                for (int t = 0; t < tn; ++t) {
-                    float sums[16];
-                    _mm512_storeu_ps(sums, acc[p][t]);
-                    for (int l = 0; l < 16; ++l) {
-                        const int64_t j = pair * 32 + 16 * p + l;
-                        const float bj = b ? bf16_value(b[j]) : 0.f;
-                        out[(t0 + t) * N + j] = to_bf16(apply_op(sums[l] + bj, op, o, other_st, (int)(t0 + t), j));
-                    }
-                }
+            for (int p = 0; p < 2; ++p) {
+                float sums[LINEAR_TILE_T * 16];
+                for (int t = 0; t < tn; ++t) _mm512_storeu_ps(sums + 16 * t, acc[p][t]);
+                linear_epilogue16(sums, t0, tn, pair * 32 + 16 * p, N, b, op, o, other_st, out);
+            }
         }
     }
 }
