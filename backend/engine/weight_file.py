@@ -6,11 +6,11 @@ chosen for this CPU. Its name is a hash of what the contents depend on: the chec
 modification times), the dtype, the layout and the C library (its sources, flags and this CPU's features), so any
 change gives a new file, built at the next load. It is built once, under a lock, and written under a temporary name
 then renamed: engines loading at once (a server's models) wait for the first and map the same file, never two.
-A file no longer named by any key stays behind; deleting ``$XDG_CACHE_HOME/llm-batching-triton/weights`` is safe
-whenever no engine is loading.
+Building a file deletes those of the same folder's older keys and those whose folder is gone; deleting
+``$XDG_CACHE_HOME/llm-batching-triton/weights`` is safe whenever no engine is loading.
 
-Weights that live elsewhere than in plain CPU memory (CUDA, oneDNN's blocked layout) are prepared in the process,
-as before; ``LLM_WEIGHT_FILE=0`` asks for that everywhere.
+Weights the C kernels do not read (CUDA, float32 in oneDNN's blocked layout, no C compiler) are prepared in the
+process, as before; ``LLM_WEIGHT_FILE=0`` asks for that everywhere.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def prepared_weights(model_dir: Path, dtype: torch.dtype, device: torch.device,
                      prepare: Callable[[], Prepared]) -> Prepared:
     """What ``prepare()`` returns, mapped from the file of prepared weights for this key (built first if there is
     none yet); ``prepare()`` itself where the weights cannot live in a file."""
-    if device.type != "cpu" or os.environ.get("LLM_WEIGHT_FILE", "1") == "0":
-        return prepare()
+    if (device.type != "cpu" or dtype != torch.bfloat16 or cpu_kernels.load() is None
+            or os.environ.get("LLM_WEIGHT_FILE", "1") == "0"):
+        return prepare()  # weights the C kernels do not read: oneDNN's layout (float32), CUDA, no compiler
     path = weights_path(model_dir, dtype)
     if not path.exists():
         try:
@@ -64,7 +65,7 @@ def prepared_weights(model_dir: Path, dtype: torch.dtype, device: torch.device,
                 if not all(_storable(value) for value in prepared.values()):
                     return prepared
                 try:
-                    _write(path, prepared)
+                    _write(path, prepared, model_dir.resolve())
                 except OSError as exc:  # e.g. the disk is full
                     log.warning("prepared weights kept in this process, none written to %s: %s", path, exc)
                     return prepared
@@ -89,12 +90,24 @@ def weights_path(model_dir: Path, dtype: torch.dtype) -> Path:
 
 
 def _remove_stale(path: Path) -> None:
-    """Delete the files of this folder and dtype's earlier keys (the checkpoint's or the code's older versions): an
-    engine still mapping one keeps its pages until it lets go."""
+    """Delete the files of this folder and dtype's earlier keys (the checkpoint's or the code's older versions), and
+    those whose checkpoint folder is gone (a test's temporary model): an engine still mapping one keeps its pages
+    until it lets go."""
     prefix = path.name[: path.name.rindex("-") + 1]
-    for old in path.parent.glob(f"{prefix}*"):
-        if old.name != path.name and old.suffix in (".bin", ".lock"):
+    for old in path.parent.glob("*.bin"):
+        if old.name != path.name and (old.name.startswith(prefix) or not _folder_exists(old)):
             old.unlink(missing_ok=True)
+            old.with_suffix(".lock").unlink(missing_ok=True)
+
+
+def _folder_exists(path: Path) -> bool:
+    """Whether the checkpoint folder a file of prepared weights was made from is still there (its index says)."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            return Path(json.loads(f.read(length))["model"]).exists()
+    except (OSError, ValueError, KeyError, struct.error):
+        return False
 
 
 def _storable(value: torch.Tensor | Linear) -> bool:
@@ -103,7 +116,7 @@ def _storable(value: torch.Tensor | Linear) -> bool:
             and all(t is None or (t.device.type == "cpu" and t.layout == torch.strided) for t in tensors))
 
 
-def _write(path: Path, prepared: Prepared) -> None:
+def _write(path: Path, prepared: Prepared, model_dir: Path) -> None:
     """[8 bytes: the index's length][the index, JSON][each tensor's bytes, page-aligned], written aside and renamed."""
     index, blobs, offset = {}, [], 0
 
@@ -121,7 +134,7 @@ def _write(path: Path, prepared: Prepared) -> None:
         else:
             index[name] = {"weight": place(value.weight), "layout": value.layout.value,
                            "bias": None if value.bias is None else place(value.bias)}
-    header = json.dumps({"format": _FORMAT.decode(), "tensors": index}).encode()
+    header = json.dumps({"format": _FORMAT.decode(), "model": str(model_dir), "tensors": index}).encode()
     start = -(-(8 + len(header)) // _ALIGN) * _ALIGN
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
         try:
@@ -132,6 +145,7 @@ def _write(path: Path, prepared: Prepared) -> None:
             f.truncate(start + offset)
             f.flush()
             os.fsync(f.fileno())
+            os.fchmod(f.fileno(), 0o644)  # readable by any engine, as the lock and the library are
         except BaseException:
             os.unlink(f.name)
             raise

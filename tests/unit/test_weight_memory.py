@@ -110,17 +110,31 @@ def _in_file(tensor: torch.Tensor, path: Path) -> bool:
 
 
 @needs_c
-def test_a_changed_checkpoint_or_dtype_gets_another_file(tiny_llama_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    for f in Path(tiny_llama_dir).iterdir():
-        if f.is_file():
-            (model_dir / f.name).write_bytes(f.read_bytes())
-    first = weight_file.weights_path(model_dir, torch.bfloat16)
-    assert weight_file.weights_path(model_dir, torch.float16) != first
-    os.utime(model_dir / "model.safetensors", ns=(1, 1))
-    assert weight_file.weights_path(model_dir, torch.bfloat16) != first
+def test_a_changed_checkpoint_gets_another_file_and_stale_files_go(tiny_llama_dir, tmp_path, monkeypatch):
+    """A changed checkpoint (or dtype) is another key; building its file deletes the folder's older one, and the
+    files of folders that are gone."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    copies = [tmp_path / "model", tmp_path / "gone"]
+    for model_dir in copies:
+        model_dir.mkdir()
+        for f in Path(tiny_llama_dir).iterdir():
+            if f.is_file():
+                (model_dir / f.name).write_bytes(f.read_bytes())
+
+    def build(model_dir: Path) -> Path:
+        LlamaModel(bf16_config(model_dir).resolve(), torch.bfloat16, torch.device("cpu"))
+        return weight_file.weights_path(model_dir, torch.bfloat16)
+
+    gone = build(copies[1])
+    for f in copies[1].iterdir():
+        f.unlink()
+    copies[1].rmdir()
+    first = build(copies[0])
+    assert weight_file.weights_path(copies[0], torch.float16) != first
+    os.utime(copies[0] / "model.safetensors", ns=(1, 1))
+    second = build(copies[0])
+    assert second != first and second.exists()
+    assert not first.exists() and not gone.exists()
 
 
 @needs_c
