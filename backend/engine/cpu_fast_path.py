@@ -1,16 +1,18 @@
-"""The model's fast path on a CPU: which kernel runs a projection of how many rows, the weight layouts each reads,
-the RMSNorm kernel, and the decode stack (every layer of a small decode step in one C call).
+"""The model's fast path on a CPU: the one layout each weight is held in, which kernel runs a projection of how many
+rows, the RMSNorm kernel, and the decode stack (every layer of a small decode step in one C call).
 
-One routing function, :func:`route`, sends each projection to a kernel by its row count; the decode stack takes a step
-exactly where that sends every projection to C. On CUDA, in float32, or without the C kernels, every projection is the
-plain ``F.linear`` and its elementwise op (the reference path). The figures behind the row limits are in
-``docs/cpu-kernels.md``.
+Each weight is laid out once, at load, for the kernels this CPU and build run (:class:`Layout`), and held in that one
+copy; one routing function, :func:`route`, sends each projection to a kernel by its row count; the decode stack takes
+a step exactly where that sends every projection to C. On CUDA, in float32, or without the C kernels, every
+projection is the plain ``F.linear`` and its elementwise op (the reference path) or oneDNN. The figures behind the row
+limits are in ``docs/cpu-kernels.md``.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import sys
 from collections.abc import Callable
 
 import torch
@@ -20,12 +22,22 @@ from backend.engine.attention import AttentionBackend, AttentionMetadata, CpuAtt
 from backend.engine.config import ModelShape
 from backend.kernels import cpu_kernels
 
-# Up to this many rows a bf16 projection streams its weight through linear_small once, faster than oneDNN's matmul;
-# above it the step is compute-bound and oneDNN's AMX matmuls win.
+# Up to this many rows a bf16 projection streams its row-major weight through linear_small once, faster than
+# oneDNN's matmul (builds without AVX512-BF16; above it the reference F.linear runs).
 SMALL_BATCH_ROWS = 8
-# Where the CPU has AMX, linear_amx is faster than linear_small from 2 rows on, and than oneDNN up to the rows the
-# library takes (cpu_kernels.limits().linear_max_rows).
-SMALL_BATCH_ROWS_WITH_AMX = 1
+# Where the CPU has AMX, linear_small reading the packed weight is faster than linear_amx up to this many rows, and
+# linear_amx above, at every row count (as fast as oneDNN's AMX matmuls at 128 and 512 rows). Without AMX,
+# linear_small takes every row count: faster than oneDNN's AVX512-BF16 matmuls to 64 rows, within 10 % at 512.
+SMALL_BATCH_ROWS_WITH_AMX = 6
+
+
+class Layout(enum.Enum):
+    """How a :class:`Linear` holds its one copy of the weight, chosen at load for this CPU and build."""
+
+    PACKED = "packed"  # bf16, AMX tiles' layout (cpu_kernels.prepare_linear_weight): linear_small and linear_amx
+    ROW_MAJOR = "row_major"  # bf16, builds without AVX512-BF16: linear_small for few rows, F.linear for more
+    ONEDNN = "onednn"  # oneDNN's blocked layout (float32, or a shape the packed layout does not fit)
+    PLAIN = "plain"  # as loaded: F.linear (CUDA, or no oneDNN)
 
 
 class Kernel(enum.Enum):
@@ -35,58 +47,74 @@ class Kernel(enum.Enum):
     TORCH = "torch"  # F.linear, then the elementwise op: the reference
 
 
-def small_rows_limit(has_amx: bool) -> int:
-    """The most rows ``cpu_linear_small`` takes: fewer where ``cpu_linear_amx`` is there to take the rest."""
-    return SMALL_BATCH_ROWS_WITH_AMX if has_amx else SMALL_BATCH_ROWS
+def small_rows_limit(layout: Layout) -> int:
+    """The most rows ``cpu_linear_small`` runs from a weight of ``layout`` (packed or row-major)."""
+    if layout is Layout.PACKED:
+        return SMALL_BATCH_ROWS_WITH_AMX if _has_amx() else sys.maxsize
+    return SMALL_BATCH_ROWS
 
 
-def c_rows_limit(has_amx: bool) -> int:
-    """The most rows a projection runs in C: ``cpu_linear_amx`` takes up to the library's limit."""
-    return _library_max_rows() if has_amx else SMALL_BATCH_ROWS
+def c_rows_limit(layout: Layout) -> int:
+    """The most rows a projection of ``layout`` (packed or row-major) runs in C: ``cpu_linear_amx`` takes any number
+    above the small kernel's (packed weights, where the CPU has AMX)."""
+    return sys.maxsize if layout is Layout.PACKED else small_rows_limit(layout)
 
 
 @functools.cache
-def _library_max_rows() -> int:
-    return cpu_kernels.limits().linear_max_rows
+def _has_amx() -> bool:
+    return cpu_kernels.has_amx()
+
+
+@functools.cache
+def c_layout() -> Layout:
+    """The layout ``cpu_kernels.prepare_linear_weight`` gives in this build."""
+    return Layout.PACKED if cpu_kernels.weight_packed() else Layout.ROW_MAJOR
 
 
 def route(num_rows: int, linear: Linear) -> Kernel:
     """The kernel that runs ``linear`` over ``num_rows`` rows: the one place this is decided."""
-    has_amx = linear.amx_weight is not None
-    if linear.small_weight is not None and num_rows <= small_rows_limit(has_amx):
-        return Kernel.C_SMALL
-    if has_amx and num_rows <= c_rows_limit(True):
-        return Kernel.C_AMX
-    return Kernel.TORCH if linear.onednn_weight is None else Kernel.ONEDNN
+    layout = linear.layout
+    if layout is Layout.PACKED or layout is Layout.ROW_MAJOR:
+        if num_rows <= small_rows_limit(layout):
+            return Kernel.C_SMALL
+        if num_rows <= c_rows_limit(layout):
+            return Kernel.C_AMX
+    return Kernel.ONEDNN if layout is Layout.ONEDNN else Kernel.TORCH
+
+
+def lay_out(weight: torch.Tensor) -> tuple[torch.Tensor, Layout]:
+    """``weight`` (out, in) in the one layout this CPU's kernels read, chosen once at load."""
+    prepared = cpu_kernels.prepare_linear_weight(weight)  # None off CPU bf16, without the C kernels, or a misfit
+    if prepared is not None:
+        return prepared, c_layout()
+    packed = _onednn_pack(weight)  # a plain F.linear on CPU re-lays the weight out on every call
+    return (weight, Layout.PLAIN) if packed is None else (packed, Layout.ONEDNN)
 
 
 class Linear:
     """``op(x @ weight.T + bias)``, op one of none, silu, ``* other`` or ``+ other`` (the elementwise work that
     follows a matmul in a decoder layer, fused where the kernel allows: on the float32 sum, one rounding).
 
-    The weight is laid out once at load time for each kernel that may run it (:func:`route` picks per call): oneDNN's
-    blocked layout (a plain ``F.linear`` on CPU re-lays the weight out on every call), and, for bf16 on CPU,
-    ``cpu_linear_small``'s and ``cpu_linear_amx``'s copies.
+    The weight is held once, in the layout :func:`lay_out` chose for it (or given laid out, from a file of prepared
+    weights); :func:`route` picks the kernel per call among those that read that layout.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:  # weight (out, in)
-        self.bias = bias
-        self.onednn_weight = _onednn_pack(weight)
-        self.weight = weight if self.onednn_weight is None else None  # the packed copy replaces it
-        self.small_weight = cpu_kernels.prepare_linear_weight(weight)  # None off CPU bf16 or without the C kernels
-        self.amx_weight = cpu_kernels.prepare_linear_weight_amx(weight)  # None without AMX
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, layout: Layout | None = None) -> None:
+        self.bias = bias  # weight: (out, in), laid out already where a layout is given
+        self.weight, self.layout = lay_out(weight) if layout is None else (weight, layout)
 
     def __call__(self, x: torch.Tensor, op: str = "none", other: torch.Tensor | None = None) -> torch.Tensor:
         kernel = route(x.shape[0], self)  # (T, in) -> (T, out)
         if kernel is Kernel.C_SMALL:
-            return cpu_kernels.cpu_linear_small(x, self.small_weight, self.bias, op, other)
+            return cpu_kernels.cpu_linear_small(x, self.weight, self.bias, op, other)
         if kernel is Kernel.C_AMX:
-            return cpu_kernels.cpu_linear_amx(x, self.amx_weight, self.bias, op, other)
+            return cpu_kernels.cpu_linear_amx(x, self.weight, self.bias, op, other)
         if kernel is Kernel.ONEDNN:
             if op in ("mul", "add"):
-                return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.onednn_weight, self.bias, op)
-            return torch.ops.mkldnn._linear_pointwise(x, self.onednn_weight, self.bias, _ONEDNN_UNARY[op], [], "")
-        y = F.linear(x, self.weight, self.bias)  # the reference: the matmul, then the op on its rounded result
+                return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, op)
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, _ONEDNN_UNARY[op], [], "")
+        # the reference: the matmul, then the op on its rounded result
+        y = F.linear(x, self.dense_weight(), self.bias)
         if op == "silu":
             return F.silu(y)
         if op in ("mul", "add"):
@@ -101,6 +129,22 @@ class Linear:
 
     def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:  # (x W^T) + other
         return self(x, "add", other)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight row-major (out, in): a copy where it is packed (the reference path's, never the engine's)."""
+        if self.layout is Layout.PACKED:
+            return cpu_kernels.linear_weight_dense(self.weight)
+        if self.layout is Layout.ONEDNN:
+            raise ValueError("oneDNN's blocked layout is not read back")
+        return self.weight
+
+    def weight_rows(self, rows: torch.Tensor) -> torch.Tensor | None:  # (len(rows), in)
+        """Rows of the weight (a tied embedding's lookup into the LM head), or None where the layout hides them."""
+        if self.layout is Layout.ONEDNN:
+            return None
+        if self.layout is Layout.PLAIN:
+            return self.weight.index_select(0, rows)
+        return cpu_kernels.linear_weight_rows(self.weight, rows)
 
 
 _ONEDNN_UNARY = {"none": "none", "silu": "swish"}
@@ -132,22 +176,19 @@ def rms_norm_for(shape: ModelShape, dtype: torch.dtype, device: torch.device) ->
 def build_decode_stack(layers: list, shape: ModelShape, dtype: torch.dtype,
                        attention: AttentionBackend) -> cpu_kernels.DecodeStack | None:
     """The C stack of ``layers`` (``model.Layer``), or None where a step cannot run every layer in C: not bf16, not
-    the C attention (the stack runs its kernel), a shape the kernels do not take, or a projection without
-    ``cpu_linear_small``'s copy."""
+    the C attention (the stack runs its kernel), a shape the kernels do not take, or a projection not in the C
+    kernels' layout."""
     if (dtype != torch.bfloat16 or not isinstance(attention, CpuAttention) or not layers
             or not cpu_kernels.DecodeStack.supports(shape.hidden_size, shape.num_heads, shape.num_kv_heads,
                                                     shape.head_dim)):
         return None
     projections = [[layer.qkv, layer.o, layer.gate, layer.up, layer.down] for layer in layers]
-    if any(p.small_weight is None for ps in projections for p in ps):
+    if any(p.layout is not c_layout() for ps in projections for p in ps):
         return None
     stack_layers = [
-        cpu_kernels.StackLayer(
-            layer.input_norm, layer.qkv.small_weight, layer.qkv.bias, layer.o.small_weight, layer.post_norm,
-            layer.gate.small_weight, layer.up.small_weight, layer.down.small_weight,
-            None if any(p.amx_weight is None for p in ps) else tuple(p.amx_weight for p in ps),
-        )
-        for layer, ps in zip(layers, projections)
+        cpu_kernels.StackLayer(layer.input_norm, layer.qkv.weight, layer.qkv.bias, layer.o.weight, layer.post_norm,
+                               layer.gate.weight, layer.up.weight, layer.down.weight)
+        for layer in layers
     ]
     return cpu_kernels.DecodeStack(stack_layers, shape.hidden_size, shape.intermediate_size, shape.num_heads,
                                    shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps)
@@ -163,8 +204,8 @@ def run_decode_stack(
     meta: AttentionMetadata,
 ) -> bool:
     """Every layer over ``h`` in one C call where the step is decodes only and :func:`route` sends every projection
-    of it to C; False (nothing done) elsewhere."""
-    num_rows = h.shape[0]
-    return (meta.is_decode_only and meta.num_decode_tokens == num_rows and num_rows <= c_rows_limit(stack.takes_amx)
+    of it to C (up to the stack's own row limit); False (nothing done) elsewhere."""
+    num_rows, layout = h.shape[0], c_layout()
+    return (meta.is_decode_only and meta.num_decode_tokens == num_rows and num_rows <= c_rows_limit(layout)
             and stack(h, positions, cos, sin_signed, kv_caches, meta.slot_mapping, meta.block_tables,
-                      meta.context_lens, meta.scale, small_rows_limit(stack.takes_amx)))
+                      meta.context_lens, meta.scale, small_rows_limit(layout)))

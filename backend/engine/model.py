@@ -17,31 +17,53 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from backend.engine import cpu_fast_path
+from backend.engine import cpu_fast_path, weight_file
 from backend.engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from backend.engine.config import ModelShape, ResolvedConfig
-from backend.engine.cpu_fast_path import Linear
+from backend.engine.cpu_fast_path import Layout, Linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K, V) pools, each [num_blocks, block_size, kvh, hd]
+
+
+Prepared = weight_file.Prepared  # what the forward reads, by the engine's names (see prepare_weights)
+_PROJECTIONS = ("qkv", "o", "gate", "up", "down")
+
+
+def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.dtype) -> Prepared:
+    """The checkpoint's tensors as the forward reads them: each projection a :class:`Linear` holding its one copy in
+    the layout chosen for this CPU, Q, K and V fused; the norms copied out of ``w`` (a file mapping: nothing the
+    engine keeps points into it, so it can be let go). A tied embedding is looked up in the LM head's copy."""
+    def take(name: str) -> torch.Tensor:
+        return w[name].to(dtype, copy=True)
+
+    out: Prepared = {}
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}."
+        out[f"{i}.input_norm"] = take(p + "input_layernorm.weight")  # (D,)
+        out[f"{i}.post_norm"] = take(p + "post_attention_layernorm.weight")  # (D,)
+        biases = [p + f"self_attn.{q}_proj.bias" for q in "qkv"]
+        qkv_bias = torch.cat([take(b) for b in biases]) if biases[0] in w else None  # Qwen2
+        out[f"{i}.qkv"] = Linear(torch.cat([w[p + f"self_attn.{q}_proj.weight"].to(dtype) for q in "qkv"]),
+                                 qkv_bias)  # D -> (H+2kvh) hd
+        out[f"{i}.o"] = Linear(w[p + "self_attn.o_proj.weight"].to(dtype))  # H hd -> D
+        out[f"{i}.gate"] = Linear(w[p + "mlp.gate_proj.weight"].to(dtype))  # D -> I
+        out[f"{i}.up"] = Linear(w[p + "mlp.up_proj.weight"].to(dtype))  # D -> I
+        out[f"{i}.down"] = Linear(w[p + "mlp.down_proj.weight"].to(dtype))  # I -> D
+    embed = w["model.embed_tokens.weight"].to(dtype)  # (V, D)
+    out["lm_head"] = lm_head = Linear(embed if shape.tie_word_embeddings else w["lm_head.weight"].to(dtype))  # D -> V
+    if not shape.tie_word_embeddings or lm_head.layout is Layout.ONEDNN:  # its rows cannot be read back
+        out["embed"] = embed.clone()
+    out["final_norm"] = take("model.norm.weight")  # (D,)
+    return out
 
 
 class Layer:
     """Weights of one decoder layer. The MLP's gate and up projections stay separate so that SiLU and the product
     can be fused into their matmuls."""
 
-    def __init__(self, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> None:
-        def get(name: str) -> torch.Tensor:
-            return w[prefix + name].to(dtype)
-
-        self.input_norm = get("input_layernorm.weight")  # (D,)
-        self.post_norm = get("post_attention_layernorm.weight")  # (D,)
-        biases = [prefix + f"self_attn.{p}_proj.bias" for p in "qkv"]
-        qkv_bias = torch.cat([w[b].to(dtype) for b in biases]) if biases[0] in w else None  # Qwen2
-        self.qkv = Linear(torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"]), qkv_bias)  # D -> (H+2kvh) hd
-        self.o = Linear(get("self_attn.o_proj.weight"))  # H hd -> D
-        self.gate = Linear(get("mlp.gate_proj.weight"))  # D -> I
-        self.up = Linear(get("mlp.up_proj.weight"))  # D -> I
-        self.down = Linear(get("mlp.down_proj.weight"))  # I -> D
+    def __init__(self, prepared: Prepared, index: int) -> None:
+        self.input_norm, self.post_norm = prepared[f"{index}.input_norm"], prepared[f"{index}.post_norm"]  # (D,)
+        self.qkv, self.o, self.gate, self.up, self.down = (prepared[f"{index}.{p}"] for p in _PROJECTIONS)
 
 
 class LlamaModel:
@@ -53,12 +75,16 @@ class LlamaModel:
     ) -> None:
         self.shape = s = config.model_shape
         self.dtype, self.device = dtype, device
-        weights = {k: v.to(device) for k, v in _load_safetensors(Path(config.model)).items()}
-        self.embed = weights["model.embed_tokens.weight"].to(dtype)  # (V, D)
-        self.lm_head = Linear(self.embed if s.tie_word_embeddings else weights["lm_head.weight"].to(dtype))  # D -> V
-        self.final_norm = weights["model.norm.weight"].to(dtype)  # (D,)
-        self.layers = [Layer(weights, f"model.layers.{i}.", dtype) for i in range(s.num_layers)]
-        del weights
+        def prepare() -> Prepared:
+            weights = {k: v.to(device) for k, v in _load_safetensors(Path(config.model)).items()}
+            return prepare_weights(weights, s, dtype)
+
+        # one copy per machine where the weights can be mapped from a file, else one per engine
+        prepared = weight_file.prepared_weights(Path(config.model), dtype, device, prepare)
+        self.lm_head: Linear = prepared["lm_head"]
+        self._embed: torch.Tensor | None = prepared.get("embed")  # None: rows of the LM head's copy
+        self.final_norm = prepared["final_norm"]  # (D,)
+        self.layers = [Layer(prepared, i) for i in range(s.num_layers)]
         cos, sin = _rope_tables(s, config.max_model_len, device)  # (L, hd) each, float32
         half = s.head_dim // 2
         # NOTE: rotate_half(x) * sin == swap_halves(x) * sin_signed with sin_signed = [-sin_lo, sin_hi]; folding the
@@ -68,6 +94,9 @@ class LlamaModel:
         self.scale = s.head_dim**-0.5
         self.rms_norm = cpu_fast_path.rms_norm_for(s, dtype, device)  # F.rms_norm's signature
         self.attention = attention or TorchAttention()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # (T, D)
+        return self.lm_head.weight_rows(input_ids) if self._embed is None else self._embed.index_select(0, input_ids)
 
     @property
     def attention(self) -> AttentionBackend:
@@ -90,7 +119,7 @@ class LlamaModel:
         logits_indices: torch.Tensor,  # [S] token indices whose next token is sampled
     ) -> torch.Tensor:  # [S, V] in the model's dtype
         s = self.shape
-        h = self.embed.index_select(0, input_ids)  # (T, D)
+        h = self.embed(input_ids)  # (T, D)
         if self.decode_stack is None or not cpu_fast_path.run_decode_stack(
                 self.decode_stack, h, positions, self.cos, self.sin_signed, kv_caches, meta):
             for layer, kv_cache in zip(self.layers, kv_caches):
@@ -114,12 +143,38 @@ class LlamaModel:
         return layer.down.add(layer.up.mul(x, layer.gate.silu(x)), h)  # (T, D): h + down(silu(gate x) * up x)
 
 
+# rope types whose tables are fixed by the config: HF's rotary class computes them as below; the others ("dynamic",
+# "longrope") adapt to the sequence's length in its forward, which runs as HF's own code.
+_STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 def _rope_tables(shape: ModelShape, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for every position, computed by HF's own rotary class so every ``rope_scaling`` type is honoured."""
+    """cos/sin for every position, as HF's rotary class computes them, so every ``rope_scaling`` type is honoured.
+    Static types take the class's two lines here: importing HF's Llama module (for its class) costs an engine
+    190 MiB of resident memory (torch's compiler stack and OpenAI Triton come with it)."""
     from transformers import AutoConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config = AutoConfig.for_model(**shape.hf_config)  # the config.json the engine read, not read again
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type")
+    if rope_type not in _STATIC_ROPE_TYPES:
+        return _hf_rope_tables(config, max_len, device)
+    if rope_type == "default":
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        base = config.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    freqs = torch.arange(max_len, device=device)[:, None].float() * inv_freq.to(device=device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scaling, emb.sin() * scaling  # (L, hd) in float32
+
+
+def _hf_rope_tables(config, max_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin from HF's rotary class itself."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     rope = LlamaRotaryEmbedding(config, device=device) if _takes_device() else LlamaRotaryEmbedding(config)
     positions = torch.arange(max_len, device=device)[None, :]
     probe = torch.zeros(1, dtype=torch.float32, device=device)

@@ -10,9 +10,9 @@ the decode stack's use live in ``backend/engine``.
 - ``cpu_rope_paged_attention``: one layer from its QKV projection in one call: rotary embedding on q and k (in
   place), the K/V write and the decodes' attention, where the torch ops take a dozen calls.
 - ``cpu_rms_norm``: HF's LlamaRMSNorm in one pass per row (``F.rms_norm`` on bf16 runs eight tensor ops).
-- ``cpu_linear_small`` and ``cpu_linear_amx``: ``op(x @ W.T + b)`` for a decode step's few rows, from a copy of the
-  weight laid out for each (``prepare_linear_weight*``); :class:`DecodeStack` runs every layer of a small decode-only
-  step in one call.
+- ``cpu_linear_small`` and ``cpu_linear_amx``: ``op(x @ W.T + b)``, both from one copy of the weight laid out for
+  them (``prepare_linear_weight``; ``linear_weight_rows`` reads rows back, e.g. a tied embedding's);
+  :class:`DecodeStack` runs every layer of a small decode-only step in one call.
 - ``cpu_sample_rows``: the sampler's draw, one pass over each row.
 
 The shared library is compiled from the C files in ``cpu/`` with the system C compiler (``$CC``, default ``cc``) into
@@ -81,6 +81,17 @@ def limits() -> Limits | None:
     return None if lib is None else lib.limits
 
 
+def cache_dir() -> Path:
+    """Where the library (and what else is built once per machine) is kept: ``$XDG_CACHE_HOME/llm-batching-triton``."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-batching-triton"
+
+
+def library_key() -> str | None:
+    """The loaded library's key (its sources, flags, compiler and this CPU), or ``None`` without it."""
+    lib = load()
+    return None if lib is None else lib.key
+
+
 def _sources() -> list[Path]:
     return sorted(p for p in _SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
 
@@ -90,7 +101,7 @@ def _build_and_load() -> ctypes.CDLL:
     sources = _sources()
     parts = [part for path in sources for part in (path.name.encode(), path.read_bytes())]
     key = hashlib.sha256(b"\0".join([*parts, " ".join(_FLAGS).encode(), compiler.encode(), _cpu_id()])).hexdigest()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llm-batching-triton"
+    cache = cache_dir()
     path = cache / f"cpu_kernels-{key[:16]}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
@@ -101,6 +112,7 @@ def _build_and_load() -> ctypes.CDLL:
                            timeout=300)
             os.replace(built, path)
     lib = ctypes.CDLL(str(path))  # torch is imported first, so libgomp.so.1 resolves to torch's own OpenMP runtime
+    lib.key = key[:16]
     _declare(lib)
     lib.limits = Limits(lib.max_group(), lib.max_head_dim(), lib.max_row(), lib.linear_max_rows(),
                         lib.linear_max_k())
@@ -131,7 +143,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_weight_packed.restype = c_int
     lib.decode_stack.argtypes = [
         ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,  # h, weights per layer
-        ptr, ptr, ptr, ptr, ptr, i64, i64, c_float,  # AMX copies per layer, small_rows, I, eps
+        i64, i64, c_float,  # small_rows, I, eps
         ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,  # positions, cos, sin, slots, K and V pools per layer, strides
         ptr, i64, ptr, i64, i64, i64, i64, c_float, i64,  # block tables, context lens, H, KVH, D, ...
         ptr, ptr, ptr, ptr, ptr, c_int,  # scratch: x, qkv, attn, gate, up; num_threads
@@ -142,8 +154,6 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_amx.argtypes = lib.linear_small.argtypes
     lib.linear_amx.restype = c_int
     lib.linear_amx_available.restype = c_int
-    lib.pack_linear_weight_amx.argtypes = [ptr, i64, i64, ptr]
-    lib.pack_linear_weight_amx.restype = None
     for limit in (lib.max_group, lib.max_head_dim, lib.max_row, lib.linear_max_rows, lib.linear_max_k):
         limit.restype = c_int
 
@@ -292,8 +302,9 @@ LINEAR_OPS = {"none": 0, "silu": 1, "mul": 2, "add": 3}
 
 
 def prepare_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight as :func:`cpu_linear_small` reads it (packed in blocks of 4 rows where the build wants that), or
-    None where it cannot take this weight (not bf16 on CPU, or a shape the packed layout does not fit)."""
+    """The weight as :func:`cpu_linear_small` and :func:`cpu_linear_amx` read it, or None where they cannot take it
+    (not bf16 on CPU, or a shape the packed layout does not fit). Where the build reads it packed
+    (:func:`weight_packed`), a copy in the AMX tiles' layout, [N/16][K/32][16 pairs of k][16 n][2]; else row-major."""
     lib = load()
     if (lib is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
             or weight.shape[1] > lib.limits.linear_max_k):
@@ -302,15 +313,39 @@ def prepare_linear_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if not lib.linear_weight_packed():
         return weight
     n, k = weight.shape
-    if n % 4 or k % 32:
+    if n % 32 or k % 32:
         return None
     packed = torch.empty_like(weight)
     lib.pack_linear_weight(weight.data_ptr(), n, k, packed.data_ptr())
     return packed
 
 
+def weight_packed() -> bool:
+    """Whether :func:`prepare_linear_weight` packs (builds with AVX512-BF16) or keeps the weight row-major."""
+    lib = load()
+    return lib is not None and bool(lib.linear_weight_packed())
+
+
+def linear_weight_dense(prepared: torch.Tensor) -> torch.Tensor:  # [N, K] row-major
+    """W back from :func:`prepare_linear_weight`'s copy (a new tensor where it is packed): the torch twins' input."""
+    if not weight_packed():
+        return prepared
+    n, k = prepared.shape
+    return prepared.view(n // 16, k // 32, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(n, k)
+
+
+def linear_weight_rows(prepared: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # [len(rows), K]
+    """Rows of W read back from :func:`prepare_linear_weight`'s copy: a tied embedding looks its tokens up in the LM
+    head's weight instead of keeping a second copy."""
+    if not weight_packed():
+        return prepared.index_select(0, rows)
+    n, k = prepared.shape
+    tiles = prepared.view(n // 16, k // 32, 16, 16, 2)  # [N/16][K/32][pair][n][2]
+    return tiles[rows // 16, :, :, rows % 16, :].reshape(len(rows), k)
+
+
 def cpu_linear_small(
-    x: torch.Tensor,  # [T, K] bf16, T <= limits().linear_max_rows, rows may be strided
+    x: torch.Tensor,  # [T, K] bf16, rows may be strided; T <= limits().linear_max_rows where W is row-major
     weight: torch.Tensor,  # [N, K] bf16, from prepare_linear_weight
     bias: torch.Tensor | None = None,  # [N] bf16
     op: str = "none",  # then silu, or times / plus ``other``
@@ -338,22 +373,15 @@ def _fused_linear(kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torc
     return out
 
 
-def prepare_linear_weight_amx(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight as :func:`cpu_linear_amx` reads it (AMX tiles' layout), or None where the CPU, the build or the
-    shape does not allow it (no AMX, not bf16 on CPU, N % 32 or K % 32)."""
+def has_amx() -> bool:
+    """Whether :func:`cpu_linear_amx` runs here (the CPU has AMX, Linux grants it, the build has it)."""
     lib = load()
-    if (lib is None or weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2
-            or weight.shape[0] % 32 or weight.shape[1] % 32 or weight.shape[1] > lib.limits.linear_max_k
-            or not lib.linear_amx_available()):
-        return None
-    packed = torch.empty_like(weight)
-    lib.pack_linear_weight_amx(weight.contiguous().data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
-    return packed
+    return lib is not None and bool(lib.linear_amx_available())
 
 
 def cpu_linear_amx(
     x: torch.Tensor,  # [T, K] bf16, rows may be strided
-    weight: torch.Tensor,  # [N, K] bf16, from prepare_linear_weight_amx
+    weight: torch.Tensor,  # [N, K] bf16, from prepare_linear_weight (packed)
     bias: torch.Tensor | None = None,  # [N] bf16
     op: str = "none",  # then silu, or times / plus ``other``
     other: torch.Tensor | None = None,  # [T, N] bf16, rows may be strided
@@ -367,8 +395,8 @@ def cpu_linear_amx(
 
 
 class StackLayer(NamedTuple):
-    """One decoder layer's tensors as ``decode_stack`` reads them: the norms' weights, the projections in
-    ``cpu_linear_small``'s layout (``prepare_linear_weight``) and, where there are any, in ``cpu_linear_amx``'s."""
+    """One decoder layer's tensors as ``decode_stack`` reads them: the norms' weights and the projections as
+    ``prepare_linear_weight`` lays them out."""
 
     input_norm: torch.Tensor  # [D]
     qkv: torch.Tensor  # [(H + 2 KVH) hd, D]
@@ -378,7 +406,6 @@ class StackLayer(NamedTuple):
     gate: torch.Tensor  # [I, D]
     up: torch.Tensor  # [I, D]
     down: torch.Tensor  # [D, I]
-    amx: tuple[torch.Tensor, ...] | None  # qkv, o, gate, up, down in cpu_linear_amx's layout
 
 
 class DecodeStack:
@@ -398,11 +425,7 @@ class DecodeStack:
         self.num_layers, self.hidden_size, self.intermediate_size = len(layers), hidden_size, intermediate_size
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
         self.norm1, self.qkv, self.qkv_bias, self.o, self.norm2, self.gate, self.up, self.down = (
-            pointers([getattr(layer, name) for layer in layers]) for name in StackLayer._fields[:8])
-        # With AMX copies of every projection, steps of more rows than linear_small should take run linear_amx
-        self.takes_amx = all(layer.amx is not None for layer in layers)
-        self.qkv_amx, self.o_amx, self.gate_amx, self.up_amx, self.down_amx = (
-            pointers([layer.amx[i] if self.takes_amx else None for layer in layers]) for i in range(5))
+            pointers([getattr(layer, name) for layer in layers]) for name in StackLayer._fields)
         # (first K pool's address, whether the pools fit the kernels, K pointers, V pointers), built on first use:
         # the pools live as long as the engine
         self._pools: tuple = ()
@@ -453,13 +476,12 @@ class DecodeStack:
         block_size = k_cache.shape[1]
         status = _lib.decode_stack(
             h.data_ptr(), num_tokens, self.hidden_size, self.num_layers, self.norm1, self.qkv, self.qkv_bias, self.o,
-            self.norm2, self.gate, self.up, self.down, self.qkv_amx, self.o_amx, self.gate_amx, self.up_amx,
-            self.down_amx, small_rows, self.intermediate_size, self.eps, positions.data_ptr(),
-            cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), self._pools[2], self._pools[3],
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), tables.data_ptr(), tables.stride(0),
-            lens.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim, block_size, scale,
-            tables.shape[1] * block_size, x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate.data_ptr(),
-            up.data_ptr(), torch.get_num_threads(),
+            self.norm2, self.gate, self.up, self.down, min(small_rows, _lib.limits.linear_max_rows),
+            self.intermediate_size, self.eps, positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
+            slots.data_ptr(), self._pools[2], self._pools[3], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            tables.data_ptr(), tables.stride(0), lens.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim,
+            block_size, scale, tables.shape[1] * block_size, x.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
+            gate.data_ptr(), up.data_ptr(), torch.get_num_threads(),
         )
         if status != 0:
             raise ValueError(f"decode_stack cannot take {num_tokens} rows")

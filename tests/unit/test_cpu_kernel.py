@@ -173,9 +173,9 @@ def fused_reference(x, weight, bias, op, other):
 
 
 @pytest.mark.parametrize("op", ["none", "silu", "mul", "add"])
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 8, 13, 64])
-@pytest.mark.parametrize("shape", [(960, 576), (8, 64), (1537, 576), (7, 40)],
-                         ids=["qkv", "tiny-unthreaded", "odd-rows", "odd-both"])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 8, 13, 64, 100])
+@pytest.mark.parametrize("shape", [(960, 576), (32, 64), (8, 64), (1537, 576), (7, 40)],
+                         ids=["qkv", "tiny-unthreaded", "eight-rows", "odd-rows", "odd-both"])
 def test_small_batch_linear_matches_float32_sum_rounded_once(op, num_rows, shape):
     n, k = shape
     gen = torch.Generator().manual_seed(n * 10 + num_rows)
@@ -184,16 +184,20 @@ def test_small_batch_linear_matches_float32_sum_rounded_once(op, num_rows, shape
     x = torch.randn(num_rows, k + 5, generator=gen).bfloat16()[:, :k]  # strided rows
     other = torch.randn(num_rows, n + 3, generator=gen).bfloat16()[:, :n] if op in ("mul", "add") else None
     prepared = cpu_kernels.prepare_linear_weight(weight)
-    if prepared is None:  # the packed layout (AVX512-BF16 builds) takes whole blocks of 4 rows and 32 columns
-        assert cpu_kernels.load().linear_weight_packed() and (n % 4 or k % 32)
+    if prepared is None:  # the packed layout (AVX512-BF16 builds) takes whole panels of 32 rows and 32 columns
+        assert cpu_kernels.weight_packed() and (n % 32 or k % 32)
         return
+    if num_rows > cpu_kernels.limits().linear_max_rows and not cpu_kernels.weight_packed():
+        return  # row-major, the kernel refuses them (below)
     out = cpu_kernels.cpu_linear_small(x, prepared, bias, op, other)
     assert out.shape == (num_rows, n) and out.dtype == torch.bfloat16
     # The sum order differs from torch's: a result may land on the neighbouring bf16 value, never further.
     torch.testing.assert_close(out, fused_reference(x, weight, bias, op, other), atol=1e-3, rtol=2**-7)
 
 
-def test_small_batch_linear_refuses_more_rows_than_it_holds():
+def test_small_batch_linear_refuses_more_rows_than_it_holds_row_major():
+    if cpu_kernels.weight_packed():
+        pytest.skip("packed weights: every row count is taken (test_small_batch_linear_matches_...)")
     weight = cpu_kernels.prepare_linear_weight(torch.zeros(8, 64).bfloat16())
     too_many = cpu_kernels.limits().linear_max_rows + 1
     with pytest.raises(ValueError, match=f"cannot take {too_many} rows"):
@@ -207,9 +211,9 @@ def test_amx_linear_matches_float32_sum_rounded_once(op, num_rows, shape):
     n, k = shape
     gen = torch.Generator().manual_seed(n + num_rows)
     weight = (0.05 * torch.randn(n, k, generator=gen)).bfloat16()
-    prepared = cpu_kernels.prepare_linear_weight_amx(weight)
-    if prepared is None:
-        pytest.skip("no AMX on this CPU (or no C compiler): oneDNN runs these rows")
+    if not cpu_kernels.has_amx():
+        pytest.skip("no AMX on this CPU (or in this build): linear_small runs these rows")
+    prepared = cpu_kernels.prepare_linear_weight(weight)  # the one copy linear_small reads too
     bias = (0.1 * torch.randn(n, generator=gen)).bfloat16() if n == 960 else None
     x = torch.randn(num_rows, k + 5, generator=gen).bfloat16()[:, :k]  # strided rows; 1, 13, 33, 100: padded
     other = torch.randn(num_rows, n + 3, generator=gen).bfloat16()[:, :n] if op in ("mul", "add") else None
@@ -218,26 +222,28 @@ def test_amx_linear_matches_float32_sum_rounded_once(op, num_rows, shape):
     torch.testing.assert_close(out, fused_reference(x, weight, bias, op, other), atol=1e-3, rtol=2**-7)
 
 
-def test_model_linear_takes_the_c_path_for_few_rows_amx_for_more_and_onednn_above():
-    from backend.engine.cpu_fast_path import SMALL_BATCH_ROWS, Kernel, Linear, c_rows_limit, route, small_rows_limit
+def test_model_linear_holds_one_copy_and_routes_every_row_count_to_a_kernel_of_its_layout():
+    from backend.engine.cpu_fast_path import SMALL_BATCH_ROWS, Kernel, Layout, Linear, c_layout, route
+    from backend.engine.cpu_fast_path import SMALL_BATCH_ROWS_WITH_AMX as WITH_AMX
 
     gen = torch.Generator().manual_seed(1)
     weight = (0.05 * torch.randn(64, 576, generator=gen)).bfloat16()
     linear = Linear(weight)
-    has_amx = linear.amx_weight is not None
-    max_rows = cpu_kernels.limits().linear_max_rows
-    for num_rows in (1, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1, 32, max_rows, max_rows + 1):
+    assert linear.layout is c_layout() and vars(linear).keys() == {"weight", "bias", "layout"}
+    torch.testing.assert_close(linear.dense_weight(), weight, atol=0, rtol=0)
+    for num_rows in (1, WITH_AMX, SMALL_BATCH_ROWS + 1, 32, 64, 65, 200):
         x = torch.randn(num_rows, 576, generator=gen).bfloat16()
         up = torch.randn(num_rows, 64, generator=gen).bfloat16()
         torch.testing.assert_close(linear(x), fused_reference(x, weight, None, "none", None), atol=1e-3, rtol=2**-7)
         torch.testing.assert_close(linear.mul(x, up), fused_reference(x, weight, None, "mul", up), atol=1e-3,
                                    rtol=2**-7)
-    small = small_rows_limit(has_amx)  # 8, or 1 where AMX takes 2 rows to the library's limit
-    assert route(small, linear) is Kernel.C_SMALL
-    beyond_c = Kernel.TORCH if linear.onednn_weight is None else Kernel.ONEDNN  # oneDNN where it takes bf16
-    assert route(small + 1, linear) is (Kernel.C_AMX if has_amx else beyond_c)
-    assert c_rows_limit(has_amx) == (max_rows if has_amx else SMALL_BATCH_ROWS)
-    assert route(max_rows + 1, linear) is beyond_c
+    if linear.layout is Layout.ROW_MAJOR:  # builds without AVX512-BF16: the reference above the small kernel
+        assert [route(n, linear) for n in (SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1)] == [Kernel.C_SMALL, Kernel.TORCH]
+    elif cpu_kernels.has_amx():
+        assert [route(n, linear) for n in (WITH_AMX, WITH_AMX + 1, 4096)] == [Kernel.C_SMALL, Kernel.C_AMX,
+                                                                               Kernel.C_AMX]
+    else:
+        assert route(4096, linear) is Kernel.C_SMALL
 
 
 @pytest.mark.slow

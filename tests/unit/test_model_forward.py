@@ -112,10 +112,10 @@ def test_prefill_over_cached_prefix_matches_hf(runner, hf_model):
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 9, 40])
 def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_dir, batch, monkeypatch):
-    """A decode-only step in bf16 whose projections all route to C (``cpu_fast_path.route``: up to SMALL_BATCH_ROWS
-    sequences, or the library's row limit on a CPU with AMX) runs every layer in one C call (``DecodeStack``); the
-    same step run layer by layer (the same C kernels called from Python) gives the same logits exactly, and oneDNN's
-    matmuls (the route for bigger batches) gives them within bf16 rounding."""
+    """A decode-only step in bf16 whose projections all route to C (``cpu_fast_path.route``: up to the library's row
+    limit with packed weights, SMALL_BATCH_ROWS row-major) runs every layer in one C call (``DecodeStack``); the same
+    step run layer by layer (the same C kernels called from Python) gives the same logits exactly, and the reference
+    ``F.linear`` on the weights read back gives them within bf16 rounding."""
     from backend.engine import cpu_fast_path
     from backend.kernels import cpu_kernels
 
@@ -140,8 +140,6 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
     calls = []
 
     class Counted:  # the stack, counting its calls
-        takes_amx = stack.takes_amx
-
         def __call__(self, *args):
             calls.append(1)
             return stack(*args)
@@ -149,15 +147,38 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
     def decode(decode_stack, c_paths=True):
         monkeypatch.setattr(runner.model, "decode_stack", decode_stack)
         for limit in ("small_rows_limit", "c_rows_limit"):  # 0: route sends no row to C
-            monkeypatch.setattr(cpu_fast_path, limit, getattr(cpu_fast_path, limit) if c_paths else lambda amx: 0)
+            monkeypatch.setattr(cpu_fast_path, limit, getattr(cpu_fast_path, limit) if c_paths else lambda layout: 0)
         return runner.run(inputs).clone()  # the step writes the same K/V again: runs are independent
 
     stacked = decode(Counted())
-    if batch > cpu_fast_path.c_rows_limit(stack.takes_amx):  # oneDNN's rows: the layers run one by one
+    if batch > cpu_fast_path.c_rows_limit(cpu_fast_path.c_layout()):  # F.linear's rows: layer by layer
         assert not calls
         return
     assert calls, "the step did not take the decode stack"
     by_layer = decode(None)
     torch.testing.assert_close(stacked, by_layer, atol=0, rtol=0)
-    onednn = decode(None, c_paths=False)
-    torch.testing.assert_close(stacked.float(), onednn.float(), atol=0.05, rtol=0.05)
+    reference = decode(None, c_paths=False)
+    torch.testing.assert_close(stacked.float(), reference.float(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("rope", [
+    {}, {"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 1024},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+], ids=["default", "linear", "dynamic", "llama3", "yarn"])
+def test_rope_tables_equal_hf_rotary_class_to_the_bit(tiny_llama_dir, rope):
+    """The static rope types' tables are computed without HF's Llama module (whose import costs an engine 190 MiB):
+    they must be HF's own, bit for bit."""
+    from transformers import AutoConfig
+
+    from backend.engine import model
+
+    config = AutoConfig.from_pretrained(str(tiny_llama_dir))
+    config.max_position_embeddings = 4096
+    if rope:
+        config.rope_parameters = {"rope_theta": config.rope_parameters["rope_theta"], **rope}
+    shape = type("Shape", (), {"hf_config": config.to_dict()})
+    ours = model._rope_tables(shape, 3000, torch.device("cpu"))
+    hf = model._hf_rope_tables(AutoConfig.for_model(**config.to_dict()), 3000, torch.device("cpu"))
+    assert torch.equal(ours[0], hf[0]) and torch.equal(ours[1], hf[1])

@@ -88,6 +88,34 @@ static inline __m512 exp16(__m512 e) {
 }
 #endif
 
+#if defined(__AVX512BF16__)
+static inline __m512 widen16_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+/* The matmuls' way out: rows [t0, t0 + rows) x columns [j0, j0 + 16) of y from the float32 sums in acc (16 floats a
+ * row): the bias, the op (see linear_small) and one rounding to bf16, 16 floats at a time. */
+static inline void linear_epilogue16(const float* acc, int64_t t0, int64_t rows, int64_t j0, int64_t N,
+                                     const uint16_t* b, int op, const uint16_t* other, int64_t other_st,
+                                     uint16_t* out) {
+    const __m512 bias = b ? widen16_bf16(b + j0) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t t = t0 + r;
+        __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), bias);
+        if (op == 1) {  /* silu: v / (1 + e^-v), the exponent kept where exp16 is exact */
+            const __m512 e = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), v),
+                                                         _mm512_set1_ps(-127.f)), _mm512_set1_ps(88.f));
+            v = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(e)));
+        } else if (op == 2) {
+            v = _mm512_mul_ps(v, widen16_bf16(other + t * other_st + j0));
+        } else if (op == 3) {
+            v = _mm512_add_ps(v, widen16_bf16(other + t * other_st + j0));
+        }
+        _mm256_storeu_si256((__m256i*)(out + t * N + j0), (__m256i)_mm512_cvtneps_pbh(v));  /* nearest even */
+    }
+}
+#endif
+
 /* The exported kernels other files call. */
 void rope_paged_attention(void* qkv, int64_t qkv_st, int64_t T, const int64_t* positions, const void* cos,
                           const void* sin_signed, const int64_t* slots, void* k_cache, void* v_cache, int64_t c_sb,

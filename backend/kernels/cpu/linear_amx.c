@@ -1,14 +1,14 @@
 #include "common.h"
 
 /*
- * linear_amx: y = op(x W^T + b) for any number of rows T, on AMX tiles (Sapphire Rapids and later), for the decode
- * steps linear_small is slower at (backend/engine/cpu_fast_path.py decides which rows). The weight is packed once
- * (pack_linear_weight_amx) into the tiles' pair-interleaved layout, [N/16][K/32][16 pairs of k][16 n][2], so each
- * 16 x 32 block of W is one contiguous 1 KB tile load. A thread takes 32 outputs (two panels of W) at a time and runs
- * every 32-row group of x past them: four 16 x 16 float32 accumulator tiles, so that each x tile and each W tile is
- * loaded once per two multiplies.
- * The bias, the elementwise op and the rounding to bf16 are applied 16 floats at a time on the way out, as oneDNN's
- * fused post-ops do (float32 sum, one rounding).
+ * linear_amx: y = op(x W^T + b) for any number of rows T, on AMX tiles (Sapphire Rapids and later), for the steps
+ * linear_small is slower at (backend/engine/cpu_fast_path.py decides which rows). It reads the weight as
+ * pack_linear_weight lays it out for linear_small, the tiles' pair-interleaved layout, [N/16][K/32][16 pairs of k]
+ * [16 n][2], so each 16 x 32 block of W is one contiguous 1 KB tile load. A thread takes 32 outputs (two panels of
+ * W) at a time and runs every 32-row group of x past them: four 16 x 16 float32 accumulator tiles, so that each x
+ * tile and each W tile is loaded once per two multiplies.
+ * The bias, the elementwise op and the rounding to bf16 are applied 16 floats at a time on the way out
+ * (linear_epilogue16), as oneDNN's fused post-ops do (float32 sum, one rounding).
  * Returns -1 where this build or this kernel cannot run it (no AMX, N % 32, K % 32, K too large).
  */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -33,29 +33,6 @@ static int amx_permitted(void) {
     return state == 1;
 }
 
-static inline __m512 widen16_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-/* Rows [t0, t0 + rows) x columns [j0, j0 + 16) of the output from the float32 sums in acc (16 floats a row). */
-static inline void amx_epilogue(const float* acc, int64_t t0, int64_t rows, int64_t j0, int64_t N, const uint16_t* b,
-                                int op, const uint16_t* other, int64_t other_st, uint16_t* out) {
-    const __m512 bias = b ? widen16_bf16(b + j0) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t t = t0 + r;
-        __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + 16 * r), bias);
-        if (op == 1) {  /* silu: v / (1 + e^-v), the exponent kept where exp16 is exact */
-            const __m512 e = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), v),
-                                                         _mm512_set1_ps(-127.f)), _mm512_set1_ps(88.f));
-            v = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(e)));
-        } else if (op == 2) {
-            v = _mm512_mul_ps(v, widen16_bf16(other + t * other_st + j0));
-        } else if (op == 3) {
-            v = _mm512_add_ps(v, widen16_bf16(other + t * other_st + j0));
-        }
-        _mm256_storeu_si256((__m256i*)(out + t * N + j0), (__m256i)_mm512_cvtneps_pbh(v));  /* nearest even */
-    }
-}
 #endif
 
 int linear_amx_available(void) {
@@ -64,17 +41,6 @@ int linear_amx_available(void) {
 #else
     return 0;
 #endif
-}
-
-void pack_linear_weight_amx(const void* weight, int64_t N, int64_t K, void* packed) {
-    const uint16_t* w = (const uint16_t*)weight;
-    uint16_t* p = (uint16_t*)packed;
-    for (int64_t nb = 0; nb < N / 16; ++nb)
-        for (int64_t kb = 0; kb < K / 32; ++kb)
-            for (int64_t kp = 0; kp < 16; ++kp)
-                for (int64_t n = 0; n < 16; ++n)
-                    for (int64_t e = 0; e < 2; ++e)
-                        *p++ = w[(nb * 16 + n) * K + kb * 32 + 2 * kp + e];
 }
 
 int linear_amx(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
@@ -128,7 +94,7 @@ int linear_amx(const void* x, int64_t x_st, const void* weight, const void* bias
                 for (int q = 0; q < 4; ++q) {  /* q: rows m0 + 16 (q / 2), outputs 32 np + 16 (q % 2) */
                     const int64_t t0 = m0 + 16 * (q / 2), rows = T - t0 < 16 ? T - t0 : 16;
                     if (rows > 0)
-                        amx_epilogue(acc[q], t0, rows, 32 * np + 16 * (q % 2), N, (const uint16_t*)bias, op,
+                        linear_epilogue16(acc[q], t0, rows, 32 * np + 16 * (q % 2), N, (const uint16_t*)bias, op,
                                      (const uint16_t*)other, other_st, (uint16_t*)y);
                 }
             }

@@ -2,14 +2,17 @@
 
 /*
  * linear_small: y = epilogue(x W^T + bias) for the few rows of a decode step; W, x, y and `other` bf16. At a
- * handful of rows a projection is one pass over its weight: each weight row is read once from memory and met with
- * every x row while it is in registers, blocks of 4 rows shared out among the threads: it streams the weights faster
- * than oneDNN's matmul does at these row counts (docs/cpu-kernels.md has the figures).
- * W is [N, K] row-major, or, where vdpbf16ps exists (linear_weight_packed), packed by pack_linear_weight into blocks
- * of 4 rows interleaved by 32 columns, [N/4][K/32][4][32], so that each block is one contiguous stream.
+ * handful of rows a projection is one pass over its weight: each weight element is read once from memory and met
+ * with every x row while it is in registers, panels of outputs shared out among the threads: it streams the weights
+ * faster than oneDNN's matmul does at these row counts (docs/cpu-kernels.md has the figures).
+ * W is [N, K] row-major, or, where vdpbf16ps exists (linear_weight_packed), packed by pack_linear_weight into the
+ * layout linear_amx's tiles read, [N/16][K/32][16 pairs of k][16 n][2]: one copy of each weight serves both kernels.
+ * Read with vdpbf16ps, a 64-byte line of it is one pair of k for 16 outputs, met by each x row's pair broadcast to
+ * every lane, so the 16 sums come out one output a lane. Packed, any number of rows is taken (8 at a time over each
+ * pair of panels, from L1 after the first 8): a CPU without AMX runs every row count here.
  * op: 0 none, 1 silu, 2 times `other`, 3 plus `other` ([T, N], row stride other_st), applied to the float32 sum
- * and rounded once, as oneDNN's fused post-ops do. x: [T, K] row stride x_st; y: [T, N] contiguous; T <= 64,
- * taken 8 rows at a time over each block of W (from L1 after the first 8).
+ * and rounded once, as oneDNN's fused post-ops do. x: [T, K] row stride x_st; y: [T, N] contiguous; row-major,
+ * T <= LINEAR_MAX_T.
  */
 #define LINEAR_TILE_T 8 /* x rows met by one pass over a block of W: their sums stay in registers */
 typedef uint16_t v16u16 __attribute__((vector_size(32)));
@@ -75,28 +78,27 @@ static inline __attribute__((always_inline)) void dot_rows(const uint16_t* w, in
 }
 
 #if defined(__AVX512BF16__)
-/* The same with AVX512-BF16 over one packed block of 4 rows (see linear_small): vdpbf16ps multiplies 32 bf16 pairs
- * exactly and adds them into 16 float32 sums, so the weight is used as it lies in memory, with no widening. The
- * block 4 KB further on is prefetched into the caches (prefetcht0; prefetchnta halved the speed). */
-static inline __attribute__((always_inline)) void dot_block_bf16(const uint16_t* wp, int64_t K, const uint16_t* xb,
-                                                                  int T, float sums[4][LINEAR_TILE_T]) {
-    __m512 acc[4][LINEAR_TILE_T];
-    for (int r = 0; r < 4; ++r)
-        for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32, wp += 128) {
+/* Two panels of 16 outputs of the packed W (each [K/32][16 pairs][16 n][2], the second right after the first)
+ * against T rows of xb: acc[p][t] holds panel p's 16 float32 sums for row t. vdpbf16ps multiplies the bf16 pairs
+ * exactly, so the weight is used as it lies in memory, with no widening. Each panel's line 4 KB further on is
+ * prefetched into the caches (prefetcht0; prefetchnta halved the speed). */
+static inline __attribute__((always_inline)) void dot_panels_bf16(const uint16_t* wp, int64_t K, const uint16_t* xb,
+                                                                   int T, __m512 acc[2][LINEAR_TILE_T]) {
+    const int64_t panel = 16 * K;
+    for (int p = 0; p < 2; ++p)
+        for (int t = 0; t < T; ++t) acc[p][t] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 2, wp += 32) {
         __builtin_prefetch(wp + 2048, 0, 3);
-        __builtin_prefetch(wp + 2048 + 32, 0, 3);
-        __builtin_prefetch(wp + 2048 + 64, 0, 3);
-        __builtin_prefetch(wp + 2048 + 96, 0, 3);
-        __m512i wv[4];
-        for (int r = 0; r < 4; ++r) wv[r] = _mm512_loadu_si512(wp + 32 * r);
+        __builtin_prefetch(wp + panel + 2048, 0, 3);
+        const __m512i w0 = _mm512_loadu_si512(wp), w1 = _mm512_loadu_si512(wp + panel);
         for (int t = 0; t < T; ++t) {
-            const __m512i xv = _mm512_loadu_si512(xb + t * K + k);
-            for (int r = 0; r < 4; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)wv[r], (__m512bh)xv);
+            int32_t pair;
+            memcpy(&pair, xb + t * K + k, sizeof pair);
+            const __m512i xv = _mm512_set1_epi32(pair);
+            acc[0][t] = _mm512_dpbf16_ps(acc[0][t], (__m512bh)w0, (__m512bh)xv);
+            acc[1][t] = _mm512_dpbf16_ps(acc[1][t], (__m512bh)w1, (__m512bh)xv);
         }
     }
-    for (int r = 0; r < 4; ++r)
-        for (int t = 0; t < T; ++t) sums[r][t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 #endif
 
@@ -109,7 +111,7 @@ static inline float apply_op(float v, int op, const uint16_t* other, int64_t oth
     }
 }
 
-/* Whether this build reads W packed (pack_linear_weight, N % 4 == 0 and K % 32 == 0) or row-major. */
+/* Whether this build reads W packed (pack_linear_weight, N % 32 == 0 and K % 32 == 0) or row-major. */
 int linear_weight_packed(void) {
 #if defined(__AVX512BF16__)
     return 1;
@@ -118,57 +120,86 @@ int linear_weight_packed(void) {
 #endif
 }
 
+/* W [N, K] row-major -> [N/16][K/32][16 pairs of k][16 n][2]: each 16 x 32 block of W one contiguous 1 KB tile. */
 void pack_linear_weight(const void* weight, int64_t N, int64_t K, void* packed) {
     const uint16_t* w = (const uint16_t*)weight;
     uint16_t* p = (uint16_t*)packed;
-    for (int64_t blk = 0; blk < N / 4; ++blk)
-        for (int64_t kc = 0; kc < K / 32; ++kc)
-            for (int r = 0; r < 4; ++r)
-                memcpy(p + ((blk * (K / 32) + kc) * 4 + r) * 32, w + (blk * 4 + r) * K + kc * 32, 64);
+    for (int64_t nb = 0; nb < N / 16; ++nb)
+        for (int64_t kb = 0; kb < K / 32; ++kb)
+            for (int64_t kp = 0; kp < 16; ++kp)
+                for (int64_t n = 0; n < 16; ++n)
+                    for (int64_t e = 0; e < 2; ++e)
+                        *p++ = w[(nb * 16 + n) * K + kb * 32 + 2 * kp + e];
 }
+
+#if defined(__AVX512BF16__)
+/* The packed path: threads share out pairs of panels (32 outputs); each meets its pair with 8 rows of x at a time. */
+static void linear_small_packed(const uint16_t* xb, const uint16_t* w, const uint16_t* b, int64_t T, int64_t K,
+                                int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out,
+                                int num_threads) {
+    /* Small projections are not worth waking the other threads for. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
+    for (int64_t pair = 0; pair < N / 32; ++pair) {
+        const uint16_t* wp = w + pair * 32 * K;
+        for (int64_t t0 = 0; t0 < T; t0 += LINEAR_TILE_T) {
+            const int tn = T - t0 < LINEAR_TILE_T ? (int)(T - t0) : LINEAR_TILE_T;
+            const uint16_t* xt = xb + t0 * K;
+            __m512 acc[2][LINEAR_TILE_T];
+            /* A constant row count lets the compiler keep every accumulator in a register. */
+            switch (tn) {
+                case 1: dot_panels_bf16(wp, K, xt, 1, acc); break;
+                case 2: dot_panels_bf16(wp, K, xt, 2, acc); break;
+                case 3: dot_panels_bf16(wp, K, xt, 3, acc); break;
+                case 4: dot_panels_bf16(wp, K, xt, 4, acc); break;
+                case 5: dot_panels_bf16(wp, K, xt, 5, acc); break;
+                case 6: dot_panels_bf16(wp, K, xt, 6, acc); break;
+                case 7: dot_panels_bf16(wp, K, xt, 7, acc); break;
+                default: dot_panels_bf16(wp, K, xt, 8, acc); break;
+            }
+            for (int p = 0; p < 2; ++p) {
+                float sums[LINEAR_TILE_T * 16];
+                for (int t = 0; t < tn; ++t) _mm512_storeu_ps(sums + 16 * t, acc[p][t]);
+                linear_epilogue16(sums, t0, tn, pair * 32 + 16 * p, N, b, op, o, other_st, out);
+            }
+        }
+    }
+}
+#endif
 
 int linear_small(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
                  int op, const void* other, int64_t other_st, void* y, int num_threads) {
-    if (T < 1 || T > LINEAR_MAX_T || K > LINEAR_MAX_K) return -1;
-    if (linear_weight_packed() && (N % 4 != 0 || K % 32 != 0)) return -1;
-    float* xf = malloc(sizeof(float) * T * K + sizeof(uint16_t) * T * K);
-    if (xf == NULL) return -1;
-    uint16_t* xb = (uint16_t*)(xf + T * K);  /* the rows contiguous, as bf16 */
+    const int packed = linear_weight_packed();
+    if (T < 1 || (!packed && T > LINEAR_MAX_T) || K > LINEAR_MAX_K) return -1;
+    if (packed && (N % 32 != 0 || K % 32 != 0)) return -1;
+    /* the rows contiguous, as bf16 (the packed path's), then widened to float32 (the row-major loop's) */
+    uint16_t* xb = malloc(sizeof(uint16_t) * T * K + (packed ? 0 : sizeof(float) * (T * K + 1)));
+    if (xb == NULL) return -1;
+    float* xf = (float*)(xb + T * K + (T * K) % 2);  /* float-aligned after the bf16 rows */
     for (int64_t t = 0; t < T; ++t) {
         memcpy(xb + t * K, (const uint16_t*)x + t * x_st, sizeof(uint16_t) * K);
-        if (!linear_weight_packed()) load_row(xb + t * K, DTYPE_BF16, K, xf + t * K);  /* the row-major loop's */
+        if (!packed) load_row(xb + t * K, DTYPE_BF16, K, xf + t * K);
     }
     const uint16_t* w = (const uint16_t*)weight;
     const uint16_t* b = (const uint16_t*)bias;
     const uint16_t* o = (const uint16_t*)other;
     uint16_t* out = (uint16_t*)y;
+#if defined(__AVX512BF16__)
+    linear_small_packed(xb, w, b, T, K, N, op, o, other_st, out, num_threads);
+    (void)xf;
+#else
     const int tt = (int)T;
     const int64_t num_blocks = (N + 3) / 4;
-    /* Small projections are not worth waking the other threads for. */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
     for (int64_t blk = 0; blk < num_blocks; ++blk) {
         const int64_t j0 = blk * 4;
         const int R = (int)(N - j0 < 4 ? N - j0 : 4);
-        const uint16_t* wr = w + j0 * K;  /* packed or not, block blk starts here */
+        const uint16_t* wr = w + j0 * K;
         for (int t0 = 0; t0 < tt; t0 += LINEAR_TILE_T) {
             const int tn = tt - t0 < LINEAR_TILE_T ? tt - t0 : LINEAR_TILE_T;
             float sums[4][LINEAR_TILE_T];
-            /* A constant row count lets the compiler keep every accumulator in a register. */
-#if defined(__AVX512BF16__)
-            const uint16_t* xt = xb + t0 * K;
-            switch (tn) {
-                case 1: dot_block_bf16(wr, K, xt, 1, sums); break;
-                case 2: dot_block_bf16(wr, K, xt, 2, sums); break;
-                case 3: dot_block_bf16(wr, K, xt, 3, sums); break;
-                case 4: dot_block_bf16(wr, K, xt, 4, sums); break;
-                case 5: dot_block_bf16(wr, K, xt, 5, sums); break;
-                case 6: dot_block_bf16(wr, K, xt, 6, sums); break;
-                case 7: dot_block_bf16(wr, K, xt, 7, sums); break;
-                default: dot_block_bf16(wr, K, xt, 8, sums); break;
-            }
-#else
             const float* xt = xf + t0 * K;
             const int64_t ahead = 8 * K;  /* two blocks on */
+            /* A constant row count lets the compiler keep every accumulator in a register. */
             if (R < 4) dot_rows(wr, K, xt, tn, R, ahead, sums);
             else switch (tn) {
                 case 1: dot_rows(wr, K, xt, 1, 4, ahead, sums); break;
@@ -177,7 +208,6 @@ int linear_small(const void* x, int64_t x_st, const void* weight, const void* bi
                 case 4: dot_rows(wr, K, xt, 4, 4, ahead, sums); break;
                 default: dot_rows(wr, K, xt, tn, 4, ahead, sums); break;
             }
-#endif
             for (int r = 0; r < R; ++r) {
                 const int64_t j = j0 + r;
                 const float bj = b ? bf16_value(b[j]) : 0.f;
@@ -186,7 +216,8 @@ int linear_small(const void* x, int64_t x_st, const void* weight, const void* bi
             }
         }
     }
-    free(xf);
+#endif
+    free(xb);
     return 0;
 }
 
