@@ -2,8 +2,10 @@
 (SmolLM2's tokenizer and chat template) behind llm_dynamic and llm_continuous:
 
 - NVIDIA's benchmark clients in their OpenAI modes: aiperf in its default mode (chat) and genai-perf
-  ``--endpoint-type chat``, each asked for fixed output lengths, which the server's own count must show exactly (the
-  tools re-tokenize the text they get, and may count a token more or less). aiperf comes from ``make aiperf-venv``
+  ``--endpoint-type chat``, each asked for fixed output lengths, which the server's own count must show exactly. aiperf
+  is told to count with the server's ``usage`` (``--use-server-token-count``), so its count is exact too; genai-perf
+  re-tokenizes the text it gets, and the tiny random model's text re-tokenizes to a CPU-dependent count (13.1 tokens
+  per 12 once), so only a sanity bound is asserted on its count. aiperf comes from ``make aiperf-venv``
   (.venv-aiperf), genai-perf from ``make genai-perf-venv`` (.venv-genai-perf; ``make test`` builds both); where
   genai-perf could not be built, its test skips with the reason the build gave.
 - genai-perf in its kserve mode against llm_iterative: perf_analyzer's own sequences of several requests get a clear
@@ -86,11 +88,12 @@ def test_aiperf_in_its_default_chat_mode_gets_exact_output_lengths(frontend, ser
                "--isl", str(INPUT_TOKENS), "--isl-stddev", "0", "--osl", str(OUTPUT_TOKENS), "--osl-stddev", "0",
                "--concurrency", str(CONCURRENCY), "--request-count", str(REQUESTS),
                "--num-dataset-entries", str(REQUESTS), "--random-seed", "0", *extra,
-               "--no-server-metrics", "--no-gpu-telemetry", "--ui", "simple", "--artifact-dir", str(tmp_path)]
+               "--use-server-token-count", "--no-server-metrics", "--no-gpu-telemetry", "--ui", "simple",
+               "--artifact-dir", str(tmp_path)]
     assert run_tool(command, server, model) == REQUESTS * OUTPUT_TOKENS  # exactly --osl tokens each
     summary = json.loads((tmp_path / "profile_export_aiperf.json").read_text())
     assert summary["request_count"]["avg"] == REQUESTS and summary.get("error_request_count", {}).get("avg", 0) == 0
-    assert abs(summary["output_sequence_length"]["avg"] - OUTPUT_TOKENS) <= 1  # re-tokenized by aiperf
+    assert summary["output_sequence_length"]["avg"] == OUTPUT_TOKENS  # the server's usage, read by aiperf
     assert summary["time_to_first_token"]["avg"] > 0
 
 
@@ -123,7 +126,8 @@ def test_genai_perf_chat_gets_exact_output_lengths(frontend, server, model, smol
     assert exports, f"no genai-perf export in {tmp_path}"
     summary = json.loads(exports[0].read_text())
     assert summary["request_count"]["avg"] == REQUESTS
-    assert abs(summary["output_sequence_length"]["avg"] - OUTPUT_TOKENS) <= 1  # re-tokenized by genai-perf
+    # Re-tokenized by genai-perf: decoded text does not always split back into the tokens it came from.
+    assert OUTPUT_TOKENS / 2 <= summary["output_sequence_length"]["avg"] <= OUTPUT_TOKENS * 2
 
 
 @pytest.mark.slow
