@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal
 
 from openai.types import Completion, CompletionChoice, CompletionUsage
@@ -48,6 +48,7 @@ class Answer:
     first: Piece
     id: str
     created: int
+    _content_parts: tuple[str, str] | None = field(default=None, init=False, repr=False)
 
     @classmethod
     async def start(cls, bridge: TritonBridge, kind, model: str, request: SamplingRequest, prompt: str) -> "Answer":
@@ -88,16 +89,18 @@ class Answer:
     async def events(self) -> AsyncIterator[str]:
         """The SSE lines of the stream; the Triton request is cancelled if the client goes away."""
         try:
-            if self.kind == "chat":
-                yield self._event(delta=ChoiceDelta(role="assistant", content=""))
+            # NOTE: the role chunk goes out in one write with the first token's: one send, one wake-up of the
+            # client, before its first token.
+            role = self._event(delta=ChoiceDelta(role="assistant", content="")) if self.kind == "chat" else ""
             piece = self.first
             while True:
                 if piece.num_tokens or piece.text:
-                    yield self._event(text=piece.text)
+                    yield role + self._content(piece.text)
+                    role = ""
                 if piece.finish_reason:
                     break
                 piece = await self.generation.__anext__()
-            yield self._event(finish_reason=piece.finish_reason)
+            yield role + self._event(finish_reason=piece.finish_reason)
             if self.request.include_usage:
                 yield self._event(usage=usage_of(piece))
         except APIError as exc:
@@ -105,6 +108,20 @@ class Answer:
         finally:
             await self.generation.aclose()
         yield DONE
+
+    def _content(self, text: str) -> str:
+        """The SSE line of a content chunk: the line :meth:`_event` renders for ``text``, byte for byte, from the
+        empty content chunk rendered once per answer (a pydantic model and its dump per token were a tenth of the
+        frontend's time per token). JSON escapes a string alike whoever writes it, pydantic or ``json``."""
+        if self._content_parts is None:
+            line = self._event(text="")
+            slot = '"content":""' if self.kind == "chat" else '"text":""'
+            before, found, after = line.partition(slot)
+            if not found:
+                raise RuntimeError(f"no {slot} in {line!r}")
+            self._content_parts = (before + slot[:-2], after)
+        before, after = self._content_parts
+        return before + json.dumps(text, ensure_ascii=False) + after
 
     def _event(self, text: str = "", delta: ChoiceDelta | None = None, finish_reason: str | None = None,
                usage: CompletionUsage | None = None) -> str:

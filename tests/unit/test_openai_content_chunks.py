@@ -1,0 +1,72 @@
+"""The frontend's streamed content chunks: rendered from a template once per answer, they must be the very lines
+pydantic's chunk models render (what the OpenAI SDK and the benchmark tools parse), for any text a token can carry;
+and a chat stream's role chunk travels with its first token."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
+from frontend.openai.serving import Answer
+from frontend.openai.triton_bridge import Piece
+
+TEXTS = ["", "Hello", " world", 'a "quoted" word', "back\\slash", "line\nbreak\ttab\r", "\x00\x01\x1f\x7f",
+         "caf\u00e9 \u4e16\u754c \U0001f600", "\u2028\u2029", "</script>", "{\"content\":\"\"}"]
+
+
+def answer(kind: str, include_usage: bool, pieces=()) -> Answer:
+    options = {"stream": True, "stream_options": {"include_usage": include_usage}}
+    if kind == "chat":
+        request = ChatCompletionRequest(model="llm_continuous", messages=[{"role": "user", "content": "Hi"}],
+                                        **options)
+    else:
+        request = CompletionRequest(model="llm_continuous", prompt="Hi", **options)
+    pieces = list(pieces) or [Piece("", 0, "stop", 1, 0)]
+    return Answer(kind, "llm_continuous", request, FakeGeneration(pieces[1:]), pieces[0], "id-1", 1_700_000_000)
+
+
+class FakeGeneration:
+    def __init__(self, pieces) -> None:
+        self.pieces = list(pieces)
+
+    async def __anext__(self) -> Piece:
+        return self.pieces.pop(0)
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_content_chunk_is_the_line_pydantic_renders(kind, include_usage):
+    a = answer(kind, include_usage)
+    for text in TEXTS:
+        assert a._content(text) == a._event(text=text), text
+        event = json.loads(a._content(text).removeprefix("data: "))
+        got = event["choices"][0]["delta"]["content"] if kind == "chat" else event["choices"][0]["text"]
+        assert got == text
+
+
+def stream(kind: str, pieces) -> list[str]:
+    async def collect():
+        return [line async for line in answer(kind, False, pieces).events()]
+    return asyncio.run(collect())
+
+
+def test_the_role_chunk_goes_out_with_the_first_token():
+    lines = stream("chat", [Piece("Hel", 1, None, 3, 1), Piece("lo", 1, "length", 3, 2)])
+    events = [e for line in lines for e in line.split("\n\n") if e]
+    deltas = [json.loads(e.removeprefix("data: "))["choices"][0]["delta"] for e in events if e != "data: [DONE]"]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"}, {}]
+    assert len(lines) == 4  # role + first token in one write, the second token, the finish, [DONE]
+
+
+def test_a_stream_without_tokens_still_has_its_role_chunk():
+    lines = stream("chat", [Piece("", 0, "stop", 3, 0)])
+    events = [e for line in lines for e in line.split("\n\n") if e]
+    assert json.loads(events[0].removeprefix("data: "))["choices"][0]["delta"]["role"] == "assistant"
+    assert json.loads(events[1].removeprefix("data: "))["choices"][0]["finish_reason"] == "stop"
+    assert events[-1] == "data: [DONE]"
