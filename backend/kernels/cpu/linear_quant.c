@@ -1,0 +1,230 @@
+#include "common.h"
+#if defined(__F16C__) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/*
+ * Weight-only quantized matmuls: y = epilogue(x W^T + bias) with W held quantized (x, y, bias and `other` bf16), for
+ * a decode step's rows (linear_q4_1, linear_int8), and W widened back to bf16 for a prefill's many rows, which then
+ * run the bf16 matmuls (dequantize_weight). A weight is one uint8 tensor [N, row_bytes], each row self-contained:
+ *  - Q4_1, GGUF's blocks as llama.cpp reads them: per 32 weights 20 bytes, fp16 d, fp16 m, 16 bytes of nibbles;
+ *    weight j < 16 of a block is d * (qs[j] & 15) + m, weight 16 + j is d * (qs[j] >> 4) + m. row_bytes = K / 32 * 20.
+ *  - INT8 per output channel: K int8 q, then the row's float32 scale s; weight k is s * q[k]. row_bytes = K + 4.
+ *  - Q8_0, GGUF's (its token embedding, so the Q4_1 file's tied LM head): per 32 weights 34 bytes, fp16 d and 32
+ *    int8 q; weight j is d * q[j]. row_bytes = K / 32 * 34.
+ * Each weight is widened in registers to float32 (d * q is exact in float32, so d * q + m is one rounding whether
+ * fused or not: the torch twin's dequantized weight to the bit) and met with x widened to float32, so the kernel and
+ * its twin differ only in the order of the float32 sum. At a decode step's rows the step is bound by reading the
+ * weights: 0.625 bytes a weight (Q4_1) or 1 (INT8) against bf16's 2. (llama.cpp instead quantizes x to int8 for
+ * integer dot products, a second rounding this path does not add.)
+ * Work: threads share out panels of QUANT_PANEL output rows; each panel meets QUANT_TILE_T rows of x at a time, the
+ * panel's few KB of weights re-read from L1/L2 for the next tile. Sums, op and rounding as in linear_small.
+ */
+enum { WEIGHT_Q4_1 = 1, WEIGHT_INT8 = 2, WEIGHT_Q8_0 = 3 };
+
+#if defined(__AVX512F__)
+#define QUANT_TILE_T 8 /* x rows whose sums stay in registers: 8 zmm accumulators */
+#else
+#define QUANT_TILE_T 4 /* 16 float sums a row take two ymm registers (four xmm) without AVX-512 */
+#endif
+#define QUANT_PANEL 16
+
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+
+static inline float half_value(uint16_t h) {  /* IEEE fp16 -> float32, exact */
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    if (exp == 0) {  /* zero or subnormal: mant * 2^-24 */
+        const float f = (float)mant * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    union { uint32_t u; float f; } v = {.u = sign | (exp == 31 ? 0x7F800000u : (exp + 112) << 23) | (mant << 13)};
+    return v.f;
+#endif
+}
+
+static inline int64_t quant_row_bytes(int format, int64_t K) {
+    return format == WEIGHT_Q4_1 ? K / 32 * 20 : format == WEIGHT_Q8_0 ? K / 32 * 34 : K + 4;
+}
+
+static inline int64_t quant_block(int format) { return format == WEIGHT_INT8 ? 16 : 32; }  /* K is a multiple */
+
+/* One Q4_1 row against T rows of xf ([T, K] float32): sums[t] = the row's dot product with x row t. */
+static inline __attribute__((always_inline)) void q4_1_row(const uint8_t* row, int64_t K, const float* xf, int T,
+                                                            float* sums) {
+    v16f acc[QUANT_TILE_T];
+    for (int t = 0; t < T; ++t) acc[t] = (v16f){0};
+    for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = row + 20 * b;
+        uint16_t dh, mh;
+        memcpy(&dh, blk, 2);
+        memcpy(&mh, blk + 2, 2);
+        const float d = half_value(dh), m = half_value(mh);
+        v16u8 qs;
+        memcpy(&qs, blk + 4, sizeof qs);
+        const v16f lo = __builtin_convertvector(qs & 15, v16f) * d + m;  /* weights 32b .. 32b + 15 */
+        const v16f hi = __builtin_convertvector(qs >> 4, v16f) * d + m;  /* weights 32b + 16 .. 32b + 31 */
+        for (int t = 0; t < T; ++t)
+            acc[t] += lo * load16(xf + t * K + 32 * b) + hi * load16(xf + t * K + 32 * b + 16);
+    }
+    for (int t = 0; t < T; ++t) sums[t] = hsum16(acc[t]);
+}
+
+/* One Q8_0 row against T rows of xf. */
+static inline __attribute__((always_inline)) void q8_0_row(const uint8_t* row, int64_t K, const float* xf, int T,
+                                                            float* sums) {
+    v16f acc[QUANT_TILE_T];
+    for (int t = 0; t < T; ++t) acc[t] = (v16f){0};
+    for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* blk = row + 34 * b;
+        uint16_t dh;
+        memcpy(&dh, blk, 2);
+        const float d = half_value(dh);
+        v16i8 q0, q1;
+        memcpy(&q0, blk + 2, sizeof q0);
+        memcpy(&q1, blk + 18, sizeof q1);
+        const v16f w0 = __builtin_convertvector(q0, v16f) * d, w1 = __builtin_convertvector(q1, v16f) * d;
+        for (int t = 0; t < T; ++t)
+            acc[t] += w0 * load16(xf + t * K + 32 * b) + w1 * load16(xf + t * K + 32 * b + 16);
+    }
+    for (int t = 0; t < T; ++t) sums[t] = hsum16(acc[t]);
+}
+
+/* One INT8 row against T rows of xf: the integer weights' dot products, times the row's scale. */
+static inline __attribute__((always_inline)) void int8_row(const uint8_t* row, int64_t K, const float* xf, int T,
+                                                            float* sums) {
+    v16f acc[QUANT_TILE_T];
+    for (int t = 0; t < T; ++t) acc[t] = (v16f){0};
+    for (int64_t k = 0; k < K; k += 16) {
+        v16i8 q;
+        memcpy(&q, row + k, sizeof q);
+        const v16f w = __builtin_convertvector(q, v16f);
+        for (int t = 0; t < T; ++t) acc[t] += w * load16(xf + t * K + k);
+    }
+    float scale;
+    memcpy(&scale, row + K, sizeof scale);
+    for (int t = 0; t < T; ++t) sums[t] = hsum16(acc[t]) * scale;
+}
+
+/* A constant row count lets the compiler keep every accumulator in a register. */
+#define DISPATCH_TILE(fn, row, K, xt, tn, sums)                \
+    switch (tn) {                                              \
+        case 1: fn(row, K, xt, 1, sums); break;                \
+        case 2: fn(row, K, xt, 2, sums); break;                \
+        case 3: fn(row, K, xt, 3, sums); break;                \
+        case QUANT_TILE_T: fn(row, K, xt, QUANT_TILE_T, sums); break; \
+        default: fn(row, K, xt, tn, sums); break;              \
+    }
+
+static int linear_quant(int format, const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T,
+                        int64_t K, int64_t N, int op, const void* other, int64_t other_st, void* y,
+                        int num_threads) {
+    if (T < 1 || K < 1 || K > LINEAR_MAX_K || K % quant_block(format) != 0) return -1;
+    float* xf = malloc(sizeof(float) * T * K);
+    if (xf == NULL) return -1;
+    for (int64_t t = 0; t < T; ++t) load_row((const uint16_t*)x + t * x_st, DTYPE_BF16, K, xf + t * K);
+    const uint8_t* w = (const uint8_t*)weight;
+    const uint16_t* b = (const uint16_t*)bias;
+    const uint16_t* o = (const uint16_t*)other;
+    uint16_t* out = (uint16_t*)y;
+    const int64_t row_bytes = quant_row_bytes(format, K);
+    const int64_t num_panels = (N + QUANT_PANEL - 1) / QUANT_PANEL;
+    /* Small projections are not worth waking the other threads for. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
+    for (int64_t panel = 0; panel < num_panels; ++panel) {
+        const int64_t n0 = panel * QUANT_PANEL, n1 = n0 + QUANT_PANEL < N ? n0 + QUANT_PANEL : N;
+        for (int64_t t0 = 0; t0 < T; t0 += QUANT_TILE_T) {
+            const int tn = T - t0 < QUANT_TILE_T ? (int)(T - t0) : QUANT_TILE_T;
+            const float* xt = xf + t0 * K;
+            for (int64_t n = n0; n < n1; ++n) {
+                const uint8_t* row = w + n * row_bytes;
+                float sums[QUANT_TILE_T];
+                if (format == WEIGHT_Q4_1) {
+                    DISPATCH_TILE(q4_1_row, row, K, xt, tn, sums)
+                } else if (format == WEIGHT_Q8_0) {
+                    DISPATCH_TILE(q8_0_row, row, K, xt, tn, sums)
+                } else {
+                    DISPATCH_TILE(int8_row, row, K, xt, tn, sums)
+                }
+                const float bn = b ? bf16_value(b[n]) : 0.f;
+                for (int t = 0; t < tn; ++t)
+                    out[(t0 + t) * N + n] = to_bf16(apply_op(sums[t] + bn, op, o, other_st, (int)(t0 + t), n));
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+/* linear_small's arguments, W one Q4_1 weight ([N, K / 32 * 20] bytes). Returns 0, or -1 if it cannot take them. */
+int linear_q4_1(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
+                int op, const void* other, int64_t other_st, void* y, int num_threads) {
+    return linear_quant(WEIGHT_Q4_1, x, x_st, weight, bias, T, K, N, op, other, other_st, y, num_threads);
+}
+
+/* linear_small's arguments, W one Q8_0 weight ([N, K / 32 * 34] bytes). */
+int linear_q8_0(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
+                int op, const void* other, int64_t other_st, void* y, int num_threads) {
+    return linear_quant(WEIGHT_Q8_0, x, x_st, weight, bias, T, K, N, op, other, other_st, y, num_threads);
+}
+
+/* linear_small's arguments, W one INT8 weight ([N, K + 4] bytes). */
+int linear_int8(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
+                int op, const void* other, int64_t other_st, void* y, int num_threads) {
+    return linear_quant(WEIGHT_INT8, x, x_st, weight, bias, T, K, N, op, other, other_st, y, num_threads);
+}
+
+static inline void store16_bf16(uint16_t* p, v16f f) {  /* round to nearest even, as torch */
+    v16u u;
+    memcpy(&u, &f, sizeof u);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const v16u16 h = __builtin_convertvector(u, v16u16);
+    memcpy(p, &h, sizeof h);
+}
+
+/* W [N, row_bytes] (format 1 Q4_1, 2 INT8, 3 Q8_0) -> out [N, K] bf16 row-major, each weight rounded once from its float32
+ * value. Returns 0, or -1 for a K the format does not take. */
+int dequantize_weight(int format, const void* weight, int64_t N, int64_t K, void* out, int num_threads) {
+    if (K < 1 || format < WEIGHT_Q4_1 || format > WEIGHT_Q8_0 || K % quant_block(format) != 0) return -1;
+    const int64_t row_bytes = quant_row_bytes(format, K);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
+    for (int64_t n = 0; n < N; ++n) {
+        const uint8_t* row = (const uint8_t*)weight + n * row_bytes;
+        uint16_t* dst = (uint16_t*)out + n * K;
+        if (format == WEIGHT_Q4_1) {
+            for (int64_t b = 0; b < K / 32; ++b) {
+                uint16_t dh, mh;
+                memcpy(&dh, row + 20 * b, 2);
+                memcpy(&mh, row + 20 * b + 2, 2);
+                const float d = half_value(dh), m = half_value(mh);
+                v16u8 qs;
+                memcpy(&qs, row + 20 * b + 4, sizeof qs);
+                store16_bf16(dst + 32 * b, __builtin_convertvector(qs & 15, v16f) * d + m);
+                store16_bf16(dst + 32 * b + 16, __builtin_convertvector(qs >> 4, v16f) * d + m);
+            }
+        } else if (format == WEIGHT_Q8_0) {
+            for (int64_t b = 0; b < K / 32; ++b) {
+                uint16_t dh;
+                memcpy(&dh, row + 34 * b, 2);
+                const float d = half_value(dh);
+                v16i8 q0, q1;
+                memcpy(&q0, row + 34 * b + 2, sizeof q0);
+                memcpy(&q1, row + 34 * b + 18, sizeof q1);
+                store16_bf16(dst + 32 * b, __builtin_convertvector(q0, v16f) * d);
+                store16_bf16(dst + 32 * b + 16, __builtin_convertvector(q1, v16f) * d);
+            }
+        } else {
+            float scale;
+            memcpy(&scale, row + K, sizeof scale);
+            for (int64_t k = 0; k < K; k += 16) {
+                v16i8 q;
+                memcpy(&q, row + k, sizeof q);
+                store16_bf16(dst + k, __builtin_convertvector(q, v16f) * scale);
+            }
+        }
+    }
+    return 0;
+}
