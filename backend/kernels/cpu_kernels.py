@@ -489,8 +489,9 @@ class DecodeStack:
         status = _lib.decode_stack(
             h.data_ptr(), num_tokens, self.hidden_size, self.num_layers, self.norm1, self.qkv, self.qkv_bias, self.o,
             self.norm2, self.gate, self.up, self.down, self.WEIGHT_FORMATS[self.weight_format],
-            min(small_rows, _lib.limits.linear_max_rows), self.intermediate_size, self.eps, positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
-            slots.data_ptr(), self._pools[2], self._pools[3], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            min(small_rows, _lib.limits.linear_max_rows), self.intermediate_size, self.eps, positions.data_ptr(),
+            cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), self._pools[2], self._pools[3], k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2),
             tables.data_ptr(), tables.stride(0), lens.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim,
             block_size, scale, tables.shape[1] * block_size, x.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
             gate.data_ptr(), up.data_ptr(), torch.get_num_threads(),
