@@ -97,7 +97,7 @@ def route(num_rows: int, linear: Linear) -> Kernel:
     if layout.quantized:
         if cpu_kernels.load() is None:
             return Kernel.TORCH
-        return Kernel.C_QUANTIZED if num_rows <= QUANTIZED_ROWS else Kernel.DEQUANTIZED
+        return Kernel.C_QUANTIZED if num_rows <= small_rows_limit(layout) else Kernel.DEQUANTIZED
     if layout is Layout.PACKED or layout is Layout.ROW_MAJOR:
         if num_rows <= small_rows_limit(layout):
             return Kernel.C_SMALL
