@@ -1,5 +1,5 @@
 #include "common.h"
-#if defined(__F16C__) && !defined(__AVX512F__)
+#if (defined(__F16C__) || defined(__SSE4_1__)) && !defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -22,15 +22,64 @@
  */
 enum { WEIGHT_Q4_1 = 1, WEIGHT_INT8 = 2, WEIGHT_Q8_0 = 3 };
 
+/* QUANT_R rows of W meet QUANT_TILE_T rows of x at a time: their R x T sums stay in registers (with the R rows'
+ * widened weights: 32 zmm registers with AVX-512, 16 ymm (two a sum) with AVX2). */
 #if defined(__AVX512F__)
-#define QUANT_TILE_T 8 /* x rows whose sums stay in registers: 8 zmm accumulators */
+#define QUANT_R 4
+#define QUANT_TILE_T 4
 #else
-#define QUANT_TILE_T 4 /* 16 float sums a row take two ymm registers (four xmm) without AVX-512 */
+#define QUANT_R 2
+#define QUANT_TILE_T 2
 #endif
 #define QUANT_PANEL 16
 
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 typedef int8_t v16i8 __attribute__((vector_size(16)));
+
+/* 16 bytes -> 16 floats, with the widest extension this build has: GCC 12 turns __builtin_convertvector of bytes
+ * into one insert per lane. */
+#if defined(__AVX512F__)
+#define WIDEN_BYTES(q, ext) _mm512_cvtepi32_ps(_mm512_##ext##_epi32(q))
+static inline v16f bytes_to_f32(__m128i q, int is_signed) {
+    const __m512 f = is_signed ? WIDEN_BYTES(q, cvtepi8) : WIDEN_BYTES(q, cvtepu8);
+    v16f r;
+    memcpy(&r, &f, sizeof r);
+    return r;
+}
+#elif defined(__SSE4_1__)
+static inline v16f bytes_to_f32(__m128i q, int is_signed) {
+    v16f r;
+    for (int i = 0; i < 4; ++i, q = _mm_srli_si128(q, 4)) {
+        const __m128 f = _mm_cvtepi32_ps(is_signed ? _mm_cvtepi8_epi32(q) : _mm_cvtepu8_epi32(q));
+        memcpy((float*)&r + 4 * i, &f, sizeof f);
+    }
+    return r;
+}
+#endif
+
+static inline v16f u8_to_f32(v16u8 q) {
+#if defined(__AVX512F__) || defined(__SSE4_1__)
+    __m128i v;
+    memcpy(&v, &q, sizeof v);
+    return bytes_to_f32(v, 0);
+#else
+    v16f r;
+    for (int i = 0; i < 16; ++i) r[i] = (float)q[i];
+    return r;
+#endif
+}
+
+static inline v16f i8_to_f32(v16i8 q) {
+#if defined(__AVX512F__) || defined(__SSE4_1__)
+    __m128i v;
+    memcpy(&v, &q, sizeof v);
+    return bytes_to_f32(v, 1);
+#else
+    v16f r;
+    for (int i = 0; i < 16; ++i) r[i] = (float)q[i];
+    return r;
+#endif
+}
 
 static inline float half_value(uint16_t h) {  /* IEEE fp16 -> float32, exact */
 #if defined(__F16C__)
@@ -52,71 +101,103 @@ static inline int64_t quant_row_bytes(int format, int64_t K) {
 
 static inline int64_t quant_block(int format) { return format == WEIGHT_INT8 ? 16 : 32; }  /* K is a multiple */
 
-/* One Q4_1 row against T rows of xf ([T, K] float32): sums[t] = the row's dot product with x row t. */
-static inline __attribute__((always_inline)) void q4_1_row(const uint8_t* row, int64_t K, const float* xf, int T,
-                                                            float* sums) {
-    v16f acc[QUANT_TILE_T];
-    for (int t = 0; t < T; ++t) acc[t] = (v16f){0};
+/* R rows of W (row_bytes apart) against T rows of xf ([T, K] float32): sums[r][t] = row r's dot product with x row
+ * t. Several weight rows at once give the FMAs independent chains (one row's sum alone waits on each FMA's latency)
+ * and share each load of x. */
+static inline __attribute__((always_inline)) void q4_1_rows(const uint8_t* w, int64_t row_bytes, int R, int64_t K,
+                                                             const float* xf, int T,
+                                                             float sums[QUANT_R][QUANT_TILE_T]) {
+    v16f acc[QUANT_R][QUANT_TILE_T];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
     for (int64_t b = 0; b < K / 32; ++b) {
-        const uint8_t* blk = row + 20 * b;
-        uint16_t dh, mh;
-        memcpy(&dh, blk, 2);
-        memcpy(&mh, blk + 2, 2);
-        const float d = half_value(dh), m = half_value(mh);
-        v16u8 qs;
-        memcpy(&qs, blk + 4, sizeof qs);
-        const v16f lo = __builtin_convertvector(qs & 15, v16f) * d + m;  /* weights 32b .. 32b + 15 */
-        const v16f hi = __builtin_convertvector(qs >> 4, v16f) * d + m;  /* weights 32b + 16 .. 32b + 31 */
-        for (int t = 0; t < T; ++t)
-            acc[t] += lo * load16(xf + t * K + 32 * b) + hi * load16(xf + t * K + 32 * b + 16);
+        v16f lo[QUANT_R], hi[QUANT_R];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * row_bytes + 20 * b;
+            uint16_t dh, mh;
+            memcpy(&dh, blk, 2);
+            memcpy(&mh, blk + 2, 2);
+            const float d = half_value(dh), m = half_value(mh);
+            v16u8 qs;
+            memcpy(&qs, blk + 4, sizeof qs);
+            lo[r] = u8_to_f32(qs & 15) * d + m;  /* weights 32b .. 32b + 15 */
+            hi[r] = u8_to_f32(qs >> 4) * d + m;  /* weights 32b + 16 .. 32b + 31 */
+        }
+        for (int t = 0; t < T; ++t) {
+            const v16f x0 = load16(xf + t * K + 32 * b), x1 = load16(xf + t * K + 32 * b + 16);
+            for (int r = 0; r < R; ++r) acc[r][t] += lo[r] * x0 + hi[r] * x1;
+        }
     }
-    for (int t = 0; t < T; ++t) sums[t] = hsum16(acc[t]);
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) sums[r][t] = hsum16(acc[r][t]);
 }
 
-/* One Q8_0 row against T rows of xf. */
-static inline __attribute__((always_inline)) void q8_0_row(const uint8_t* row, int64_t K, const float* xf, int T,
-                                                            float* sums) {
-    v16f acc[QUANT_TILE_T];
-    for (int t = 0; t < T; ++t) acc[t] = (v16f){0};
+static inline __attribute__((always_inline)) void q8_0_rows(const uint8_t* w, int64_t row_bytes, int R, int64_t K,
+                                                             const float* xf, int T,
+                                                             float sums[QUANT_R][QUANT_TILE_T]) {
+    v16f acc[QUANT_R][QUANT_TILE_T];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
     for (int64_t b = 0; b < K / 32; ++b) {
-        const uint8_t* blk = row + 34 * b;
-        uint16_t dh;
-        memcpy(&dh, blk, 2);
-        const float d = half_value(dh);
-        v16i8 q0, q1;
-        memcpy(&q0, blk + 2, sizeof q0);
-        memcpy(&q1, blk + 18, sizeof q1);
-        const v16f w0 = __builtin_convertvector(q0, v16f) * d, w1 = __builtin_convertvector(q1, v16f) * d;
-        for (int t = 0; t < T; ++t)
-            acc[t] += w0 * load16(xf + t * K + 32 * b) + w1 * load16(xf + t * K + 32 * b + 16);
+        v16f w0[QUANT_R], w1[QUANT_R];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * row_bytes + 34 * b;
+            uint16_t dh;
+            memcpy(&dh, blk, 2);
+            const float d = half_value(dh);
+            v16i8 q0, q1;
+            memcpy(&q0, blk + 2, sizeof q0);
+            memcpy(&q1, blk + 18, sizeof q1);
+            w0[r] = i8_to_f32(q0) * d;
+            w1[r] = i8_to_f32(q1) * d;
+        }
+        for (int t = 0; t < T; ++t) {
+            const v16f x0 = load16(xf + t * K + 32 * b), x1 = load16(xf + t * K + 32 * b + 16);
+            for (int r = 0; r < R; ++r) acc[r][t] += w0[r] * x0 + w1[r] * x1;
+        }
     }
-    for (int t = 0; t < T; ++t) sums[t] = hsum16(acc[t]);
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) sums[r][t] = hsum16(acc[r][t]);
 }
 
-/* One INT8 row against T rows of xf: the integer weights' dot products, times the row's scale. */
-static inline __attribute__((always_inline)) void int8_row(const uint8_t* row, int64_t K, const float* xf, int T,
-                                                            float* sums) {
-    v16f acc[QUANT_TILE_T];
-    for (int t = 0; t < T; ++t) acc[t] = (v16f){0};
+/* INT8: the integer weights' dot products, times each row's scale. */
+static inline __attribute__((always_inline)) void int8_rows(const uint8_t* w, int64_t row_bytes, int R, int64_t K,
+                                                             const float* xf, int T,
+                                                             float sums[QUANT_R][QUANT_TILE_T]) {
+    v16f acc[QUANT_R][QUANT_TILE_T];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
     for (int64_t k = 0; k < K; k += 16) {
-        v16i8 q;
-        memcpy(&q, row + k, sizeof q);
-        const v16f w = __builtin_convertvector(q, v16f);
-        for (int t = 0; t < T; ++t) acc[t] += w * load16(xf + t * K + k);
+        v16f wv[QUANT_R];
+        for (int r = 0; r < R; ++r) {
+            v16i8 q;
+            memcpy(&q, w + r * row_bytes + k, sizeof q);
+            wv[r] = i8_to_f32(q);
+        }
+        for (int t = 0; t < T; ++t) {
+            const v16f xv = load16(xf + t * K + k);
+            for (int r = 0; r < R; ++r) acc[r][t] += wv[r] * xv;
+        }
     }
-    float scale;
-    memcpy(&scale, row + K, sizeof scale);
-    for (int t = 0; t < T; ++t) sums[t] = hsum16(acc[t]) * scale;
+    for (int r = 0; r < R; ++r) {
+        float scale;
+        memcpy(&scale, w + r * row_bytes + K, sizeof scale);
+        for (int t = 0; t < T; ++t) sums[r][t] = hsum16(acc[r][t]) * scale;
+    }
 }
 
-/* A constant row count lets the compiler keep every accumulator in a register. */
-#define DISPATCH_TILE(fn, row, K, xt, tn, sums)                \
-    switch (tn) {                                              \
-        case 1: fn(row, K, xt, 1, sums); break;                \
-        case 2: fn(row, K, xt, 2, sums); break;                \
-        case 3: fn(row, K, xt, 3, sums); break;                \
-        case QUANT_TILE_T: fn(row, K, xt, QUANT_TILE_T, sums); break; \
-        default: fn(row, K, xt, tn, sums); break;              \
+/* Constant row counts let the compiler keep every accumulator in a register. */
+#define DISPATCH_T(fn, w, rb, R, K, xt, tn, sums)                        \
+    switch (tn) {                                                        \
+        case 1: fn(w, rb, R, K, xt, 1, sums); break;                     \
+        case QUANT_TILE_T: fn(w, rb, R, K, xt, QUANT_TILE_T, sums); break; \
+        default: fn(w, rb, R, K, xt, tn, sums); break;                   \
+    }
+#define DISPATCH(fn, w, rb, rn, K, xt, tn, sums)                         \
+    if (rn == QUANT_R) {                                                 \
+        DISPATCH_T(fn, w, rb, QUANT_R, K, xt, tn, sums)                  \
+    } else {                                                             \
+        DISPATCH_T(fn, w, rb, rn, K, xt, tn, sums)                       \
     }
 
 static int linear_quant(int format, const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T,
@@ -139,19 +220,23 @@ static int linear_quant(int format, const void* x, int64_t x_st, const void* wei
         for (int64_t t0 = 0; t0 < T; t0 += QUANT_TILE_T) {
             const int tn = T - t0 < QUANT_TILE_T ? (int)(T - t0) : QUANT_TILE_T;
             const float* xt = xf + t0 * K;
-            for (int64_t n = n0; n < n1; ++n) {
-                const uint8_t* row = w + n * row_bytes;
-                float sums[QUANT_TILE_T];
+            for (int64_t n = n0; n < n1; n += QUANT_R) {
+                const int rn = n1 - n < QUANT_R ? (int)(n1 - n) : QUANT_R;
+                const uint8_t* rows = w + n * row_bytes;
+                float sums[QUANT_R][QUANT_TILE_T];
                 if (format == WEIGHT_Q4_1) {
-                    DISPATCH_TILE(q4_1_row, row, K, xt, tn, sums)
+                    DISPATCH(q4_1_rows, rows, row_bytes, rn, K, xt, tn, sums)
                 } else if (format == WEIGHT_Q8_0) {
-                    DISPATCH_TILE(q8_0_row, row, K, xt, tn, sums)
+                    DISPATCH(q8_0_rows, rows, row_bytes, rn, K, xt, tn, sums)
                 } else {
-                    DISPATCH_TILE(int8_row, row, K, xt, tn, sums)
+                    DISPATCH(int8_rows, rows, row_bytes, rn, K, xt, tn, sums)
                 }
-                const float bn = b ? bf16_value(b[n]) : 0.f;
-                for (int t = 0; t < tn; ++t)
-                    out[(t0 + t) * N + n] = to_bf16(apply_op(sums[t] + bn, op, o, other_st, (int)(t0 + t), n));
+                for (int r = 0; r < rn; ++r) {
+                    const float bn = b ? bf16_value(b[n + r]) : 0.f;
+                    for (int t = 0; t < tn; ++t)
+                        out[(t0 + t) * N + n + r] = to_bf16(apply_op(sums[r][t] + bn, op, o, other_st,
+                                                                     (int)(t0 + t), n + r));
+                }
             }
         }
     }
@@ -202,8 +287,8 @@ int dequantize_weight(int format, const void* weight, int64_t N, int64_t K, void
                 const float d = half_value(dh), m = half_value(mh);
                 v16u8 qs;
                 memcpy(&qs, row + 20 * b + 4, sizeof qs);
-                store16_bf16(dst + 32 * b, __builtin_convertvector(qs & 15, v16f) * d + m);
-                store16_bf16(dst + 32 * b + 16, __builtin_convertvector(qs >> 4, v16f) * d + m);
+                store16_bf16(dst + 32 * b, u8_to_f32(qs & 15) * d + m);
+                store16_bf16(dst + 32 * b + 16, u8_to_f32(qs >> 4) * d + m);
             }
         } else if (format == WEIGHT_Q8_0) {
             for (int64_t b = 0; b < K / 32; ++b) {
@@ -213,8 +298,8 @@ int dequantize_weight(int format, const void* weight, int64_t N, int64_t K, void
                 v16i8 q0, q1;
                 memcpy(&q0, row + 34 * b + 2, sizeof q0);
                 memcpy(&q1, row + 34 * b + 18, sizeof q1);
-                store16_bf16(dst + 32 * b, __builtin_convertvector(q0, v16f) * d);
-                store16_bf16(dst + 32 * b + 16, __builtin_convertvector(q1, v16f) * d);
+                store16_bf16(dst + 32 * b, i8_to_f32(q0) * d);
+                store16_bf16(dst + 32 * b + 16, i8_to_f32(q1) * d);
             }
         } else {
             float scale;
@@ -222,7 +307,7 @@ int dequantize_weight(int format, const void* weight, int64_t N, int64_t K, void
             for (int64_t k = 0; k < K; k += 16) {
                 v16i8 q;
                 memcpy(&q, row + k, sizeof q);
-                store16_bf16(dst + k, __builtin_convertvector(q, v16f) * scale);
+                store16_bf16(dst + k, i8_to_f32(q) * scale);
             }
         }
     }
