@@ -10,7 +10,9 @@ A quantized weight is one uint8 tensor ``[N, row_bytes]`` whose rows are self-co
 
 :func:`cpu_quantized_linear` (the decode step's few rows) and :func:`quantized_linear_reference` take the same
 arguments and give the same result within the order of a float32 sum: both widen each weight to float32 exactly and
-meet it with x widened to float32, then apply the op and round once. :func:`cpu_dequantize` (the prefill's many
+meet it with x widened to float32, then apply the op and round once. The exception, where the build has AVX512-VNNI
+(:func:`quantizes_x`): q4_1 meets x quantized to int8 per block of 32, as llama.cpp's Q4_1 x Q8_1 does, and sums
+the nibbles' products with x's in integers; the twin then quantizes x the same way (:func:`quantize_x_q8`). :func:`cpu_dequantize` (the prefill's many
 rows, which then run the bf16 matmuls) equals ``dequantize(...).to(torch.bfloat16)`` to the bit.
 """
 
@@ -85,6 +87,34 @@ def dequantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, K] float3
     return (d * q).reshape(n, -1)
 
 
+def quantizes_x(fmt: str, k: int) -> bool:
+    """Whether this build's kernel for ``fmt`` quantizes x to int8 for rows of ``k`` (see the module's docstring)."""
+    lib = cpu_kernels.load()
+    return fmt == "q4_1" and lib is not None and bool(lib.q4_1_quantizes_x(k))
+
+
+def quantize_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, K] per block of 32 as the VNNI kernel quantizes it: q [T, K/32, 32] (integers, as float32),
+    dx [T, K/32, 1] (amax / 127) and sx [T, K/32, 1] (dx * sum(q), llama.cpp's Q8_1 sum)."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    dx = blocks.abs().amax(dim=2, keepdim=True) * torch.tensor(1 / 127, dtype=torch.float32)
+    q = torch.round(blocks * torch.where(dx > 0, 1 / dx, 0))  # nearest even, as the kernel's lrintf
+    return q, dx, dx * q.sum(dim=2, keepdim=True)
+
+
+def q4_1_terms(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-block terms of the VNNI kernel's sums, each [T, N, K/32] float32: (d dx) * sum(q_w q_x), and m sx."""
+    q, dx, sx = quantize_x_q8(x)  # (T, nb, 32), (T, nb, 1) x2
+    n = weight.shape[0]
+    blocks = weight.reshape(n, -1, 20)
+    d = blocks[:, :, 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, nb)
+    m = blocks[:, :, 2:4].contiguous().view(torch.float16).float()[..., 0]
+    qs = blocks[:, :, 4:]
+    qw = torch.cat([qs & 15, qs >> 4], dim=2).double()  # (N, nb, 32)
+    dots = torch.einsum("tbk,nbk->tnb", q.double(), qw).float()  # exact integers
+    return (d[None] * dx[:, None, :, 0]) * dots, m[None] * sx[:, None, :, 0]
+
+
 def quantized_linear_reference(
     fmt: str,
     x: torch.Tensor,  # [T, K] bf16
@@ -94,7 +124,11 @@ def quantized_linear_reference(
     other: torch.Tensor | None = None,  # [T, N] bf16
 ) -> torch.Tensor:  # [T, N] bf16
     """The torch twin of :func:`cpu_quantized_linear`: float32 sums, the op on them, one rounding to bf16."""
-    y = x.float() @ dequantize(fmt, weight).T  # (T, N)
+    if quantizes_x(fmt, x.shape[1]):
+        scaled, mins = q4_1_terms(x, weight)
+        y = (scaled.double().sum(dim=2) + mins.double().sum(dim=2)).float()  # (T, N)
+    else:
+        y = x.float() @ dequantize(fmt, weight).T  # (T, N)
     if bias is not None:
         y = y + bias.float()
     if op == "silu":

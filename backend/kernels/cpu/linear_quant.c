@@ -200,10 +200,145 @@ static inline __attribute__((always_inline)) void int8_rows(const uint8_t* w, in
         DISPATCH_T(fn, w, rb, rn, K, xt, tn, sums)                       \
     }
 
+/* Whether linear_q4_1 takes rows of K with x quantized to int8 (the VNNI path below) or widens the weights to float32.
+ * The torch twin asks, so that it computes what this build computes. */
+int q4_1_quantizes_x(int64_t K) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return K % 64 == 0;
+#else
+    (void)K;
+    return 0;
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/*
+ * Q4_1 with integer dot products, as llama.cpp's Q4_1 x Q8_1: each block of 32 x is quantized to int8 (dx = amax / 127,
+ * q = round-to-nearest-even(x / dx)) and its sum kept (sx = dx * sum(q)); a block's dot product is then
+ * d dx sum(q_w q_x) + m sx, the integer sum from vpdpbusd (the nibbles unsigned, x signed). Two blocks at a time: the
+ * 32 nibble bytes of a pair, low nibbles then high, are one zmm against x's 64 bytes laid out to match ([first half
+ * of block 0, of block 1, second half of block 0, of block 1]), so lanes 0-3 and 8-11 sum block 0, 4-7 and 12-15
+ * block 1. The integers are exact; what differs from the twin is the float order of the per-block terms.
+ */
+static inline __attribute__((always_inline)) void q4_1_rows_vnni(const uint8_t* w, int64_t row_bytes, int R,
+                                                                  int64_t K, const int8_t* xq, const float* xdv,
+                                                                  const float* xs, int T,
+                                                                  float sums[QUANT_R][QUANT_TILE_T]) {
+    __m512 acc[QUANT_R][QUANT_TILE_T];
+    float msum[QUANT_R][QUANT_TILE_T];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps(), msum[r][t] = 0.f;
+    const __m256i low4 = _mm256_set1_epi8(15);
+    const int64_t nb = K / 32;
+    for (int64_t b = 0; b < nb; b += 2) {
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* p = w + r * row_bytes + 20 * b;
+            const __m256i qs = _mm256_loadu2_m128i((const __m128i*)(p + 24), (const __m128i*)(p + 4));
+            const __m256i lo = _mm256_and_si256(qs, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4);
+            const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            uint16_t h[4];
+            memcpy(&h[0], p, 4);
+            memcpy(&h[2], p + 20, 4);
+            const float d0 = _cvtsh_ss(h[0]), m0 = _cvtsh_ss(h[1]), d1 = _cvtsh_ss(h[2]), m1 = _cvtsh_ss(h[3]);
+            const __m512 dw = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+            for (int t = 0; t < T; ++t) {
+                const __m512i xv = _mm512_loadu_si512(xq + t * K + 32 * b);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv);
+                const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(xdv + (t * nb + b) * 8));
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][t]);
+                msum[r][t] += m0 * xs[t * nb + b] + m1 * xs[t * nb + b + 1];
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) sums[r][t] = _mm512_reduce_add_ps(acc[r][t]) + msum[r][t];
+}
+
+/* x [T, K] bf16 -> xq (int8, each pair of blocks in the nibbles' order), xdv (per pair of blocks 16 lanes of dx, as
+ * the dot product's lanes fall) and xs (per block dx * sum(q)). NOTE: without -ffast-math, so that dx, 1 / dx and
+ * each q are the float operations the torch twin does (fast-math folds 1 / (amax / 127) into 127 / amax). */
+__attribute__((optimize("no-fast-math"))) static void quantize_x_q8(const void* x, int64_t x_st, int64_t T, int64_t K, int8_t* xq, float* xdv, float* xs) {
+    const int64_t nb = K / 32;
+    float xf[32];
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t b = 0; b < nb; ++b) {
+            load_row((const uint16_t*)x + t * x_st + 32 * b, DTYPE_BF16, 32, xf);
+            float amax = 0.f;
+            for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xf[i]));
+            const float d = amax * (1.f / 127.f);
+            const float id = d > 0.f ? 1.f / d : 0.f;
+            int sum = 0;
+            const int64_t pair = b & ~(int64_t)1, second = b & 1;
+            int8_t* dst = xq + t * K + 32 * pair;
+            for (int i = 0; i < 32; ++i) {
+                const int q = (int)lrintf(xf[i] * id);  /* nearest even, as torch.round */
+                sum += q;
+                dst[(i < 16 ? 0 : 32) + 16 * second + (i & 15)] = (int8_t)q;
+            }
+            for (int i = 0; i < 4; ++i) xdv[(t * nb + pair) * 8 + 4 * second + i] = d;
+            for (int i = 0; i < 4; ++i) xdv[(t * nb + pair) * 8 + 8 + 4 * second + i] = d;
+            xs[t * nb + b] = d * (float)sum;
+        }
+    }
+}
+
+static int linear_q4_1_vnni(const void* x, int64_t x_st, const uint8_t* w, const uint16_t* b, int64_t T, int64_t K,
+                            int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out, int num_threads) {
+    const int64_t nb = K / 32;
+    int8_t* xq = malloc(T * K + sizeof(float) * (T * nb * 8 + T * nb) + 64);
+    if (xq == NULL) return -1;
+    float* xdv = (float*)(xq + ((T * K + 63) & ~(int64_t)63));
+    float* xs = xdv + T * nb * 8;
+    quantize_x_q8(x, x_st, T, K, xq, xdv, xs);
+    const int64_t row_bytes = quant_row_bytes(WEIGHT_Q4_1, K);
+    const int64_t num_panels = (N + QUANT_PANEL - 1) / QUANT_PANEL;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
+    for (int64_t panel = 0; panel < num_panels; ++panel) {
+        const int64_t n0 = panel * QUANT_PANEL, n1 = n0 + QUANT_PANEL < N ? n0 + QUANT_PANEL : N;
+        for (int64_t t0 = 0; t0 < T; t0 += QUANT_TILE_T) {
+            const int tn = T - t0 < QUANT_TILE_T ? (int)(T - t0) : QUANT_TILE_T;
+            const int8_t* xt = xq + t0 * K;
+            const float* dt = xdv + t0 * nb * 8;
+            const float* st = xs + t0 * nb;
+            for (int64_t n = n0; n < n1; n += QUANT_R) {
+                const int rn = n1 - n < QUANT_R ? (int)(n1 - n) : QUANT_R;
+                float sums[QUANT_R][QUANT_TILE_T];
+                const uint8_t* rows = w + n * row_bytes;
+#define VNNI_T(R_)                                                                                     \
+    switch (tn) {                                                                                      \
+        case 1: q4_1_rows_vnni(rows, row_bytes, R_, K, xt, dt, st, 1, sums); break;                    \
+        case QUANT_TILE_T: q4_1_rows_vnni(rows, row_bytes, R_, K, xt, dt, st, QUANT_TILE_T, sums); break; \
+        default: q4_1_rows_vnni(rows, row_bytes, R_, K, xt, dt, st, tn, sums); break;                   \
+    }
+                if (rn == QUANT_R) {
+                    VNNI_T(QUANT_R)
+                } else {
+                    VNNI_T(rn)
+                }
+#undef VNNI_T
+                for (int r = 0; r < rn; ++r) {
+                    const float bn = b ? bf16_value(b[n + r]) : 0.f;
+                    for (int t = 0; t < tn; ++t)
+                        out[(t0 + t) * N + n + r] = to_bf16(apply_op(sums[r][t] + bn, op, o, other_st,
+                                                                     (int)(t0 + t), n + r));
+                }
+            }
+        }
+    }
+    free(xq);
+    return 0;
+}
+#endif
+
 static int linear_quant(int format, const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T,
                         int64_t K, int64_t N, int op, const void* other, int64_t other_st, void* y,
                         int num_threads) {
     if (T < 1 || K < 1 || K > LINEAR_MAX_K || K % quant_block(format) != 0) return -1;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (format == WEIGHT_Q4_1 && q4_1_quantizes_x(K))
+        return linear_q4_1_vnni(x, x_st, (const uint8_t*)weight, (const uint16_t*)bias, T, K, N, op,
+                                (const uint16_t*)other, other_st, (uint16_t*)y, num_threads);
+#endif
     float* xf = malloc(sizeof(float) * T * K);
     if (xf == NULL) return -1;
     for (int64_t t = 0; t < T; ++t) load_row((const uint16_t*)x + t * x_st, DTYPE_BF16, K, xf + t * K);
