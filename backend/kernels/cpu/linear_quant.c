@@ -222,13 +222,15 @@ int q4_1_quantizes_x(int64_t K) {
  */
 static inline __attribute__((always_inline)) void q4_1_rows_vnni(const uint8_t* w, int64_t row_bytes, int R,
                                                                   int64_t K, const int8_t* xq, const float* xdv,
-                                                                  const float* xs, int T,
+                                                                  const float* xsv, int T,
                                                                   float sums[QUANT_R][QUANT_TILE_T]) {
     __m512 acc[QUANT_R][QUANT_TILE_T];
-    float msum[QUANT_R][QUANT_TILE_T];
     for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps(), msum[r][t] = 0.f;
+        for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(15);
+    /* [d0, m0, d1, m1] -> d0 in block 0's lanes and d1 in block 1's; m0 in lane 0 and m1 in lane 4, zeros elsewhere */
+    const __m512i d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2);
+    const __m512i m_lanes = _mm512_setr_epi32(1, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
     const int64_t nb = K / 32;
     for (int64_t b = 0; b < nb; b += 2) {
         for (int r = 0; r < R; ++r) {
@@ -236,28 +238,29 @@ static inline __attribute__((always_inline)) void q4_1_rows_vnni(const uint8_t* 
             const __m256i qs = _mm256_loadu2_m128i((const __m128i*)(p + 24), (const __m128i*)(p + 4));
             const __m256i lo = _mm256_and_si256(qs, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4);
             const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            uint16_t h[4];
-            memcpy(&h[0], p, 4);
-            memcpy(&h[2], p + 20, 4);
-            const float d0 = _cvtsh_ss(h[0]), m0 = _cvtsh_ss(h[1]), d1 = _cvtsh_ss(h[2]), m1 = _cvtsh_ss(h[3]);
-            const __m512 dw = _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(d0), _mm512_set1_ps(d1));
+            int32_t dm0, dm1;
+            memcpy(&dm0, p, 4);
+            memcpy(&dm1, p + 20, 4);
+            const __m512 dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi32(dm0, dm1, 0, 0)));
+            const __m512 dw = _mm512_permutexvar_ps(d_lanes, dm), mw = _mm512_maskz_permutexvar_ps(0x11, m_lanes, dm);
             for (int t = 0; t < T; ++t) {
                 const __m512i xv = _mm512_loadu_si512(xq + t * K + 32 * b);
                 const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv);
                 const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(xdv + (t * nb + b) * 8));
                 acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][t]);
-                msum[r][t] += m0 * xs[t * nb + b] + m1 * xs[t * nb + b + 1];
+                acc[r][t] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xsv + (t * nb + b) * 8), acc[r][t]);
             }
         }
     }
     for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) sums[r][t] = _mm512_reduce_add_ps(acc[r][t]) + msum[r][t];
+        for (int t = 0; t < T; ++t) sums[r][t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
 /* x [T, K] bf16 -> xq (int8, each pair of blocks in the nibbles' order), xdv (per pair of blocks 16 lanes of dx, as
- * the dot product's lanes fall) and xs (per block dx * sum(q)). NOTE: without -ffast-math, so that dx, 1 / dx and
+ * the dot product's lanes fall) and xsv (per pair of blocks 16 lanes: dx * sum(q) of block 0 in lane 0, of block 1
+ * in lane 4, zeros elsewhere, as the mins' lanes fall). NOTE: without -ffast-math, so that dx, 1 / dx and
  * each q are the float operations the torch twin does (fast-math folds 1 / (amax / 127) into 127 / amax). */
-__attribute__((optimize("no-fast-math"))) static void quantize_x_q8(const void* x, int64_t x_st, int64_t T, int64_t K, int8_t* xq, float* xdv, float* xs) {
+__attribute__((optimize("no-fast-math"))) static void quantize_x_q8(const void* x, int64_t x_st, int64_t T, int64_t K, int8_t* xq, float* xdv, float* xsv) {
     const int64_t nb = K / 32;
     float xf[32];
     for (int64_t t = 0; t < T; ++t) {
@@ -271,13 +274,15 @@ __attribute__((optimize("no-fast-math"))) static void quantize_x_q8(const void* 
             const int64_t pair = b & ~(int64_t)1, second = b & 1;
             int8_t* dst = xq + t * K + 32 * pair;
             for (int i = 0; i < 32; ++i) {
-                const int q = (int)lrintf(xf[i] * id);  /* nearest even, as torch.round */
+                const int q = _mm_cvtss_si32(_mm_set_ss(xf[i] * id));  /* nearest even, as torch.round */
                 sum += q;
                 dst[(i < 16 ? 0 : 32) + 16 * second + (i & 15)] = (int8_t)q;
             }
             for (int i = 0; i < 4; ++i) xdv[(t * nb + pair) * 8 + 4 * second + i] = d;
             for (int i = 0; i < 4; ++i) xdv[(t * nb + pair) * 8 + 8 + 4 * second + i] = d;
-            xs[t * nb + b] = d * (float)sum;
+            float* sv = xsv + (t * nb + pair) * 8;
+            if (!second) memset(sv, 0, 16 * sizeof(float));
+            sv[4 * second] = d * (float)sum;
         }
     }
 }
@@ -285,11 +290,11 @@ __attribute__((optimize("no-fast-math"))) static void quantize_x_q8(const void* 
 static int linear_q4_1_vnni(const void* x, int64_t x_st, const uint8_t* w, const uint16_t* b, int64_t T, int64_t K,
                             int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out, int num_threads) {
     const int64_t nb = K / 32;
-    int8_t* xq = malloc(T * K + sizeof(float) * (T * nb * 8 + T * nb) + 64);
+    int8_t* xq = malloc(T * K + sizeof(float) * T * nb * 16 + 64);
     if (xq == NULL) return -1;
     float* xdv = (float*)(xq + ((T * K + 63) & ~(int64_t)63));
-    float* xs = xdv + T * nb * 8;
-    quantize_x_q8(x, x_st, T, K, xq, xdv, xs);
+    float* xsv = xdv + T * nb * 8;
+    quantize_x_q8(x, x_st, T, K, xq, xdv, xsv);
     const int64_t row_bytes = quant_row_bytes(WEIGHT_Q4_1, K);
     const int64_t num_panels = (N + QUANT_PANEL - 1) / QUANT_PANEL;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
@@ -299,7 +304,7 @@ static int linear_q4_1_vnni(const void* x, int64_t x_st, const uint8_t* w, const
             const int tn = T - t0 < QUANT_TILE_T ? (int)(T - t0) : QUANT_TILE_T;
             const int8_t* xt = xq + t0 * K;
             const float* dt = xdv + t0 * nb * 8;
-            const float* st = xs + t0 * nb;
+            const float* st = xsv + t0 * nb * 8;
             for (int64_t n = n0; n < n1; n += QUANT_R) {
                 const int rn = n1 - n < QUANT_R ? (int)(n1 - n) : QUANT_R;
                 float sums[QUANT_R][QUANT_TILE_T];
