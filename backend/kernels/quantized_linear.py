@@ -12,8 +12,9 @@ A quantized weight is one uint8 tensor ``[N, row_bytes]`` whose rows are self-co
 arguments and give the same result within the order of a float32 sum: both widen each weight to float32 exactly and
 meet it with x widened to float32, then apply the op and round once. The exception, where the build has AVX512-VNNI
 (:func:`quantizes_x`): q4_1 meets x quantized to int8 per block of 32, as llama.cpp's Q4_1 x Q8_1 does, and sums
-the nibbles' products with x's in integers; the twin then quantizes x the same way (:func:`quantize_x_q8`). :func:`cpu_dequantize` (the prefill's many
-rows, which then run the bf16 matmuls) equals ``dequantize(...).to(torch.bfloat16)`` to the bit.
+the nibbles' products with x's in integers; the twin then quantizes x the same way (:func:`quantize_x_q8`).
+:func:`cpu_dequantize` (the prefill's many rows, which then run the bf16 matmuls) equals
+``dequantize(...).to(torch.bfloat16)`` to the bit.
 """
 
 from __future__ import annotations
