@@ -24,6 +24,11 @@ BATCHING = ("continuous", "run_to_completion", "iterative")
 _DTYPES = ("bfloat16", "float16", "float32")
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Weight-only formats (vLLM's ``quantization``): the GGUF's own 4-bit Q4_1 blocks, or int8 per output channel.
+QUANTIZATIONS = ("q4_1", "int8")
+# The GGUF's quantized tensors beside a converted checkpoint (backend/tools/prepare_model.py writes them, q4_1 serves
+# them): uint8 [N, row bytes] under the checkpoint's names, each one's format (quantized_linear's) in the metadata.
+GGUF_BLOCKS = Path("quantized") / "gguf_blocks.safetensors"
 
 # Default KV pool on a CPU when neither a block count nor a byte budget is given (vLLM's CPU backend uses 4 GiB).
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -108,6 +113,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
+    # None (or "none"): the weights in ``dtype`` as today; "q4_1" or "int8": weight-only quantized projections
+    # (backend/kernels/quantized_linear.py), bf16 activations, on the CPU.
+    quantization: str | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     # Who may join the running batch: anyone, every step (continuous), nobody until the batch in flight has
@@ -146,6 +154,7 @@ class EngineConfig:
             )
         if self.max_model_len is not None:
             self._check_max_model_len()
+        self._check_quantization()
         if self.batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {self.batching!r}")
         if self.num_threads is not None:
@@ -153,6 +162,27 @@ class EngineConfig:
         if self.core_sharing not in CORE_SHARING:
             raise ValueError(f"core_sharing must be one of {', '.join(CORE_SHARING)}; got {self.core_sharing!r}")
         _positive("max_queue_size", self.max_queue_size)
+
+    def _check_quantization(self) -> None:
+        quantization = None if self.quantization is None else str(self.quantization).strip().lower()
+        quantization = None if quantization in ("", "none") else quantization
+        object.__setattr__(self, "quantization", quantization)
+        if quantization is None:
+            return
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)} or none; got {self.quantization!r}"
+            )
+        if self.dtype != "bfloat16":
+            raise ValueError(
+                f"quantization={quantization} computes in bfloat16 (its kernels take bf16 activations); "
+                f"set dtype=bfloat16 (got {self.dtype})"
+            )
+        if self.device != "cpu":
+            raise ValueError(
+                f"quantization={quantization} has CPU kernels only; set device=cpu (got {self.device!r}) "
+                "or quantization=none"
+            )
 
     def _check_max_model_len(self) -> None:
         """The limits that depend on max_model_len: the one place each is checked."""

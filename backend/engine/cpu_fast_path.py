@@ -6,6 +6,10 @@ copy; one routing function, :func:`route`, sends each projection to a kernel by 
 a step exactly where that sends every projection to C. On CUDA, in float32, or without the C kernels, every
 projection is the plain ``F.linear`` and its elementwise op (the reference path) or oneDNN. The figures behind the row
 limits are in ``docs/cpu-kernels.md``.
+
+With ``quantization`` (q4_1, int8) each projection is held quantized instead (``backend/kernels/quantized_linear.py``):
+a decode step's rows run the quantized C kernel, a prefill's many rows widen the weight to bf16 and run the bf16
+route above, and without the C kernels the torch twin (the dequantized weight into ``F.linear``) runs.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch.nn.functional as F
 
 from backend.engine.attention import AttentionBackend, AttentionMetadata, CpuAttention
 from backend.engine.config import ModelShape
-from backend.kernels import cpu_kernels
+from backend.kernels import cpu_kernels, quantized_linear
 
 # Up to this many rows a bf16 projection streams its row-major weight through linear_small once, faster than
 # oneDNN's matmul (builds without AVX512-BF16; above it the reference F.linear runs).
@@ -29,6 +33,10 @@ SMALL_BATCH_ROWS = 8
 # linear_amx above, at every row count (as fast as oneDNN's AMX matmuls at 128 and 512 rows). Without AMX,
 # linear_small takes every row count: faster than oneDNN's AVX512-BF16 matmuls to 64 rows, within 10 % at 512.
 SMALL_BATCH_ROWS_WITH_AMX = 6
+# Up to this many rows a quantized projection runs its C kernel (one pass over the quantized weight, widened in
+# registers); above it the weight is widened to bf16 once per call and the bf16 matmuls run. 64 is the decode
+# stack's row limit (cpu_kernels.Limits.linear_max_rows).
+QUANTIZED_ROWS = 64
 
 
 class Layout(enum.Enum):
@@ -38,6 +46,14 @@ class Layout(enum.Enum):
     ROW_MAJOR = "row_major"  # bf16, builds without AVX512-BF16: linear_small for few rows, F.linear for more
     ONEDNN = "onednn"  # oneDNN's blocked layout (float32, or a shape the packed layout does not fit)
     PLAIN = "plain"  # as loaded: F.linear (CUDA, or no oneDNN)
+    # quantized (uint8 [N, row bytes], quantized_linear's formats): the quantized C kernels, or widened to bf16
+    Q4_1 = "q4_1"  # GGUF's 4-bit blocks
+    Q8_0 = "q8_0"  # GGUF's 8-bit blocks (the Q4_1 file's token embedding, so its tied LM head)
+    INT8 = "int8"  # int8 per output channel
+
+    @property
+    def quantized(self) -> bool:
+        return self in (Layout.Q4_1, Layout.Q8_0, Layout.INT8)
 
 
 class Kernel(enum.Enum):
@@ -45,10 +61,14 @@ class Kernel(enum.Enum):
     C_AMX = "cpu_linear_amx"
     ONEDNN = "onednn"  # torch's mkldnn linear with the weight in oneDNN's blocked layout
     TORCH = "torch"  # F.linear, then the elementwise op: the reference
+    C_QUANTIZED = "cpu_quantized_linear"  # the quantized weight as it is held
+    DEQUANTIZED = "dequantized"  # the quantized weight widened to bf16 for this call, then the bf16 route
 
 
 def small_rows_limit(layout: Layout) -> int:
-    """The most rows ``cpu_linear_small`` runs from a weight of ``layout`` (packed or row-major)."""
+    """The most rows ``cpu_linear_small`` (or a quantized layout's kernel) runs from a weight of ``layout``."""
+    if layout.quantized:
+        return QUANTIZED_ROWS
     if layout is Layout.PACKED:
         return SMALL_BATCH_ROWS_WITH_AMX if _has_amx() else sys.maxsize
     return SMALL_BATCH_ROWS
@@ -74,6 +94,10 @@ def c_layout() -> Layout:
 def route(num_rows: int, linear: Linear) -> Kernel:
     """The kernel that runs ``linear`` over ``num_rows`` rows: the one place this is decided."""
     layout = linear.layout
+    if layout.quantized:
+        if cpu_kernels.load() is None:
+            return Kernel.TORCH
+        return Kernel.C_QUANTIZED if num_rows <= small_rows_limit(layout) else Kernel.DEQUANTIZED
     if layout is Layout.PACKED or layout is Layout.ROW_MAJOR:
         if num_rows <= small_rows_limit(layout):
             return Kernel.C_SMALL
@@ -89,6 +113,15 @@ def lay_out(weight: torch.Tensor) -> tuple[torch.Tensor, Layout]:
         return prepared, c_layout()
     packed = _onednn_pack(weight)  # a plain F.linear on CPU re-lays the weight out on every call
     return (weight, Layout.PLAIN) if packed is None else (packed, Layout.ONEDNN)
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str | None = None) -> Linear:
+    """A :class:`Linear` of ``weight`` (out, in): as :func:`lay_out` lays it out, or quantized to ``quantization``
+    (a quantized layout's value) where that format holds its rows; else in ``weight``'s dtype."""
+    if quantization is None or weight.device.type != "cpu" or not quantized_linear.fits(quantization,
+                                                                                         weight.shape[1]):
+        return Linear(weight, bias)
+    return Linear(quantized_linear.quantize(quantization, weight), bias, Layout(quantization))
 
 
 class Linear:
@@ -109,6 +142,10 @@ class Linear:
             return cpu_kernels.cpu_linear_small(x, self.weight, self.bias, op, other)
         if kernel is Kernel.C_AMX:
             return cpu_kernels.cpu_linear_amx(x, self.weight, self.bias, op, other)
+        if kernel is Kernel.C_QUANTIZED:
+            return quantized_linear.cpu_quantized_linear(self.layout.value, x, self.weight, self.bias, op, other)
+        if kernel is Kernel.DEQUANTIZED:  # a prefill's rows: the bf16 matmuls' cost dwarfs widening the weight
+            return Linear(quantized_linear.cpu_dequantize(self.layout.value, self.weight), self.bias)(x, op, other)
         if kernel is Kernel.ONEDNN:
             if op in ("mul", "add"):
                 return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, op)
@@ -131,7 +168,10 @@ class Linear:
         return self(x, "add", other)
 
     def dense_weight(self) -> torch.Tensor:
-        """The weight row-major (out, in): a copy where it is packed (the reference path's, never the engine's)."""
+        """The weight row-major (out, in): a copy where it is packed (the reference path's, never the engine's), in
+        bf16 where it is quantized."""
+        if self.layout.quantized:
+            return quantized_linear.dequantize(self.layout.value, self.weight).to(torch.bfloat16)
         if self.layout is Layout.PACKED:
             return cpu_kernels.linear_weight_dense(self.weight)
         if self.layout is Layout.ONEDNN:
@@ -144,6 +184,8 @@ class Linear:
             return None
         if self.layout is Layout.PLAIN:
             return self.weight.index_select(0, rows)
+        if self.layout.quantized:
+            return quantized_linear.dequantize(self.layout.value, self.weight.index_select(0, rows)).to(torch.bfloat16)
         return cpu_kernels.linear_weight_rows(self.weight, rows)
 
 
@@ -176,14 +218,15 @@ def rms_norm_for(shape: ModelShape, dtype: torch.dtype, device: torch.device) ->
 def build_decode_stack(layers: list, shape: ModelShape, dtype: torch.dtype,
                        attention: AttentionBackend) -> cpu_kernels.DecodeStack | None:
     """The C stack of ``layers`` (``model.Layer``), or None where a step cannot run every layer in C: not bf16, not
-    the C attention (the stack runs its kernel), a shape the kernels do not take, or a projection not in the C
-    kernels' layout."""
+    the C attention (the stack runs its kernel), a shape the kernels do not take, or projections not all in the
+    C kernels' bf16 layout or all in one quantized layout the stack reads (Q4_1, INT8)."""
     if (dtype != torch.bfloat16 or not isinstance(attention, CpuAttention) or not layers
             or not cpu_kernels.DecodeStack.supports(shape.hidden_size, shape.num_heads, shape.num_kv_heads,
                                                     shape.head_dim)):
         return None
-    projections = [[layer.qkv, layer.o, layer.gate, layer.up, layer.down] for layer in layers]
-    if any(p.layout is not c_layout() for ps in projections for p in ps):
+    layouts = {p.layout for layer in layers for p in (layer.qkv, layer.o, layer.gate, layer.up, layer.down)}
+    weight_format = {c_layout(): "bf16", Layout.Q4_1: "q4_1", Layout.INT8: "int8"}.get(layouts.pop())
+    if layouts or weight_format is None:
         return None
     stack_layers = [
         cpu_kernels.StackLayer(layer.input_norm, layer.qkv.weight, layer.qkv.bias, layer.o.weight, layer.post_norm,
@@ -191,7 +234,7 @@ def build_decode_stack(layers: list, shape: ModelShape, dtype: torch.dtype,
         for layer in layers
     ]
     return cpu_kernels.DecodeStack(stack_layers, shape.hidden_size, shape.intermediate_size, shape.num_heads,
-                                   shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps)
+                                   shape.num_kv_heads, shape.head_dim, shape.rms_norm_eps, weight_format)
 
 
 def run_decode_stack(
@@ -205,7 +248,8 @@ def run_decode_stack(
 ) -> bool:
     """Every layer over ``h`` in one C call where the step is decodes only and :func:`route` sends every projection
     of it to C (up to the stack's own row limit); False (nothing done) elsewhere."""
-    num_rows, layout = h.shape[0], c_layout()
+    num_rows = h.shape[0]
+    layout = c_layout() if stack.weight_format == "bf16" else Layout(stack.weight_format)
     return (meta.is_decode_only and meta.num_decode_tokens == num_rows and num_rows <= c_rows_limit(layout)
             and stack(h, positions, cos, sin_signed, kv_caches, meta.slot_mapping, meta.block_tables,
                       meta.context_lens, meta.scale, small_rows_limit(layout)))

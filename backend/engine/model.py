@@ -29,12 +29,22 @@ Prepared = weight_file.Prepared  # what the forward reads, by the engine's names
 _PROJECTIONS = ("qkv", "o", "gate", "up", "down")
 
 
-def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.dtype) -> Prepared:
+def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.dtype,
+                    quantization: str | None = None,
+                    gguf_blocks: dict[str, tuple[str, torch.Tensor]] | None = None) -> Prepared:
     """The checkpoint's tensors as the forward reads them: each projection a :class:`Linear` holding its one copy in
     the layout chosen for this CPU, Q, K and V fused; the norms copied out of ``w`` (a file mapping: nothing the
-    engine keeps points into it, so it can be let go). A tied embedding is looked up in the LM head's copy."""
+    engine keeps points into it, so it can be let go). A tied embedding is looked up in the LM head's copy.
+    With ``quantization`` the projections are held quantized: q4_1 as the GGUF holds them (``gguf_blocks``: its
+    Q4_1 projections and Q8_0 embedding), else quantized here (q4_1's LM head in q8_0, as the shipped GGUF's)."""
     def take(name: str) -> torch.Tensor:
         return w[name].to(dtype, copy=True)
+
+    def linear(names: list[str], bias: torch.Tensor | None = None, quantize_to: str | None = quantization) -> Linear:
+        stored = [(gguf_blocks or {}).get(name) for name in names] if quantization == "q4_1" else [None]
+        if all(s is not None and s[0] == stored[0][0] for s in stored):  # the GGUF's own blocks, rows stacked
+            return Linear(torch.cat([blocks for _, blocks in stored]), bias, Layout(stored[0][0]))
+        return cpu_fast_path.make_linear(torch.cat([w[name].to(dtype) for name in names]), bias, quantize_to)
 
     out: Prepared = {}
     for i in range(shape.num_layers):
@@ -43,14 +53,14 @@ def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.
         out[f"{i}.post_norm"] = take(p + "post_attention_layernorm.weight")  # (D,)
         biases = [p + f"self_attn.{q}_proj.bias" for q in "qkv"]
         qkv_bias = torch.cat([take(b) for b in biases]) if biases[0] in w else None  # Qwen2
-        out[f"{i}.qkv"] = Linear(torch.cat([w[p + f"self_attn.{q}_proj.weight"].to(dtype) for q in "qkv"]),
-                                 qkv_bias)  # D -> (H+2kvh) hd
-        out[f"{i}.o"] = Linear(w[p + "self_attn.o_proj.weight"].to(dtype))  # H hd -> D
-        out[f"{i}.gate"] = Linear(w[p + "mlp.gate_proj.weight"].to(dtype))  # D -> I
-        out[f"{i}.up"] = Linear(w[p + "mlp.up_proj.weight"].to(dtype))  # D -> I
-        out[f"{i}.down"] = Linear(w[p + "mlp.down_proj.weight"].to(dtype))  # I -> D
+        out[f"{i}.qkv"] = linear([p + f"self_attn.{q}_proj.weight" for q in "qkv"], qkv_bias)  # D -> (H+2kvh) hd
+        out[f"{i}.o"] = linear([p + "self_attn.o_proj.weight"])  # H hd -> D
+        out[f"{i}.gate"] = linear([p + "mlp.gate_proj.weight"])  # D -> I
+        out[f"{i}.up"] = linear([p + "mlp.up_proj.weight"])  # D -> I
+        out[f"{i}.down"] = linear([p + "mlp.down_proj.weight"])  # I -> D
     embed = w["model.embed_tokens.weight"].to(dtype)  # (V, D)
-    out["lm_head"] = lm_head = Linear(embed if shape.tie_word_embeddings else w["lm_head.weight"].to(dtype))  # D -> V
+    head = "model.embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight"
+    out["lm_head"] = lm_head = linear([head], quantize_to="q8_0" if quantization == "q4_1" else quantization)  # D -> V
     if not shape.tie_word_embeddings or lm_head.layout is Layout.ONEDNN:  # its rows cannot be read back
         out["embed"] = embed.clone()
     out["final_norm"] = take("model.norm.weight")  # (D,)
@@ -75,12 +85,15 @@ class LlamaModel:
     ) -> None:
         self.shape = s = config.model_shape
         self.dtype, self.device = dtype, device
+        quantization = config.quantization
+
         def prepare() -> Prepared:
             weights = {k: v.to(device) for k, v in _load_safetensors(Path(config.model)).items()}
-            return prepare_weights(weights, s, dtype)
+            blocks = weight_file.gguf_blocks(Path(config.model)) if quantization == "q4_1" else None
+            return prepare_weights(weights, s, dtype, quantization, blocks)
 
         # one copy per machine where the weights can be mapped from a file, else one per engine
-        prepared = weight_file.prepared_weights(Path(config.model), dtype, device, prepare)
+        prepared = weight_file.prepared_weights(Path(config.model), dtype, device, prepare, quantization)
         self.lm_head: Linear = prepared["lm_head"]
         self._embed: torch.Tensor | None = prepared.get("embed")  # None: rows of the LM head's copy
         self.final_norm = prepared["final_norm"]  # (D,)

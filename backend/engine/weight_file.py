@@ -2,10 +2,11 @@
 of them however many engines a server runs (as llama.cpp maps its GGUF).
 
 The file holds what ``model.prepare_weights`` gives: every tensor the forward reads, each projection in the layout
-chosen for this CPU. Its name is a hash of what the contents depend on: the checkpoint (its files' names, sizes and
-modification times), the dtype, the layout and the C library (its sources, flags and this CPU's features), so any
-change gives a new file, built at the next load. It is built once, under a lock, and written under a temporary name
-then renamed: engines loading at once (a server's models) wait for the first and map the same file, never two.
+chosen for this CPU, or quantized. Its name is a hash of what the contents depend on: the checkpoint (its files'
+names, sizes and modification times, the GGUF's blocks included), the dtype, the quantization, the layout and the C
+library (its sources, flags and this CPU's features), so any change gives a new file, built at the next load. It is
+built once, under a lock, and written under a temporary name then renamed: engines loading at once (a server's
+models) wait for the first and map the same file, never two.
 Building a file deletes those of the same folder's older keys and those whose folder is gone; deleting
 ``$XDG_CACHE_HOME/llm-batching-triton/weights`` is safe whenever no engine is loading.
 
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from backend.engine.config import GGUF_BLOCKS
 from backend.engine.cpu_fast_path import Layout, Linear, c_layout
 from backend.kernels import cpu_kernels
 
@@ -39,18 +41,31 @@ Prepared = dict[str, "torch.Tensor | Linear"]  # model.prepare_weights's result:
 
 _FORMAT = b"llm-batching-triton prepared weights 1"
 _ALIGN = 4096  # each tensor starts on its own page
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_STORED_LAYOUTS = (Layout.PACKED, Layout.ROW_MAJOR, Layout.PLAIN)  # plain memory: a file holds them as they are
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
+# plain memory: a file holds them as they are
+_STORED_LAYOUTS = (Layout.PACKED, Layout.ROW_MAJOR, Layout.PLAIN, Layout.Q4_1, Layout.Q8_0, Layout.INT8)
+
+
+def gguf_blocks(model_dir: Path) -> dict[str, tuple[str, torch.Tensor]] | None:
+    """The GGUF's quantized tensors kept beside the checkpoint, by name: (format, uint8 blocks); None if none."""
+    path = model_dir / GGUF_BLOCKS
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        formats = f.metadata() or {}
+        return {name: (formats[name], f.get_tensor(name)) for name in f.keys() if name in formats}
 
 
 def prepared_weights(model_dir: Path, dtype: torch.dtype, device: torch.device,
-                     prepare: Callable[[], Prepared]) -> Prepared:
+                     prepare: Callable[[], Prepared], quantization: str | None = None) -> Prepared:
     """What ``prepare()`` returns, mapped from the file of prepared weights for this key (built first if there is
     none yet); ``prepare()`` itself where the weights cannot live in a file."""
     if (device.type != "cpu" or dtype != torch.bfloat16 or cpu_kernels.load() is None
             or os.environ.get("LLM_WEIGHT_FILE", "1") == "0"):
         return prepare()  # weights the C kernels do not read: oneDNN's layout (float32), CUDA, no compiler
-    path = weights_path(model_dir, dtype)
+    path = weights_path(model_dir, dtype, quantization)
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -75,17 +90,19 @@ def prepared_weights(model_dir: Path, dtype: torch.dtype, device: torch.device,
     return read(path)
 
 
-def weights_path(model_dir: Path, dtype: torch.dtype) -> Path:
-    """The file for this checkpoint, dtype, layout and CPU (what its name hashes is in the module's docstring)."""
+def weights_path(model_dir: Path, dtype: torch.dtype, quantization: str | None = None) -> Path:
+    """The file for this checkpoint, dtype, quantization, layout and CPU (what its name hashes is in the module's
+    docstring)."""
     model_dir = model_dir.resolve()
     parts = [_FORMAT, str(model_dir).encode(), str(dtype).encode(), c_layout().value.encode(),
-             (cpu_kernels.library_key() or "no C kernels").encode()]
-    for f in sorted(model_dir.iterdir()):
+             (cpu_kernels.library_key() or "no C kernels").encode(), str(quantization).encode()]
+    for f in sorted([*model_dir.iterdir(), *(model_dir / GGUF_BLOCKS.parent).glob("*")]):
         if f.suffix in (".safetensors", ".json"):
             stat = f.stat()
             parts.append(f"{f.name} {stat.st_size} {stat.st_mtime_ns}".encode())
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:24]
-    folder = hashlib.sha256(f"{model_dir} {dtype}".encode()).hexdigest()[:8]  # the part _remove_stale keeps to
+    # the part _remove_stale keeps to: one file per folder, dtype and quantization
+    folder = hashlib.sha256(f"{model_dir} {dtype}{f' {quantization}' if quantization else ''}".encode()).hexdigest()[:8]
     return cpu_kernels.cache_dir() / "weights" / f"{model_dir.name}-{folder}-{key}.bin"
 
 

@@ -14,6 +14,8 @@ the decode stack's use live in ``backend/engine``.
   them (``prepare_linear_weight``; ``linear_weight_rows`` reads rows back, e.g. a tied embedding's);
   :class:`DecodeStack` runs every layer of a small decode-only step in one call.
 - ``cpu_sample_rows``: the sampler's draw, one pass over each row.
+- The quantized projections' kernels (``linear_q4_1``, ``linear_int8``, ``linear_q8_0``, ``dequantize_weight``) are
+  declared here and called from ``quantized_linear.py``, beside their torch twins.
 
 The shared library is compiled from the C files in ``cpu/`` with the system C compiler (``$CC``, default ``cc``) into
 ``$XDG_CACHE_HOME/llm-batching-triton`` (keyed by every source file, the flags and the CPU), once per machine (a few
@@ -143,7 +145,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_weight_packed.restype = c_int
     lib.decode_stack.argtypes = [
         ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,  # h, weights per layer
-        i64, i64, c_float,  # small_rows, I, eps
+        c_int, i64, i64, c_float,  # weight format, small_rows, I, eps
         ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,  # positions, cos, sin, slots, K and V pools per layer, strides
         ptr, i64, ptr, i64, i64, i64, i64, c_float, i64,  # block tables, context lens, H, KVH, D, ...
         ptr, ptr, ptr, ptr, ptr, c_int,  # scratch: x, qkv, attn, gate, up; num_threads
@@ -154,6 +156,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_amx.argtypes = lib.linear_small.argtypes
     lib.linear_amx.restype = c_int
     lib.linear_amx_available.restype = c_int
+    for quantized in (lib.linear_q4_1, lib.linear_int8, lib.linear_q8_0):  # quantized_linear.py
+        quantized.argtypes, quantized.restype = lib.linear_small.argtypes, c_int
+    lib.dequantize_weight.argtypes = [c_int, ptr, i64, i64, ptr, c_int]
+    lib.dequantize_weight.restype = c_int
+    lib.q4_1_quantizes_x.argtypes, lib.q4_1_quantizes_x.restype = [i64], c_int
     for limit in (lib.max_group, lib.max_head_dim, lib.max_row, lib.linear_max_rows, lib.linear_max_k):
         limit.restype = c_int
 
@@ -409,13 +416,16 @@ class StackLayer(NamedTuple):
 
 
 class DecodeStack:
-    """Every layer of a small decode-only bf16 step in one C call (``decode_stack``): per layer RMSNorm, QKV,
+    """Every layer of a small decode-only step in one C call (``decode_stack``): per layer RMSNorm, QKV,
     rotary embedding + K/V write + decode attention, O plus the residual, RMSNorm, SiLU(gate) * up, down plus the
     residual, from the same C functions as the calls above, so the result is the same to the bit. The weights'
     addresses are gathered once."""
 
+    # how the projections' weights are held: bf16 in prepare_linear_weight's layout, or quantized_linear's formats
+    WEIGHT_FORMATS = {"bf16": 0, "q4_1": 1, "int8": 2}
+
     def __init__(self, layers: list[StackLayer], hidden_size: int, intermediate_size: int, num_heads: int,
-                 num_kv_heads: int, head_dim: int, eps: float) -> None:
+                 num_kv_heads: int, head_dim: int, eps: float, weight_format: str = "bf16") -> None:
         def pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
             return (ctypes.c_void_p * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
@@ -424,6 +434,9 @@ class DecodeStack:
         self._keep = layers  # the pointers below are into these tensors
         self.num_layers, self.hidden_size, self.intermediate_size = len(layers), hidden_size, intermediate_size
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
+        if weight_format not in self.WEIGHT_FORMATS:
+            raise ValueError(f"weight_format must be one of {', '.join(self.WEIGHT_FORMATS)}; got {weight_format!r}")
+        self.weight_format = weight_format
         self.norm1, self.qkv, self.qkv_bias, self.o, self.norm2, self.gate, self.up, self.down = (
             pointers([getattr(layer, name) for layer in layers]) for name in StackLayer._fields)
         # (first K pool's address, whether the pools fit the kernels, K pointers, V pointers), built on first use:
@@ -476,9 +489,10 @@ class DecodeStack:
         block_size = k_cache.shape[1]
         status = _lib.decode_stack(
             h.data_ptr(), num_tokens, self.hidden_size, self.num_layers, self.norm1, self.qkv, self.qkv_bias, self.o,
-            self.norm2, self.gate, self.up, self.down, min(small_rows, _lib.limits.linear_max_rows),
-            self.intermediate_size, self.eps, positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(),
-            slots.data_ptr(), self._pools[2], self._pools[3], k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            self.norm2, self.gate, self.up, self.down, self.WEIGHT_FORMATS[self.weight_format],
+            min(small_rows, _lib.limits.linear_max_rows), self.intermediate_size, self.eps, positions.data_ptr(),
+            cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), self._pools[2], self._pools[3], k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2),
             tables.data_ptr(), tables.stride(0), lens.data_ptr(), self.num_heads, self.num_kv_heads, self.head_dim,
             block_size, scale, tables.shape[1] * block_size, x.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
             gate.data_ptr(), up.data_ptr(), torch.get_num_threads(),

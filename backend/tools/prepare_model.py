@@ -2,6 +2,11 @@
 
     python -m backend.tools.prepare_model --out models/smollm2-135m-instruct [--dtype bfloat16]
 
+Beside the bf16 weights the folder keeps the GGUF's own quantized blocks (``quantized/gguf_blocks.safetensors``: the
+Q4_1 projections and the Q8_0 token embedding, as uint8 rows under the Hugging Face names), which an engine with
+``quantization=q4_1`` serves as they are; they are checked against the bf16 weights (the same numbers, rounded) when
+written, and written again when missing or made from another GGUF.
+
 The folder is complete once its ``.complete`` marker exists; that marker is written last, inside a temporary
 sibling folder that is renamed into place, so a folder without it is a leftover and is removed and redone.
 A complete folder is reused without importing torch or transformers. Nothing is ever downloaded.
@@ -14,9 +19,12 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import sys
 import time
 from pathlib import Path
+
+from backend.engine.config import GGUF_BLOCKS  # pure Python: no torch
 
 # NOTE: set before transformers / huggingface_hub are imported anywhere in this process.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -120,6 +128,75 @@ def convert(gguf: Path, dest: Path, dtype: str) -> dict:
     }
 
 
+_GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+               "ffn_down": "mlp.down_proj"}
+_KEPT_TYPES = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF tensor type -> quantized_linear's format
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    parts = gguf_name.split(".")  # blk.<i>.<tensor>.weight
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.weight"
+    return None
+
+
+def _blocks_source(path: Path) -> dict | None:
+    """The metadata of a blocks file (read from its header, without torch), or None where there is none."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            return json.loads(f.read(length)).get("__metadata__")
+    except (OSError, ValueError, struct.error):
+        return None
+
+
+def ensure_gguf_blocks(out_dir: Path, gguf: Path) -> Path:
+    """``out_dir``'s copy of the GGUF's quantized tensors (see the module's docstring), written unless there."""
+    path = out_dir / GGUF_BLOCKS
+    source = _blocks_source(path)
+    if source and source.get("source") == gguf.name and source.get("source_bytes") == str(gguf.stat().st_size):
+        return path
+    t = time.perf_counter()
+    import torch
+    from gguf import GGUFReader
+    from safetensors.torch import load_file, save_file
+
+    from backend.kernels.quantized_linear import dequantize
+
+    config = json.loads((out_dir / "config.json").read_text())
+    heads = {"attn_q": config["num_attention_heads"],
+             "attn_k": config.get("num_key_value_heads") or config["num_attention_heads"]}
+    blocks, formats = {}, {}
+    for tensor in GGUFReader(str(gguf)).tensors:
+        name, kind = _hf_name(tensor.name), tensor.tensor_type.name
+        if name is None or kind not in _KEPT_TYPES:
+            continue
+        rows = torch.from_numpy(tensor.data.copy())  # (N, row bytes) uint8
+        head_kind = tensor.name.split(".")[2] if tensor.name.startswith("blk.") else ""
+        if head_kind in heads:
+            # NOTE: llama.cpp's converter permutes Q and K's rows per head (its rotary pairs neighbours, HF's halves);
+            # rows are whole blocks, so undoing that on the quantized rows is exact.
+            n = heads[head_kind]
+            rows = rows.view(n, rows.shape[0] // n // 2, 2, -1).transpose(1, 2).reshape(rows.shape)
+        blocks[name], formats[name] = rows.contiguous(), _KEPT_TYPES[kind]
+    reference = load_file(str(out_dir / "model.safetensors"))
+    for name, rows in blocks.items():  # the bf16 weights are these blocks' numbers, rounded: any mismatch is a bug
+        if not torch.equal(dequantize(formats[name], rows).to(reference[name].dtype), reference[name]):
+            raise RuntimeError(f"{gguf.name}'s {formats[name]} blocks of {name} do not give the converted weights")
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(blocks, str(tmp), metadata={**formats, "source": gguf.name, "source_bytes": str(gguf.stat().st_size)})
+    tmp.chmod(0o644)
+    os.replace(tmp, path)
+    _step(f"kept the GGUF's {len(blocks)} quantized tensors in {GGUF_BLOCKS}", t)
+    return path
+
+
 def ensure_model(out_dir: str | os.PathLike = DEFAULT_OUT, dtype: str = "bfloat16") -> Path:
     """Return ``out_dir`` as a complete HF folder, converting the GGUF into it first unless already done."""
     if dtype not in DTYPES:
@@ -128,6 +205,7 @@ def ensure_model(out_dir: str | os.PathLike = DEFAULT_OUT, dtype: str = "bfloat1
     gguf = find_gguf()
     wanted = _wanted(gguf, dtype)
     if is_complete(out_dir, wanted):
+        ensure_gguf_blocks(out_dir, gguf)
         return out_dir
 
     if out_dir.exists():
@@ -148,6 +226,7 @@ def ensure_model(out_dir: str | os.PathLike = DEFAULT_OUT, dtype: str = "bfloat1
                 raise
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+    ensure_gguf_blocks(out_dir, gguf)
     return out_dir
 
 

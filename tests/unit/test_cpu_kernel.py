@@ -257,7 +257,7 @@ def test_kernels_forward_and_greedy_engine_hold_without_avx512_or_amx(tmp_path):
     env = {**os.environ, "LLM_CPU_MARCH": "x86-64-v2", "XDG_CACHE_HOME": str(tmp_path),
            "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
     tests = ["tests/unit/test_cpu_kernel.py", "tests/unit/test_sampler.py", "tests/unit/test_model_forward.py",
-             "tests/unit/test_engine.py",
+             "tests/unit/test_engine.py", "tests/unit/test_quantized_linear.py", "tests/unit/test_quantized_model.py",
              "-k", "not without_avx512 and (not test_engine or greedy_matches_hf or min_tokens)"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=550)

@@ -140,6 +140,8 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
     calls = []
 
     class Counted:  # the stack, counting its calls
+        weight_format = stack.weight_format
+
         def __call__(self, *args):
             calls.append(1)
             return stack(*args)

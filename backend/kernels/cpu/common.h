@@ -67,6 +67,43 @@ typedef float v16f __attribute__((vector_size(64)));
 static inline v16f load16(const float* p) { v16f v; memcpy(&v, p, sizeof v); return v; }
 static inline void store16(float* p, v16f v) { memcpy(p, &v, sizeof v); }
 
+/* Helpers of the matmuls (linear_small, linear_quant). */
+typedef uint16_t v16u16 __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+static inline v16f widen_bf16(const uint16_t* p) {  /* 16 bf16 -> 16 floats: bf16 is a truncated float32 */
+    v16u16 h; memcpy(&h, p, sizeof h);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f f; memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float hsum16(v16f v) {
+    v16f s = v;
+    for (int i = 0; i < 8; ++i) s[i] += s[i + 8];
+    for (int i = 0; i < 4; ++i) s[i] += s[i + 4];
+    return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch */
+    union { float f; uint32_t u; } v = {.f = f};
+    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_value(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+static inline float apply_op(float v, int op, const uint16_t* other, int64_t other_st, int t, int64_t j) {
+    switch (op) {
+        case 1: return v / (1.f + expf(-v));
+        case 2: return v * bf16_value(other[t * other_st + j]);
+        case 3: return v + bf16_value(other[t * other_st + j]);
+        default: return v;
+    }
+}
+
 #if defined(__AVX512F__)
 /* e^e for 16 e in [-127, 0]: e = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts, so that n ln2 is exact), e^r by
  * its Taylor series to r^7 (truncation below 1e-8 relative), scaled by 2^n. Within 0.9 ulp of e^e over [-87, 0], at a
@@ -127,6 +164,10 @@ void rms_norm(const void* x, int64_t x_st, const void* weight, void* out, int64_
               int num_threads);
 int linear_small(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
                  int op, const void* other, int64_t other_st, void* y, int num_threads);
+int linear_q4_1(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
+                int op, const void* other, int64_t other_st, void* y, int num_threads);
+int linear_int8(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
+                int op, const void* other, int64_t other_st, void* y, int num_threads);
 int linear_amx(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
                int op, const void* other, int64_t other_st, void* y, int num_threads);
 

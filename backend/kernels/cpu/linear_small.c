@@ -15,33 +15,6 @@
  * T <= LINEAR_MAX_T.
  */
 #define LINEAR_TILE_T 8 /* x rows met by one pass over a block of W: their sums stay in registers */
-typedef uint16_t v16u16 __attribute__((vector_size(32)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
-static inline v16f widen_bf16(const uint16_t* p) {  /* 16 bf16 -> 16 floats: bf16 is a truncated float32 */
-    v16u16 h; memcpy(&h, p, sizeof h);
-    v16u u = __builtin_convertvector(h, v16u) << 16;
-    v16f f; memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline float hsum16(v16f v) {
-    v16f s = v;
-    for (int i = 0; i < 8; ++i) s[i] += s[i + 8];
-    for (int i = 0; i < 4; ++i) s[i] += s[i + 4];
-    return (s[0] + s[2]) + (s[1] + s[3]);
-}
-
-static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch */
-    union { float f; uint32_t u; } v = {.f = f};
-    return (uint16_t)((v.u + 0x7FFFu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float bf16_value(uint16_t h) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
-    return v.f;
-}
-
 /* Rows [j0, j0 + R) of a row-major W against all T rows of xf: the R x T dot products, each a float32 sum. The
  * rows `ahead` elements further on are prefetched into the caches while these are read. */
 static inline __attribute__((always_inline)) void dot_rows(const uint16_t* w, int64_t K, const float* xf, int T,
@@ -101,15 +74,6 @@ static inline __attribute__((always_inline)) void dot_panels_bf16(const uint16_t
     }
 }
 #endif
-
-static inline float apply_op(float v, int op, const uint16_t* other, int64_t other_st, int t, int64_t j) {
-    switch (op) {
-        case 1: return v / (1.f + expf(-v));
-        case 2: return v * bf16_value(other[t * other_st + j]);
-        case 3: return v + bf16_value(other[t * other_st + j]);
-        default: return v;
-    }
-}
 
 /* Whether this build reads W packed (pack_linear_weight, N % 32 == 0 and K % 32 == 0) or row-major. */
 int linear_weight_packed(void) {

@@ -1,0 +1,455 @@
+#include "common.h"
+#if (defined(__F16C__) || defined(__SSE4_1__)) && !defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/*
+ * Weight-only quantized matmuls: y = epilogue(x W^T + bias) with W held quantized (x, y, bias and `other` bf16), for
+ * a decode step's rows (linear_q4_1, linear_int8), and W widened back to bf16 for a prefill's many rows, which then
+ * run the bf16 matmuls (dequantize_weight). A weight is one uint8 tensor [N, row_bytes], each row self-contained:
+ *  - Q4_1, GGUF's blocks as llama.cpp reads them: per 32 weights 20 bytes, fp16 d, fp16 m, 16 bytes of nibbles;
+ *    weight j < 16 of a block is d * (qs[j] & 15) + m, weight 16 + j is d * (qs[j] >> 4) + m. row_bytes = K / 32 * 20.
+ *  - INT8 per output channel: K int8 q, then the row's float32 scale s; weight k is s * q[k]. row_bytes = K + 4.
+ *  - Q8_0, GGUF's (its token embedding, so the Q4_1 file's tied LM head): per 32 weights 34 bytes, fp16 d and 32
+ *    int8 q; weight j is d * q[j]. row_bytes = K / 32 * 34.
+ * Each weight is widened in registers to float32 (d * q is exact in float32, so d * q + m is one rounding whether
+ * fused or not: the torch twin's dequantized weight to the bit) and met with x widened to float32, so the kernel and
+ * its twin differ only in the order of the float32 sum. At a decode step's rows the step is bound by reading the
+ * weights: 0.625 bytes a weight (Q4_1) or 1 (INT8) against bf16's 2. (llama.cpp instead quantizes x to int8 for
+ * integer dot products, a second rounding this path does not add.)
+ * Work: threads share out panels of QUANT_PANEL output rows; each panel meets QUANT_TILE_T rows of x at a time, the
+ * panel's few KB of weights re-read from L1/L2 for the next tile. Sums, op and rounding as in linear_small.
+ */
+enum { WEIGHT_Q4_1 = 1, WEIGHT_INT8 = 2, WEIGHT_Q8_0 = 3 };
+
+/* QUANT_R rows of W meet QUANT_TILE_T rows of x at a time: their R x T sums stay in registers (with the R rows'
+ * widened weights: 32 zmm registers with AVX-512, 16 ymm (two a sum) with AVX2). */
+#if defined(__AVX512F__)
+#define QUANT_R 4
+#define QUANT_TILE_T 4
+#else
+#define QUANT_R 2
+#define QUANT_TILE_T 2
+#endif
+#define QUANT_PANEL 16
+
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+typedef int8_t v16i8 __attribute__((vector_size(16)));
+
+/* 16 bytes -> 16 floats, with the widest extension this build has: GCC 12 turns __builtin_convertvector of bytes
+ * into one insert per lane. */
+#if defined(__AVX512F__)
+#define WIDEN_BYTES(q, ext) _mm512_cvtepi32_ps(_mm512_##ext##_epi32(q))
+static inline v16f bytes_to_f32(__m128i q, int is_signed) {
+    const __m512 f = is_signed ? WIDEN_BYTES(q, cvtepi8) : WIDEN_BYTES(q, cvtepu8);
+    v16f r;
+    memcpy(&r, &f, sizeof r);
+    return r;
+}
+#elif defined(__SSE4_1__)
+static inline v16f bytes_to_f32(__m128i q, int is_signed) {
+    v16f r;
+    for (int i = 0; i < 4; ++i, q = _mm_srli_si128(q, 4)) {
+        const __m128 f = _mm_cvtepi32_ps(is_signed ? _mm_cvtepi8_epi32(q) : _mm_cvtepu8_epi32(q));
+        memcpy((float*)&r + 4 * i, &f, sizeof f);
+    }
+    return r;
+}
+#endif
+
+static inline v16f u8_to_f32(v16u8 q) {
+#if defined(__AVX512F__) || defined(__SSE4_1__)
+    __m128i v;
+    memcpy(&v, &q, sizeof v);
+    return bytes_to_f32(v, 0);
+#else
+    v16f r;
+    for (int i = 0; i < 16; ++i) r[i] = (float)q[i];
+    return r;
+#endif
+}
+
+static inline v16f i8_to_f32(v16i8 q) {
+#if defined(__AVX512F__) || defined(__SSE4_1__)
+    __m128i v;
+    memcpy(&v, &q, sizeof v);
+    return bytes_to_f32(v, 1);
+#else
+    v16f r;
+    for (int i = 0; i < 16; ++i) r[i] = (float)q[i];
+    return r;
+#endif
+}
+
+static inline float half_value(uint16_t h) {  /* IEEE fp16 -> float32, exact */
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    if (exp == 0) {  /* zero or subnormal: mant * 2^-24 */
+        const float f = (float)mant * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    union { uint32_t u; float f; } v = {.u = sign | (exp == 31 ? 0x7F800000u : (exp + 112) << 23) | (mant << 13)};
+    return v.f;
+#endif
+}
+
+static inline int64_t quant_row_bytes(int format, int64_t K) {
+    return format == WEIGHT_Q4_1 ? K / 32 * 20 : format == WEIGHT_Q8_0 ? K / 32 * 34 : K + 4;
+}
+
+static inline int64_t quant_block(int format) { return format == WEIGHT_INT8 ? 16 : 32; }  /* K is a multiple */
+
+/* R rows of W (row_bytes apart) against T rows of xf ([T, K] float32): sums[r][t] = row r's dot product with x row
+ * t. Several weight rows at once give the FMAs independent chains (one row's sum alone waits on each FMA's latency)
+ * and share each load of x. */
+static inline __attribute__((always_inline)) void q4_1_rows(const uint8_t* w, int64_t row_bytes, int R, int64_t K,
+                                                             const float* xf, int T,
+                                                             float sums[QUANT_R][QUANT_TILE_T]) {
+    v16f acc[QUANT_R][QUANT_TILE_T];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
+    for (int64_t b = 0; b < K / 32; ++b) {
+        v16f lo[QUANT_R], hi[QUANT_R];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * row_bytes + 20 * b;
+            uint16_t dh, mh;
+            memcpy(&dh, blk, 2);
+            memcpy(&mh, blk + 2, 2);
+            const float d = half_value(dh), m = half_value(mh);
+            v16u8 qs;
+            memcpy(&qs, blk + 4, sizeof qs);
+            lo[r] = u8_to_f32(qs & 15) * d + m;  /* weights 32b .. 32b + 15 */
+            hi[r] = u8_to_f32(qs >> 4) * d + m;  /* weights 32b + 16 .. 32b + 31 */
+        }
+        for (int t = 0; t < T; ++t) {
+            const v16f x0 = load16(xf + t * K + 32 * b), x1 = load16(xf + t * K + 32 * b + 16);
+            for (int r = 0; r < R; ++r) acc[r][t] += lo[r] * x0 + hi[r] * x1;
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) sums[r][t] = hsum16(acc[r][t]);
+}
+
+static inline __attribute__((always_inline)) void q8_0_rows(const uint8_t* w, int64_t row_bytes, int R, int64_t K,
+                                                             const float* xf, int T,
+                                                             float sums[QUANT_R][QUANT_TILE_T]) {
+    v16f acc[QUANT_R][QUANT_TILE_T];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
+    for (int64_t b = 0; b < K / 32; ++b) {
+        v16f w0[QUANT_R], w1[QUANT_R];
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* blk = w + r * row_bytes + 34 * b;
+            uint16_t dh;
+            memcpy(&dh, blk, 2);
+            const float d = half_value(dh);
+            v16i8 q0, q1;
+            memcpy(&q0, blk + 2, sizeof q0);
+            memcpy(&q1, blk + 18, sizeof q1);
+            w0[r] = i8_to_f32(q0) * d;
+            w1[r] = i8_to_f32(q1) * d;
+        }
+        for (int t = 0; t < T; ++t) {
+            const v16f x0 = load16(xf + t * K + 32 * b), x1 = load16(xf + t * K + 32 * b + 16);
+            for (int r = 0; r < R; ++r) acc[r][t] += w0[r] * x0 + w1[r] * x1;
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) sums[r][t] = hsum16(acc[r][t]);
+}
+
+/* INT8: the integer weights' dot products, times each row's scale. */
+static inline __attribute__((always_inline)) void int8_rows(const uint8_t* w, int64_t row_bytes, int R, int64_t K,
+                                                             const float* xf, int T,
+                                                             float sums[QUANT_R][QUANT_TILE_T]) {
+    v16f acc[QUANT_R][QUANT_TILE_T];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
+    for (int64_t k = 0; k < K; k += 16) {
+        v16f wv[QUANT_R];
+        for (int r = 0; r < R; ++r) {
+            v16i8 q;
+            memcpy(&q, w + r * row_bytes + k, sizeof q);
+            wv[r] = i8_to_f32(q);
+        }
+        for (int t = 0; t < T; ++t) {
+            const v16f xv = load16(xf + t * K + k);
+            for (int r = 0; r < R; ++r) acc[r][t] += wv[r] * xv;
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        float scale;
+        memcpy(&scale, w + r * row_bytes + K, sizeof scale);
+        for (int t = 0; t < T; ++t) sums[r][t] = hsum16(acc[r][t]) * scale;
+    }
+}
+
+/* Constant row counts let the compiler keep every accumulator in a register. */
+#define DISPATCH_T(fn, w, rb, R, K, xt, tn, sums)                        \
+    switch (tn) {                                                        \
+        case 1: fn(w, rb, R, K, xt, 1, sums); break;                     \
+        case QUANT_TILE_T: fn(w, rb, R, K, xt, QUANT_TILE_T, sums); break; \
+        default: fn(w, rb, R, K, xt, tn, sums); break;                   \
+    }
+#define DISPATCH(fn, w, rb, rn, K, xt, tn, sums)                         \
+    if (rn == QUANT_R) {                                                 \
+        DISPATCH_T(fn, w, rb, QUANT_R, K, xt, tn, sums)                  \
+    } else {                                                             \
+        DISPATCH_T(fn, w, rb, rn, K, xt, tn, sums)                       \
+    }
+
+/* Whether linear_q4_1 takes rows of K with x quantized to int8 (the VNNI path below) or widens the weights to float32.
+ * The torch twin asks, so that it computes what this build computes. */
+int q4_1_quantizes_x(int64_t K) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return K % 64 == 0;
+#else
+    (void)K;
+    return 0;
+#endif
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/*
+ * Q4_1 with integer dot products, as llama.cpp's Q4_1 x Q8_1: each block of 32 x is quantized to int8 (dx = amax / 127,
+ * q = round-to-nearest-even(x / dx)) and its sum kept (sx = dx * sum(q)); a block's dot product is then
+ * d dx sum(q_w q_x) + m sx, the integer sum from vpdpbusd (the nibbles unsigned, x signed). Two blocks at a time: the
+ * 32 nibble bytes of a pair, low nibbles then high, are one zmm against x's 64 bytes laid out to match ([first half
+ * of block 0, of block 1, second half of block 0, of block 1]), so lanes 0-3 and 8-11 sum block 0, 4-7 and 12-15
+ * block 1. The integers are exact; what differs from the twin is the float order of the per-block terms.
+ */
+static inline __attribute__((always_inline)) void q4_1_rows_vnni(const uint8_t* w, int64_t row_bytes, int R,
+                                                                  int64_t K, const int8_t* xq, const float* xdv,
+                                                                  const float* xsv, int T,
+                                                                  float sums[QUANT_R][QUANT_TILE_T]) {
+    __m512 acc[QUANT_R][QUANT_TILE_T];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(15);
+    /* [d0, m0, d1, m1] -> d0 in block 0's lanes and d1 in block 1's; m0 in lane 0 and m1 in lane 4, zeros elsewhere */
+    const __m512i d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2);
+    const __m512i m_lanes = _mm512_setr_epi32(1, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    const int64_t nb = K / 32;
+    for (int64_t b = 0; b < nb; b += 2) {
+        for (int r = 0; r < R; ++r) {
+            const uint8_t* p = w + r * row_bytes + 20 * b;
+            const __m256i qs = _mm256_loadu2_m128i((const __m128i*)(p + 24), (const __m128i*)(p + 4));
+            const __m256i lo = _mm256_and_si256(qs, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4);
+            const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            int32_t dm0, dm1;
+            memcpy(&dm0, p, 4);
+            memcpy(&dm1, p + 20, 4);
+            const __m512 dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi32(dm0, dm1, 0, 0)));
+            const __m512 dw = _mm512_permutexvar_ps(d_lanes, dm), mw = _mm512_maskz_permutexvar_ps(0x11, m_lanes, dm);
+            for (int t = 0; t < T; ++t) {
+                const __m512i xv = _mm512_loadu_si512(xq + t * K + 32 * b);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv);
+                const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(xdv + (t * nb + b) * 8));
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][t]);
+                acc[r][t] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xsv + (t * nb + b) * 8), acc[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) sums[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+/* x [T, K] bf16 -> xq (int8, each pair of blocks in the nibbles' order), xdv (per pair of blocks 16 lanes of dx, as
+ * the dot product's lanes fall) and xsv (per pair of blocks 16 lanes: dx * sum(q) of block 0 in lane 0, of block 1
+ * in lane 4, zeros elsewhere, as the mins' lanes fall). NOTE: without -ffast-math, so that dx, 1 / dx and
+ * each q are the float operations the torch twin does (fast-math folds 1 / (amax / 127) into 127 / amax). */
+__attribute__((optimize("no-fast-math"))) static void quantize_x_q8(const void* x, int64_t x_st, int64_t T, int64_t K, int8_t* xq, float* xdv, float* xsv) {
+    const int64_t nb = K / 32;
+    float xf[32];
+    for (int64_t t = 0; t < T; ++t) {
+        for (int64_t b = 0; b < nb; ++b) {
+            load_row((const uint16_t*)x + t * x_st + 32 * b, DTYPE_BF16, 32, xf);
+            float amax = 0.f;
+            for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xf[i]));
+            const float d = amax * (1.f / 127.f);
+            const float id = d > 0.f ? 1.f / d : 0.f;
+            int sum = 0;
+            const int64_t pair = b & ~(int64_t)1, second = b & 1;
+            int8_t* dst = xq + t * K + 32 * pair;
+            for (int i = 0; i < 32; ++i) {
+                const int q = _mm_cvtss_si32(_mm_set_ss(xf[i] * id));  /* nearest even, as torch.round */
+                sum += q;
+                dst[(i < 16 ? 0 : 32) + 16 * second + (i & 15)] = (int8_t)q;
+            }
+            for (int i = 0; i < 4; ++i) xdv[(t * nb + pair) * 8 + 4 * second + i] = d;
+            for (int i = 0; i < 4; ++i) xdv[(t * nb + pair) * 8 + 8 + 4 * second + i] = d;
+            float* sv = xsv + (t * nb + pair) * 8;
+            if (!second) memset(sv, 0, 16 * sizeof(float));
+            sv[4 * second] = d * (float)sum;
+        }
+    }
+}
+
+static int linear_q4_1_vnni(const void* x, int64_t x_st, const uint8_t* w, const uint16_t* b, int64_t T, int64_t K,
+                            int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out, int num_threads) {
+    const int64_t nb = K / 32;
+    int8_t* xq = malloc(T * K + sizeof(float) * T * nb * 16 + 64);
+    if (xq == NULL) return -1;
+    float* xdv = (float*)(xq + ((T * K + 63) & ~(int64_t)63));
+    float* xsv = xdv + T * nb * 8;
+    quantize_x_q8(x, x_st, T, K, xq, xdv, xsv);
+    const int64_t row_bytes = quant_row_bytes(WEIGHT_Q4_1, K);
+    const int64_t num_panels = (N + QUANT_PANEL - 1) / QUANT_PANEL;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
+    for (int64_t panel = 0; panel < num_panels; ++panel) {
+        const int64_t n0 = panel * QUANT_PANEL, n1 = n0 + QUANT_PANEL < N ? n0 + QUANT_PANEL : N;
+        for (int64_t t0 = 0; t0 < T; t0 += QUANT_TILE_T) {
+            const int tn = T - t0 < QUANT_TILE_T ? (int)(T - t0) : QUANT_TILE_T;
+            const int8_t* xt = xq + t0 * K;
+            const float* dt = xdv + t0 * nb * 8;
+            const float* st = xsv + t0 * nb * 8;
+            for (int64_t n = n0; n < n1; n += QUANT_R) {
+                const int rn = n1 - n < QUANT_R ? (int)(n1 - n) : QUANT_R;
+                float sums[QUANT_R][QUANT_TILE_T];
+                const uint8_t* rows = w + n * row_bytes;
+#define VNNI_T(R_)                                                                                     \
+    switch (tn) {                                                                                      \
+        case 1: q4_1_rows_vnni(rows, row_bytes, R_, K, xt, dt, st, 1, sums); break;                    \
+        case QUANT_TILE_T: q4_1_rows_vnni(rows, row_bytes, R_, K, xt, dt, st, QUANT_TILE_T, sums); break; \
+        default: q4_1_rows_vnni(rows, row_bytes, R_, K, xt, dt, st, tn, sums); break;                   \
+    }
+                if (rn == QUANT_R) {
+                    VNNI_T(QUANT_R)
+                } else {
+                    VNNI_T(rn)
+                }
+#undef VNNI_T
+                for (int r = 0; r < rn; ++r) {
+                    const float bn = b ? bf16_value(b[n + r]) : 0.f;
+                    for (int t = 0; t < tn; ++t)
+                        out[(t0 + t) * N + n + r] = to_bf16(apply_op(sums[r][t] + bn, op, o, other_st,
+                                                                     (int)(t0 + t), n + r));
+                }
+            }
+        }
+    }
+    free(xq);
+    return 0;
+}
+#endif
+
+static int linear_quant(int format, const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T,
+                        int64_t K, int64_t N, int op, const void* other, int64_t other_st, void* y,
+                        int num_threads) {
+    if (T < 1 || K < 1 || K > LINEAR_MAX_K || K % quant_block(format) != 0) return -1;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (format == WEIGHT_Q4_1 && q4_1_quantizes_x(K))
+        return linear_q4_1_vnni(x, x_st, (const uint8_t*)weight, (const uint16_t*)bias, T, K, N, op,
+                                (const uint16_t*)other, other_st, (uint16_t*)y, num_threads);
+#endif
+    float* xf = malloc(sizeof(float) * T * K);
+    if (xf == NULL) return -1;
+    for (int64_t t = 0; t < T; ++t) load_row((const uint16_t*)x + t * x_st, DTYPE_BF16, K, xf + t * K);
+    const uint8_t* w = (const uint8_t*)weight;
+    const uint16_t* b = (const uint16_t*)bias;
+    const uint16_t* o = (const uint16_t*)other;
+    uint16_t* out = (uint16_t*)y;
+    const int64_t row_bytes = quant_row_bytes(format, K);
+    const int64_t num_panels = (N + QUANT_PANEL - 1) / QUANT_PANEL;
+    /* Small projections are not worth waking the other threads for. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
+    for (int64_t panel = 0; panel < num_panels; ++panel) {
+        const int64_t n0 = panel * QUANT_PANEL, n1 = n0 + QUANT_PANEL < N ? n0 + QUANT_PANEL : N;
+        for (int64_t t0 = 0; t0 < T; t0 += QUANT_TILE_T) {
+            const int tn = T - t0 < QUANT_TILE_T ? (int)(T - t0) : QUANT_TILE_T;
+            const float* xt = xf + t0 * K;
+            for (int64_t n = n0; n < n1; n += QUANT_R) {
+                const int rn = n1 - n < QUANT_R ? (int)(n1 - n) : QUANT_R;
+                const uint8_t* rows = w + n * row_bytes;
+                float sums[QUANT_R][QUANT_TILE_T];
+                if (format == WEIGHT_Q4_1) {
+                    DISPATCH(q4_1_rows, rows, row_bytes, rn, K, xt, tn, sums)
+                } else if (format == WEIGHT_Q8_0) {
+                    DISPATCH(q8_0_rows, rows, row_bytes, rn, K, xt, tn, sums)
+                } else {
+                    DISPATCH(int8_rows, rows, row_bytes, rn, K, xt, tn, sums)
+                }
+                for (int r = 0; r < rn; ++r) {
+                    const float bn = b ? bf16_value(b[n + r]) : 0.f;
+                    for (int t = 0; t < tn; ++t)
+                        out[(t0 + t) * N + n + r] = to_bf16(apply_op(sums[r][t] + bn, op, o, other_st,
+                                                                     (int)(t0 + t), n + r));
+                }
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+/* linear_small's arguments, W one Q4_1 weight ([N, K / 32 * 20] bytes). Returns 0, or -1 if it cannot take them. */
+int linear_q4_1(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
+                int op, const void* other, int64_t other_st, void* y, int num_threads) {
+    return linear_quant(WEIGHT_Q4_1, x, x_st, weight, bias, T, K, N, op, other, other_st, y, num_threads);
+}
+
+/* linear_small's arguments, W one Q8_0 weight ([N, K / 32 * 34] bytes). */
+int linear_q8_0(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
+                int op, const void* other, int64_t other_st, void* y, int num_threads) {
+    return linear_quant(WEIGHT_Q8_0, x, x_st, weight, bias, T, K, N, op, other, other_st, y, num_threads);
+}
+
+/* linear_small's arguments, W one INT8 weight ([N, K + 4] bytes). */
+int linear_int8(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
+                int op, const void* other, int64_t other_st, void* y, int num_threads) {
+    return linear_quant(WEIGHT_INT8, x, x_st, weight, bias, T, K, N, op, other, other_st, y, num_threads);
+}
+
+static inline void store16_bf16(uint16_t* p, v16f f) {  /* round to nearest even, as torch */
+    v16u u;
+    memcpy(&u, &f, sizeof u);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const v16u16 h = __builtin_convertvector(u, v16u16);
+    memcpy(p, &h, sizeof h);
+}
+
+/* W [N, row_bytes] (format 1 Q4_1, 2 INT8, 3 Q8_0) -> out [N, K] bf16 row-major, each weight rounded once from its float32
+ * value. Returns 0, or -1 for a K the format does not take. */
+int dequantize_weight(int format, const void* weight, int64_t N, int64_t K, void* out, int num_threads) {
+    if (K < 1 || format < WEIGHT_Q4_1 || format > WEIGHT_Q8_0 || K % quant_block(format) != 0) return -1;
+    const int64_t row_bytes = quant_row_bytes(format, K);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
+    for (int64_t n = 0; n < N; ++n) {
+        const uint8_t* row = (const uint8_t*)weight + n * row_bytes;
+        uint16_t* dst = (uint16_t*)out + n * K;
+        if (format == WEIGHT_Q4_1) {
+            for (int64_t b = 0; b < K / 32; ++b) {
+                uint16_t dh, mh;
+                memcpy(&dh, row + 20 * b, 2);
+                memcpy(&mh, row + 20 * b + 2, 2);
+                const float d = half_value(dh), m = half_value(mh);
+                v16u8 qs;
+                memcpy(&qs, row + 20 * b + 4, sizeof qs);
+                store16_bf16(dst + 32 * b, u8_to_f32(qs & 15) * d + m);
+                store16_bf16(dst + 32 * b + 16, u8_to_f32(qs >> 4) * d + m);
+            }
+        } else if (format == WEIGHT_Q8_0) {
+            for (int64_t b = 0; b < K / 32; ++b) {
+                uint16_t dh;
+                memcpy(&dh, row + 34 * b, 2);
+                const float d = half_value(dh);
+                v16i8 q0, q1;
+                memcpy(&q0, row + 34 * b + 2, sizeof q0);
+                memcpy(&q1, row + 34 * b + 18, sizeof q1);
+                store16_bf16(dst + 32 * b, i8_to_f32(q0) * d);
+                store16_bf16(dst + 32 * b + 16, i8_to_f32(q1) * d);
+            }
+        } else {
+            float scale;
+            memcpy(&scale, row + K, sizeof scale);
+            for (int64_t k = 0; k < K; k += 16) {
+                v16i8 q;
+                memcpy(&q, row + k, sizeof q);
+                store16_bf16(dst + k, i8_to_f32(q) * scale);
+            }
+        }
+    }
+    return 0;
+}

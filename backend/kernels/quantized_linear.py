@@ -1,0 +1,189 @@
+"""Weight-only quantized projections on CPUs: the weight formats, their torch twins, and the C kernels.
+
+A quantized weight is one uint8 tensor ``[N, row_bytes]`` whose rows are self-contained (``cpu/linear_quant.c``):
+
+- ``q4_1``: GGUF's Q4_1 blocks as llama.cpp reads them: per 32 weights an fp16 scale d, an fp16 min m and 16 bytes
+  of nibbles; w = d * q + m.
+- ``q8_0``: GGUF's Q8_0 blocks (the shipped Q4_1 file holds its token embedding, so its tied LM head, in Q8_0):
+  per 32 weights an fp16 scale d and 32 int8; w = d * q.
+- ``int8``: per output channel: K int8, then the row's float32 scale s; w = s * q.
+
+:func:`cpu_quantized_linear` (the decode step's few rows) and :func:`quantized_linear_reference` take the same
+arguments and give the same result within the order of a float32 sum: both widen each weight to float32 exactly and
+meet it with x widened to float32, then apply the op and round once. The exception, where the build has AVX512-VNNI
+(:func:`quantizes_x`): q4_1 meets x quantized to int8 per block of 32, as llama.cpp's Q4_1 x Q8_1 does, and sums
+the nibbles' products with x's in integers; the twin then quantizes x the same way (:func:`quantize_x_q8`).
+:func:`cpu_dequantize` (the prefill's many rows, which then run the bf16 matmuls) equals
+``dequantize(...).to(torch.bfloat16)`` to the bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from backend.kernels import cpu_kernels
+
+FORMAT_CODES = {"q4_1": 1, "int8": 2, "q8_0": 3}  # the C kernels' codes (linear_quant.c)
+_BLOCK = {"q4_1": 32, "int8": 16, "q8_0": 32}  # K must be a multiple of this
+_KERNELS = {"q4_1": "linear_q4_1", "int8": "linear_int8", "q8_0": "linear_q8_0"}
+
+
+def row_bytes(fmt: str, k: int) -> int:
+    """Bytes of one output row of K weights in ``fmt``."""
+    return {"q4_1": k // 32 * 20, "q8_0": k // 32 * 34, "int8": k + 4}[fmt]
+
+
+def in_features(fmt: str, num_row_bytes: int) -> int:
+    """K of a weight whose rows are ``num_row_bytes`` long."""
+    return {"q4_1": num_row_bytes // 20 * 32, "q8_0": num_row_bytes // 34 * 32, "int8": num_row_bytes - 4}[fmt]
+
+
+def fits(fmt: str, k: int) -> bool:
+    """Whether ``fmt`` holds rows of ``k`` weights (whole blocks)."""
+    return k > 0 and k % _BLOCK[fmt] == 0
+
+
+def quantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] uint8
+    """``weight`` [N, K] in ``fmt``, rounded as llama.cpp's reference quantizers (``quantize_row_q4_1_ref``,
+    ``quantize_row_q8_0_ref``) round; ``int8`` scales each row by its largest magnitude / 127."""
+    w = weight.float()
+    n, k = w.shape
+    if not fits(fmt, k):
+        raise ValueError(f"{fmt} holds rows of a multiple of {_BLOCK[fmt]} weights; got {k}")
+    if fmt == "int8":
+        scale = w.abs().amax(dim=1, keepdim=True) / 127  # (N, 1)
+        q = torch.round(w / torch.where(scale > 0, scale, 1)).clamp(-127, 127).to(torch.int8)
+        return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=1)
+    blocks = w.view(n, k // 32, 32)
+    if fmt == "q4_1":
+        lo, hi = blocks.amin(dim=2, keepdim=True), blocks.amax(dim=2, keepdim=True)
+        d = (hi - lo) / 15
+        inv = torch.where(d > 0, 1 / d, 0)
+        q = torch.clamp(((blocks - lo) * inv + 0.5).to(torch.uint8), max=15)  # truncation of x + 0.5, as ggml
+        nibbles = q[:, :, :16] | (q[:, :, 16:] << 4)  # (N, K/32, 16)
+        head = torch.cat([d, lo], dim=2).to(torch.float16).view(torch.uint8)  # (N, K/32, 4)
+        return torch.cat([head, nibbles], dim=2).reshape(n, -1)
+    amax = blocks.abs().amax(dim=2, keepdim=True)
+    d = amax / 127
+    q = torch.round(blocks * torch.where(d > 0, 1 / d, 0)).to(torch.int8)  # roundf, as ggml
+    return torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=2).reshape(n, -1)
+
+
+def dequantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, K] float32
+    """The weights a quantized tensor holds, each widened to float32 exactly as the C kernels widen it."""
+    n = weight.shape[0]
+    if fmt == "int8":
+        k = weight.shape[1] - 4
+        scale = weight[:, k:].contiguous().view(torch.float32)  # (N, 1)
+        return weight[:, :k].view(torch.int8).float() * scale
+    blocks = weight.reshape(n, -1, 20 if fmt == "q4_1" else 34)  # (N, K/32, bytes)
+    d = blocks[:, :, 0:2].contiguous().view(torch.float16).float()  # (N, K/32, 1)
+    if fmt == "q4_1":
+        m = blocks[:, :, 2:4].contiguous().view(torch.float16).float()
+        qs = blocks[:, :, 4:]  # (N, K/32, 16)
+        q = torch.cat([qs & 15, qs >> 4], dim=2).float()  # (N, K/32, 32)
+        return (d * q + m).reshape(n, -1)  # NOTE: d * q is exact in float32, so this is one rounding, as an fma
+    q = blocks[:, :, 2:].contiguous().view(torch.int8).float()
+    return (d * q).reshape(n, -1)
+
+
+def quantizes_x(fmt: str, k: int) -> bool:
+    """Whether this build's kernel for ``fmt`` quantizes x to int8 for rows of ``k`` (see the module's docstring)."""
+    lib = cpu_kernels.load()
+    return fmt == "q4_1" and lib is not None and bool(lib.q4_1_quantizes_x(k))
+
+
+def quantize_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, K] per block of 32 as the VNNI kernel quantizes it: q [T, K/32, 32] (integers, as float32),
+    dx [T, K/32, 1] (amax / 127) and sx [T, K/32, 1] (dx * sum(q), llama.cpp's Q8_1 sum)."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    dx = blocks.abs().amax(dim=2, keepdim=True) * torch.tensor(1 / 127, dtype=torch.float32)
+    q = torch.round(blocks * torch.where(dx > 0, 1 / dx, 0))  # nearest even, as the kernel's lrintf
+    return q, dx, dx * q.sum(dim=2, keepdim=True)
+
+
+def q4_1_terms(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-block terms of the VNNI kernel's sums, each [T, N, K/32] float32: (d dx) * sum(q_w q_x), and m sx."""
+    q, dx, sx = quantize_x_q8(x)  # (T, nb, 32), (T, nb, 1) x2
+    n = weight.shape[0]
+    blocks = weight.reshape(n, -1, 20)
+    d = blocks[:, :, 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, nb)
+    m = blocks[:, :, 2:4].contiguous().view(torch.float16).float()[..., 0]
+    qs = blocks[:, :, 4:]
+    qw = torch.cat([qs & 15, qs >> 4], dim=2).double()  # (N, nb, 32)
+    dots = torch.einsum("tbk,nbk->tnb", q.double(), qw).float()  # exact integers
+    return (d[None] * dx[:, None, :, 0]) * dots, m[None] * sx[:, None, :, 0]
+
+
+def quantized_linear_reference(
+    fmt: str,
+    x: torch.Tensor,  # [T, K] bf16
+    weight: torch.Tensor,  # [N, row_bytes] uint8 in fmt
+    bias: torch.Tensor | None = None,  # [N] bf16
+    op: str = "none",  # then silu, or times / plus ``other``
+    other: torch.Tensor | None = None,  # [T, N] bf16
+) -> torch.Tensor:  # [T, N] bf16
+    """The torch twin of :func:`cpu_quantized_linear`: float32 sums, the op on them, one rounding to bf16."""
+    if quantizes_x(fmt, x.shape[1]):
+        scaled, mins = q4_1_terms(x, weight)
+        y = (scaled.double().sum(dim=2) + mins.double().sum(dim=2)).float()  # (T, N)
+    else:
+        y = x.float() @ dequantize(fmt, weight).T  # (T, N)
+    if bias is not None:
+        y = y + bias.float()
+    if op == "silu":
+        y = F.silu(y)
+    elif op == "mul":
+        y = y * other.float()
+    elif op == "add":
+        y = y + other.float()
+    return y.to(torch.bfloat16)
+
+
+def supports(fmt: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`cpu_quantized_linear` takes these tensors (else the caller runs the twin)."""
+    lib_limits = cpu_kernels.limits()
+    k = in_features(fmt, weight.shape[1])
+    return (lib_limits is not None and x.device.type == weight.device.type == "cpu" and x.dtype == torch.bfloat16
+            and x.dim() == 2 and x.shape[1] == k and x.stride(-1) == 1 and weight.dtype == torch.uint8
+            and weight.is_contiguous() and fits(fmt, k) and k <= lib_limits.linear_max_k)
+
+
+def cpu_quantized_linear(
+    fmt: str,
+    x: torch.Tensor,  # [T, K] bf16, rows may be strided
+    weight: torch.Tensor,  # [N, row_bytes] uint8 in fmt
+    bias: torch.Tensor | None = None,  # [N] bf16
+    op: str = "none",
+    other: torch.Tensor | None = None,  # [T, N] bf16, rows may be strided
+) -> torch.Tensor:  # [T, N] bf16
+    """``op(x @ W.T + bias)`` with W quantized, in C (``linear_q4_1``, ``linear_int8``, ``linear_q8_0``)."""
+    if not supports(fmt, x, weight) or (other is not None and other.stride(-1) != 1):
+        raise ValueError(f"{_KERNELS[fmt]} cannot take these tensors; run quantized_linear_reference")
+    lib = cpu_kernels.load()
+    (num_rows, k), n = x.shape, weight.shape[0]
+    out = torch.empty((num_rows, n), dtype=torch.bfloat16)
+    if num_rows == 0:
+        return out
+    other_ptr, other_stride = (None, 0) if other is None else (other.data_ptr(), other.stride(0))
+    status = getattr(lib, _KERNELS[fmt])(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), num_rows, k, n,
+        cpu_kernels.LINEAR_OPS[op], other_ptr, other_stride, out.data_ptr(), torch.get_num_threads(),
+    )
+    if status != 0:
+        raise ValueError(f"{_KERNELS[fmt]} cannot take {num_rows} rows of {k}")
+    return out
+
+
+def cpu_dequantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, K] bf16
+    """The C twin of ``dequantize(fmt, weight).to(torch.bfloat16)``."""
+    lib = cpu_kernels.load()
+    k = in_features(fmt, weight.shape[1])
+    if lib is None or weight.dtype != torch.uint8 or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError("dequantize_weight cannot take this tensor; run dequantize")
+    out = torch.empty((weight.shape[0], k), dtype=torch.bfloat16)
+    if lib.dequantize_weight(FORMAT_CODES[fmt], weight.data_ptr(), weight.shape[0], k, out.data_ptr(),
+                             torch.get_num_threads()) != 0:
+        raise ValueError(f"dequantize_weight cannot take rows of {k} weights in {fmt}")
+    return out

@@ -1,0 +1,154 @@
+"""Quantized weights beside bf16, in one run: the decode step per format and batch, the weights' memory and the KV
+blocks it frees, and greedy agreement with bf16.
+
+    flock /tmp/llm-bench.lock python -m backend.tools.bench_quantized --model models/smollm2-135m-instruct \\
+        [--formats bf16,q4_1,int8] [--batches 1,8,32,64] [--repeats 3] [--out reports/bench_quantized.json]
+
+One engine per format, all loaded in this process; at each batch size the formats take turns (their order rotated
+each repeat), and each keeps its best median decode step of ``--repeats`` runs, so all see the same background load
+on a shared machine. The decode step is the median of a ``generate``'s steps at the full batch (random prompts of
+``--prompt-len`` token ids, ``ignore_eos``). Greedy agreement: each format's greedy tokens on a few chat prompts
+against bf16's, as the share of tokens equal up to the first difference (one different token changes every later
+one, so after it the texts are compared by eye, not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from backend.engine.openmp import set_wait_policy
+
+set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
+
+import torch  # noqa: E402
+
+from backend.engine.config import EngineConfig, SamplingParams  # noqa: E402
+from backend.engine.cpu_fast_path import Linear  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.tools.bench import _median_ms, _timed_generate, random_prompts  # noqa: E402
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "List three uses of a paper clip.",
+    "What is 12 times 7?",
+    "Who wrote Pride and Prejudice?",
+)
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of every weight the engine's forward reads (projections as held, norms, a separate embedding)."""
+    model = engine.runner.model
+    held = [model.lm_head, model.final_norm, model._embed]
+    for layer in model.layers:
+        held += [layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate, layer.up, layer.down]
+    tensors = [t for item in held for t in ((item.weight, item.bias) if isinstance(item, Linear) else (item,))]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def build(model: str, fmt: str, threads: int, batch: int, prompt_len: int, new_tokens: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=model, quantization=None if fmt == "bf16" else fmt, num_threads=threads, max_num_seqs=batch,
+        max_num_batched_tokens=max(2048, batch * prompt_len), max_model_len=prompt_len + new_tokens + 16,
+        num_kv_blocks=batch * -(-(prompt_len + new_tokens + 16) // 16) + 16,
+    ))
+
+
+def greedy_agreement(engines: dict[str, LLMEngine], max_tokens: int) -> dict:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    hf_tokenizer = engines["bf16"].tokenizer.hf
+    prompts = [hf_tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                tokenize=True) for p in PROMPTS]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    outputs = {fmt: engine.generate(prompts, params) for fmt, engine in engines.items()}
+    result = {}
+    for fmt, outs in outputs.items():
+        same = total = 0
+        for out, ref in zip(outs, outputs["bf16"]):
+            prefix = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref.token_ids)) if a != b),
+                          min(len(out.token_ids), len(ref.token_ids)))
+            same, total = same + prefix, total + len(ref.token_ids)
+        result[fmt] = {"prefix_share": same / total, "texts": [o.text for o in outs]}
+    return result
+
+
+def run(args: argparse.Namespace, log=print) -> dict:
+    formats, batches = args.formats, args.batches
+    engines = {fmt: build(args.model, fmt, args.threads, max(batches), args.prompt_len, args.new_tokens)
+               for fmt in formats}
+    bf16 = engines["bf16"]
+    block_bytes = bf16.config.block_bytes
+    memory = {fmt: {"weight_mib": weight_bytes(e) / 2**20,
+                    "kv_blocks_gained": (weight_bytes(bf16) - weight_bytes(e)) // block_bytes}
+              for fmt, e in engines.items()}
+    vocab = bf16.runner.shape.vocab_size
+    warm_up = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for engine in engines.values():
+        engine.generate(random_prompts(2, args.prompt_len, vocab, 99), warm_up)
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    steps: dict[str, dict[int, float]] = {fmt: {} for fmt in formats}
+    for batch in batches:
+        prompts = random_prompts(batch, args.prompt_len, vocab, batch)
+        for repeat in range(args.repeats):
+            for fmt in formats[repeat % len(formats):] + formats[: repeat % len(formats)]:
+                _, records = _timed_generate(engines[fmt], prompts, params, batch)
+                step = _median_ms(records)
+                steps[fmt][batch] = min(steps[fmt].get(batch, float("inf")), step)
+        log(f"B={batch}: " + ", ".join(f"{fmt} {steps[fmt][batch]:.2f} ms" for fmt in formats))
+    agreement = greedy_agreement(engines, args.agreement_tokens)
+    return {
+        "config": {"model": args.model, "threads": args.threads, "prompt_len": args.prompt_len,
+                   "new_tokens": args.new_tokens, "repeats": args.repeats, "torch": torch.__version__,
+                   "block_bytes": block_bytes},
+        "decode_step_ms": {fmt: {str(b): ms for b, ms in by_batch.items()} for fmt, by_batch in steps.items()},
+        "memory": memory,
+        "greedy_agreement": agreement,
+    }
+
+
+def format_table(result: dict) -> str:
+    steps, memory = result["decode_step_ms"], result["memory"]
+    batches = list(steps["bf16"])
+    lines = ["decode step, ms (x bf16 from the same run)",
+             "format  " + "".join(f"{'B=' + b:>16}" for b in batches) + f"{'weights MiB':>14}{'KV blocks +':>13}"
+             + f"{'greedy prefix':>15}"]
+    for fmt, by_batch in steps.items():
+        cells = "".join(f"{by_batch[b]:>8.2f} ({by_batch[b] / steps['bf16'][b]:.2f}x)" for b in batches)
+        share = result["greedy_agreement"][fmt]["prefix_share"]
+        lines.append(f"{fmt:<8}{cells}{memory[fmt]['weight_mib']:>14.1f}{memory[fmt]['kv_blocks_gained']:>13}"
+                     f"{share:>15.0%}")
+    lines.append(f"(KV blocks +: the blocks of {result['config']['block_bytes']:,} bytes that the weights' saving "
+                 "against bf16 would hold at the same memory)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="models/smollm2-135m-instruct")
+    parser.add_argument("--formats", type=lambda v: v.split(","), default=["bf16", "q4_1", "int8"])
+    parser.add_argument("--batches", type=lambda v: [int(b) for b in v.split(",")], default=[1, 8, 32, 64])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--agreement-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if "bf16" not in args.formats:
+        args.formats = ["bf16", *args.formats]  # the baseline
+    result = run(args)
+    print(format_table(result))
+    for fmt, entry in result["greedy_agreement"].items():
+        print(f"\n[{fmt}] " + " | ".join(text.replace("\n", " ")[:80] for text in entry["texts"]))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Perplexity of each weight format on a fixed text, beside HF transformers in float32 on the same checkpoint.
+
+    python -m backend.tools.perplexity --model models/smollm2-135m-instruct [--formats bf16,q4_1,int8]
+        [--ctx 512] [--text tests/data/perplexity_text.txt] [--out reports/perplexity.json]
+
+The text (``tests/data/perplexity_text.txt``, 2,880 tokens with SmolLM2's tokenizer) is three public-domain
+American documents: the Declaration of Independence, the Gettysburg Address and Lincoln's second inaugural address.
+It is scored as llama.cpp's ``llama-perplexity`` scores a file, so the figures can stand beside its own: the tokens
+cut into chunks of ``--ctx`` (the remainder dropped), each chunk run alone from an empty cache, and only the second
+half of each chunk's positions scored (each of those predicted with at least ``ctx / 2`` tokens before it);
+perplexity is exp of the mean negative log-likelihood of the scored tokens. The engine runs each chunk as one
+prefill through its own forward (``LlamaModel.forward`` asked for the logits of every position).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from backend.engine.openmp import set_wait_policy
+
+set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
+
+import torch  # noqa: E402
+
+from backend.engine.config import EngineConfig  # noqa: E402
+from backend.engine.model_runner import ModelRunner  # noqa: E402
+from backend.engine.request import Request  # noqa: E402
+from backend.engine.scheduler import ScheduledRequest  # noqa: E402
+from backend.engine.tokenizer import load_tokenizer  # noqa: E402
+
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity_text.txt"
+
+
+def chunks(token_ids: list[int], ctx: int) -> list[list[int]]:
+    if len(token_ids) < 2 * ctx:
+        raise ValueError(f"the text has {len(token_ids)} tokens; llama-perplexity's scoring needs at least 2 * ctx")
+    return [token_ids[i : i + ctx] for i in range(0, len(token_ids) - ctx + 1, ctx)]
+
+
+def _nll(logits: torch.Tensor, chunk: list[int]) -> tuple[float, int]:  # logits (ctx, V)
+    """Sum of negative log-likelihoods of the second half's tokens, and how many."""
+    first = len(chunk) // 2
+    log_probs = torch.log_softmax(logits[first - 1 : -1].float(), dim=-1)  # position p predicts token p + 1
+    targets = torch.tensor(chunk[first:])
+    return -log_probs.gather(1, targets[:, None]).sum().item(), len(targets)
+
+
+def engine_nll(model: str, quantization: str | None, parts: list[list[int]], threads: int) -> tuple[float, int]:
+    ctx = len(parts[0])
+    config = EngineConfig(model=model, quantization=quantization, num_threads=threads, max_num_seqs=1,
+                          max_num_batched_tokens=ctx, max_model_len=ctx, num_kv_blocks=-(-ctx // 16) + 1)
+    runner = ModelRunner(config.resolve())
+    total, count = 0.0, 0
+    for i, chunk in enumerate(parts):
+        request = Request(f"chunk-{i}", chunk)
+        request.block_ids = list(range(-(-ctx // runner.block_size)))
+        inputs = runner.prepare([ScheduledRequest.of(request, ctx)])
+        every_position = torch.arange(ctx)
+        with torch.inference_mode():
+            logits = runner.model.forward(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta,
+                                          every_position)  # (ctx, V)
+        nll, n = _nll(logits, chunk)
+        total, count = total + nll, count + n
+    return total, count
+
+
+def hf_nll(model: str, parts: list[list[int]]) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    for chunk in parts:
+        with torch.inference_mode():
+            logits = hf(torch.tensor([chunk])).logits[0]
+        nll, n = _nll(logits, chunk)
+        total, count = total + nll, count + n
+    return total, count
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="models/smollm2-135m-instruct")
+    parser.add_argument("--formats", type=lambda v: v.split(","), default=["bf16", "q4_1", "int8"])
+    parser.add_argument("--ctx", type=int, default=512)
+    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    token_ids = load_tokenizer(args.model).encode(args.text.read_text())
+    parts = chunks(token_ids, args.ctx)
+    results = {"hf_fp32": hf_nll(args.model, parts)}
+    for fmt in args.formats:
+        results[fmt] = engine_nll(args.model, None if fmt == "bf16" else fmt, parts, args.threads)
+    ppl = {name: math.exp(total / count) for name, (total, count) in results.items()}
+    scored = next(iter(results.values()))[1]
+    print(f"perplexity on {args.text.name}: {len(token_ids)} tokens, {len(parts)} chunks of {args.ctx}, "
+          f"{scored} scored")
+    for name, value in ppl.items():
+        print(f"  {name:<8} {value:8.4f}  ({value / ppl['hf_fp32'] - 1:+.2%} against HF float32)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"text": args.text.name, "tokens": len(token_ids), "ctx": args.ctx,
+                                        "scored_tokens": scored, "perplexity": ppl}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
