@@ -14,19 +14,23 @@ import pytest
 import requests
 from tritonclient.grpc import InferenceServerClient
 
+from backend.triton.launch_options import copy_model_repository
 from client import grpc_stream
 from client.grpc_stream import GrpcStream, start_stream
 from client.schema import input_tensors, raw_input_values
 from loadtest.metrics import model_sample, scrape_metrics
-from tests.server_harness import REPO_ROOT
 
 pytestmark = [pytest.mark.server, pytest.mark.smollm2]
 MODELS = ("llm_dynamic", "llm_continuous", "llm_iterative")
 
 
 @pytest.fixture(scope="module")
-def server(triton_server_factory, smollm2_dir):
-    return triton_server_factory.start(REPO_ROOT / "model_repository", model=smollm2_dir)
+def server(triton_server_factory, smollm2_dir, tmp_path_factory):
+    # NOTE: these tests count a stream's steps by its responses, so every token gets its own (stream_interval 1);
+    # the shipped "auto" groups tokens once sending binds the step (tests/server/test_stream_interval_served.py).
+    models = ("llm_static", *MODELS)
+    repository = copy_model_repository(tmp_path_factory.mktemp("every-step"), models, {"stream_interval": "1"})
+    return triton_server_factory.start(repository, model=smollm2_dir)
 
 
 # ---- gRPC streams read with client/grpc_stream.py, bare requests (the tests check the server, not LLMClient) ---
