@@ -220,7 +220,7 @@ def make_output_tensors(
 ) -> list:
     lead = (1,) if batched else ()  # a model with max_batch_size > 0 answers with a batch dimension
     reason = output.finish_reason if output.finished else ""
-    arrays = {
+    arrays = {  # built only for the outputs sent
         "text_output": lambda: np.array([text.encode("utf-8")], dtype=np.object_),
         "output_ids": lambda: np.array(token_ids, dtype=np.int32),
         "finish_reason": lambda: np.array([(reason or "").encode()], dtype=np.object_),
