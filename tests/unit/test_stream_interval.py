@@ -18,6 +18,7 @@ from backend.engine.llm_engine import LLMEngine, RequestOutput
 from backend.triton.model_config import engine_config_from_triton, stream_interval_from_triton
 from backend.triton.responses import OpenRequest, OpenRequests
 from backend.triton.stream_interval import (
+    MIN_STREAMS_TO_GROUP,
     SEND_BUDGET,
     SENDING_BOUND,
     StreamInterval,
@@ -197,6 +198,8 @@ def test_the_rule_is_one_until_a_steps_responses_cost_a_tenth_of_the_step_then_b
     # 11 streams: 11 % of the step every step; every 3 steps, 3.7 % (every 2, 5.5 %: above the budget)
     assert [adaptive_interval(n, 200e-6, 0.020) for n in (11, 15, 16, 32, 64)] == [3, 3, 4, 7, 13]
     assert adaptive_interval(64, 200e-6, 0.256) == 1  # a slow step: every token at once even at 64 streams
+    # below 8 streams, every step however much a response costs; from 8 on, the shares above decide
+    assert (MIN_STREAMS_TO_GROUP, adaptive_interval(7, 1e-3, 0.010), adaptive_interval(8, 1e-3, 0.010)) == (8, 1, 16)
     assert adaptive_interval(0, 200e-6, 0.020) == adaptive_interval(8, 0.0, 0.020) == 1
 
 
