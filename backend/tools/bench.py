@@ -27,10 +27,11 @@ the same run beside it. Keys of the JSON file:
 ``served`` (``null`` with ``--served-models ''``)
     the fixed batches' decode workloads through a real tritonserver: ``models``, ``new_tokens``, ``prompt_len``;
     ``runs``, one per model, batch and ``temperature`` (0 or 1): ``itl_ms`` (median inter-token gap of the streams,
-    best of ``config.repeats``), ``itl_p90_ms``, ``tok_s``, ``client_cpu`` and ``server_cpu`` (cores used by this
-    process as the client and by tritonserver with its stubs), ``offline_step_ms`` (the fixed batches' median decode
-    step at that batch and sampling) and ``ratio`` (``itl_ms / offline_step_ms``). See
-    ``backend/tools/bench_served.py``.
+    best of ``config.repeats``; a response of k tokens counts as k gaps), ``itl_p90_ms``, ``tok_s``, ``ttft_ms``
+    (median over the streams), ``tokens_per_response`` (``stream_interval`` at work), ``client_cpu`` and
+    ``server_cpu`` (cores used by this process as the client and by tritonserver with its stubs),
+    ``offline_step_ms`` (the fixed batches' median decode step at that batch and sampling) and ``ratio``
+    (``itl_ms / offline_step_ms``). See ``backend/tools/bench_served.py``.
 ``llamacpp`` (only with ``--llamacpp PATH``: llama.cpp's ``llama-server``, built by ``make llamacpp``)
     the same decode workloads (random prompts of ``prompt_len`` token ids) through ``llama-server`` on the BF16 GGUF
     of the same weights, HTTP streaming ``/completion``: ``server``, ``version``, ``gguf``, ``command``, ``threads``,
@@ -553,13 +554,15 @@ def format_table(result: dict) -> str:
             f"sequence, about {served['prompt_len']}-token prompts, {served['new_tokens']} new tokens), client in this"
             " process on the same cores",
             f"   {'model':>14}  {'batch':>5}  {'sampling':>8}  {'served ITL ms':>13}  {'offline step ms':>15}  "
-            f"{'served / offline':>16}  {'ITL p90 ms':>10}  {'client CPU':>10}  {'server CPU':>10}",
+            f"{'served / offline':>16}  {'ITL p90 ms':>10}  {'TTFT p50 ms':>11}  {'tokens/response':>15}  "
+            f"{'client CPU':>10}  {'server CPU':>10}",
         ]
         for r in sorted(served["runs"], key=lambda r: (r["model"], r["batch"], r["temperature"])):
             sampling = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
             lines.append(
                 f"   {r['model']:>14}  {r['batch']:>5}  {sampling:>8}  {r['itl_ms']:>13.1f}  "
                 f"{r['offline_step_ms']:>15.1f}  {r['ratio']:>15.2f}x  {r['itl_p90_ms']:>10.1f}  "
+                f"{fmt(r.get('ttft_ms'), '.1f'):>11}  {fmt(r.get('tokens_per_response'), '.2f'):>15}  "
                 f"{r['client_cpu']:>10.0%}  {r['server_cpu']:>10.0%}"
             )
     llamacpp = result.get("llamacpp")
