@@ -449,7 +449,7 @@ def run_bench(s: BenchSettings, log=print) -> dict:
         "static_prefill_step_decodes": stat["prefill_step_decodes"],
     }
 
-    log(f"[3/5] mixed steps against their parts: (decodes, chunk) {list(s.mixed_cases)} ...")
+    log(f"[3b/5] mixed steps against their parts: (decodes, chunk) {list(s.mixed_cases)} ...")
     mixed = mixed_step_breakdown(s.model, s.dtype, s.threads, list(s.mixed_cases), rounds=s.mixed_rounds,
                                  seed=s.seed, log=log)
 
