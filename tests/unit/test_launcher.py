@@ -141,6 +141,8 @@ def fake_gguf(tmp_path, monkeypatch):
 
     monkeypatch.setattr(prepare_model, "find_gguf", lambda: gguf)
     monkeypatch.setattr(prepare_model, "convert", fake_convert)
+    # The stand-in has no tensors to keep: its quantized blocks are test_quantized_model.py's subject.
+    monkeypatch.setattr(prepare_model, "ensure_gguf_blocks", lambda out, source: out / prepare_model.GGUF_BLOCKS)
     return conversions
 
 
