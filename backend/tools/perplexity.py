@@ -49,7 +49,12 @@ def _nll(logits: torch.Tensor, chunk: list[int]) -> tuple[float, int]:  # logits
     return -log_probs.gather(1, targets[:, None]).sum().item(), len(targets)
 
 
-def engine_nll(model: str, quantization: str | None, parts: list[list[int]], threads: int) -> tuple[float, int]:
+def engine_nll(model: str, quantization: str | None, parts: list[list[int]], threads: int,
+               path: str = "prefill") -> tuple[float, int]:
+    """The engine's sum of NLLs over ``parts``. ``path``: ``prefill`` runs each chunk as one prefill (where a
+    quantized format widens its weights to bf16); ``decode`` runs the first half as a prefill and then scores the
+    second half one decode step at a time, the text's own token fed at each step (teacher forcing): what a served
+    stream runs, through the quantized kernels."""
     ctx = len(parts[0])
     config = EngineConfig(model=model, quantization=quantization, num_threads=threads, max_num_seqs=1,
                           max_num_batched_tokens=ctx, max_model_len=ctx, num_kv_blocks=-(-ctx // 16) + 1)
@@ -58,14 +63,28 @@ def engine_nll(model: str, quantization: str | None, parts: list[list[int]], thr
     for i, chunk in enumerate(parts):
         request = Request(f"chunk-{i}", chunk)
         request.block_ids = list(range(-(-ctx // runner.block_size)))
-        inputs = runner.prepare([ScheduledRequest.of(request, ctx)])
-        every_position = torch.arange(ctx)
         with torch.inference_mode():
-            logits = runner.model.forward(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta,
-                                          every_position)  # (ctx, V)
+            if path == "prefill":
+                logits = _run(runner, ScheduledRequest.of(request, ctx), ctx)  # (ctx, V)
+            else:
+                first = ctx // 2
+                _run(runner, ScheduledRequest(request, first - 1, False), 1)  # positions 0 .. first - 2
+                request.num_computed_tokens = first - 1
+                rows = []
+                for position in range(first - 1, ctx - 1):  # the token at `position` in, the next one scored
+                    rows.append(_run(runner, ScheduledRequest(request, 1, True), 1))
+                    request.num_computed_tokens = position + 1
+                logits = torch.cat([torch.zeros(first - 1, rows[0].shape[-1]), *rows, rows[-1]])  # (ctx, V)
         nll, n = _nll(logits, chunk)
         total, count = total + nll, count + n
     return total, count
+
+
+def _run(runner: ModelRunner, scheduled: ScheduledRequest, num_logits: int) -> torch.Tensor:
+    """One forward of ``scheduled``; the logits of its last ``num_logits`` positions (num_logits, V)."""
+    inputs = runner.prepare([scheduled])
+    last = torch.arange(scheduled.num_new_tokens - num_logits, scheduled.num_new_tokens)
+    return runner.model.forward(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta, last).float()
 
 
 def hf_nll(model: str, parts: list[list[int]]) -> tuple[float, int]:
@@ -88,22 +107,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--path", choices=("prefill", "decode"), default="prefill",
+                        help="score the engine's prefill (default) or its decode steps (the quantized kernels)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     token_ids = load_tokenizer(args.model).encode(args.text.read_text())
     parts = chunks(token_ids, args.ctx)
     results = {"hf_fp32": hf_nll(args.model, parts)}
     for fmt in args.formats:
-        results[fmt] = engine_nll(args.model, None if fmt == "bf16" else fmt, parts, args.threads)
+        results[fmt] = engine_nll(args.model, None if fmt == "bf16" else fmt, parts, args.threads, args.path)
     ppl = {name: math.exp(total / count) for name, (total, count) in results.items()}
     scored = next(iter(results.values()))[1]
     print(f"perplexity on {args.text.name}: {len(token_ids)} tokens, {len(parts)} chunks of {args.ctx}, "
-          f"{scored} scored")
+          f"{scored} scored, the engine's {args.path} path")
     for name, value in ppl.items():
         print(f"  {name:<8} {value:8.4f}  ({value / ppl['hf_fp32'] - 1:+.2%} against HF float32)")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"text": args.text.name, "tokens": len(token_ids), "ctx": args.ctx,
+                                        "path": args.path,
                                         "scored_tokens": scored, "perplexity": ppl}, indent=2) + "\n")
     return 0
 
