@@ -27,6 +27,7 @@ class StepTimes:
 class StepRecord:
     num_seqs: int  # sequences in this forward (the batch size that static, dynamic and continuous batching differ in)
     num_tokens: int  # tokens scheduled this step (prefill chunks + decodes)
+    num_decodes: int  # sequences that ran one token (the rest ran prompt chunks)
     num_running: int
     num_waiting: int
     num_kv_blocks_used: int
@@ -51,6 +52,7 @@ class EngineStats:
         record = StepRecord(
             num_seqs=len(sched.scheduled),
             num_tokens=sched.num_batched_tokens,
+            num_decodes=sum(1 for s in sched.scheduled if s.num_new_tokens == 1),
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             num_kv_blocks_used=block_manager.num_used_blocks,

@@ -33,10 +33,11 @@ the same run beside it. Keys of the JSON file:
 ``served`` (``null`` with ``--served-models ''``)
     the fixed batches' decode workloads through a real tritonserver: ``models``, ``new_tokens``, ``prompt_len``,
     ``quantization`` (null: bf16); ``runs``, one per model, batch and ``temperature`` (0 or 1): ``itl_ms`` (median
-    inter-token gap of the streams, best of ``config.repeats``), ``itl_p90_ms``, ``tok_s``, ``client_cpu`` and
-    ``server_cpu`` (cores used by this process as the client and by tritonserver with its stubs), ``offline_step_ms``
-    (the fixed batches' median decode step at that batch and sampling) and ``ratio`` (``itl_ms / offline_step_ms``).
-    See ``backend/tools/bench_served.py``.
+    inter-token gap of the streams, best of ``config.repeats``; a response of k tokens counts as k gaps),
+    ``itl_p90_ms``, ``tok_s``, ``ttft_ms`` (median over the streams), ``tokens_per_response`` (``stream_interval`` at
+    work), ``client_cpu`` and ``server_cpu`` (cores used by this process as the client and by tritonserver with its
+    stubs), ``offline_step_ms`` (the fixed batches' median decode step at that batch and sampling) and ``ratio``
+    (``itl_ms / offline_step_ms``). See ``backend/tools/bench_served.py``.
 ``llamacpp`` (only with ``--llamacpp PATH``: llama.cpp's ``llama-server``, built by ``make llamacpp``)
     the same decode workloads (random prompts of ``prompt_len`` token ids) through ``llama-server`` on the GGUF of the
     same weights (BF16, or Q4_1 with ``--quantization q4_1``, or ``--llamacpp-gguf``), HTTP streaming
@@ -56,7 +57,16 @@ the same run beside it. Keys of the JSON file:
     from ``StepRecord.num_seqs``); ``fragmentation`` and ``static_fragmentation`` (KV internal fragmentation,
     ``1 - sum(tokens in cache) / sum(blocks held * block_size)`` over running requests, summed over every step);
     ``continuous_prefill_s``, ``continuous_decode_s``, ``static_prefill_s``, ``static_decode_s`` (wall time in steps
-    that carried prompt tokens, and in decode-only steps: where the time went).
+    that carried prompt tokens, and in decode-only steps: where the time went); ``continuous_prefill_steps``,
+    ``static_prefill_steps`` (how many steps carried prompt tokens) and ``continuous_prefill_step_decodes``,
+    ``static_prefill_step_decodes`` (the decode rows those steps carried beside their chunks: a step carrying a
+    chunk also pays for them).
+``mixed_steps`` (list, one entry per case of ``mixed_cases``)
+    a step carrying a fresh prompt chunk and N decodes against a step of that chunk alone plus a decode step of the N
+    rows alone, each a real engine step, the arms alternating: ``num_decodes``, ``chunk``, ``context`` (the decodes'
+    context), ``rounds``, ``decode_ms``, ``prefill_ms``, ``mixed_ms`` (median whole steps), ``parts_ms`` (decode +
+    prefill), ``ratio`` (mixed / parts) and ``phases`` (arm -> prepare / forward / sample ms). See
+    ``backend/tools/bench_mixed.py``.
 ``scheduler``
     ``num_seqs`` running decode sequences; ``us_per_step`` (``schedule()`` + ``update()``, pure Python, no model);
     ``step_ms`` (one real forward + sampling at that batch, ``step_source`` says how it was measured) and
@@ -89,6 +99,7 @@ from backend.engine.request import Request, RequestStatus  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest, Scheduler  # noqa: E402
 from backend.engine.stats import StepRecord  # noqa: E402
 from backend.tools.bench_llamacpp import llamacpp_column  # noqa: E402
+from backend.tools.bench_mixed import format_breakdown, mixed_step_breakdown  # noqa: E402
 from backend.tools.bench_served import SERVED_MODELS, served_column  # noqa: E402
 from backend.triton.names import CONTINUOUS  # noqa: E402
 
@@ -109,6 +120,10 @@ class BenchSettings:
     workload_long_share: float = 0.1
     workload_max_num_seqs: int = 32
     scheduler_seqs: int = 256
+    # (decodes, prompt chunk) of the mixed-step breakdown: the burst workload's steps carry about 30 decodes beside a
+    # prompt of 16-512 tokens (a few prompts: up to the 2048-token budget)
+    mixed_cases: tuple[tuple[int, int], ...] = ((16, 256), (31, 256), (16, 1024), (31, 1024))
+    mixed_rounds: int = 5
     repeats: int = 2  # fixed batches: best of this many runs, engine and HF alike (the machine may be shared)
     seed: int = 0
     quick: bool = False
@@ -127,6 +142,7 @@ class BenchSettings:
         values = dict(
             batches=(1, 8), new_tokens=32, workload_requests=40, workload_prompt_range=(16, 128),
             workload_long_range=(96, 128), workload_max_num_seqs=8, repeats=1, quick=True,
+            mixed_cases=((8, 64), (8, 256)), mixed_rounds=3,
         )
         return cls(model=model, **{**values, **overrides})
 
@@ -314,6 +330,7 @@ def run_workload(s: BenchSettings, policy: str, requests: list[tuple[list[int], 
     num_seqs: list[int] = []
     tokens_in_cache = slots_held = 0
     busy = prefill_busy = 0.0
+    prefill_steps = prefill_step_decodes = 0
     while engine.has_unfinished():
         num_steps = engine.stats.num_steps
         start = time.perf_counter()
@@ -326,6 +343,8 @@ def run_workload(s: BenchSettings, policy: str, requests: list[tuple[list[int], 
         num_seqs.append(record.num_seqs)
         if record.num_tokens > record.num_seqs:  # the step carried prompt tokens
             prefill_busy += elapsed
+            prefill_steps += 1
+            prefill_step_decodes += record.num_decodes
         # Sampled after each step, over the requests that hold blocks (outside the timed region).
         running = engine.scheduler.running
         tokens_in_cache += sum(r.num_computed_tokens for r in running)
@@ -340,6 +359,8 @@ def run_workload(s: BenchSettings, policy: str, requests: list[tuple[list[int], 
         "num_steps": len(num_seqs),
         "prefill_s": prefill_busy,
         "decode_s": busy - prefill_busy,
+        "prefill_steps": prefill_steps,
+        "prefill_step_decodes": prefill_step_decodes,
     }
 
 
@@ -453,7 +474,15 @@ def run_bench(s: BenchSettings, log=print) -> dict:
         "continuous_decode_s": cont["decode_s"],
         "static_prefill_s": stat["prefill_s"],
         "static_decode_s": stat["decode_s"],
+        "continuous_prefill_steps": cont["prefill_steps"],
+        "static_prefill_steps": stat["prefill_steps"],
+        "continuous_prefill_step_decodes": cont["prefill_step_decodes"],
+        "static_prefill_step_decodes": stat["prefill_step_decodes"],
     }
+
+    log(f"[3b/5] mixed steps against their parts: (decodes, chunk) {list(s.mixed_cases)} ...")
+    mixed = mixed_step_breakdown(s.model, s.dtype, s.threads, list(s.mixed_cases), rounds=s.mixed_rounds,
+                                 seed=s.seed, log=log, quantization=s.quantization)
 
     log(f"[4/5] scheduler cost at {s.scheduler_seqs} sequences ...")
     us = scheduler_us_per_step(s.scheduler_seqs)
@@ -473,7 +502,7 @@ def run_bench(s: BenchSettings, log=print) -> dict:
         "new_tokens": s.new_tokens, "torch": torch.__version__, "cpu_count": os.cpu_count(),
     }
     result = {"config": config, "fixed_batches": engine_rows, "memory_floor": floor, "served": served,
-              "workload": workload, "scheduler": scheduler}
+              "workload": workload, "mixed_steps": mixed, "scheduler": scheduler}
     if llamacpp is not None:
         result["llamacpp"] = llamacpp
     log("[5/5] targets")
@@ -488,6 +517,10 @@ SAMPLING_TARGET = 0.03  # sampling's share of the step at batch 32, temperature 
 BATCH64_TARGET = 1500.0  # output tok/s of the decode step at batch 64
 LLAMACPP_ITL_TARGET, LLAMACPP_ITL_MOONSHOT = 1.5, 1.0  # served ITL / llama.cpp's ITL at batch 1, greedy
 LLAMACPP_SPEEDUP_TARGET = 1.5  # llama.cpp's ITL / served ITL at batch 8, greedy
+# Issue 27's: a step with a prefill chunk and N decodes / (the chunk alone + a decode step of N rows); and the burst
+# workload's continuous / static output tok/s
+MIXED_STEP_TARGET = 1.10
+WORKLOAD_SPEEDUP_TARGET = 2.0
 
 
 def judge_targets(result: dict) -> list[dict]:
@@ -519,6 +552,15 @@ def judge_targets(result: dict) -> list[dict]:
     if 64 in rows:
         tok_s = rows[64]["decode_tok_s"]
         judge("decode output tok/s at batch 64 (offline)", tok_s, f">= {BATCH64_TARGET:.0f}", tok_s >= BATCH64_TARGET)
+    mixed = result.get("mixed_steps") or []
+    if mixed:
+        worst = max(mixed, key=lambda r: r["ratio"])
+        judge("mixed step / (its chunk alone + its decodes alone)", worst["ratio"], f"<= {MIXED_STEP_TARGET}x",
+              worst["ratio"] <= MIXED_STEP_TARGET,
+              f"worst: {worst['num_decodes']} decodes + a {worst['chunk']}-token chunk")
+    speedup = result["workload"]["speedup"]
+    judge("workload: continuous / static output tok/s", speedup, f">= {WORKLOAD_SPEEDUP_TARGET}x",
+          speedup >= WORKLOAD_SPEEDUP_TARGET)
     judge("served vs llama.cpp's llama-server", *_versus_llamacpp(result))
     return targets
 
@@ -587,13 +629,15 @@ def format_table(result: dict) -> str:
             f"one stream per sequence, about {served['prompt_len']}-token prompts, {served['new_tokens']} new "
             "tokens), client in this process on the same cores",
             f"   {'model':>14}  {'batch':>5}  {'sampling':>8}  {'served ITL ms':>13}  {'offline step ms':>15}  "
-            f"{'served / offline':>16}  {'ITL p90 ms':>10}  {'client CPU':>10}  {'server CPU':>10}",
+            f"{'served / offline':>16}  {'ITL p90 ms':>10}  {'TTFT p50 ms':>11}  {'tokens/response':>15}  "
+            f"{'client CPU':>10}  {'server CPU':>10}",
         ]
         for r in sorted(served["runs"], key=lambda r: (r["model"], r["batch"], r["temperature"])):
             sampling = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
             lines.append(
                 f"   {r['model']:>14}  {r['batch']:>5}  {sampling:>8}  {r['itl_ms']:>13.1f}  "
                 f"{r['offline_step_ms']:>15.1f}  {r['ratio']:>15.2f}x  {r['itl_p90_ms']:>10.1f}  "
+                f"{fmt(r.get('ttft_ms'), '.1f'):>11}  {fmt(r.get('tokens_per_response'), '.2f'):>15}  "
                 f"{r['client_cpu']:>10.0%}  {r['server_cpu']:>10.0%}"
             )
     llamacpp = result.get("llamacpp")
@@ -624,14 +668,18 @@ def format_table(result: dict) -> str:
         f"3. Workload: {w['num_requests']} requests at t=0, {w['num_prompt_tokens']} prompt tokens, "
         f"{w['num_output_tokens']} output tokens, max_num_seqs {w['max_num_seqs']}",
         f"   {'policy':>10}  {'output tok/s':>12}  {'mean batch':>10}  {'steps':>6}  {'KV fragmentation':>16}"
-        f"  {'prefill steps s':>15}  {'decode steps s':>14}",
+        f"  {'prefill steps s':>15}  {'(steps, decode rows in them)':>28}  {'decode steps s':>14}",
         f"   {'continuous':>10}  {w['continuous_tok_s']:>12.1f}  {w['continuous_mean_batch']:>10.1f}  "
         f"{w['continuous_steps']:>6}  {w['fragmentation']:>16.1%}  {w['continuous_prefill_s']:>15.1f}"
-        f"  {w['continuous_decode_s']:>14.1f}",
+        f"  {_steps_and_rows(w, 'continuous'):>28}  {w['continuous_decode_s']:>14.1f}",
         f"   {'static':>10}  {w['static_tok_s']:>12.1f}  {w['static_mean_batch']:>10.1f}  "
         f"{w['static_steps']:>6}  {w['static_fragmentation']:>16.1%}  {w['static_prefill_s']:>15.1f}"
-        f"  {w['static_decode_s']:>14.1f}",
+        f"  {_steps_and_rows(w, 'static'):>28}  {w['static_decode_s']:>14.1f}",
         f"   continuous / static: {w['speedup']:.2f}x",
+        "",
+        "3b. Mixed steps against their parts: a step carrying a fresh prompt chunk and N decodes, beside a step of "
+        "the chunk alone plus a decode step of the N rows alone (real engine steps, arms alternating, medians)",
+        *format_breakdown(result["mixed_steps"]),
         "",
         f"4. Scheduler: schedule + update with {sc['num_seqs']} running decodes: {sc['us_per_step']:.0f} us/step = "
         f"{sc['share_of_step']:.2%} of a {sc['step_ms']:.1f} ms step ({sc['step_source']})",
@@ -644,6 +692,10 @@ def format_table(result: dict) -> str:
         detail = f" ({t['detail']})" if t["detail"] else ""
         lines.append(f"   {verdict:>10}  {t['name']}: {value}, goal {t['goal']}{detail}")
     return "\n".join(lines)
+
+
+def _steps_and_rows(w: dict, policy: str) -> str:
+    return f"({w[f'{policy}_prefill_steps']}, {w[f'{policy}_prefill_step_decodes']})"
 
 
 def main(argv: list[str] | None = None) -> int:

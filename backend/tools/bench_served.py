@@ -4,7 +4,10 @@ A workload is ``batch`` streams started together, each a prompt of about ``promp
 ``new_tokens`` new ones (``ignore_eos``), greedy or sampled. Each stream is one gRPC bidirectional stream, as a
 tritonclient user sends it; all are opened before the first request goes out, so that a batcher sees them together.
 The inter-token latency (ITL) is the median gap between two consecutive tokens of a stream, over every stream once
-the first two tokens are out (prefill done): one engine step as a client sees it, transport included.
+the first two tokens are out (prefill done): one engine step as a client sees it, transport included. A response
+that carries k tokens (``stream_interval``: sent every few steps) counts as k gaps of 1/k of the time since the
+stream's previous response: the time per token at which the stream delivers, the same figure as before when every
+response carries one token. TTFT is the median over streams of the first response's arrival.
 
 The client runs in this process, on the same cores as the server, as a load generator would; the CPU it used and
 the server's (tritonserver and its stubs) are reported beside each workload, so a server that starves its
@@ -126,15 +129,21 @@ def run_workload(server: TritonServer, workload: ServedWorkload, prompts: list[s
     for client, _, inputs in streams:
         client.async_stream_infer(workload.model, inputs, enable_empty_final_response=True)
     token_times: list[list[float]] = []
+    first_times: list[float] = []
+    num_responses = 0
     try:
         for _, responses, _ in streams:
-            times = []
+            times: list[float] = []
             while True:
                 arrived, result, error = responses.get(timeout=timeout)
                 if error is not None:
                     raise RuntimeError(f"{workload.model}: {error}")
                 ids = result.as_numpy("output_ids")
-                times += [arrived] * (0 if ids is None else ids.size)
+                if ids is not None and ids.size:
+                    if not times:
+                        first_times.append(arrived)
+                    times += spread_tokens(times[-1] if times else started, arrived, int(ids.size))
+                    num_responses += 1
                 if result.get_response().parameters["triton_final_response"].bool_param:
                     break
             token_times.append(times)
@@ -152,9 +161,17 @@ def run_workload(server: TritonServer, workload: ServedWorkload, prompts: list[s
         "itl_ms": statistics.median(gaps) * 1e3,
         "itl_p90_ms": gaps[int(0.9 * (len(gaps) - 1))] * 1e3,
         "tok_s": workload.batch * workload.new_tokens / wall,
+        "ttft_ms": statistics.median(t - started for t in first_times) * 1e3,
+        "tokens_per_response": workload.batch * workload.new_tokens / num_responses,
         "client_cpu": client_cpu / wall,  # cores (1.0 = one core busy)
         "server_cpu": server_cpu / wall,
     }
+
+
+def spread_tokens(previous: float, arrived: float, num_tokens: int) -> list[float]:
+    """The arrival times counted for a response of ``num_tokens`` tokens that came at ``arrived``, the stream's
+    previous response at ``previous``: evenly spread over the gap, the last at ``arrived``."""
+    return [previous + (arrived - previous) * (i + 1) / num_tokens for i in range(num_tokens)]
 
 
 def _on_response(responses: queue.SimpleQueue, result, error) -> None:

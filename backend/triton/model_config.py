@@ -7,6 +7,7 @@ from pathlib import Path
 
 from backend.engine.config import EngineConfig
 from backend.triton.faults import FAULTS_PARAMETER
+from backend.triton.stream_interval import STREAM_INTERVAL, STREAM_INTERVAL_MS, StreamInterval
 
 
 def engine_config_from_triton(model_config: dict, model_dir: str) -> EngineConfig:
@@ -16,7 +17,8 @@ def engine_config_from_triton(model_config: dict, model_dir: str) -> EngineConfi
     variable ``LLM_MODEL`` overrides it (``make serve MODEL=...``, the Docker image).
     """
     params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-    params.pop(FAULTS_PARAMETER, None)  # not an engine setting: see FaultInjector
+    for name in (FAULTS_PARAMETER, STREAM_INTERVAL, STREAM_INTERVAL_MS):  # not engine settings: the server's
+        params.pop(name, None)
     model = os.environ.get("LLM_MODEL") or params.get("model", "")
     if not model:
         raise ValueError("no model folder: set the 'model' parameter in config.pbtxt or the LLM_MODEL variable")
@@ -27,6 +29,12 @@ def engine_config_from_triton(model_config: dict, model_dir: str) -> EngineConfi
     if not (path / "config.json").is_file():
         raise ValueError(f"model folder {path} has no config.json; prepare it with `make model` or set LLM_MODEL")
     return EngineConfig.from_dict(params)
+
+
+def stream_interval_from_triton(model_config: dict) -> StreamInterval:
+    """How often streams are sent (``stream_interval``, ``stream_interval_ms``: backend/triton/stream_interval.py)."""
+    params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+    return StreamInterval.from_parameters(params)
 
 
 def model_is_decoupled(model_config: dict) -> bool:

@@ -54,6 +54,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     omitted_outputs: frozenset[str] = frozenset()  # optional outputs the request turned off (return_*: false)
+    requested_outputs: frozenset[str] = frozenset()  # asked for in every response, not just the final (return_*: true)
 
 
 def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, parameters: str = "") -> ParsedRequest:
@@ -100,15 +101,16 @@ def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, paramete
         values.update(_json_object("sampling_parameters", text))
     stream = bool(_scalar("stream", inputs["stream"])) if "stream" in inputs else False
     params = SamplingParams.from_dict(values)
-    omitted = frozenset(out for name, out in RETURN_INPUTS.items()
-                        if name in inputs and not _scalar(name, inputs[name]))
+    switches = {out: bool(_scalar(name, inputs[name])) for name, out in RETURN_INPUTS.items() if name in inputs}
+    omitted = frozenset(out for out, on in switches.items() if not on)
+    requested = frozenset(out for out, on in switches.items() if on)
     if params.max_tokens is not None and params.max_tokens >= limits.max_model_len:
         raise ValueError(
             f"max_tokens is {params.max_tokens}, beyond this model's max_model_len ({limits.max_model_len}): "
             f"prompt and output together must fit in max_model_len, so at most {limits.max_model_len - 1} tokens "
             "can be generated"
         )
-    return ParsedRequest(prompt, params, stream, omitted)
+    return ParsedRequest(prompt, params, stream, omitted, requested)
 
 
 def _json_object(source: str, text: str) -> dict[str, Any]:

@@ -1,5 +1,10 @@
 """Responses: what one engine output means for a Triton request (a streamed delta, or the whole text at the end),
-and error responses. Every request gets exactly one response flagged final."""
+and error responses. Every request gets exactly one response flagged final.
+
+A stream's tokens may be held for a few steps and sent together (``stream_interval``, in
+backend/triton/stream_interval.py); its first token and its final response always go out at once. An intermediate
+response carries only the new text and token ids (``INTERMEDIATE_OUTPUTS``); the counts and the finish reason come
+in the final one, or in every response when the request asks for them (``return_*: true``)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,11 @@ import numpy as np
 
 from backend.engine.llm_engine import RequestOutput
 from backend.engine.request import FinishReason
+from backend.triton.stream_interval import StreamPacer, StreamState
+
+ALL_OUTPUTS = frozenset({"text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"})
+# What every intermediate response of a stream carries; the other outputs only when asked for (``return_*: true``).
+INTERMEDIATE_OUTPUTS = frozenset({"text_output", "output_ids"})
 
 
 @dataclass
@@ -23,9 +33,21 @@ class OpenRequest:
     sender: Any
     stream: bool
     arrival: float = field(default_factory=time.perf_counter)
-    omitted_outputs: frozenset[str] = frozenset()
-    text: list[str] = field(default_factory=list)  # non-streaming: the whole text, sent at the end
+    omitted_outputs: frozenset[str] = frozenset()  # turned off (return_*: false): in no response
+    requested_outputs: frozenset[str] = frozenset()  # asked for (return_*: true): in every response
+    text: list[str] = field(default_factory=list)  # made and not yet sent (non-streaming: the whole text)
     token_ids: list[int] = field(default_factory=list)
+    pacing: StreamState | None = None  # a stream, once its first token went out
+
+    def hold(self, output: RequestOutput) -> None:
+        self.text.append(output.delta_text)
+        self.token_ids += output.new_token_ids
+
+    def take(self) -> tuple[str, list[int]]:
+        """Everything held, to be sent now."""
+        text, token_ids = "".join(self.text), self.token_ids
+        self.text, self.token_ids = [], []
+        return text, token_ids
 
 
 class OpenRequests:
@@ -35,10 +57,11 @@ class OpenRequests:
     on any thread.
     """
 
-    def __init__(self, pb, metrics, batched: bool) -> None:
+    def __init__(self, pb, metrics, batched: bool, pacer: StreamPacer | None = None) -> None:
         self._pb = pb
         self._metrics = metrics
         self._batched = batched  # a model with max_batch_size > 0 answers with a batch dimension
+        self.pacer = pacer or StreamPacer()
         self._open: dict[str, OpenRequest] = {}
         self._lock = threading.Lock()
 
@@ -63,7 +86,8 @@ class OpenRequests:
             self._open.pop(request_id, None)
 
     def send(self, output: RequestOutput) -> None:
-        """Send what ``output`` means for its request; a final output closes the request (and is counted)."""
+        """Send what ``output`` means for its request, now or with the stream's next response (the pacer says); a
+        final output closes the request (and is counted)."""
         with self._lock:
             if output.finished:
                 open_request = self._open.pop(output.request_id, None)
@@ -73,7 +97,19 @@ class OpenRequests:
             return
         if output.finished and output.finish_reason != FinishReason.REFUSED:
             self._metrics.on_finished(output, open_request.arrival)
-        send_output(self._pb, open_request, output, self._batched)
+        if output.finished or output.error is not None or not open_request.stream:
+            send_output(self._pb, open_request, output, self._batched)
+        elif open_request.pacing is None:  # the first token: at once
+            open_request.pacing = self.pacer.start()
+            send_output(self._pb, open_request, output, self._batched)
+        elif self.pacer.due(open_request.pacing):
+            self.pacer.timed(lambda: send_output(self._pb, open_request, output, self._batched))
+        else:
+            open_request.hold(output)
+
+    def end_step(self) -> None:
+        """A step's outputs are all sent (on the thread that sends): the pacer chooses the next interval."""
+        self.pacer.end_step()
 
     def forget(self, output: RequestOutput) -> None:
         """Close a request without sending (Triton has let go of it: nothing may be sent); it is still counted."""
@@ -160,21 +196,22 @@ class CancellationPoll:
 
 
 def send_output(pb, open_request: OpenRequest, output: RequestOutput, batched: bool) -> None:
-    """Send what one engine output means for this request: a delta (streaming), or the whole text at the end."""
+    """Send what one engine output means for this request, with whatever was held before it: a delta (streaming),
+    or the whole text at the end."""
     flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
     if output.error is not None:
         error = pb.InferenceResponse(output_tensors=[], error=pb.TritonError(output.error))
         open_request.sender.send(error, flags=flags)
         return
-    if open_request.stream:
-        text, token_ids = output.delta_text, output.new_token_ids
-    else:
-        open_request.text.append(output.delta_text)
-        open_request.token_ids += output.new_token_ids
-        if not output.finished:
-            return
-        text, token_ids = "".join(open_request.text), open_request.token_ids
-    tensors = make_output_tensors(pb, text, token_ids, output, batched, open_request.omitted_outputs)
+    open_request.hold(output)
+    if not (open_request.stream or output.finished):
+        return
+    text, token_ids = open_request.take()
+    if output.finished:
+        omitted = open_request.omitted_outputs
+    else:  # NOTE: each tensor is a shared-memory allocation and a bigger IPC message: the fewest that say it all
+        omitted = ALL_OUTPUTS - INTERMEDIATE_OUTPUTS - open_request.requested_outputs
+    tensors = make_output_tensors(pb, text, token_ids, output, batched, omitted)
     open_request.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
 
 
@@ -183,14 +220,14 @@ def make_output_tensors(
 ) -> list:
     lead = (1,) if batched else ()  # a model with max_batch_size > 0 answers with a batch dimension
     reason = output.finish_reason if output.finished else ""
-    arrays = {
-        "text_output": np.array([text.encode("utf-8")], dtype=np.object_),
-        "output_ids": np.array(token_ids, dtype=np.int32),
-        "finish_reason": np.array([(reason or "").encode()], dtype=np.object_),
-        "num_input_tokens": np.array([output.num_prompt_tokens], dtype=np.int32),
-        "num_output_tokens": np.array([output.num_output_tokens], dtype=np.int32),
+    arrays = {  # built only for the outputs sent
+        "text_output": lambda: np.array([text.encode("utf-8")], dtype=np.object_),
+        "output_ids": lambda: np.array(token_ids, dtype=np.int32),
+        "finish_reason": lambda: np.array([(reason or "").encode()], dtype=np.object_),
+        "num_input_tokens": lambda: np.array([output.num_prompt_tokens], dtype=np.int32),
+        "num_output_tokens": lambda: np.array([output.num_output_tokens], dtype=np.int32),
     }
-    return [pb.Tensor(name, array.reshape(lead + (-1,))) for name, array in arrays.items() if name not in omitted]
+    return [pb.Tensor(name, make().reshape(lead + (-1,))) for name, make in arrays.items() if name not in omitted]
 
 
 # NOTE: error responses carry Triton's default code: a decoupled model's errors reach clients as text only (gRPC

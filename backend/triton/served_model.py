@@ -23,10 +23,16 @@ from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.llm_engine import LLMEngine
 from backend.triton.faults import FaultInjector
 from backend.triton.metrics import TritonMetrics, instance_label
-from backend.triton.model_config import check_batcher, check_model, engine_config_from_triton
+from backend.triton.model_config import (
+    check_batcher,
+    check_model,
+    engine_config_from_triton,
+    stream_interval_from_triton,
+)
 from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
 from backend.triton.responses import OpenRequest, OpenRequests, send_error
 from backend.triton.shutdown_notice import ShutdownNotice
+from backend.triton.stream_interval import StreamPacer
 
 # Who takes a new request: the engine itself, the engine loop or the iteration driver. It refuses one by raising, or
 # by giving it its final output itself (IterationDriver.add).
@@ -53,7 +59,8 @@ class ServedModel:
         self.faults = FaultInjector.from_config(self.model_config)
         self.metrics = TritonMetrics(pb_utils, self.name, instance_label(args, self.model_config))
         # A model with max_batch_size > 0 answers with a batch dimension.
-        self.open = OpenRequests(pb_utils, self.metrics, batched=int(self.model_config.get("max_batch_size", 0)) > 0)
+        self.open = OpenRequests(pb_utils, self.metrics, batched=int(self.model_config.get("max_batch_size", 0)) > 0,
+                                 pacer=StreamPacer(stream_interval_from_triton(self.model_config)))
         self.failure: str | None = None  # set once the engine failed in a way no step can contain
         self.engine = self.start_engine(config)
         self.engine.fault_hook = self.faults
@@ -87,7 +94,8 @@ class ServedModel:
             send_error(pb_utils, sender, refusal)
             return None
         request_id = uuid.uuid4().hex
-        self.open.add(request_id, OpenRequest(sender, parsed.stream, arrival, parsed.omitted_outputs))
+        self.open.add(request_id, OpenRequest(sender, parsed.stream, arrival, parsed.omitted_outputs,
+                                              parsed.requested_outputs))
         if self.faults is not None:
             self.faults.watch(request_id, parsed.prompt)
         try:
@@ -99,7 +107,9 @@ class ServedModel:
         return request_id
 
     def observe_steps(self) -> None:
-        """Publish the engine's steps since the last call, and its gauges; on the thread that steps the engine."""
+        """After a step, on the thread that steps the engine and sends: publish the engine's steps since the last
+        call and its gauges; the stream pacer chooses the next interval."""
+        self.open.end_step()
         self.metrics.on_steps(self.engine)
 
     def fail(self, error: BaseException) -> None:

@@ -1,6 +1,7 @@
 """The OpenAI answers for completions and chat: one JSON response, or server-sent events as OpenAI streams them.
 
-A stream is: (chat) a role chunk, one content chunk per Triton response (one per token on every model), a chunk
+A stream is: (chat) a role chunk, one content chunk per token (a Triton response that carries several tokens, sent
+every ``stream_interval`` steps, becomes its text in one chunk and an empty chunk for each further token), a chunk
 with the ``finish_reason`` and an empty delta, the usage chunk when ``stream_options.include_usage`` asks (then
 every other chunk carries ``"usage": null``), and ``data: [DONE]``. An error after the first token is sent as
 ``data: {"error": ...}`` before ``[DONE]``; one before it is an HTTP error (the first Triton response is awaited
@@ -95,7 +96,10 @@ class Answer:
             piece = self.first
             while True:
                 if piece.num_tokens or piece.text:
-                    yield role + self._content(piece.text)
+                    # NOTE: OpenAI's chunks carry no token ids, so clients (the Locust user, benchmark tools) count
+                    # one token per chunk, as they would from OpenAI: a response of several tokens is its text and
+                    # an empty chunk for each further token, in one write.
+                    yield role + self._content(piece.text) + self._content("") * (piece.num_tokens - 1)
                     role = ""
                 if piece.finish_reason:
                     break

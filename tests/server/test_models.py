@@ -14,19 +14,23 @@ import pytest
 import requests
 from tritonclient.grpc import InferenceServerClient
 
+from backend.triton.launch_options import copy_model_repository
 from client import grpc_stream
 from client.grpc_stream import GrpcStream, start_stream
 from client.schema import input_tensors, raw_input_values
 from loadtest.metrics import model_sample, scrape_metrics
-from tests.server_harness import REPO_ROOT
 
 pytestmark = [pytest.mark.server, pytest.mark.smollm2]
 MODELS = ("llm_dynamic", "llm_continuous", "llm_iterative")
 
 
 @pytest.fixture(scope="module")
-def server(triton_server_factory, smollm2_dir):
-    return triton_server_factory.start(REPO_ROOT / "model_repository", model=smollm2_dir)
+def server(triton_server_factory, smollm2_dir, tmp_path_factory):
+    # NOTE: these tests count a stream's steps by its responses, so every token gets its own (stream_interval 1);
+    # the shipped "auto" groups tokens once sending binds the step (tests/server/test_stream_interval_served.py).
+    models = ("llm_static", *MODELS)
+    repository = copy_model_repository(tmp_path_factory.mktemp("every-step"), models, {"stream_interval": "1"})
+    return triton_server_factory.start(repository, model=smollm2_dir)
 
 
 # ---- gRPC streams read with client/grpc_stream.py, bare requests (the tests check the server, not LLMClient) ---
@@ -66,7 +70,8 @@ def test_grpc_stream_and_http_generate_agree(server, model):
     events = [json.loads(line[len(b"data: "):]) for line in sse.iter_lines() if line.startswith(b"data: ")]
     assert "".join(e["text_output"] for e in events) == streamed.text
     assert events[-1]["finish_reason"] == streamed.finish_reason
-    assert all(e["finish_reason"] == "" for e in events[:-1])
+    # counts and finish reason come in the final response only (unless a return_* switch asks for them in each)
+    assert all(not {"finish_reason", "num_input_tokens", "num_output_tokens"} & set(e) for e in events[:-1])
 
 
 @pytest.mark.timeout(300)

@@ -13,14 +13,15 @@ def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
         model=str(tiny_llama_dir), dtype="float32", threads=2, batches=(1, 2), hf_batches=(1,), prompt_len=8,
         new_tokens=4, repeats=1, workload_requests=6, workload_prompt_range=(4, 24), workload_short_range=(2, 4),
         workload_long_range=(8, 10), workload_long_share=0.3, workload_max_num_seqs=2, scheduler_seqs=8, quick=True,
-        served_models=("llm_continuous",),
+        served_models=("llm_continuous",), mixed_cases=((2, 8), (3, 40)), mixed_rounds=1,
     )
     result = bench.run_bench(settings, log=lambda msg: None)
     out = tmp_path / "bench.json"
     out.write_text(json.dumps(result))
     result = json.loads(out.read_text())
 
-    assert set(result) == {"config", "fixed_batches", "memory_floor", "served", "workload", "scheduler", "targets"}
+    assert set(result) == {"config", "fixed_batches", "memory_floor", "served", "workload", "mixed_steps", "scheduler",
+                           "targets"}
     rows = result["fixed_batches"]
     assert [r["batch"] for r in rows] == [1, 2]
     for row in rows:
@@ -51,10 +52,20 @@ def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
     assert 1 <= workload["static_mean_batch"] <= workload["continuous_mean_batch"] <= 2
     assert 0 <= workload["fragmentation"] < 1
 
+    assert workload["continuous_prefill_steps"] >= 1 and workload["continuous_prefill_step_decodes"] >= 0
+
+    mixed = result["mixed_steps"]  # each arm checks that it ran the sequences and tokens it says
+    assert [(r["num_decodes"], r["chunk"]) for r in mixed] == [(2, 8), (3, 40)]
+    for row in mixed:
+        assert row["parts_ms"] == row["decode_ms"] + row["prefill_ms"]
+        assert row["ratio"] == row["mixed_ms"] / row["parts_ms"]
+        assert set(row["phases"]) == {"decode", "prefill", "mixed"}
+
     scheduler = result["scheduler"]
     assert {"us_per_step", "share_of_step", "step_ms", "step_source"} <= set(scheduler)
     assert scheduler["us_per_step"] > 0 and 0 < scheduler["share_of_step"] < 1
 
     table = bench.format_table(result)
     assert "continuous / static" in table and "served / offline" in table and "x floor" in table
+    assert "mixed / parts" in table
     assert "Speed targets, judged on this run's figures" in table

@@ -1,6 +1,8 @@
 """The frontend's streamed content chunks: rendered from a template once per answer, they must be the very lines
 pydantic's chunk models render (what the OpenAI SDK and the benchmark tools parse), for any text a token can carry;
-and a chat stream's role chunk travels with its first token."""
+a chat stream's role chunk travels with its first token; and a Triton response that carries several tokens
+(``stream_interval``) still makes one content chunk per token, since OpenAI's chunks carry no token ids and its
+clients count a token per chunk."""
 
 from __future__ import annotations
 
@@ -50,10 +52,16 @@ def test_a_content_chunk_is_the_line_pydantic_renders(kind, include_usage):
         assert got == text
 
 
-def stream(kind: str, pieces) -> list[str]:
+def stream(kind: str, pieces, include_usage: bool = False) -> list[str]:
+    """The stream's writes (one per yield; a write may hold several events)."""
     async def collect():
-        return [line async for line in answer(kind, False, pieces).events()]
+        return [line async for line in answer(kind, include_usage, pieces).events()]
     return asyncio.run(collect())
+
+
+def events_of(lines: list[str]) -> list[dict]:
+    return [json.loads(e.removeprefix("data: ")) for line in lines for e in line.split("\n\n")
+            if e and e != "data: [DONE]"]
 
 
 def test_the_role_chunk_goes_out_with_the_first_token():
@@ -70,3 +78,16 @@ def test_a_stream_without_tokens_still_has_its_role_chunk():
     assert json.loads(events[0].removeprefix("data: "))["choices"][0]["delta"]["role"] == "assistant"
     assert json.loads(events[1].removeprefix("data: "))["choices"][0]["finish_reason"] == "stop"
     assert events[-1] == "data: [DONE]"
+
+
+def test_a_response_of_several_tokens_becomes_one_chunk_per_token_with_the_same_text():
+    each_token = [Piece("Hel", 1, None, 3, 1), Piece("lo", 1, None, 3, 2), Piece(",", 1, None, 3, 3),
+                  Piece(" you", 1, None, 3, 4), Piece("!", 1, "length", 3, 5)]
+    grouped = [Piece("Hel", 1, None, 3, 1), Piece("lo, you", 3, None, 3, 4), Piece("!", 1, "length", 3, 5)]
+    for pieces in (each_token, grouped):
+        events = events_of(stream("completion", pieces, include_usage=True))
+        content = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"] is None]
+        assert len(content) == 5 and "".join(e["choices"][0]["text"] for e in content) == "Hello, you!"
+        assert events[-1]["usage"]["completion_tokens"] == 5
+    grouped_events = events_of(stream("completion", grouped, include_usage=True))
+    assert [e["choices"][0]["text"] for e in grouped_events[:5]] == ["Hel", "lo, you", "", "", "!"]

@@ -227,7 +227,8 @@ def test_a_streaming_request_gets_each_delta_and_the_last_one_is_final():
     last = sender.sent[-1][0]
     assert last.error is None and last.tensors["finish_reason"].tolist() == [b"length"]
     assert (last.tensors["num_input_tokens"].tolist(), last.tensors["num_output_tokens"].tolist()) == ([4], [4])
-    assert sender.sent[0][0].tensors["finish_reason"].tolist() == [b""]  # no reason before the end
+    # Before the end only the new text and ids: no finish reason, no counts (unless a return_* switch asks).
+    assert [sorted(r.tensors) for r, _ in sender.sent[:2]] == [["output_ids", "text_output"]] * 2
 
 
 def test_a_non_streaming_request_gets_one_final_response_with_the_whole_text():
