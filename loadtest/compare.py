@@ -246,7 +246,7 @@ def main(argv=None) -> int:
         "quantization": args.quantization,
     }
     loads = ", ".join(p.label for p in points)
-    weights = f"{args.quantization} weights" if args.quantization else "weights as shipped"
+    weights = f"{args.quantization} weights" if args.quantization else "weights as configured"
     log(f"{args.mode} run: {', '.join(models)} at {loads}; {workload.describe()}; {weights}; report in {out_dir}")
     started = time.perf_counter()
     page = live.LivePage(live_view(models, plan, out_dir), args.live_port).start()

@@ -459,7 +459,7 @@ def _weights_text(meta: dict) -> str:
     if not formats:
         return "Weights: as the server's configs ship them."
     if len(formats) == 1:
-        how = "--quantization" if meta.get("quantization") else "as shipped"
+        how = "--quantization" if meta.get("quantization") else "as configured"
         return f"Weights: {formats[0]} on every model ({how})."
     by_model = ", ".join(f"{m} {weight_format(c)}" for m, c in sorted(meta["configs"].items(),
                                                                       key=lambda item: model_order(item[0])))

@@ -301,7 +301,8 @@ def max_num_seqs(config: dict) -> int | None:
 def batcher_settings(config: dict) -> dict:
     """Every setting that decides a model's batch, from the config the server serves (``/v2/models/<m>/config``):
     Triton's batcher (max_batch_size, preferred_batch_size, max_queue_delay_microseconds, instance count) and the
-    engine's (max_num_seqs, max_num_batched_tokens, the KV pool as configured). None where a setting is not set."""
+    engine's (max_num_seqs, max_num_batched_tokens, the KV pool as configured), and the weights it runs (dtype,
+    quantization). None where a setting is not set."""
     dynamic = config.get("dynamic_batching")
     sequence = config.get("sequence_batching")
     if dynamic is not None:

@@ -271,7 +271,7 @@ def main(argv=None) -> int:
     say(
         f"SLO: TTFT p99 <= {args.slo_ttft_ms:g} ms, TPOT p99 <= {args.slo_tpot_ms:g} ms; {', '.join(models)}; "
         f"ladder {', '.join(p.label for p in points)}; {args.workload} workload; {args.duration:g} s per point; "
-        + (f"{args.quantization} weights" if args.quantization else "weights as shipped")
+        + (f"{args.quantization} weights" if args.quantization else "weights as configured")
     )
     try:
         with open_target(args, out_dir / "tritonserver.log", say=say) as target:

@@ -176,7 +176,7 @@ def test_report_names_the_weight_format(tmp_path):
 def test_report_says_bf16_and_mixed_formats():
     as_shipped = {"configs": {m: batcher_settings(served_config(None)) for m in (DYNAMIC, CONTINUOUS)}}
     assert report.weight_formats(as_shipped) == ["bf16"]
-    assert report._weights_text(as_shipped) == "Weights: bf16 on every model (as shipped)."
+    assert report._weights_text(as_shipped) == "Weights: bf16 on every model (as configured)."
     mixed = {"configs": {DYNAMIC: batcher_settings(served_config(None)),
                          CONTINUOUS: batcher_settings(served_config("int8"))}}
     assert report._weights_text(mixed) == f"Weights: {DYNAMIC} bf16, {CONTINUOUS} int8."
