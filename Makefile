@@ -3,7 +3,8 @@
 #   make serve     serve model_repository/ on a real Triton server (HTTP 8000, gRPC 8001, metrics 8002)
 #   make test      the whole test suite: tests/unit/, then tests/server/ (real servers on free ports, the containers)
 #   make test-unit the unit tier alone (tests/unit/): no server, no Docker, nothing installed with apt; a few minutes
-#   make compare   serve the models, compare llm_dynamic and llm_continuous under the same Locust load (reports/)
+#   make compare   serve the models, compare llm_dynamic and llm_continuous under the same Locust load (reports/);
+#                  ARGS="--quantization q4_1" (or int8) serves every model on those weights
 #   make slo       highest load each model sustains within TTFT/TPOT p99 SLOs
 #   make locust    Locust's web UI (:8089) against a running `make serve`, with the live batching tab
 #   make soak      mixed load with cancellations and bad requests, 10 min; RSS/KV report in reports/soak-<time>/
@@ -14,7 +15,8 @@
 #   make llamacpp  llama.cpp's llama-server and llama-perplexity from the llama-cpp-python sdist on PyPI (built for
 #                  this CPU's instruction sets), a BF16 GGUF of MODEL and the shipped Q4_1 GGUF in .llamacpp/,
 #                  about 8 min on 2 cores, never in CI; then
-#                  make bench ARGS="--llamacpp .llamacpp/bin/llama-server" (llama.cpp beside the served engine)
+#                  make bench ARGS="--llamacpp .llamacpp/bin/llama-server" (llama.cpp beside the served engine;
+#                  add --quantization q4_1 for both on the Q4_1 weights, llama.cpp on the shipped Q4_1 GGUF)
 #   make docker    the CPU images: llm-batching-triton:cpu (what `make serve` runs, in a container) and
 #                  llm-batching-locust:latest; uses the Docker engine that answers, or provisions a private one
 #                  (docker/engine.sh; `make docker-down` stops it). docker/README.md has the rest.

@@ -18,8 +18,9 @@ batching), plus ``llm_dynamic`` at the best settings found for it on the develop
 the dynamic batcher is shown at its best beside its shipped configuration. ``--dynamic-variants`` gives other
 settings: each ``INSTANCESxMAX_BATCH_SIZE@MAX_QUEUE_DELAY_US`` is served as a copy of ``llm_dynamic`` named
 ``llm_dynamic_<I>x<B>_<D>us`` (the compared models are copied, with the launcher's ``copy_model_repository``, into
-the report's ``model_repository/``, and that copy is served). The report's configuration table states every
-batcher setting of each model as the server served it.
+the report's ``model_repository/``, and that copy is served). ``--quantization q4_1`` (or ``int8``, ``bf16``) serves
+every model with that weight format, the engine parameter ``quantization`` set in the same copies. The report's
+configuration table states every batcher setting and the weights of each model as the server served it.
 
 Goodput counts the requests with TTFT <= --slo-ttft-ms (default 2000) and TPOT <= --slo-tpot-ms (default 100);
 ``python -m loadtest.slo`` holds a load point's p99s to the same limits.
@@ -48,6 +49,7 @@ from loadtest.runner import (
     batcher_settings,
     check_models,
     command_parser,
+    engine_parameters,
     max_num_seqs,
     open_target,
     run_load_point,
@@ -127,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(str(exc))
     if args.variants and args.url:
         p.error("--dynamic-variants serve a copy of the repository; with --url, serve them on that server instead")
+    if args.quantization and args.url:
+        p.error("--quantization sets the served copies' configs; with --url, set it in that server's configs instead")
     models = list(MODELS) if args.models is None else [m for m in args.models.split(",") if m]
     if args.variants and DYNAMIC not in models:
         p.error(f"--dynamic-variants are compared beside {DYNAMIC}: put it among --models")
@@ -239,16 +243,18 @@ def main(argv=None) -> int:
         "machine": machine(),
         "cpus": os.cpu_count(),
         "models": models,
+        "quantization": args.quantization,
     }
     loads = ", ".join(p.label for p in points)
-    log(f"{args.mode} run: {', '.join(models)} at {loads}; {workload.describe()}; report in {out_dir}")
+    weights = f"{args.quantization} weights" if args.quantization else "weights as configured"
+    log(f"{args.mode} run: {', '.join(models)} at {loads}; {workload.describe()}; {weights}; report in {out_dir}")
     started = time.perf_counter()
     page = live.LivePage(live_view(models, plan, out_dir), args.live_port).start()
     log(f"watch every model's batch, queues and KV blocks live at {page.url}")
     try:
-        if args.variants:
+        if args.variants or engine_parameters(args):
             args.model_repository = served_repository(
-                args.model_repository, out_dir / "model_repository", models, args.variants
+                args.model_repository, out_dir / "model_repository", models, args.variants, engine_parameters(args)
             )
         with open_target(args, out_dir / "tritonserver.log", say=log) as target:
             page.view.metrics_url = target.metrics_url

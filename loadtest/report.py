@@ -17,6 +17,7 @@ from pathlib import Path
 
 from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOTAL, STATIC, model_order, short_name
 from loadtest import metrics, plots
+from loadtest.runner import BF16, weight_format
 from loadtest.stats import MIN_REQUESTS, MIN_WINDOW_S, headline, headline_point, is_measured, ratio, summarize
 
 BASELINE, CANDIDATE = DYNAMIC, CONTINUOUS  # the headline: continuous batching against Triton's dynamic batcher
@@ -132,6 +133,7 @@ CONFIG_HEADER = [
     "max_num_seqs",
     "max_num_batched_tokens",
     "KV blocks",
+    "weights",
 ]
 
 
@@ -162,6 +164,7 @@ def config_rows(configs: dict[str, dict], runs: list[dict]) -> list[list[str]]:
             c.get("max_num_seqs") or "–",
             c.get("max_num_batched_tokens") or "–",
             kv,
+            weight_format(c),
         ])  # fmt: skip
     return out
 
@@ -237,7 +240,11 @@ def _sections(
 ) -> list[tuple]:
     """A list of ``(kind, content)``: ("h1"|"h2"|"p"|"pre", text), ("table", (header, rows)), ("img", (path, alt))."""
     slo = meta["slo"]
-    s = [("h1", "Continuous vs dynamic batching on Triton: measured"), ("p", f"**Headline:** {line}")]
+    formats = weight_formats(meta)
+    title = "Continuous vs dynamic batching on Triton: measured"
+    if formats and formats != [BF16]:
+        title += f" ({', '.join(formats)} weights)"
+    s = [("h1", title), ("p", f"**Headline:** {line}")]
     if meta.get("max_num_seqs"):
         s.append(
             (
@@ -260,9 +267,9 @@ def _sections(
                 "p",
                 "Read from each model's config as the server served it (/v2/models/<model>/config). Triton's batcher: "
                 "max_batch_size, preferred_batch_size, max_queue_delay and the instance count (each instance runs its "
-                "own engine and KV pool); the engine's: max_num_seqs, max_num_batched_tokens and the KV-cache blocks "
+                "own engine and KV pool); the engine's: max_num_seqs, max_num_batched_tokens, the KV-cache blocks "
                 "(all instances together, as the engines reported them on the metrics port, else as configured per "
-                "instance).",
+                "instance) and the weights (the engine parameter quantization, else the dtype).",
             ),
         ]
     for other in sorted({row["model"] for row in rows} - {CANDIDATE}, key=model_order):
@@ -438,9 +445,31 @@ def _decision_costs(rows: list[dict], timeline_runs: list[dict]) -> str:
     return text
 
 
+def weight_formats(meta: dict) -> list[str]:
+    """The weight formats the compared models ran (bf16, q4_1, int8), from the served configs; else what was asked
+    for (``meta["quantization"]``, None: as shipped); [] when neither says."""
+    configs = meta.get("configs") or {}
+    if configs:
+        return sorted({weight_format(c) for c in configs.values()})
+    return [meta["quantization"]] if meta.get("quantization") else []
+
+
+def _weights_text(meta: dict) -> str:
+    formats = weight_formats(meta)
+    if not formats:
+        return "Weights: as the server's configs ship them."
+    if len(formats) == 1:
+        how = "--quantization" if meta.get("quantization") else "as configured"
+        return f"Weights: {formats[0]} on every model ({how})."
+    by_model = ", ".join(f"{m} {weight_format(c)}" for m, c in sorted(meta["configs"].items(),
+                                                                      key=lambda item: model_order(item[0])))
+    return f"Weights: {by_model}."
+
+
 def _setup_text(meta: dict, runs: list[dict]) -> str:
     server = meta.get("server", {})
     parts = [
+        _weights_text(meta),
         f"Workload {meta['workload']} (max_tokens with ignore_eos, so every model generates exactly the same tokens; "
         f"seed {meta.get('seed', 0)}).",
         f"Closed loop: N users each send the next request when the last one ends; "

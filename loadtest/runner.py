@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +30,11 @@ from loadtest.metrics import MetricsSampler
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
 USER_CLASSES = {"grpc": "GrpcStreamUser", "http": "HttpStreamUser", "openai": "OpenAIStreamUser"}
+# The weights a served model can run (--quantization): bf16 as shipped, or the engine's quantization formats.
+# NOTE: written out, not imported: a load test does not import the engine (tests/unit/test_quantization_options.py
+# holds it equal to backend.engine.config.QUANTIZATIONS).
+BF16 = "bf16"
+WEIGHT_FORMATS = (BF16, "q4_1", "int8")
 
 
 @dataclass
@@ -120,7 +126,32 @@ def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
         default=os.environ.get("MODEL") or None,
         help="HF model folder for a server started here (default: $MODEL, else the repository's own)",
     )
+    parser.add_argument(
+        "--quantization",
+        choices=WEIGHT_FORMATS,
+        default=None,
+        help="the weights every served model runs: the engine parameter quantization, set in the served copies' "
+        "configs (default: as the repository ships them, bf16)",
+    )
     return parser
+
+
+def engine_parameters(args: argparse.Namespace) -> dict[str, str]:
+    """The engine parameters the command line sets on every served model (``--quantization``); {} when none."""
+    quantization = getattr(args, "quantization", None)
+    if quantization is None:
+        return {}
+    return {"quantization": "none" if quantization == BF16 else quantization}
+
+
+def weight_format(settings: dict) -> str:
+    """The weights a model runs, from its :func:`batcher_settings`: the quantization, else its dtype (bf16 by
+    default)."""
+    quantization = (settings.get("quantization") or "").strip().lower()
+    if quantization and quantization != "none":
+        return quantization
+    dtype = (settings.get("dtype") or "bfloat16").strip().lower()
+    return BF16 if dtype in ("bfloat16", BF16) else dtype
 
 
 @contextlib.contextmanager
@@ -174,12 +205,13 @@ class DynamicVariant:
     def name(self) -> str:
         return f"{DYNAMIC}_{self.instances}x{self.max_batch_size}_{self.max_queue_delay_us}us"
 
-    def write(self, source: Path, dst: Path) -> None:
-        """The model folder ``dst/<name>``: a copy of ``source/llm_dynamic`` with these settings."""
+    def write(self, source: Path, dst: Path, parameters: Mapping[str, str] | None = None) -> None:
+        """The model folder ``dst/<name>``: a copy of ``source/llm_dynamic`` with these settings (and the engine
+        ``parameters`` given)."""
         from backend.triton.launch_options import copy_model_repository
 
         threads = max(1, (os.cpu_count() or 1) // self.instances)
-        parameters = {"max_num_seqs": str(self.max_batch_size)}
+        parameters = {**(parameters or {}), "max_num_seqs": str(self.max_batch_size)}
         if self.instances > 1:  # NOTE: one instance takes every core (the engine's default); several share them
             parameters["num_threads"] = str(threads)
         copy_model_repository(dst / "staging", [DYNAMIC], parameters, source=source)
@@ -200,15 +232,22 @@ class DynamicVariant:
         (dst / "staging").rmdir()
 
 
-def served_repository(source: Path, dst: Path, models: list[str], variants: list[DynamicVariant]) -> Path:
-    """``dst`` holding the compared models: copies of ``source``'s and the variants of llm_dynamic."""
+def served_repository(
+    source: Path,
+    dst: Path,
+    models: list[str],
+    variants: list[DynamicVariant],
+    parameters: Mapping[str, str] | None = None,
+) -> Path:
+    """``dst`` holding the compared models: copies of ``source``'s and the variants of llm_dynamic, every one with
+    the engine ``parameters`` given (e.g. :func:`engine_parameters`)."""
     from backend.triton.launch_options import copy_model_repository
 
     names = {v.name for v in variants}
-    copy_model_repository(dst, [m for m in models if m not in names], source=source)
+    copy_model_repository(dst, [m for m in models if m not in names], parameters, source=source)
     for variant in variants:
         if variant.name in models:
-            variant.write(source, dst)
+            variant.write(source, dst, parameters)
     return dst
 
 
@@ -262,7 +301,8 @@ def max_num_seqs(config: dict) -> int | None:
 def batcher_settings(config: dict) -> dict:
     """Every setting that decides a model's batch, from the config the server serves (``/v2/models/<m>/config``):
     Triton's batcher (max_batch_size, preferred_batch_size, max_queue_delay_microseconds, instance count) and the
-    engine's (max_num_seqs, max_num_batched_tokens, the KV pool as configured). None where a setting is not set."""
+    engine's (max_num_seqs, max_num_batched_tokens, the KV pool as configured), and the weights it runs (dtype,
+    quantization). None where a setting is not set."""
     dynamic = config.get("dynamic_batching")
     sequence = config.get("sequence_batching")
     if dynamic is not None:
@@ -286,6 +326,8 @@ def batcher_settings(config: dict) -> dict:
         "max_num_batched_tokens": parameters.get("max_num_batched_tokens"),
         "num_kv_blocks": parameters.get("num_kv_blocks"),
         "kv_cache_memory_bytes": parameters.get("kv_cache_memory_bytes"),
+        "dtype": parameters.get("dtype"),
+        "quantization": parameters.get("quantization"),
     }
 
 

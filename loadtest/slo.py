@@ -17,6 +17,9 @@ KV capacity, not by a fixed number of seats); ``llm_dynamic`` is served at each 
 ``CAPACITY_DYNAMIC``), since a run-to-completion batch holds no more than its seats whatever the pool. The ladder
 is open loop (Poisson arrival rates) and the answer is the request rate each sustains within the SLO.
 
+``--quantization q4_1`` (or ``int8``, ``bf16``) serves every model with that weight format: the engine parameter
+``quantization`` set in a copy of the repository (``--capacity``'s copy, or one of its own), as ``make compare`` does.
+
 A point with too few requests in its measurement window (``loadtest.stats.not_measured``) is "not measured": it
 neither holds nor breaks. The ladder goes on past it, unless the request budget (--max-requests) ran out, which a
 higher load only spends sooner: then it stops there.
@@ -44,6 +47,7 @@ from loadtest.runner import (
     batcher_settings,
     check_models,
     command_parser,
+    engine_parameters,
     open_target,
     run_load_point,
     served_repository,
@@ -83,10 +87,13 @@ def capacity_seats(model_folder: Path, repository: Path, workload_name: str, len
     return {"seats": seats, "kv_blocks": int(blocks), "block_size": config.block_size, "mean_blocks": mean_blocks}
 
 
-def capacity_repository(source: Path, dst: Path, seats: int, variants: list[DynamicVariant]) -> Path:
+def capacity_repository(
+    source: Path, dst: Path, seats: int, variants: list[DynamicVariant], parameters: dict[str, str] | None = None
+) -> Path:
     """The capacity comparison's models: llm_dynamic's ``variants``, and llm_iterative and llm_continuous with
-    ``seats`` sequences (and, for llm_iterative, as many seats in Triton's sequence batcher)."""
-    served_repository(source, dst, [ITERATIVE, CONTINUOUS, *(v.name for v in variants)], variants)
+    ``seats`` sequences (and, for llm_iterative, as many seats in Triton's sequence batcher); every one with the
+    engine ``parameters`` given."""
+    served_repository(source, dst, [ITERATIVE, CONTINUOUS, *(v.name for v in variants)], variants, parameters)
     for model in (ITERATIVE, CONTINUOUS):
         path = dst / model / "config.pbtxt"
         text = path.read_text()
@@ -143,6 +150,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO_ROOT / "reports")
     args = p.parse_args(argv)
     args.variants = []
+    if args.quantization and args.url:
+        p.error("--quantization sets the served copies' configs; with --url, set it in that server's configs instead")
     if args.capacity:
         if args.url:
             p.error("--capacity serves its own copy of the repository; it cannot use a running server (--url)")
@@ -247,7 +256,12 @@ def main(argv=None) -> int:
             f"{ITERATIVE} and {CONTINUOUS}; {DYNAMIC} as {', '.join(v.name for v in args.variants)}"
         )
         args.model_repository = capacity_repository(
-            args.model_repository, out_dir / "model_repository", capacity["seats"], args.variants
+            args.model_repository, out_dir / "model_repository", capacity["seats"], args.variants,
+            engine_parameters(args),
+        )
+    elif engine_parameters(args):
+        args.model_repository = served_repository(
+            args.model_repository, out_dir / "model_repository", models, [], engine_parameters(args)
         )
     max_users = args.max_users or (capacity["seats"] + 64 if capacity else 64)
     if args.rates:
@@ -256,7 +270,8 @@ def main(argv=None) -> int:
         points = [LoadPoint(int(u)) for u in args.users.split(",")]
     say(
         f"SLO: TTFT p99 <= {args.slo_ttft_ms:g} ms, TPOT p99 <= {args.slo_tpot_ms:g} ms; {', '.join(models)}; "
-        f"ladder {', '.join(p.label for p in points)}; {args.workload} workload; {args.duration:g} s per point"
+        f"ladder {', '.join(p.label for p in points)}; {args.workload} workload; {args.duration:g} s per point; "
+        + (f"{args.quantization} weights" if args.quantization else "weights as configured")
     )
     try:
         with open_target(args, out_dir / "tritonserver.log", say=say) as target:
@@ -269,7 +284,8 @@ def main(argv=None) -> int:
         return 1
     for result in results:
         result["config"] = batcher_settings(configs[result["model"]])
-    summary = {"plan": dataclasses.asdict(plan), "capacity": capacity, "results": results}
+    summary = {"plan": dataclasses.asdict(plan), "capacity": capacity, "quantization": args.quantization,
+               "results": results}
     (out_dir / "slo.json").write_text(json.dumps(summary, indent=1))
     print()
     print(f"Highest load within TTFT p99 <= {args.slo_ttft_ms:g} ms and TPOT p99 <= {args.slo_tpot_ms:g} ms:")

@@ -3,13 +3,19 @@ tritonserver beside offline, continuous beside static batching, scheduler cost, 
 
     python -m backend.tools.bench --model models/smollm2-135m-instruct [--quick] [--hf-batches 1,8,32]
         [--served-models llm_continuous,llm_dynamic] [--llamacpp .llamacpp/bin/llama-server] [--out reports/bench.json]
+        [--quantization q4_1] [--llamacpp-gguf .llamacpp/smollm2-135m-instruct-q4_1.gguf]
+
+``--quantization`` (``bf16``, the default, ``q4_1`` or ``int8``) is the weight format of every engine run here and of
+the served column (the engine parameter ``quantization``); HF ``generate``, the fixed batches' baseline, keeps the
+bf16 weights. The llama.cpp column serves the GGUF of the same format that ``make llamacpp`` puts beside its server
+(``<model>-q4_1.gguf`` for q4_1, ``<model>-bf16.gguf`` otherwise), or the one ``--llamacpp-gguf`` names.
 
 Prints one table from one run and writes the same figures to ``--out`` (JSON). Every figure has its baseline from
 the same run beside it. Keys of the JSON file:
 
 ``config``
-    what ran: ``model``, ``dtype``, ``threads``, ``quick``, ``repeats``, ``prompt_len``, ``new_tokens``, ``torch``,
-    ``cpu_count``.
+    what ran: ``model``, ``dtype``, ``quantization`` (the weight format: ``bf16``, ``q4_1`` or ``int8``), ``threads``,
+    ``quick``, ``repeats``, ``prompt_len``, ``new_tokens``, ``torch``, ``cpu_count``.
 ``fixed_batches`` (list, one entry per batch size)
     ``batch``; ``engine_tok_s`` (generated tokens / wall time of the whole ``generate``, prefill included);
     ``hf_tok_s`` (HF ``generate`` on the same prompts, same dtype and threads, static batch; ``null`` where skipped);
@@ -21,23 +27,24 @@ the same run beside it. Keys of the JSON file:
     ``floor_ms`` (the memory floor at this batch) and ``step_over_floor`` (greedy decode step / floor).
 ``memory_floor``
     ``bandwidth_gbs`` (best read bandwidth of ``threads`` threads summing a 1 GiB buffer), ``weight_bytes`` (every
-    weight read once per step, LM head included), ``kv_bytes_per_token`` (K and V of one token, all layers),
-    ``mean_context`` (the fixed batches' mean context) and ``step_ms`` (batch -> the time to read the weights and every
-    sequence's cached K/V at that bandwidth: no decode step can be faster).
+    weight read once per step, LM head included; quantized: as the engine holds them), ``kv_bytes_per_token`` (K and
+    V of one token, all layers), ``mean_context`` (the fixed batches' mean context) and ``step_ms`` (batch -> the
+    time to read the weights and every sequence's cached K/V at that bandwidth: no decode step can be faster).
 ``served`` (``null`` with ``--served-models ''``)
-    the fixed batches' decode workloads through a real tritonserver: ``models``, ``new_tokens``, ``prompt_len``;
-    ``runs``, one per model, batch and ``temperature`` (0 or 1): ``itl_ms`` (median inter-token gap of the streams,
-    best of ``config.repeats``; a response of k tokens counts as k gaps), ``itl_p90_ms``, ``tok_s``, ``ttft_ms``
-    (median over the streams), ``tokens_per_response`` (``stream_interval`` at work), ``client_cpu`` and
-    ``server_cpu`` (cores used by this process as the client and by tritonserver with its stubs),
-    ``offline_step_ms`` (the fixed batches' median decode step at that batch and sampling) and ``ratio``
+    the fixed batches' decode workloads through a real tritonserver: ``models``, ``new_tokens``, ``prompt_len``,
+    ``quantization`` (null: bf16); ``runs``, one per model, batch and ``temperature`` (0 or 1): ``itl_ms`` (median
+    inter-token gap of the streams, best of ``config.repeats``; a response of k tokens counts as k gaps),
+    ``itl_p90_ms``, ``tok_s``, ``ttft_ms`` (median over the streams), ``tokens_per_response`` (``stream_interval`` at
+    work), ``client_cpu`` and ``server_cpu`` (cores used by this process as the client and by tritonserver with its
+    stubs), ``offline_step_ms`` (the fixed batches' median decode step at that batch and sampling) and ``ratio``
     (``itl_ms / offline_step_ms``). See ``backend/tools/bench_served.py``.
 ``llamacpp`` (only with ``--llamacpp PATH``: llama.cpp's ``llama-server``, built by ``make llamacpp``)
-    the same decode workloads (random prompts of ``prompt_len`` token ids) through ``llama-server`` on the BF16 GGUF
-    of the same weights, HTTP streaming ``/completion``: ``server``, ``version``, ``gguf``, ``command``, ``threads``,
-    ``num_slots``, ``prompt_len``, ``new_tokens``; ``runs``, one per batch and ``temperature`` (0 or 1): ``itl_ms``,
-    ``itl_p90_ms`` and ``tok_s`` measured on the client as for ``served`` (best of ``config.repeats``),
-    ``server_ms_per_token`` (llama.cpp's own ``predicted_per_token_ms``, median over the streams) and ``server_cpu``.
+    the same decode workloads (random prompts of ``prompt_len`` token ids) through ``llama-server`` on the GGUF of the
+    same weights (BF16, or Q4_1 with ``--quantization q4_1``, or ``--llamacpp-gguf``), HTTP streaming
+    ``/completion``: ``server``, ``version``, ``gguf``, ``command``, ``threads``, ``num_slots``, ``prompt_len``,
+    ``new_tokens``; ``runs``, one per batch and ``temperature`` (0 or 1): ``itl_ms``, ``itl_p90_ms`` and ``tok_s``
+    measured on the client as for ``served`` (best of ``config.repeats``), ``server_ms_per_token`` (llama.cpp's own
+    ``predicted_per_token_ms``, median over the streams) and ``server_cpu``.
     See ``backend/tools/bench_llamacpp.py``.
 ``targets``
     the speed targets: ``name``, ``value`` (``null`` if not measured), ``goal``, ``met`` (``null``: not judged),
@@ -85,7 +92,8 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 import torch  # noqa: E402
 
 from backend.engine.block_manager import BlockManager  # noqa: E402
-from backend.engine.config import EngineConfig, ModelShape, SamplingParams  # noqa: E402
+from backend.engine.config import QUANTIZATIONS, EngineConfig, ModelShape, SamplingParams  # noqa: E402
+from backend.engine.cpu_fast_path import Linear  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.request import Request, RequestStatus  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest, Scheduler  # noqa: E402
@@ -121,6 +129,12 @@ class BenchSettings:
     quick: bool = False
     served_models: tuple[str, ...] = SERVED_MODELS  # the served column's models; () skips it
     llamacpp: str | None = None  # llama.cpp's llama-server for its column; None skips it
+    llamacpp_gguf: str | None = None  # the GGUF it serves; None: the one of this format beside it (default_gguf)
+    quantization: str | None = None  # the engines' weights (EngineConfig.quantization); None: bf16
+
+    @property
+    def weight_format(self) -> str:
+        return self.quantization or "bf16"
 
     @classmethod
     def quick_settings(cls, model: str, **overrides) -> BenchSettings:
@@ -145,9 +159,9 @@ def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[li
 SAMPLED_RUNS = {"t1": {"temperature": 1.0}, "t1_top_p": {"temperature": 1.0, "top_p": 0.9}}
 
 
-def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float]:
+def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float, int]:
     """Engine and HF tok/s per batch size, the engine's decode step greedy and sampled with the time it spent
-    sampling, plus the engine's median decode step (ms) at the largest batch.
+    sampling, plus the engine's median decode step (ms) at the largest batch and the bytes of its weights as held.
 
     Engine and HF runs alternate at each batch size and each keeps its best of ``s.repeats``, so both see the same
     background load on a shared machine.
@@ -157,6 +171,7 @@ def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float]:
         model=s.model, dtype=s.dtype, num_threads=s.threads, max_num_seqs=biggest,
         max_num_batched_tokens=max(2048, biggest * s.prompt_len), max_model_len=s.prompt_len + s.new_tokens + 16,
         num_kv_blocks=biggest * -(-(s.prompt_len + s.new_tokens) // 16) + 16, seed=s.seed,
+        quantization=s.quantization,
     ))
     vocab = engine.runner.shape.vocab_size
     hf_batches = set(s.batches if s.hf_batches is None else s.hf_batches)
@@ -198,7 +213,7 @@ def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float]:
             f"{rows[-1]['sampled_decode_step_ms']:.1f} ms at temperature 1), {hf_text}")
         if batch == biggest:
             step_ms = step
-    return rows, step_ms
+    return rows, step_ms, held_weight_bytes(engine)
 
 
 def _timed_generate(engine: LLMEngine, prompts: list[list[int]], params, batch: int) -> tuple[float, list[StepRecord]]:
@@ -231,14 +246,28 @@ def read_bandwidth_gbs(threads: int, num_bytes: int = 1 << 30, repeats: int = 5)
     return num_bytes / best / 1e9
 
 
-def memory_floor(s: BenchSettings, bandwidth_gbs: float) -> dict:
+def held_weight_bytes(engine: LLMEngine) -> int:
+    """Bytes of every weight the engine's forward reads (projections as held, norms, a separate embedding)."""
+    model = engine.runner.model
+    held = [model.lm_head, model.final_norm, model._embed]
+    for layer in model.layers:
+        held += [layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate, layer.up, layer.down]
+    tensors = [t for item in held for t in ((item.weight, item.bias) if isinstance(item, Linear) else (item,))]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def memory_floor(s: BenchSettings, bandwidth_gbs: float, held_bytes: int | None = None) -> dict:
     """What one decode step must read (every weight once, each sequence's cached K and V once) at the measured
-    bandwidth: no step can be faster. The context is the fixed batches' mean (prompt plus half the new tokens)."""
+    bandwidth: no step can be faster. The context is the fixed batches' mean (prompt plus half the new tokens). The
+    weights are counted from the model's shape in ``s.dtype``; quantized, as the engine holds them (``held_bytes``,
+    :func:`held_weight_bytes`)."""
     shape = ModelShape.from_model_dir(s.model)
     dtype_bytes = EngineConfig(dtype=s.dtype).dtype_bytes
     d, qkv = shape.hidden_size, (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
     per_layer = d * qkv + shape.num_heads * shape.head_dim * d + 3 * d * shape.intermediate_size + 2 * d
     weight_bytes = (shape.num_layers * per_layer + shape.vocab_size * d + d) * dtype_bytes  # LM head included
+    if s.quantization and held_bytes is not None:
+        weight_bytes = held_bytes
     kv_bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
     mean_context = s.prompt_len + (s.new_tokens + 1) / 2
     return {
@@ -293,7 +322,7 @@ def run_workload(s: BenchSettings, policy: str, requests: list[tuple[list[int], 
     longest = s.workload_prompt_range[1] + max(s.workload_long_range[1], s.workload_short_range[1])
     engine = LLMEngine(EngineConfig(
         model=s.model, dtype=s.dtype, num_threads=s.threads, max_num_seqs=s.workload_max_num_seqs,
-        max_model_len=longest + 16, batching=policy, seed=s.seed,
+        max_model_len=longest + 16, batching=policy, seed=s.seed, quantization=s.quantization,
     ))
     for i, (prompt, output_len) in enumerate(requests):
         engine.add_request(f"w{i}", prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
@@ -370,7 +399,7 @@ def real_step_ms(s: BenchSettings, num_seqs: int, context: int = 64, repeats: in
     engine = LLMEngine(EngineConfig(
         model=s.model, dtype=s.dtype, num_threads=s.threads, max_num_seqs=num_seqs,
         max_num_batched_tokens=max(2048, num_seqs), max_model_len=context + 16,
-        num_kv_blocks=num_seqs * -(-(context + 1) // 16) + 1,
+        num_kv_blocks=num_seqs * -(-(context + 1) // 16) + 1, quantization=s.quantization,
     ))
     bs = engine.config.block_size
     vocab = engine.runner.shape.vocab_size
@@ -398,9 +427,10 @@ def real_step_ms(s: BenchSettings, num_seqs: int, context: int = 64, repeats: in
 def run_bench(s: BenchSettings, log=print) -> dict:
     """Run every part and return the JSON-ready figures (keys documented in the module docstring)."""
     torch.set_num_threads(s.threads)
-    log(f"[1/5] fixed batches {list(s.batches)}: engine and HF generate, best of {s.repeats} ...")
-    engine_rows, biggest_step_ms = fixed_batches(s, log)
-    floor = memory_floor(s, read_bandwidth_gbs(s.threads))
+    log(f"[1/5] fixed batches {list(s.batches)}: engine ({s.weight_format} weights) and HF generate, best of "
+        f"{s.repeats} ...")
+    engine_rows, biggest_step_ms, held_bytes = fixed_batches(s, log)
+    floor = memory_floor(s, read_bandwidth_gbs(s.threads), held_bytes)
     for row in engine_rows:
         row["floor_ms"] = floor["step_ms"][row["batch"]]
         row["step_over_floor"] = row["engine_decode_step_ms"] / row["floor_ms"]
@@ -411,13 +441,13 @@ def run_bench(s: BenchSettings, log=print) -> dict:
     if s.served_models:
         log(f"[2/5] served: {', '.join(s.served_models)} on a real tritonserver, gRPC streaming ...")
         served = served_column(s.model, s.dtype, s.served_models, s.batches, s.prompt_len, s.new_tokens, s.repeats,
-                               s.seed, engine_rows, log)
+                               s.seed, engine_rows, log, quantization=s.quantization)
     llamacpp = None
     if s.llamacpp:
         log(f"[2/5] llama.cpp: {s.llamacpp}, the same decode workloads over HTTP streaming ...")
         prompts = random_prompts(max(s.batches), s.prompt_len, ModelShape.from_model_dir(s.model).vocab_size, s.seed)
         llamacpp = llamacpp_column(s.llamacpp, s.model, s.threads, s.batches, prompts, s.new_tokens, s.repeats,
-                                   s.seed, log)
+                                   s.seed, log, gguf=s.llamacpp_gguf, quantization=s.quantization)
 
     log(f"[3/5] workload: {s.workload_requests} requests, continuous vs static ...")
     vocab = ModelShape.from_model_dir(s.model).vocab_size
@@ -452,7 +482,7 @@ def run_bench(s: BenchSettings, log=print) -> dict:
 
     log(f"[3b/5] mixed steps against their parts: (decodes, chunk) {list(s.mixed_cases)} ...")
     mixed = mixed_step_breakdown(s.model, s.dtype, s.threads, list(s.mixed_cases), rounds=s.mixed_rounds,
-                                 seed=s.seed, log=log)
+                                 seed=s.seed, log=log, quantization=s.quantization)
 
     log(f"[4/5] scheduler cost at {s.scheduler_seqs} sequences ...")
     us = scheduler_us_per_step(s.scheduler_seqs)
@@ -466,7 +496,8 @@ def run_bench(s: BenchSettings, log=print) -> dict:
         "largest_fixed_batch_step_ms": biggest_step_ms,
     }
     config = {
-        "model": s.model, "dtype": s.dtype, "threads": s.threads, "quick": s.quick, "repeats": s.repeats,
+        "model": s.model, "dtype": s.dtype, "quantization": s.weight_format, "threads": s.threads,
+        "quick": s.quick, "repeats": s.repeats,
         "prompt_len": s.prompt_len,
         "new_tokens": s.new_tokens, "torch": torch.__version__, "cpu_count": os.cpu_count(),
     }
@@ -560,10 +591,13 @@ def _versus_llamacpp(result: dict) -> tuple[float | None, str, bool | None, str]
 def format_table(result: dict) -> str:
     c, w, sc = result["config"], result["workload"], result["scheduler"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    weights = c.get("quantization") or "bf16"
     lines = [
-        f"model {c['model']}  dtype {c['dtype']}  threads {c['threads']}{'  (quick)' if c['quick'] else ''}",
+        f"model {c['model']}  weights {weights}  dtype {c['dtype']}  threads {c['threads']}"
+        f"{'  (quick)' if c['quick'] else ''}",
         "",
-        f"1. Fixed batches: {c['prompt_len']}-token prompts, exactly {c['new_tokens']} new tokens (greedy, ignore_eos)",
+        f"1. Fixed batches: {c['prompt_len']}-token prompts, exactly {c['new_tokens']} new tokens (greedy, ignore_eos)"
+        + ("" if weights == "bf16" else f"; the engine on {weights} weights, HF generate on bf16"),
         f"   {'batch':>5}  {'engine tok/s':>12}  {'HF tok/s':>9}  {'ratio':>6}  {'engine decode step ms':>21}",
     ]
     for row in result["fixed_batches"]:
@@ -591,9 +625,9 @@ def format_table(result: dict) -> str:
     if served:
         lines += [
             "",
-            f"2. Served: the same decode workloads through a real tritonserver (gRPC streaming, one stream per "
-            f"sequence, about {served['prompt_len']}-token prompts, {served['new_tokens']} new tokens), client in this"
-            " process on the same cores",
+            f"2. Served: the same decode workloads through a real tritonserver ({weights} weights, gRPC streaming, "
+            f"one stream per sequence, about {served['prompt_len']}-token prompts, {served['new_tokens']} new "
+            "tokens), client in this process on the same cores",
             f"   {'model':>14}  {'batch':>5}  {'sampling':>8}  {'served ITL ms':>13}  {'offline step ms':>15}  "
             f"{'served / offline':>16}  {'ITL p90 ms':>10}  {'TTFT p50 ms':>11}  {'tokens/response':>15}  "
             f"{'client CPU':>10}  {'server CPU':>10}",
@@ -677,9 +711,19 @@ def main(argv: list[str] | None = None) -> int:
                         f"(default {','.join(SERVED_MODELS)}; empty: no served column)")
     parser.add_argument("--llamacpp", metavar="PATH", help="llama.cpp's llama-server binary: run its column and "
                         "judge the target against it (`make llamacpp` builds .llamacpp/bin/llama-server)")
+    parser.add_argument("--llamacpp-gguf", metavar="PATH", help="the GGUF llama.cpp serves (default: the one of "
+                        "--quantization's format that `make llamacpp` puts beside the server: <model>-q4_1.gguf for "
+                        "q4_1, else <model>-bf16.gguf)")
+    parser.add_argument("--quantization", choices=("bf16", *QUANTIZATIONS), default="bf16",
+                        help="the weights of the engines and the served column (default: %(default)s)")
     parser.add_argument("--out", default="reports/bench.json")
     args = parser.parse_args(argv)
-    overrides = {"dtype": args.dtype, "threads": args.threads, "llamacpp": args.llamacpp}
+    if args.llamacpp_gguf and not args.llamacpp:
+        parser.error("--llamacpp-gguf is the GGUF of the llama.cpp column: give the server with --llamacpp PATH")
+    overrides = {
+        "dtype": args.dtype, "threads": args.threads, "llamacpp": args.llamacpp, "llamacpp_gguf": args.llamacpp_gguf,
+        "quantization": None if args.quantization == "bf16" else args.quantization,
+    }
     if args.batches:
         overrides["batches"] = tuple(int(b) for b in args.batches.split(","))
     if args.repeats:

@@ -1,7 +1,8 @@
 """The llama.cpp column of ``make bench``: the benchmark's decode workloads sent to llama.cpp's ``llama-server``.
 
 The baseline the served engine is judged against: llama.cpp on the same weights (a BF16 GGUF that ``make llamacpp``
-converts from the same Hugging Face folder), the same threads, prompts of ``prompt_len`` token ids and exactly
+converts from the same Hugging Face folder; with ``quantization="q4_1"`` the Q4_1 GGUF the model ships as, which
+``make llamacpp`` links beside it; or any GGUF given), the same threads, prompts of ``prompt_len`` token ids and exactly
 ``new_tokens`` new tokens (``ignore_eos``), greedy or sampled. A workload is ``batch`` streaming ``/completion``
 requests released together (one thread and one HTTP connection each) into a server with one slot per stream of the
 largest batch and continuous batching on.
@@ -39,9 +40,17 @@ class LlamaCppWorkload:
     new_tokens: int
 
 
-def default_gguf(server: str | Path, model_dir: str | Path) -> Path:
-    """Where ``make llamacpp`` writes the BF16 GGUF of ``model_dir``: beside the ``bin/`` folder of ``server``."""
-    return Path(server).absolute().parent.parent / f"{Path(model_dir).name}-bf16.gguf"
+# The GGUF ``make llamacpp`` puts beside the server for each of the engine's weight formats: the shipped Q4_1 file
+# for q4_1 (the same blocks the engine serves); bf16 for the rest (no int8 GGUF is made: llama.cpp's Q8_0 is not
+# the engine's per-channel int8, so int8 is measured against llama.cpp's BF16).
+GGUF_SUFFIXES = {"q4_1": "q4_1"}
+
+
+def default_gguf(server: str | Path, model_dir: str | Path, quantization: str | None = None) -> Path:
+    """Where ``make llamacpp`` puts the GGUF of ``model_dir`` for the weight format ``quantization`` (None or
+    "bf16": the BF16 conversion; "q4_1": the shipped Q4_1 file): beside the ``bin/`` folder of ``server``."""
+    suffix = GGUF_SUFFIXES.get(str(quantization).lower(), "bf16")
+    return Path(server).absolute().parent.parent / f"{Path(model_dir).name}-{suffix}.gguf"
 
 
 def server_command(server: str | Path, gguf: str | Path, port: int, threads: int, num_slots: int,
@@ -216,15 +225,18 @@ def llamacpp_column(
     repeats: int,
     seed: int,
     log=print,
+    gguf: str | Path | None = None,
+    quantization: str | None = None,
 ) -> dict:
     """Every (batch, greedy or temperature 1.0) workload through one ``llama-server``, best ITL of ``repeats``.
 
-    ``prompts`` holds at least ``max(batches)`` prompts of token ids, all of one length.
+    ``prompts`` holds at least ``max(batches)`` prompts of token ids, all of one length. The server loads ``gguf``,
+    by default :func:`default_gguf` for ``quantization``.
     """
-    gguf = default_gguf(server, model_dir)
+    gguf = Path(gguf) if gguf is not None else default_gguf(server, model_dir, quantization)
     if not gguf.is_file():
-        raise FileNotFoundError(f"{gguf} not found: `make llamacpp MODEL={model_dir}` converts the model beside "
-                                f"the server")
+        raise FileNotFoundError(f"{gguf} not found: `make llamacpp MODEL={model_dir}` puts the model's GGUFs beside "
+                                f"the server (or give one with --llamacpp-gguf)")
     prompt_len, port = len(prompts[0]), free_port()
     command = server_command(server, gguf, port, threads, max(batches), prompt_len + new_tokens + 64)
     best: dict[tuple[int, float], dict] = {}

@@ -29,7 +29,7 @@ PHASES = ("prepare", "forward", "sample")
 
 def mixed_step_breakdown(
     model: str, dtype: str, threads: int, cases: list[tuple[int, int]], context: int = 256, rounds: int = 5,
-    seed: int = 0, log: Callable[[str], None] = print,
+    seed: int = 0, log: Callable[[str], None] = print, quantization: str | None = None,
 ) -> list[dict]:
     """One entry per ``(num_decodes, chunk)`` case: ``num_decodes``, ``chunk``, ``context`` (the decodes' context),
     ``rounds``; ``decode_ms``, ``prefill_ms``, ``mixed_ms`` (median whole step of each arm), ``parts_ms`` (decode +
@@ -40,7 +40,7 @@ def mixed_step_breakdown(
     engine = LLMEngine(EngineConfig(
         model=model, dtype=dtype, num_threads=threads, max_num_seqs=max_decodes + 1,
         max_num_batched_tokens=max(2048, max_decodes * context, max_decodes + max_chunk),
-        max_model_len=context + num_steps + max_chunk + 16, seed=seed,
+        max_model_len=context + num_steps + max_chunk + 16, seed=seed, quantization=quantization,
     ))
     vocab = engine.runner.shape.vocab_size
     rng = random.Random(seed)

@@ -26,9 +26,9 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 import torch  # noqa: E402
 
 from backend.engine.config import EngineConfig, SamplingParams  # noqa: E402
-from backend.engine.cpu_fast_path import Linear  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.tools.bench import _median_ms, _timed_generate, random_prompts  # noqa: E402
+from backend.tools.bench import held_weight_bytes as weight_bytes  # noqa: E402
 
 PROMPTS = (
     "What is the capital of France?",
@@ -38,16 +38,6 @@ PROMPTS = (
     "What is 12 times 7?",
     "Who wrote Pride and Prejudice?",
 )
-
-
-def weight_bytes(engine: LLMEngine) -> int:
-    """Bytes of every weight the engine's forward reads (projections as held, norms, a separate embedding)."""
-    model = engine.runner.model
-    held = [model.lm_head, model.final_norm, model._embed]
-    for layer in model.layers:
-        held += [layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate, layer.up, layer.down]
-    tensors = [t for item in held for t in ((item.weight, item.bias) if isinstance(item, Linear) else (item,))]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def build(model: str, fmt: str, threads: int, batch: int, prompt_len: int, new_tokens: int) -> LLMEngine:

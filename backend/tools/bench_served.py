@@ -51,14 +51,22 @@ class ServedWorkload:
 
 
 def served_repository(
-    out_dir: Path, models: tuple[str, ...], max_num_seqs: int, dtype: str = "bfloat16", max_model_len: int = 2048
+    out_dir: Path,
+    models: tuple[str, ...],
+    max_num_seqs: int,
+    dtype: str = "bfloat16",
+    max_model_len: int = 2048,
+    quantization: str | None = None,
 ) -> Path:
-    """A copy of the shipped models in ``dtype`` with room for ``max_num_seqs`` sequences (a batcher that size)."""
+    """A copy of the shipped models in ``dtype`` (weights quantized to ``quantization`` when given: the engine
+    parameter) with room for ``max_num_seqs`` sequences (a batcher that size)."""
     repository = out_dir / "model_repository"
     for model in models:
         source = REPO_ROOT / "model_repository" / model
         config = (source / "config.pbtxt").read_text()
         config = _set_parameter(config, "dtype", dtype)
+        if quantization is not None:
+            config = _set_parameter(config, "quantization", quantization, add=True)
         config = _set_parameter(config, "max_num_seqs", max_num_seqs)
         config = _set_parameter(config, "max_model_len", max_model_len)
         config = _set_parameter(config, "max_num_batched_tokens", max(2048, max_num_seqs * 64))
@@ -71,9 +79,13 @@ def served_repository(
     return repository
 
 
-def _set_parameter(config: str, key: str, value: int) -> str:
+def _set_parameter(config: str, key: str, value: int | str, add: bool = False) -> str:
+    """``config`` with the parameter ``key`` set to ``value``; one the config lacks is appended when ``add``, else
+    refused (a shipped parameter that disappeared would otherwise go unnoticed)."""
     pattern = rf'(key: "{key}", value: {{ string_value: ")[^"]*(")'
     if not re.search(pattern, config):
+        if add:
+            return config.rstrip("\n") + f'\nparameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
         raise ValueError(f"the model config has no parameter {key!r} to set")
     return re.sub(pattern, rf"\g<1>{value}\g<2>", config)
 
@@ -182,6 +194,7 @@ def served_column(
     seed: int,
     offline_rows: list[dict],
     log=print,
+    quantization: str | None = None,
 ) -> dict:
     """Every (model, batch, greedy or temperature 1.0) workload through one server, best ITL of ``repeats``, beside
     the offline engine's median decode step for the same batch and sampling (``offline_rows`` from the fixed
@@ -193,7 +206,7 @@ def served_column(
     with tempfile.TemporaryDirectory(prefix="bench-served-") as tmp:
         # Room for the prompts (text re-encoded: a few tokens more or less than prompt_len) and the new tokens.
         max_model_len = 2 * prompt_len + new_tokens + 64
-        repository = served_repository(Path(tmp), models, max(batches), dtype, max_model_len)
+        repository = served_repository(Path(tmp), models, max(batches), dtype, max_model_len, quantization)
         prompts = text_prompts(load_tokenizer(model_dir).hf, max(batches), prompt_len, seed)
         server = start_on_free_ports(repository, model=model_dir, extra_args=["--exit-timeout-secs", "5"],
                                      log_path=Path(tmp) / "tritonserver.log")
@@ -220,4 +233,5 @@ def served_column(
         step = row["engine_decode_step_ms"] if temperature == 0 else row["sampled_decode_step_ms"]
         runs.append({"model": model, "batch": batch, "temperature": temperature, **result,
                      "offline_step_ms": step, "ratio": result["itl_ms"] / step})
-    return {"models": list(models), "new_tokens": new_tokens, "prompt_len": prompt_len, "runs": runs}
+    return {"models": list(models), "new_tokens": new_tokens, "prompt_len": prompt_len,
+            "quantization": quantization, "runs": runs}

@@ -177,7 +177,10 @@ def fake_result(served_itl: dict[int, float] | None, llamacpp_itl: dict[int, flo
                      "continuous_tok_s": 100.0, "continuous_mean_batch": 4.0, "continuous_steps": 20,
                      "fragmentation": 0.02, "continuous_prefill_s": 0.1, "continuous_decode_s": 0.4,
                      "static_tok_s": 50.0, "static_mean_batch": 2.0, "static_steps": 40,
-                     "static_fragmentation": 0.03, "static_prefill_s": 0.1, "static_decode_s": 0.9, "speedup": 2.0},
+                     "static_fragmentation": 0.03, "static_prefill_s": 0.1, "static_decode_s": 0.9, "speedup": 2.0,
+                     "continuous_prefill_steps": 4, "static_prefill_steps": 2, "continuous_prefill_step_decodes": 6,
+                     "static_prefill_step_decodes": 0},
+        "mixed_steps": [],
         "scheduler": {"num_seqs": 256, "us_per_step": 200.0, "share_of_step": 0.002, "step_ms": 100.0,
                       "step_source": "fake"},
     }

@@ -329,6 +329,8 @@ def test_report_states_every_batcher_setting_as_served(tmp_path):
         "max_num_batched_tokens": "2048",
         "num_kv_blocks": None,
         "kv_cache_memory_bytes": "536870912",
+        "dtype": None,
+        "quantization": None,
     }
     assert batcher_settings(SERVED_CONFIGS["llm_continuous"])["batcher"] == "none: the model's own loop"
     iterative = {"max_batch_size": 8, "sequence_batching": {"iterative_sequence": True, "oldest": {
@@ -345,9 +347,9 @@ def test_report_states_every_batcher_setting_as_served(tmp_path):
     table = md.split("## Configurations served")[1].split("\n\n")[1].splitlines()
     assert table[0] == (
         "| model | batcher | max_batch_size | preferred_batch_size | max_queue_delay | instances | max_num_seqs | "
-        "max_num_batched_tokens | KV blocks |"
+        "max_num_batched_tokens | KV blocks | weights |"
     )
-    assert table[2] == "| llm_dynamic | dynamic | 8 | 8 | 2 ms | 2 | 8 | 2048 | 512 MiB |"
+    assert table[2] == "| llm_dynamic | dynamic | 8 | 8 | 2 ms | 2 | 8 | 2048 | 512 MiB | bf16 |"
     assert table[3].startswith("| llm_continuous | none: the model's own loop | 0 | – | – | 1 | 8 | – | ")
     assert "Every model runs at most 8 sequences at once per instance (llm_dynamic: 2 instances)." in md
 

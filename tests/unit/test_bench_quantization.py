@@ -1,0 +1,103 @@
+"""``make bench --quantization``: the option reaches the engines' settings and the served copies' configs, the table
+says the format, and the llama.cpp column serves the GGUF of that format (or the one given). No engine, no server."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from backend.tools import bench
+from backend.tools.bench_llamacpp import default_gguf, llamacpp_column
+from backend.tools.bench_served import served_repository
+from tests.unit.test_bench_llamacpp import fake_result
+
+SERVER = "/a/.llamacpp/bin/llama-server"
+MODEL = "models/smollm2-135m-instruct"
+
+
+def test_default_gguf_follows_the_weight_format():
+    assert str(default_gguf(SERVER, MODEL)) == "/a/.llamacpp/smollm2-135m-instruct-bf16.gguf"
+    assert str(default_gguf(SERVER, MODEL, "bf16")) == "/a/.llamacpp/smollm2-135m-instruct-bf16.gguf"
+    # The file `make llamacpp` links beside the BF16 one: the Q4_1 GGUF the model ships as.
+    assert str(default_gguf(SERVER, MODEL, "q4_1")) == "/a/.llamacpp/smollm2-135m-instruct-q4_1.gguf"
+    assert str(default_gguf(SERVER, MODEL + "/", "Q4_1")) == "/a/.llamacpp/smollm2-135m-instruct-q4_1.gguf"
+    # No int8 GGUF is made (llama.cpp's Q8_0 is not the engine's per-channel int8): BF16 is its baseline.
+    assert str(default_gguf(SERVER, MODEL, "int8")) == "/a/.llamacpp/smollm2-135m-instruct-bf16.gguf"
+
+
+def test_the_makefile_links_the_q4_1_gguf_where_default_gguf_looks():
+    makefile = (Path(__file__).parents[2] / "Makefile").read_text()
+    assert "LLAMACPP_Q4_GGUF := $(LLAMACPP_DIR)/$(notdir $(MODEL))-q4_1.gguf" in makefile
+    assert "LLAMACPP_GGUF := $(LLAMACPP_DIR)/$(notdir $(MODEL))-bf16.gguf" in makefile
+
+
+@pytest.mark.parametrize("quantization, gguf, expected", [
+    ("q4_1", None, "smollm2-135m-instruct-q4_1.gguf"),
+    (None, None, "smollm2-135m-instruct-bf16.gguf"),
+    ("q4_1", "elsewhere/my-own.gguf", "my-own.gguf"),  # an explicit GGUF wins over the format's
+])
+def test_llamacpp_column_serves_the_chosen_gguf(tmp_path, quantization, gguf, expected):
+    # Nothing there: the column refuses before it starts a server, naming the file it would have served.
+    server = tmp_path / ".llamacpp" / "bin" / "llama-server"
+    gguf = None if gguf is None else tmp_path / gguf
+    with pytest.raises(FileNotFoundError, match=re.escape(expected)):
+        llamacpp_column(server, MODEL, 2, (1,), [[1, 2, 3]], 4, 1, 0, log=lambda msg: None, gguf=gguf,
+                        quantization=quantization)
+
+
+class Captured(Exception):
+    pass
+
+
+def settings_of(argv: list[str], monkeypatch) -> bench.BenchSettings:
+    """The settings ``bench.main`` would run, without running them."""
+    def run_bench(settings, log=print):
+        raise Captured(settings)
+
+    monkeypatch.setattr(bench, "run_bench", run_bench)
+    with pytest.raises(Captured) as caught:
+        bench.main(argv)
+    return caught.value.args[0]
+
+
+def test_bench_options_reach_the_settings(monkeypatch):
+    default = settings_of(["--quick"], monkeypatch)
+    assert default.quantization is None and default.weight_format == "bf16" and default.llamacpp_gguf is None
+    assert settings_of(["--quick", "--quantization", "bf16"], monkeypatch).quantization is None
+    quantized = settings_of(["--quick", "--quantization", "q4_1", "--llamacpp", SERVER, "--llamacpp-gguf",
+                             "/g/m-q4_1.gguf"], monkeypatch)
+    assert quantized.quantization == "q4_1" and quantized.weight_format == "q4_1"
+    assert quantized.llamacpp == SERVER and quantized.llamacpp_gguf == "/g/m-q4_1.gguf"
+    assert settings_of(["--quantization", "int8"], monkeypatch).quantization == "int8"
+    with pytest.raises(SystemExit):
+        bench.main(["--quantization", "q4_0"])
+    with pytest.raises(SystemExit):  # a GGUF without the server that would serve it
+        bench.main(["--llamacpp-gguf", "/g/m-q4_1.gguf"])
+
+
+def test_served_copies_run_the_format(tmp_path):
+    models = ("llm_continuous", "llm_dynamic")
+    quantized = served_repository(tmp_path / "q", models, 8, quantization="q4_1")
+    as_shipped = served_repository(tmp_path / "bf16", models, 8)
+    for model in models:
+        text = (quantized / model / "config.pbtxt").read_text()
+        assert text.count('parameters: { key: "quantization", value: { string_value: "q4_1" } }') == 1
+        assert '"quantization"' not in (as_shipped / model / "config.pbtxt").read_text()
+        assert text.replace('parameters: { key: "quantization", value: { string_value: "q4_1" } }\n', "") == (
+            as_shipped / model / "config.pbtxt").read_text()
+
+
+def test_the_table_says_the_format():
+    result = fake_result({1: 17.0, 8: 30.0}, {1: 15.0, 8: 60.0})
+    table = bench.format_table(result)
+    assert table.splitlines()[0].startswith("model m  weights bf16  dtype bfloat16")  # an older result: bf16
+    result["config"]["quantization"] = "q4_1"
+    result["llamacpp"]["gguf"] = "/a/m-q4_1.gguf"
+    lines = bench.format_table(result).splitlines()
+    assert lines[0].startswith("model m  weights q4_1  dtype bfloat16")
+    assert any(line.startswith("1. Fixed batches") and "the engine on q4_1 weights, HF generate on bf16" in line
+               for line in lines)
+    assert any(line.startswith("2. Served") and "(q4_1 weights," in line for line in lines)
+    assert any(line.startswith("2b. llama.cpp") and "on m-q4_1.gguf" in line for line in lines)
