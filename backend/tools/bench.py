@@ -517,7 +517,7 @@ SAMPLING_TARGET = 0.03  # sampling's share of the step at batch 32, temperature 
 BATCH64_TARGET = 1500.0  # output tok/s of the decode step at batch 64
 LLAMACPP_ITL_TARGET, LLAMACPP_ITL_MOONSHOT = 1.5, 1.0  # served ITL / llama.cpp's ITL at batch 1, greedy
 LLAMACPP_SPEEDUP_TARGET = 1.5  # llama.cpp's ITL / served ITL at batch 8, greedy
-# Issue 27's: a step with a prefill chunk and N decodes / (the chunk alone + a decode step of N rows); and the burst
+# Targets: a step with a prefill chunk and N decodes / (the chunk alone + a decode step of N rows); and the burst
 # workload's continuous / static output tok/s
 MIXED_STEP_TARGET = 1.10
 WORKLOAD_SPEEDUP_TARGET = 2.0

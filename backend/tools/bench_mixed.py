@@ -1,6 +1,6 @@
 """A mixed step against its parts: one engine step carrying a prefill chunk and N decodes, beside a step of that
-chunk alone and a decode step of the N rows alone (``make bench``'s breakdown; issue 27's target is mixed <= 1.1x
-the sum of the parts).
+chunk alone and a decode step of the N rows alone (``make bench``'s breakdown; the target is mixed <= 1.1x the
+sum of the parts).
 
 Every arm is a real :meth:`LLMEngine.step` (schedule, prepare, forward, sample, update), so the figures are what the
 continuous loop pays. N requests are prefilled once and then decode; each prefill arm adds a fresh request of

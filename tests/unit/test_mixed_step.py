@@ -1,4 +1,4 @@
-"""A step that carries prefill chunks beside decodes gives what its parts give run separately (issue 27, part 2).
+"""A step that carries prefill chunks beside decodes gives what its parts give run separately.
 
 The logits are compared in float32 on the tiny random Llama (a model against itself, with a tolerance for the
 matmuls' blocking at another row count); the engine's tokens are compared greedily with ``ignore_eos``; the AMX
