@@ -386,6 +386,33 @@ static inline void widen_block_bf16(int format, const uint8_t* row, int64_t K, i
     _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));  /* nearest even, as torch */
 }
 
+/* Blocks b and b + 1 of a Q4_1 row (p: block b) widened to bf16 into dst0 and dst1: the two blocks' 16 values each,
+ * d * q + m rounded once, as one 32-entry table that the nibbles index (a third fewer instructions than widening
+ * each nibble to float32). */
+static inline void widen_q4_1_pair_bf16(const uint8_t* p, uint16_t* dst0, uint16_t* dst1) {
+    int32_t dm0, dm1;
+    memcpy(&dm0, p, 4);
+    memcpy(&dm1, p + 20, 4);
+    const __m512 dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi32(dm0, dm1, 0, 0)));  /* d0 m0 d1 m1 */
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(0), dm),
+                                      _mm512_permutexvar_ps(_mm512_set1_epi32(1), dm));
+    const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(2), dm),
+                                      _mm512_permutexvar_ps(_mm512_set1_epi32(3), dm));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);  /* 0-15 block b's values, 16-31 block b + 1's */
+    const __m256i qs = _mm256_loadu2_m128i((const __m128i*)(p + 24), (const __m128i*)(p + 4));
+    const __m512i z = _mm512_cvtepu8_epi16(qs);  /* lanes 0-15 block b's bytes, 16-31 block b + 1's */
+    const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
+    const __m512i low4 = _mm512_set1_epi16(15);
+    const __m512i lo = _mm512_ternarylogic_epi32(z, low4, second, 0xEA);  /* (z & 15) | second */
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(z, 4), low4, second, 0xEA);
+    const __m512i wl = _mm512_permutexvar_epi16(lo, table), wh = _mm512_permutexvar_epi16(hi, table);
+    _mm256_storeu_si256((__m256i*)dst0, _mm512_castsi512_si256(wl));
+    _mm256_storeu_si256((__m256i*)(dst0 + 16), _mm512_castsi512_si256(wh));
+    _mm256_storeu_si256((__m256i*)dst1, _mm512_extracti64x4_epi64(wl, 1));
+    _mm256_storeu_si256((__m256i*)(dst1 + 16), _mm512_extracti64x4_epi64(wh, 1));
+}
+
 static int linear_quant_amx(int format, const void* x, int64_t x_st, const uint8_t* w, const uint16_t* b, int64_t T,
                             int64_t K, int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out,
                             int num_threads) {
@@ -414,9 +441,17 @@ static int linear_quant_amx(int format, const void* x, int64_t x_st, const uint8
 #pragma omp for schedule(static)
             for (int64_t np = 0; np < num_panels; ++np) {
                 const int64_t n0 = 32 * np, halves = N - n0 >= 32 ? 2 : 1;  /* N % 16 == 0 */
-                for (int64_t kb = 0; kb < KB; ++kb)  /* NOTE: kb outer: the panel is written in order */
+                for (int64_t kb = 0; kb < KB; ++kb) {  /* NOTE: kb outer: the panel is written in order */
+                    if (format == WEIGHT_Q4_1 && kb + 1 < KB) {
+                        for (int64_t r = 0; r < 16 * halves; ++r)
+                            widen_q4_1_pair_bf16(w + (n0 + r) * row_bytes + 20 * kb, panel + kb * 1024 + r * 32,
+                                                 panel + (kb + 1) * 1024 + r * 32);
+                        ++kb;
+                        continue;
+                    }
                     for (int64_t r = 0; r < 16 * halves; ++r)
                         widen_block_bf16(format, w + (n0 + r) * row_bytes, K, kb, panel + kb * 1024 + r * 32);
+                }
                 for (int64_t tt = 0; tt < TT; tt += 2) {
                     const int two = tt + 1 < TT;
                     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
