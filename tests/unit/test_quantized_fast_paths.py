@@ -2,11 +2,16 @@
 shapes and odd ones: the twin computes what the build's kernel computes for that many rows (weights widened to
 float32, x quantized to int8, or weights widened to bf16 on AMX tiles), so they differ only in the order of a
 float32 sum. The bound is that sum's worst case plus one bf16 rounding step of the output; it depends on the inputs,
-not on a CPU. The same file runs in the x86-64-v2 build (``test_cpu_kernel``'s baseline test lists its neighbours),
-where every path is the float32 one.
+not on a CPU. The last test runs this file again on kernels built for x86-64-v2, where every path is the float32 one.
 """
 
 from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,3 +92,17 @@ def test_paths_are_what_the_build_has():
 def test_without_the_kernels_the_twin_widens_to_float32(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     assert kernel_path("q4_1", 64, 576, 960) == "float32"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the baseline ISA below is x86-64's")
+def test_every_path_holds_without_avx512_or_amx(tmp_path):
+    """Built for x86-64-v2 (no AVX at all), the kernels take the float32 path at every row count and still equal
+    their twins, in a process of their own."""
+    env = {**os.environ, "LLM_CPU_MARCH": "x86-64-v2", "XDG_CACHE_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "not without_avx512"], env=env, cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert list(tmp_path.rglob("cpu_kernels-*.so")), "the kernels were not rebuilt for the baseline ISA"
