@@ -33,9 +33,9 @@ SMALL_BATCH_ROWS = 8
 # linear_amx above, at every row count (as fast as oneDNN's AMX matmuls at 128 and 512 rows). Without AMX,
 # linear_small takes every row count: faster than oneDNN's AVX512-BF16 matmuls to 64 rows, within 10 % at 512.
 SMALL_BATCH_ROWS_WITH_AMX = 6
-# Up to this many rows a quantized projection runs its C kernel (one pass over the quantized weight, widened in
-# registers); above it the weight is widened to bf16 once per call and the bf16 matmuls run. 64 is the decode
-# stack's row limit (cpu_kernels.Limits.linear_max_rows).
+# Up to this many rows a quantized projection runs its C kernel (which widens the weight in registers, or from a few
+# rows a panel at a time into AMX tiles: quantized_linear.kernel_path); above it the weight is widened to bf16 once
+# per call and the bf16 matmuls run. 64 is the decode stack's row limit (cpu_kernels.Limits.linear_max_rows).
 QUANTIZED_ROWS = 64
 
 

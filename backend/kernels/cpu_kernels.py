@@ -160,7 +160,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         quantized.argtypes, quantized.restype = lib.linear_small.argtypes, c_int
     lib.dequantize_weight.argtypes = [c_int, ptr, i64, i64, ptr, c_int]
     lib.dequantize_weight.restype = c_int
-    lib.q4_1_quantizes_x.argtypes, lib.q4_1_quantizes_x.restype = [i64], c_int
+    lib.quant_kernel_path.argtypes, lib.quant_kernel_path.restype = [c_int, i64, i64, i64], c_int
     for limit in (lib.max_group, lib.max_head_dim, lib.max_row, lib.linear_max_rows, lib.linear_max_k):
         limit.restype = c_int
 

@@ -8,11 +8,14 @@ A quantized weight is one uint8 tensor ``[N, row_bytes]`` whose rows are self-co
   per 32 weights an fp16 scale d and 32 int8; w = d * q.
 - ``int8``: per output channel: K int8, then the row's float32 scale s; w = s * q.
 
-:func:`cpu_quantized_linear` (the decode step's few rows) and :func:`quantized_linear_reference` take the same
-arguments and give the same result within the order of a float32 sum: both widen each weight to float32 exactly and
-meet it with x widened to float32, then apply the op and round once. The exception, where the build has AVX512-VNNI
-(:func:`quantizes_x`): q4_1 meets x quantized to int8 per block of 32, as llama.cpp's Q4_1 x Q8_1 does, and sums
-the nibbles' products with x's in integers; the twin then quantizes x the same way (:func:`quantize_x_q8`).
+:func:`cpu_quantized_linear` (a decode step's rows) and :func:`quantized_linear_reference` take the same
+arguments and give the same result within the order of a float32 sum, the twin computing what this build's kernel
+computes for that many rows (:func:`kernel_path`): by default both widen each weight to float32 exactly and meet it
+with x widened to float32, then apply the op and round once. Where the build has AVX512-VNNI (``x_int8``), q4_1 meets
+x quantized to int8 per block of 32, as llama.cpp's Q4_1 x Q8_1 does, and sums the nibbles' products with x's in
+integers; the twin then quantizes x the same way (:func:`quantize_x_q8`). Where it has AMX (``bf16_tiles``, a few
+rows and more), each weight is widened to bf16 (rounded once, the prefill's widened weight) and met with x on AMX
+tiles, a panel of weights at a time, so the weights are widened once for all the rows.
 :func:`cpu_dequantize` (the prefill's many rows, which then run the bf16 matmuls) equals
 ``dequantize(...).to(torch.bfloat16)`` to the bit.
 """
@@ -88,10 +91,19 @@ def dequantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, K] float3
     return (d * q).reshape(n, -1)
 
 
-def quantizes_x(fmt: str, k: int) -> bool:
-    """Whether this build's kernel for ``fmt`` quantizes x to int8 for rows of ``k`` (see the module's docstring)."""
+KERNEL_PATHS = ("float32", "x_int8", "bf16_tiles")  # quant_kernel_path's codes (linear_quant.c)
+
+
+def kernel_path(fmt: str, num_rows: int, k: int, n: int) -> str:
+    """How this build's kernel computes ``num_rows`` rows against an [n, k] weight of ``fmt`` (see the module's
+    docstring): ``float32``, ``x_int8`` or ``bf16_tiles``; ``float32`` without the C kernels."""
     lib = cpu_kernels.load()
-    return fmt == "q4_1" and lib is not None and bool(lib.q4_1_quantizes_x(k))
+    return "float32" if lib is None else KERNEL_PATHS[lib.quant_kernel_path(FORMAT_CODES[fmt], num_rows, k, n)]
+
+
+def quantizes_x(fmt: str, k: int, num_rows: int = 1, n: int = 32) -> bool:
+    """Whether this build's kernel for ``fmt`` quantizes x to int8 (see :func:`kernel_path`)."""
+    return kernel_path(fmt, num_rows, k, n) == "x_int8"
 
 
 def quantize_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,9 +137,12 @@ def quantized_linear_reference(
     other: torch.Tensor | None = None,  # [T, N] bf16
 ) -> torch.Tensor:  # [T, N] bf16
     """The torch twin of :func:`cpu_quantized_linear`: float32 sums, the op on them, one rounding to bf16."""
-    if quantizes_x(fmt, x.shape[1]):
+    path = kernel_path(fmt, x.shape[0], x.shape[1], weight.shape[0])
+    if path == "x_int8":
         scaled, mins = q4_1_terms(x, weight)
         y = (scaled.double().sum(dim=2) + mins.double().sum(dim=2)).float()  # (T, N)
+    elif path == "bf16_tiles":
+        y = x.float() @ dequantize(fmt, weight).to(torch.bfloat16).float().T  # (T, N)
     else:
         y = x.float() @ dequantize(fmt, weight).T  # (T, N)
     if bias is not None:

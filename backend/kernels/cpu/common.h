@@ -153,7 +153,26 @@ static inline void linear_epilogue16(const float* acc, int64_t t0, int64_t rows,
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+/* The AMX matmuls' tiles (linear_amx, linear_quant's bf16 tiles): all eight 16 rows of 64 bytes. */
+typedef struct __attribute__((packed, aligned(64))) {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static inline void load_tile_config(void) {
+    tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }
+    _tile_loadconfig(&cfg);
+}
+#endif
+
 /* The exported kernels other files call. */
+int linear_amx_available(void);
 void rope_paged_attention(void* qkv, int64_t qkv_st, int64_t T, const int64_t* positions, const void* cos,
                           const void* sin_signed, const int64_t* slots, void* k_cache, void* v_cache, int64_t c_sb,
                           int64_t c_ss, int64_t c_sh, int64_t num_decodes, const int32_t* block_tables, int64_t bt_sb,

@@ -18,14 +18,6 @@
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-typedef struct __attribute__((packed, aligned(64))) {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* Linux hands a process the AMX register state only once asked (the first ask may come from oneDNN, or from here). */
 static int amx_permitted(void) {
     static int state = 0;  /* 0: not asked yet, 1: granted, -1: refused */
@@ -62,10 +54,7 @@ int linear_amx(const void* x, int64_t x_st, const void* weight, const void* bias
     const int64_t KB = K / 32;
 #pragma omp parallel num_threads(num_threads) if (N * K >= 65536)
     {
-        tile_config cfg = {0};
-        cfg.palette = 1;
-        for (int i = 0; i < 8; ++i) { cfg.rows[i] = 16; cfg.colsb[i] = 64; }  /* 0-3 sums, 4-5 W, 6-7 x */
-        _tile_loadconfig(&cfg);
+        load_tile_config();  /* 0-3 sums, 4-5 W, 6-7 x */
         float acc[4][16 * 16];
 #pragma omp for schedule(static)
         for (int64_t np = 0; np < N / 32; ++np) {  /* 32 outputs: two panels of W */

@@ -14,9 +14,10 @@
  *    int8 q; weight j is d * q[j]. row_bytes = K / 32 * 34.
  * Each weight is widened in registers to float32 (d * q is exact in float32, so d * q + m is one rounding whether
  * fused or not: the torch twin's dequantized weight to the bit) and met with x widened to float32, so the kernel and
- * its twin differ only in the order of the float32 sum. At a decode step's rows the step is bound by reading the
- * weights: 0.625 bytes a weight (Q4_1) or 1 (INT8) against bf16's 2. (llama.cpp instead quantizes x to int8 for
- * integer dot products, a second rounding this path does not add.)
+ * its twin differ only in the order of the float32 sum. Two other paths, where the build has them
+ * (quant_kernel_path says which runs): Q4_1 with x quantized to int8 for integer dot products (AVX512-VNNI, as
+ * llama.cpp's Q4_1 x Q8_1), and from a few rows, every format widened to bf16 a panel at a time and met with x on
+ * AMX tiles, so the widening is paid once for all the rows.
  * Work: threads share out panels of QUANT_PANEL output rows; each panel meets QUANT_TILE_T rows of x at a time, the
  * panel's few KB of weights re-read from L1/L2 for the next tile. Sums, op and rounding as in linear_small.
  */
@@ -200,15 +201,27 @@ static inline __attribute__((always_inline)) void int8_rows(const uint8_t* w, in
         DISPATCH_T(fn, w, rb, rn, K, xt, tn, sums)                       \
     }
 
-/* Whether linear_q4_1 takes rows of K with x quantized to int8 (the VNNI path below) or widens the weights to float32.
- * The torch twin asks, so that it computes what this build computes. */
-int q4_1_quantizes_x(int64_t K) {
+/* How linear_quant computes T rows of x against an [N, K] weight of `format` in this build, so that the torch twin
+ * computes the same: 0, each weight widened to float32 and met with x in float32; 1, x quantized to int8 per block
+ * for integer dot products (Q4_1, the VNNI path below); 2, each weight widened to bf16 and met with x on AMX tiles
+ * (the bf16 tiles path below). The bf16 tiles cost about the same at any row count up to 32 (widening the weights,
+ * ~8 cycles a block of 32 here, is most of it), the other paths a pass of work per row: measured at the model's
+ * shapes on two cores, the VNNI path is the faster to 4 rows (Q4_1), the float32 path to 3 (Q8_0, INT8). */
+#define QUANT_AMX_ROWS_Q4_1 5
+#define QUANT_AMX_ROWS 4
+int quant_kernel_path(int format, int64_t T, int64_t K, int64_t N) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (T >= (format == WEIGHT_Q4_1 ? QUANT_AMX_ROWS_Q4_1 : QUANT_AMX_ROWS) && K % 32 == 0 && N % 16 == 0 && linear_amx_available()) return 2;
+#else
+    (void)T; (void)N;
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    return K % 64 == 0;
+    if (format == WEIGHT_Q4_1 && K % 64 == 0) return 1;
 #else
     (void)K;
-    return 0;
 #endif
+    (void)format;
+    return 0;
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -335,12 +348,177 @@ static int linear_q4_1_vnni(const void* x, int64_t x_st, const uint8_t* w, const
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+/*
+ * The bf16 tiles path: W meets x on AMX as linear_amx does, but W is widened on the fly, a panel of 32 output rows at a
+ * time, into bf16 in a buffer that stays in L1/L2 (each weight rounded once from its float32 value: the weights the
+ * prefill's widened copy holds), and is read from there by every row of x. W is the tiles' A operand (16 output rows
+ * of 32 k, row-major: one block of a row widens to one 64-byte tile row, no transposition) and x the B operand, packed
+ * once per call in the tiles' pair-interleaved layout; the sums come out [n][t] and are transposed on the way out.
+ */
+static inline void widen_block_bf16(int format, const uint8_t* row, int64_t K, int64_t b, uint16_t* dst) {
+    __m512 f0, f1;
+    if (format == WEIGHT_Q4_1) {
+        const uint8_t* blk = row + 20 * b;
+        uint16_t dh, mh;
+        memcpy(&dh, blk, 2);
+        memcpy(&mh, blk + 2, 2);
+        const __m512 d = _mm512_set1_ps(half_value(dh)), m = _mm512_set1_ps(half_value(mh));
+        const __m128i qs = _mm_loadu_si128((const __m128i*)(blk + 4)), low4 = _mm_set1_epi8(15);
+        const __m128i lo = _mm_and_si128(qs, low4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
+        f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m);  /* d * q exact: one rounding */
+        f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
+    } else if (format == WEIGHT_Q8_0) {
+        const uint8_t* blk = row + 34 * b;
+        uint16_t dh;
+        memcpy(&dh, blk, 2);
+        const __m512 d = _mm512_set1_ps(half_value(dh));
+        f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2)))), d);
+        f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 18)))), d);
+    } else {
+        float scale;
+        memcpy(&scale, row + K, sizeof scale);
+        const __m512 s = _mm512_set1_ps(scale);
+        f0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + 32 * b)))), s);
+        f1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(row + 32 * b + 16)))),
+                           s);
+    }
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));  /* nearest even, as torch */
+}
+
+/* Blocks b and b + 1 of a Q4_1 row (p: block b) widened to bf16 into dst0 and dst1: the two blocks' 16 values each,
+ * d * q + m rounded once, as one 32-entry table that the nibbles index (a third fewer instructions than widening
+ * each nibble to float32). */
+static inline void widen_q4_1_pair_bf16(const uint8_t* p, uint16_t* dst0, uint16_t* dst1) {
+    int32_t dm0, dm1;
+    memcpy(&dm0, p, 4);
+    memcpy(&dm1, p + 20, 4);
+    const __m512 dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi32(dm0, dm1, 0, 0)));  /* d0 m0 d1 m1 */
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(0), dm),
+                                      _mm512_permutexvar_ps(_mm512_set1_epi32(1), dm));
+    const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(2), dm),
+                                      _mm512_permutexvar_ps(_mm512_set1_epi32(3), dm));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);  /* 0-15 block b's values, 16-31 block b + 1's */
+    const __m256i qs = _mm256_loadu2_m128i((const __m128i*)(p + 24), (const __m128i*)(p + 4));
+    const __m512i z = _mm512_cvtepu8_epi16(qs);  /* lanes 0-15 block b's bytes, 16-31 block b + 1's */
+    const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
+    const __m512i low4 = _mm512_set1_epi16(15);
+    const __m512i lo = _mm512_ternarylogic_epi32(z, low4, second, 0xEA);  /* (z & 15) | second */
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(z, 4), low4, second, 0xEA);
+    const __m512i wl = _mm512_permutexvar_epi16(lo, table), wh = _mm512_permutexvar_epi16(hi, table);
+    _mm256_storeu_si256((__m256i*)dst0, _mm512_castsi512_si256(wl));
+    _mm256_storeu_si256((__m256i*)(dst0 + 16), _mm512_castsi512_si256(wh));
+    _mm256_storeu_si256((__m256i*)dst1, _mm512_extracti64x4_epi64(wl, 1));
+    _mm256_storeu_si256((__m256i*)(dst1 + 16), _mm512_extracti64x4_epi64(wh, 1));
+}
+
+/* A thread's buffer `which` of at least `size` bytes, 64-byte aligned, kept for its next call. NOTE: a step makes
+ * ~180 of these calls on the same OpenMP threads; a fresh allocation each time was handed back to the system and
+ * paid its page faults again. */
+static void* scratch(int which, size_t size) {
+    static __thread void* buffers[2];
+    static __thread size_t sizes[2];
+    if (sizes[which] < size) {
+        free(buffers[which]);
+        size = (size + 65535) & ~(size_t)65535;
+        buffers[which] = aligned_alloc(64, size);
+        sizes[which] = buffers[which] == NULL ? 0 : size;
+    }
+    return buffers[which];
+}
+
+static int linear_quant_amx(int format, const void* x, int64_t x_st, const uint8_t* w, const uint16_t* b, int64_t T,
+                            int64_t K, int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out,
+                            int num_threads) {
+    const int64_t KB = K / 32, TT = (T + 15) / 16;  /* x's tiles: TT groups of 16 rows, KB of 32 k */
+    /* xp [TT][KB][16 pairs of k][16 t][2], zero rows past T */
+    uint16_t* xp = scratch(0, (size_t)(TT * KB * 512 * sizeof(uint16_t)));
+    if (xp == NULL) return -1;
+    memset(xp, 0, (size_t)(TT * KB * 512 * sizeof(uint16_t)));
+    for (int64_t t = 0; t < T; ++t) {
+        const uint16_t* src = (const uint16_t*)x + t * x_st;
+        uint32_t* dst = (uint32_t*)xp + (t / 16) * KB * 256 + t % 16;
+        for (int64_t kp = 0; kp < K / 2; ++kp) memcpy(dst + (kp / 16) * 256 + (kp % 16) * 16, src + 2 * kp, 4);
+    }
+    const int64_t row_bytes = quant_row_bytes(format, K), num_panels = (N + 31) / 32;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (N * K >= 65536)
+    {
+        /* the panel widened: [KB][2 tiles][16 rows][32 k] bf16 */
+        uint16_t* panel = scratch(1, (size_t)(KB * 1024 * sizeof(uint16_t)));
+        if (panel == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            load_tile_config();  /* 0-3 sums, 4-5 W, 6-7 x */
+            float acc[16 * 16], acc_t[16 * 16];
+#pragma omp for schedule(static)
+            for (int64_t np = 0; np < num_panels; ++np) {
+                const int64_t n0 = 32 * np, halves = N - n0 >= 32 ? 2 : 1;  /* N % 16 == 0 */
+                for (int64_t kb = 0; kb < KB; ++kb) {  /* NOTE: kb outer: the panel is written in order */
+                    if (format == WEIGHT_Q4_1 && kb + 1 < KB) {
+                        for (int64_t r = 0; r < 16 * halves; ++r)
+                            widen_q4_1_pair_bf16(w + (n0 + r) * row_bytes + 20 * kb, panel + kb * 1024 + r * 32,
+                                                 panel + (kb + 1) * 1024 + r * 32);
+                        ++kb;
+                        continue;
+                    }
+                    for (int64_t r = 0; r < 16 * halves; ++r)
+                        widen_block_bf16(format, w + (n0 + r) * row_bytes, K, kb, panel + kb * 1024 + r * 32);
+                }
+                for (int64_t tt = 0; tt < TT; tt += 2) {
+                    const int two = tt + 1 < TT;
+                    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                    for (int64_t kb = 0; kb < KB; ++kb) {
+                        _tile_loadd(4, panel + kb * 1024, 64);
+                        _tile_loadd(6, xp + (tt * KB + kb) * 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (halves == 2) {
+                            _tile_loadd(5, panel + kb * 1024 + 512, 64);
+                            _tile_dpbf16ps(1, 5, 6);
+                        }
+                        if (two) {
+                            _tile_loadd(7, xp + ((tt + 1) * KB + kb) * 512, 64);
+                            _tile_dpbf16ps(2, 4, 7);
+                            if (halves == 2) _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                    for (int q = 0; q < 4; ++q) {  /* q: outputs n0 + 16 (q % 2), rows 16 (tt + q / 2) */
+                        const int64_t t0 = 16 * (tt + q / 2), rows = T - t0 < 16 ? T - t0 : 16;
+                        if (q % 2 >= halves || rows <= 0) continue;
+                        switch (q) {  /* tile numbers must be constants */
+                            case 0: _tile_stored(0, acc, 64); break;
+                            case 1: _tile_stored(1, acc, 64); break;
+                            case 2: _tile_stored(2, acc, 64); break;
+                            default: _tile_stored(3, acc, 64); break;
+                        }
+                        for (int64_t t = 0; t < rows; ++t)  /* [n][t] -> [t][n] */
+                            for (int j = 0; j < 16; ++j) acc_t[t * 16 + j] = acc[j * 16 + t];
+                        linear_epilogue16(acc_t, t0, rows, n0 + 16 * (q % 2), N, b, op, o, other_st, out);
+                    }
+                }
+            }
+            _tile_release();
+        }
+    }
+    return failed ? -1 : 0;
+}
+#endif
+
 static int linear_quant(int format, const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T,
                         int64_t K, int64_t N, int op, const void* other, int64_t other_st, void* y,
                         int num_threads) {
     if (T < 1 || K < 1 || K > LINEAR_MAX_K || K % quant_block(format) != 0) return -1;
+    const int path = quant_kernel_path(format, T, K, N);
+    (void)path;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (path == 2)
+        return linear_quant_amx(format, x, x_st, (const uint8_t*)weight, (const uint16_t*)bias, T, K, N, op,
+                                (const uint16_t*)other, other_st, (uint16_t*)y, num_threads);
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (format == WEIGHT_Q4_1 && q4_1_quantizes_x(K))
+    if (path == 1)
         return linear_q4_1_vnni(x, x_st, (const uint8_t*)weight, (const uint16_t*)bias, T, K, N, op,
                                 (const uint16_t*)other, other_st, (uint16_t*)y, num_threads);
 #endif
