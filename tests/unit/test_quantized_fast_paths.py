@@ -17,31 +17,10 @@ import pytest
 import torch
 
 from backend.kernels import cpu_kernels
-from backend.kernels.quantized_linear import (
-    KERNEL_PATHS,
-    cpu_quantized_linear,
-    dequantize,
-    kernel_path,
-    q4_1_terms,
-    quantize,
-    quantized_linear_reference,
-)
+from backend.kernels.quantized_linear import KERNEL_PATHS, cpu_quantized_linear, kernel_path, quantize
+from tests.unit.test_quantized_linear import assert_within_fp32_order  # the bound's one owner
 
 needs_c = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
-
-
-def assert_within_fp32_order(fmt, got, x, weight, bias, op, other):
-    want = quantized_linear_reference(fmt, x, weight, bias, op, other).float()
-    if kernel_path(fmt, x.shape[0], x.shape[1], weight.shape[0]) == "x_int8":
-        magnitude = sum(term.abs().sum(dim=2) for term in q4_1_terms(x, weight))  # each per-block term rounded
-    else:
-        magnitude = x.float().abs() @ dequantize(fmt, weight).abs().T  # (T, N): sum |x w|
-    if op == "mul":
-        magnitude = magnitude * other.float().abs()
-    k = x.shape[1]
-    bound = 2 * k * 2.0**-24 * magnitude + 2.0**-7 * want.abs() + 1e-30
-    err = (got.float() - want).abs()
-    assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item():.3g}"
 
 
 def case(fmt, n, k, rows, seed):
