@@ -101,11 +101,6 @@ def kernel_path(fmt: str, num_rows: int, k: int, n: int) -> str:
     return "float32" if lib is None else KERNEL_PATHS[lib.quant_kernel_path(FORMAT_CODES[fmt], num_rows, k, n)]
 
 
-def quantizes_x(fmt: str, k: int, num_rows: int = 1, n: int = 32) -> bool:
-    """Whether this build's kernel for ``fmt`` quantizes x to int8 (see :func:`kernel_path`)."""
-    return kernel_path(fmt, num_rows, k, n) == "x_int8"
-
-
 def quantize_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [T, K] per block of 32 as the VNNI kernel quantizes it: q [T, K/32, 32] (integers, as float32),
     dx [T, K/32, 1] (amax / 127) and sx [T, K/32, 1] (dx * sum(q), llama.cpp's Q8_1 sum)."""
