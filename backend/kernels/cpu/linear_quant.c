@@ -465,6 +465,9 @@ static int linear_quant_amx(int format, const void* x, int64_t x_st, const uint8
             for (int64_t np = 0; np < num_panels; ++np) {
                 const int64_t n0 = 32 * np, halves = N - n0 >= 32 ? 2 : 1;  /* N % 16 == 0 */
                 for (int64_t kb = 0; kb < KB; ++kb) {  /* NOTE: kb outer: the panel is written in order */
+                    const int64_t block_bytes = format == WEIGHT_Q4_1 ? 20 : format == WEIGHT_Q8_0 ? 34 : 32;
+                    for (int64_t r = 0; r < 32; ++r)  /* the next panel's rows, here while this one is widened */
+                        __builtin_prefetch(w + (n0 + 32 + r) * row_bytes + block_bytes * kb, 0, 3);
                     if (format == WEIGHT_Q4_1 && kb + 1 < KB) {
                         for (int64_t r = 0; r < 16 * halves; ++r)
                             widen_q4_1_pair_bf16(w + (n0 + r) * row_bytes + 20 * kb, panel + kb * 1024 + r * 32,
