@@ -185,7 +185,9 @@ class Linear:
         if self.layout is Layout.PLAIN:
             return self.weight.index_select(0, rows)
         if self.layout.quantized:
-            return quantized_linear.dequantize(self.layout.value, self.weight.index_select(0, rows)).to(torch.bfloat16)
+            fmt = self.layout.value  # NOTE: q4_1's rows are held in groups: GGUF's rows first
+            gguf_rows = quantized_linear.ungroup_rows(fmt, self.weight).index_select(0, rows)
+            return quantized_linear.dequantize(fmt, gguf_rows).to(torch.bfloat16)
         return cpu_kernels.linear_weight_rows(self.weight, rows)
 
 

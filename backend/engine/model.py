@@ -21,6 +21,7 @@ from backend.engine import cpu_fast_path, weight_file
 from backend.engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from backend.engine.config import ModelShape, ResolvedConfig
 from backend.engine.cpu_fast_path import Layout, Linear
+from backend.kernels import quantized_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K, V) pools, each [num_blocks, block_size, kvh, hd]
 
@@ -43,7 +44,9 @@ def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.
     def linear(names: list[str], bias: torch.Tensor | None = None, quantize_to: str | None = quantization) -> Linear:
         stored = [(gguf_blocks or {}).get(name) for name in names] if quantization == "q4_1" else [None]
         if all(s is not None and s[0] == stored[0][0] for s in stored):  # the GGUF's own blocks, rows stacked
-            return Linear(torch.cat([blocks for _, blocks in stored]), bias, Layout(stored[0][0]))
+            fmt = stored[0][0]
+            return Linear(quantized_linear.group_rows(fmt, torch.cat([blocks for _, blocks in stored])), bias,
+                          Layout(fmt))
         return cpu_fast_path.make_linear(torch.cat([w[name].to(dtype) for name in names]), bias, quantize_to)
 
     out: Prepared = {}

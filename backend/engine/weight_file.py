@@ -3,10 +3,10 @@ of them however many engines a server runs (as llama.cpp maps its GGUF).
 
 The file holds what ``model.prepare_weights`` gives: every tensor the forward reads, each projection in the layout
 chosen for this CPU, or quantized. Its name is a hash of what the contents depend on: the checkpoint (its files'
-names, sizes and modification times, the GGUF's blocks included), the dtype, the quantization, the layout and the C
-library (its sources, flags and this CPU's features), so any change gives a new file, built at the next load. It is
-built once, under a lock, and written under a temporary name then renamed: engines loading at once (a server's
-models) wait for the first and map the same file, never two.
+names, sizes and modification times, the GGUF's blocks included), the dtype, the quantization, the layout (and the
+version of the quantized formats' held bytes) and the C library (its sources, flags and this CPU's features), so
+any change gives a new file, built at the next load. It is built once, under a lock, and written under a temporary
+name then renamed: engines loading at once (a server's models) wait for the first and map the same file, never two.
 Building a file deletes those of the same folder's older keys and those whose folder is gone; deleting
 ``$XDG_CACHE_HOME/llm-batching-triton/weights`` is safe whenever no engine is loading.
 
@@ -33,7 +33,7 @@ import torch
 
 from backend.engine.config import GGUF_BLOCKS
 from backend.engine.cpu_fast_path import Layout, Linear, c_layout
-from backend.kernels import cpu_kernels
+from backend.kernels import cpu_kernels, quantized_linear
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ def weights_path(model_dir: Path, dtype: torch.dtype, quantization: str | None =
     docstring)."""
     model_dir = model_dir.resolve()
     parts = [_FORMAT, str(model_dir).encode(), str(dtype).encode(), c_layout().value.encode(),
-             (cpu_kernels.library_key() or "no C kernels").encode(), str(quantization).encode()]
+             (cpu_kernels.library_key() or "no C kernels").encode(), str(quantization).encode(),
+             f"held layout {quantized_linear.HELD_LAYOUT_VERSION}".encode()]
     for f in sorted([*model_dir.iterdir(), *(model_dir / GGUF_BLOCKS.parent).glob("*")]):
         if f.suffix in (".safetensors", ".json"):
             stat = f.stat()

@@ -1,12 +1,14 @@
 """Weight-only quantized projections on CPUs: the weight formats, their torch twins, and the C kernels.
 
-A quantized weight is one uint8 tensor ``[N, row_bytes]`` whose rows are self-contained (``cpu/linear_quant.c``):
+A quantized weight is one uint8 tensor ``[N, row_bytes]`` (``cpu/linear_quant.c``):
 
 - ``q4_1``: GGUF's Q4_1 blocks as llama.cpp reads them: per 32 weights an fp16 scale d, an fp16 min m and 16 bytes
-  of nibbles; w = d * q + m.
+  of nibbles; w = d * q + m. Held with the rows in groups of 16 (:func:`group_rows`; the rows past the last whole
+  group as GGUF's): a block of the group's 16 rows is their 16 (d, m) pairs, then their nibbles 4 bytes of each row
+  at a time, so that one 64-byte load feeds an integer dot product for 16 outputs. The bytes are GGUF's, reordered.
 - ``q8_0``: GGUF's Q8_0 blocks (the shipped Q4_1 file holds its token embedding, so its tied LM head, in Q8_0):
   per 32 weights an fp16 scale d and 32 int8; w = d * q.
-- ``int8``: per output channel: K int8, then the row's float32 scale s; w = s * q.
+- ``int8``: per output channel: K int8, then the row's float32 scale s; w = s * q (rows self-contained, as q8_0's).
 
 :func:`cpu_quantized_linear` (a decode step's rows) and :func:`quantized_linear_reference` take the same
 arguments and give the same result within the order of a float32 sum, the twin computing what this build's kernel
@@ -28,6 +30,9 @@ import torch.nn.functional as F
 from backend.kernels import cpu_kernels
 
 FORMAT_CODES = {"q4_1": 1, "int8": 2, "q8_0": 3}  # the C kernels' codes (linear_quant.c)
+# NOTE: one more whenever a format's held bytes change (2: q4_1's rows in groups); files of prepared weights are
+# keyed by it, so none made before is read with the new meaning
+HELD_LAYOUT_VERSION = 2
 _BLOCK = {"q4_1": 32, "int8": 16, "q8_0": 32}  # K must be a multiple of this
 _KERNELS = {"q4_1": "linear_q4_1", "int8": "linear_int8", "q8_0": "linear_q8_0"}
 
@@ -42,13 +47,41 @@ def in_features(fmt: str, num_row_bytes: int) -> int:
     return {"q4_1": num_row_bytes // 20 * 32, "q8_0": num_row_bytes // 34 * 32, "int8": num_row_bytes - 4}[fmt]
 
 
+_GROUP = 16  # q4_1's rows per group
+
+
+def group_rows(fmt: str, rows: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] uint8
+    """GGUF's rows (``[N, row_bytes]``) as ``fmt`` holds them: q4_1's in groups of 16 (see the module's docstring),
+    the others as they are."""
+    if fmt != "q4_1" or rows.shape[0] < _GROUP:
+        return rows
+    n, nb = rows.shape[0] // _GROUP * _GROUP, rows.shape[1] // 20
+    blocks = rows[:n].reshape(n // _GROUP, _GROUP, nb, 20)  # (G, 16 rows, nb, bytes)
+    dm = blocks[..., :4].permute(0, 2, 1, 3).reshape(n // _GROUP, nb, 64)  # (G, nb, 16 rows x 4)
+    qs = blocks[..., 4:].reshape(n // _GROUP, _GROUP, nb, 4, 4).permute(0, 2, 3, 1, 4)  # (G, nb, v, 16 rows, 4)
+    grouped = torch.cat([dm, qs.reshape(n // _GROUP, nb, 256)], dim=2).reshape(n, -1)
+    return torch.cat([grouped, rows[n:]])
+
+
+def ungroup_rows(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] uint8
+    """The inverse of :func:`group_rows`: GGUF's rows, each self-contained."""
+    if fmt != "q4_1" or weight.shape[0] < _GROUP:
+        return weight
+    n, nb = weight.shape[0] // _GROUP * _GROUP, weight.shape[1] // 20
+    units = weight[:n].reshape(n // _GROUP, nb, 320)
+    dm = units[..., :64].reshape(n // _GROUP, nb, _GROUP, 4).permute(0, 2, 1, 3)  # (G, 16 rows, nb, 4)
+    qs = units[..., 64:].reshape(n // _GROUP, nb, 4, _GROUP, 4).permute(0, 3, 1, 2, 4)  # (G, 16 rows, nb, v, 4)
+    rows = torch.cat([dm, qs.reshape(n // _GROUP, _GROUP, nb, 16)], dim=3).reshape(n, -1)
+    return torch.cat([rows, weight[n:]])
+
+
 def fits(fmt: str, k: int) -> bool:
     """Whether ``fmt`` holds rows of ``k`` weights (whole blocks)."""
     return k > 0 and k % _BLOCK[fmt] == 0
 
 
 def quantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] uint8
-    """``weight`` [N, K] in ``fmt``, rounded as llama.cpp's reference quantizers (``quantize_row_q4_1_ref``,
+    """``weight`` [N, K] in ``fmt`` as held, rounded as llama.cpp's reference quantizers (``quantize_row_q4_1_ref``,
     ``quantize_row_q8_0_ref``) round; ``int8`` scales each row by its largest magnitude / 127."""
     w = weight.float()
     n, k = w.shape
@@ -66,7 +99,7 @@ def quantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] 
         q = torch.clamp(((blocks - lo) * inv + 0.5).to(torch.uint8), max=15)  # truncation of x + 0.5, as ggml
         nibbles = q[:, :, :16] | (q[:, :, 16:] << 4)  # (N, K/32, 16)
         head = torch.cat([d, lo], dim=2).to(torch.float16).view(torch.uint8)  # (N, K/32, 4)
-        return torch.cat([head, nibbles], dim=2).reshape(n, -1)
+        return group_rows(fmt, torch.cat([head, nibbles], dim=2).reshape(n, -1))
     amax = blocks.abs().amax(dim=2, keepdim=True)
     d = amax / 127
     q = torch.round(blocks * torch.where(d > 0, 1 / d, 0)).to(torch.int8)  # roundf, as ggml
@@ -75,6 +108,7 @@ def quantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] 
 
 def dequantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, K] float32
     """The weights a quantized tensor holds, each widened to float32 exactly as the C kernels widen it."""
+    weight = ungroup_rows(fmt, weight)
     n = weight.shape[0]
     if fmt == "int8":
         k = weight.shape[1] - 4
@@ -114,7 +148,7 @@ def q4_1_terms(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tor
     """The per-block terms of the VNNI kernel's sums, each [T, N, K/32] float32: (d dx) * sum(q_w q_x), and m sx."""
     q, dx, sx = quantize_x_q8(x)  # (T, nb, 32), (T, nb, 1) x2
     n = weight.shape[0]
-    blocks = weight.reshape(n, -1, 20)
+    blocks = ungroup_rows("q4_1", weight).reshape(n, -1, 20)
     d = blocks[:, :, 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, nb)
     m = blocks[:, :, 2:4].contiguous().view(torch.float16).float()[..., 0]
     qs = blocks[:, :, 4:]

@@ -166,7 +166,7 @@ def ensure_gguf_blocks(out_dir: Path, gguf: Path) -> Path:
     from gguf import GGUFReader
     from safetensors.torch import load_file, save_file
 
-    from backend.kernels.quantized_linear import dequantize
+    from backend.kernels.quantized_linear import dequantize, group_rows
 
     config = json.loads((out_dir / "config.json").read_text())
     heads = {"attn_q": config["num_attention_heads"],
@@ -186,7 +186,8 @@ def ensure_gguf_blocks(out_dir: Path, gguf: Path) -> Path:
         blocks[name], formats[name] = rows.contiguous(), _KEPT_TYPES[kind]
     reference = load_file(str(out_dir / "model.safetensors"))
     for name, rows in blocks.items():  # the bf16 weights are these blocks' numbers, rounded: any mismatch is a bug
-        if not torch.equal(dequantize(formats[name], rows).to(reference[name].dtype), reference[name]):
+        if not torch.equal(dequantize(formats[name], group_rows(formats[name], rows)).to(reference[name].dtype),
+                           reference[name]):
             raise RuntimeError(f"{gguf.name}'s {formats[name]} blocks of {name} do not give the converted weights")
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -19,7 +19,7 @@ from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request
 from backend.engine.scheduler import ScheduledRequest
 from backend.kernels import cpu_kernels
-from backend.kernels.quantized_linear import dequantize
+from backend.kernels.quantized_linear import dequantize, group_rows
 from backend.triton.model_config import engine_config_from_triton
 from tests.unit.test_model_forward import BlockPool, prompts, run_step
 
@@ -71,7 +71,7 @@ def test_gguf_blocks_are_the_checkpoints_numbers_in_the_ggufs_formats(smollm2_di
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.29.self_attn.k_proj.weight",
                  "model.layers.7.mlp.down_proj.weight", "model.embed_tokens.weight"):
         fmt, rows = blocks[name]
-        assert torch.equal(dequantize(fmt, rows).to(torch.bfloat16), smollm2_weights[name]), name
+        assert torch.equal(dequantize(fmt, group_rows(fmt, rows)).to(torch.bfloat16), smollm2_weights[name]), name
 
 
 def test_prepared_q4_1_holds_the_gguf_blocks_fused_and_the_lm_head_in_q8_0(smollm2_dir, smollm2_weights):

@@ -6,9 +6,13 @@
 /*
  * Weight-only quantized matmuls: y = epilogue(x W^T + bias) with W held quantized (x, y, bias and `other` bf16), for
  * a decode step's rows (linear_q4_1, linear_int8), and W widened back to bf16 for a prefill's many rows, which then
- * run the bf16 matmuls (dequantize_weight). A weight is one uint8 tensor [N, row_bytes], each row self-contained:
+ * run the bf16 matmuls (dequantize_weight). A weight is one uint8 tensor [N, row_bytes]:
  *  - Q4_1, GGUF's blocks as llama.cpp reads them: per 32 weights 20 bytes, fp16 d, fp16 m, 16 bytes of nibbles;
  *    weight j < 16 of a block is d * (qs[j] & 15) + m, weight 16 + j is d * (qs[j] >> 4) + m. row_bytes = K / 32 * 20.
+ *    Held in groups of 16 rows (the rows past the last whole group as they are): group g's block b is Q4_1_UNIT
+ *    bytes at (g * K / 32 + b) * Q4_1_UNIT, the 16 rows' (d, m) as 16 dwords, then 4 vectors of 64 bytes, lane j of
+ *    vector v row j's nibble bytes 4v .. 4v + 3, so that one load feeds 16 outputs' integer dot products and a block's
+ *    scales are one vector (quantized_linear.group_rows).
  *  - INT8 per output channel: K int8 q, then the row's float32 scale s; weight k is s * q[k]. row_bytes = K + 4.
  *  - Q8_0, GGUF's (its token embedding, so the Q4_1 file's tied LM head): per 32 weights 34 bytes, fp16 d and 32
  *    int8 q; weight j is d * q[j]. row_bytes = K / 32 * 34.
@@ -18,8 +22,9 @@
  * (quant_kernel_path says which runs): Q4_1 with x quantized to int8 for integer dot products (AVX512-VNNI, as
  * llama.cpp's Q4_1 x Q8_1), and from a few rows, every format widened to bf16 a panel at a time and met with x on
  * AMX tiles, so the widening is paid once for all the rows.
- * Work: threads share out panels of QUANT_PANEL output rows; each panel meets QUANT_TILE_T rows of x at a time, the
- * panel's few KB of weights re-read from L1/L2 for the next tile. Sums, op and rounding as in linear_small.
+ * Work: threads share out panels of QUANT_PANEL output rows (a group of 16 rows for Q4_1 with x quantized); each
+ * panel meets QUANT_TILE_T rows of x at a time, the panel's few KB of weights re-read from L1/L2 for the next tile.
+ * Sums, op and rounding as in linear_small.
  */
 enum { WEIGHT_Q4_1 = 1, WEIGHT_INT8 = 2, WEIGHT_Q8_0 = 3 };
 
@@ -33,6 +38,10 @@ enum { WEIGHT_Q4_1 = 1, WEIGHT_INT8 = 2, WEIGHT_Q8_0 = 3 };
 #define QUANT_TILE_T 2
 #endif
 #define QUANT_PANEL 16
+/* NOTE: a decode step's quantized weights (~100 MB for SmolLM2-135M in Q4_1) outgrow the share of L3 a core gets here
+ * (~50 MB), so each step streams them from memory; the hardware prefetchers alone left the kernels waiting on it (30
+ * layers' projections at one row: 5.9 ms, 3.4 ms with each row's weights requested this many bytes ahead). */
+#define QUANT_PREFETCH 4096
 
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 typedef int8_t v16i8 __attribute__((vector_size(16)));
@@ -102,25 +111,44 @@ static inline int64_t quant_row_bytes(int format, int64_t K) {
 
 static inline int64_t quant_block(int format) { return format == WEIGHT_INT8 ? 16 : 32; }  /* K is a multiple */
 
+/* Q4_1's block (g, b) of 16 rows: Q4_1_UNIT bytes, the rows' 16 (d, m) dwords, then 4 vectors of their nibbles. */
+#define Q4_1_UNIT 320
+static inline const uint8_t* q4_1_unit(const uint8_t* w, int64_t K, int64_t g, int64_t b) {
+    return w + (g * (K / 32) + b) * Q4_1_UNIT;
+}
+
+/* Row n's block b of a Q4_1 weight of N rows: its 16 bytes of nibbles (GGUF's order) into qs, and where its fp16 d
+ * and m are. */
+static inline const uint8_t* q4_1_block(const uint8_t* w, int64_t N, int64_t K, int64_t n, int64_t b, v16u8* qs) {
+    if (n < N / 16 * 16) {
+        const uint8_t* u = q4_1_unit(w, K, n / 16, b) + 4 * (n % 16);
+        for (int v = 0; v < 4; ++v) memcpy((uint8_t*)qs + 4 * v, u + 64 + 64 * v, 4);
+        return u;
+    }
+    const uint8_t* p = w + n * quant_row_bytes(WEIGHT_Q4_1, K) + 20 * b;
+    memcpy(qs, p + 4, sizeof *qs);
+    return p;
+}
+
 /* R rows of W (row_bytes apart) against T rows of xf ([T, K] float32): sums[r][t] = row r's dot product with x row
  * t. Several weight rows at once give the FMAs independent chains (one row's sum alone waits on each FMA's latency)
  * and share each load of x. */
-static inline __attribute__((always_inline)) void q4_1_rows(const uint8_t* w, int64_t row_bytes, int R, int64_t K,
-                                                             const float* xf, int T,
-                                                             float sums[QUANT_R][QUANT_TILE_T]) {
+static inline __attribute__((always_inline)) void q4_1_rows(const uint8_t* w, int64_t N, int64_t n, int64_t K,
+                                                             const float* xf, float sums[QUANT_R][QUANT_TILE_T],
+                                                             int R, int T) {
     v16f acc[QUANT_R][QUANT_TILE_T];
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
     for (int64_t b = 0; b < K / 32; ++b) {
         v16f lo[QUANT_R], hi[QUANT_R];
         for (int r = 0; r < R; ++r) {
-            const uint8_t* blk = w + r * row_bytes + 20 * b;
-            uint16_t dh, mh;
-            memcpy(&dh, blk, 2);
-            memcpy(&mh, blk + 2, 2);
-            const float d = half_value(dh), m = half_value(mh);
             v16u8 qs;
-            memcpy(&qs, blk + 4, sizeof qs);
+            const uint8_t* dm = q4_1_block(w, N, K, n + r, b, &qs);
+            __builtin_prefetch(dm + QUANT_PREFETCH, 0, 3);
+            uint16_t dh, mh;
+            memcpy(&dh, dm, 2);
+            memcpy(&mh, dm + 2, 2);
+            const float d = half_value(dh), m = half_value(mh);
             lo[r] = u8_to_f32(qs & 15) * d + m;  /* weights 32b .. 32b + 15 */
             hi[r] = u8_to_f32(qs >> 4) * d + m;  /* weights 32b + 16 .. 32b + 31 */
         }
@@ -133,9 +161,9 @@ static inline __attribute__((always_inline)) void q4_1_rows(const uint8_t* w, in
         for (int t = 0; t < T; ++t) sums[r][t] = hsum16(acc[r][t]);
 }
 
-static inline __attribute__((always_inline)) void q8_0_rows(const uint8_t* w, int64_t row_bytes, int R, int64_t K,
-                                                             const float* xf, int T,
-                                                             float sums[QUANT_R][QUANT_TILE_T]) {
+static inline __attribute__((always_inline)) void q8_0_rows(const uint8_t* w, int64_t row_bytes, int64_t K,
+                                                             const float* xf, float sums[QUANT_R][QUANT_TILE_T],
+                                                             int R, int T) {
     v16f acc[QUANT_R][QUANT_TILE_T];
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
@@ -143,6 +171,7 @@ static inline __attribute__((always_inline)) void q8_0_rows(const uint8_t* w, in
         v16f w0[QUANT_R], w1[QUANT_R];
         for (int r = 0; r < R; ++r) {
             const uint8_t* blk = w + r * row_bytes + 34 * b;
+            __builtin_prefetch(blk + QUANT_PREFETCH, 0, 3);
             uint16_t dh;
             memcpy(&dh, blk, 2);
             const float d = half_value(dh);
@@ -162,9 +191,9 @@ static inline __attribute__((always_inline)) void q8_0_rows(const uint8_t* w, in
 }
 
 /* INT8: the integer weights' dot products, times each row's scale. */
-static inline __attribute__((always_inline)) void int8_rows(const uint8_t* w, int64_t row_bytes, int R, int64_t K,
-                                                             const float* xf, int T,
-                                                             float sums[QUANT_R][QUANT_TILE_T]) {
+static inline __attribute__((always_inline)) void int8_rows(const uint8_t* w, int64_t row_bytes, int64_t K,
+                                                             const float* xf, float sums[QUANT_R][QUANT_TILE_T],
+                                                             int R, int T) {
     v16f acc[QUANT_R][QUANT_TILE_T];
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
@@ -173,6 +202,7 @@ static inline __attribute__((always_inline)) void int8_rows(const uint8_t* w, in
         for (int r = 0; r < R; ++r) {
             v16i8 q;
             memcpy(&q, w + r * row_bytes + k, sizeof q);
+            __builtin_prefetch(w + r * row_bytes + k + QUANT_PREFETCH, 0, 3);
             wv[r] = i8_to_f32(q);
         }
         for (int t = 0; t < T; ++t) {
@@ -188,17 +218,17 @@ static inline __attribute__((always_inline)) void int8_rows(const uint8_t* w, in
 }
 
 /* Constant row counts let the compiler keep every accumulator in a register. */
-#define DISPATCH_T(fn, w, rb, R, K, xt, tn, sums)                        \
-    switch (tn) {                                                        \
-        case 1: fn(w, rb, R, K, xt, 1, sums); break;                     \
-        case QUANT_TILE_T: fn(w, rb, R, K, xt, QUANT_TILE_T, sums); break; \
-        default: fn(w, rb, R, K, xt, tn, sums); break;                   \
+#define DISPATCH_T(fn, R, tn, ...)                                        \
+    switch (tn) {                                                         \
+        case 1: fn(__VA_ARGS__, R, 1); break;                             \
+        case QUANT_TILE_T: fn(__VA_ARGS__, R, QUANT_TILE_T); break;       \
+        default: fn(__VA_ARGS__, R, tn); break;                           \
     }
-#define DISPATCH(fn, w, rb, rn, K, xt, tn, sums)                         \
-    if (rn == QUANT_R) {                                                 \
-        DISPATCH_T(fn, w, rb, QUANT_R, K, xt, tn, sums)                  \
-    } else {                                                             \
-        DISPATCH_T(fn, w, rb, rn, K, xt, tn, sums)                       \
+#define DISPATCH(fn, rn, tn, ...)                                         \
+    if (rn == QUANT_R) {                                                  \
+        DISPATCH_T(fn, QUANT_R, tn, __VA_ARGS__)                          \
+    } else {                                                              \
+        DISPATCH_T(fn, rn, tn, __VA_ARGS__)                               \
     }
 
 /* How linear_quant computes T rows of x against an [N, K] weight of `format` in this build, so that the torch twin
@@ -216,10 +246,9 @@ int quant_kernel_path(int format, int64_t T, int64_t K, int64_t N) {
     (void)T; (void)N;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (format == WEIGHT_Q4_1 && K % 64 == 0) return 1;
-#else
-    (void)K;
+    if (format == WEIGHT_Q4_1) return 1;
 #endif
+    (void)K;
     (void)format;
     return 0;
 }
@@ -228,52 +257,52 @@ int quant_kernel_path(int format, int64_t T, int64_t K, int64_t N) {
 /*
  * Q4_1 with integer dot products, as llama.cpp's Q4_1 x Q8_1: each block of 32 x is quantized to int8 (dx = amax / 127,
  * q = round-to-nearest-even(x / dx)) and its sum kept (sx = dx * sum(q)); a block's dot product is then
- * d dx sum(q_w q_x) + m sx, the integer sum from vpdpbusd (the nibbles unsigned, x signed). Two blocks at a time: the
- * 32 nibble bytes of a pair, low nibbles then high, are one zmm against x's 64 bytes laid out to match ([first half
- * of block 0, of block 1, second half of block 0, of block 1]), so lanes 0-3 and 8-11 sum block 0, 4-7 and 12-15
- * block 1. The integers are exact; what differs from the twin is the float order of the per-block terms.
+ * d dx sum(q_w q_x) + m sx, the integer sum from vpdpbusd (the nibbles unsigned, x signed). A group of 16 rows at a
+ * time, one row a 32-bit lane: each 64-byte vector of the group's nibbles holds bytes 4v .. 4v + 3 of every row's
+ * block, so its low nibbles meet x's 4 bytes 4v .. 4v + 3 broadcast to every lane, its high nibbles x's 16 + 4v ..,
+ * and a block's scales and mins are one vector each. The integers are exact; what differs from the twin is the float
+ * order of the per-block terms.
  */
-static inline __attribute__((always_inline)) void q4_1_rows_vnni(const uint8_t* w, int64_t row_bytes, int R,
-                                                                  int64_t K, const int8_t* xq, const float* xdv,
-                                                                  const float* xsv, int T,
-                                                                  float sums[QUANT_R][QUANT_TILE_T]) {
-    __m512 acc[QUANT_R][QUANT_TILE_T];
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(15);
-    /* [d0, m0, d1, m1] -> d0 in block 0's lanes and d1 in block 1's; m0 in lane 0 and m1 in lane 4, zeros elsewhere */
-    const __m512i d_lanes = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2);
-    const __m512i m_lanes = _mm512_setr_epi32(1, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-    const int64_t nb = K / 32;
-    for (int64_t b = 0; b < nb; b += 2) {
-        for (int r = 0; r < R; ++r) {
-            const uint8_t* p = w + r * row_bytes + 20 * b;
-            const __m256i qs = _mm256_loadu2_m128i((const __m128i*)(p + 24), (const __m128i*)(p + 4));
-            const __m256i lo = _mm256_and_si256(qs, low4), hi = _mm256_and_si256(_mm256_srli_epi16(qs, 4), low4);
-            const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            int32_t dm0, dm1;
-            memcpy(&dm0, p, 4);
-            memcpy(&dm1, p + 20, 4);
-            const __m512 dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi32(dm0, dm1, 0, 0)));
-            const __m512 dw = _mm512_permutexvar_ps(d_lanes, dm), mw = _mm512_maskz_permutexvar_ps(0x11, m_lanes, dm);
-            for (int t = 0; t < T; ++t) {
-                const __m512i xv = _mm512_loadu_si512(xq + t * K + 32 * b);
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv);
-                const __m512 scale = _mm512_mul_ps(dw, _mm512_loadu_ps(xdv + (t * nb + b) * 8));
-                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[r][t]);
-                acc[r][t] = _mm512_fmadd_ps(mw, _mm512_loadu_ps(xsv + (t * nb + b) * 8), acc[r][t]);
+static inline __attribute__((always_inline)) void q4_1_group_vnni(const uint8_t* u, int64_t nb, int64_t K,
+                                                                   const int8_t* xq, const float* xd, const float* xs,
+                                                                   __m512 sums[QUANT_TILE_T], int T) {
+    __m512 acc_d[QUANT_TILE_T], acc_m[QUANT_TILE_T];  /* two chains: the scaled sums', the mins' */
+    for (int t = 0; t < T; ++t) acc_d[t] = acc_m[t] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(15);
+    for (int64_t b = 0; b < nb; ++b, u += Q4_1_UNIT) {
+        for (int line = 0; line < Q4_1_UNIT; line += 64) _mm_prefetch((const char*)u + QUANT_PREFETCH + line, _MM_HINT_T0);
+        const __m512i dm = _mm512_loadu_si512(u);  /* row j's fp16 d in the low half of lane j, its m in the high */
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+        const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+        __m512i lo[4], hi[4];
+        for (int v = 0; v < 4; ++v) {
+            const __m512i q = _mm512_loadu_si512(u + 64 + 64 * v);
+            lo[v] = _mm512_and_si512(q, low4);
+            hi[v] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
+        }
+        for (int t = 0; t < T; ++t) {
+            const int8_t* xb = xq + t * K + 32 * b;
+            __m512i s_lo = _mm512_setzero_si512(), s_hi = _mm512_setzero_si512();
+            for (int v = 0; v < 4; ++v) {
+                int32_t x_lo, x_hi;
+                memcpy(&x_lo, xb + 4 * v, 4);
+                memcpy(&x_hi, xb + 16 + 4 * v, 4);
+                s_lo = _mm512_dpbusd_epi32(s_lo, lo[v], _mm512_set1_epi32(x_lo));
+                s_hi = _mm512_dpbusd_epi32(s_hi, hi[v], _mm512_set1_epi32(x_hi));
             }
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[t * nb + b]));
+            acc_d[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s_lo, s_hi)), scale, acc_d[t]);
+            acc_m[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * nb + b]), acc_m[t]);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) sums[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int t = 0; t < T; ++t) sums[t] = _mm512_add_ps(acc_d[t], acc_m[t]);
 }
 
-/* x [T, K] bf16 -> xq (int8, each pair of blocks in the nibbles' order), xdv (per pair of blocks 16 lanes of dx, as
- * the dot product's lanes fall) and xsv (per pair of blocks 16 lanes: dx * sum(q) of block 0 in lane 0, of block 1
- * in lane 4, zeros elsewhere, as the mins' lanes fall). NOTE: without -ffast-math, so that dx, 1 / dx and
- * each q are the float operations the torch twin does (fast-math folds 1 / (amax / 127) into 127 / amax). */
-__attribute__((optimize("no-fast-math"))) static void quantize_x_q8(const void* x, int64_t x_st, int64_t T, int64_t K, int8_t* xq, float* xdv, float* xsv) {
+/* x [T, K] bf16 -> xq [T, K] int8, and per block dx (xd [T, K / 32]) and dx * sum(q) (xs). NOTE: without
+ * -ffast-math, so that dx, 1 / dx and each q are the float operations the torch twin does (fast-math folds
+ * 1 / (amax / 127) into 127 / amax). */
+__attribute__((optimize("no-fast-math"))) static void quantize_x_q8(const void* x, int64_t x_st, int64_t T, int64_t K,
+                                                                     int8_t* xq, float* xd, float* xs) {
     const int64_t nb = K / 32;
     float xf[32];
     for (int64_t t = 0; t < T; ++t) {
@@ -284,63 +313,76 @@ __attribute__((optimize("no-fast-math"))) static void quantize_x_q8(const void* 
             const float d = amax * (1.f / 127.f);
             const float id = d > 0.f ? 1.f / d : 0.f;
             int sum = 0;
-            const int64_t pair = b & ~(int64_t)1, second = b & 1;
-            int8_t* dst = xq + t * K + 32 * pair;
             for (int i = 0; i < 32; ++i) {
                 const int q = _mm_cvtss_si32(_mm_set_ss(xf[i] * id));  /* nearest even, as torch.round */
                 sum += q;
-                dst[(i < 16 ? 0 : 32) + 16 * second + (i & 15)] = (int8_t)q;
+                xq[t * K + 32 * b + i] = (int8_t)q;
             }
-            for (int i = 0; i < 4; ++i) xdv[(t * nb + pair) * 8 + 4 * second + i] = d;
-            for (int i = 0; i < 4; ++i) xdv[(t * nb + pair) * 8 + 8 + 4 * second + i] = d;
-            float* sv = xsv + (t * nb + pair) * 8;
-            if (!second) memset(sv, 0, 16 * sizeof(float));
-            sv[4 * second] = d * (float)sum;
+            xd[t * nb + b] = d;
+            xs[t * nb + b] = d * (float)sum;
         }
     }
 }
 
+/* Row t of x against a row past the last whole group of 16 (GGUF's row as it is). */
+static float q4_1_row_vnni(const uint8_t* row, int64_t K, const int8_t* xq, const float* xd, const float* xs) {
+    float acc = 0.f;
+    for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* p = row + 20 * b;
+        uint16_t dh, mh;
+        memcpy(&dh, p, 2);
+        memcpy(&mh, p + 2, 2);
+        int32_t dot = 0;
+        for (int i = 0; i < 16; ++i) dot += (p[4 + i] & 15) * xq[32 * b + i] + (p[4 + i] >> 4) * xq[32 * b + 16 + i];
+        acc += half_value(dh) * xd[b] * (float)dot + half_value(mh) * xs[b];
+    }
+    return acc;
+}
+
 static int linear_q4_1_vnni(const void* x, int64_t x_st, const uint8_t* w, const uint16_t* b, int64_t T, int64_t K,
                             int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out, int num_threads) {
-    const int64_t nb = K / 32;
-    int8_t* xq = malloc(T * K + sizeof(float) * T * nb * 16 + 64);
+    const int64_t nb = K / 32, num_groups = N / 16;
+    int8_t* xq = malloc(T * K + sizeof(float) * T * nb * 2 + 64);
     if (xq == NULL) return -1;
-    float* xdv = (float*)(xq + ((T * K + 63) & ~(int64_t)63));
-    float* xsv = xdv + T * nb * 8;
-    quantize_x_q8(x, x_st, T, K, xq, xdv, xsv);
-    const int64_t row_bytes = quant_row_bytes(WEIGHT_Q4_1, K);
-    const int64_t num_panels = (N + QUANT_PANEL - 1) / QUANT_PANEL;
+    float* xd = (float*)(xq + ((T * K + 63) & ~(int64_t)63));
+    float* xs = xd + T * nb;
+    quantize_x_q8(x, x_st, T, K, xq, xd, xs);
+    /* one item per group, and one for the rows past the last group */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
-    for (int64_t panel = 0; panel < num_panels; ++panel) {
-        const int64_t n0 = panel * QUANT_PANEL, n1 = n0 + QUANT_PANEL < N ? n0 + QUANT_PANEL : N;
+    for (int64_t g = 0; g <= num_groups; ++g) {
+        if (g == num_groups) {
+            for (int64_t n = 16 * num_groups; n < N; ++n)
+                for (int64_t t = 0; t < T; ++t) {
+                    const float sum = q4_1_row_vnni(w + n * quant_row_bytes(WEIGHT_Q4_1, K), K, xq + t * K,
+                                                    xd + t * nb, xs + t * nb);
+                    out[t * N + n] = to_bf16(apply_op(sum + (b ? bf16_value(b[n]) : 0.f), op, o, other_st, (int)t, n));
+                }
+            continue;
+        }
+        const uint8_t* u = q4_1_unit(w, K, g, 0);
         for (int64_t t0 = 0; t0 < T; t0 += QUANT_TILE_T) {
             const int tn = T - t0 < QUANT_TILE_T ? (int)(T - t0) : QUANT_TILE_T;
             const int8_t* xt = xq + t0 * K;
-            const float* dt = xdv + t0 * nb * 8;
-            const float* st = xsv + t0 * nb * 8;
-            for (int64_t n = n0; n < n1; n += QUANT_R) {
-                const int rn = n1 - n < QUANT_R ? (int)(n1 - n) : QUANT_R;
-                float sums[QUANT_R][QUANT_TILE_T];
-                const uint8_t* rows = w + n * row_bytes;
-#define VNNI_T(R_)                                                                                     \
-    switch (tn) {                                                                                      \
-        case 1: q4_1_rows_vnni(rows, row_bytes, R_, K, xt, dt, st, 1, sums); break;                    \
-        case QUANT_TILE_T: q4_1_rows_vnni(rows, row_bytes, R_, K, xt, dt, st, QUANT_TILE_T, sums); break; \
-        default: q4_1_rows_vnni(rows, row_bytes, R_, K, xt, dt, st, tn, sums); break;                   \
-    }
-                if (rn == QUANT_R) {
-                    VNNI_T(QUANT_R)
-                } else {
-                    VNNI_T(rn)
-                }
-#undef VNNI_T
-                for (int r = 0; r < rn; ++r) {
-                    const float bn = b ? bf16_value(b[n + r]) : 0.f;
-                    for (int t = 0; t < tn; ++t)
-                        out[(t0 + t) * N + n + r] = to_bf16(apply_op(sums[r][t] + bn, op, o, other_st,
-                                                                     (int)(t0 + t), n + r));
-                }
+            const float *dt = xd + t0 * nb, *st = xs + t0 * nb;
+            __m512 sums[QUANT_TILE_T];
+            switch (tn) {  /* constant row counts keep every accumulator in a register */
+                case 1: q4_1_group_vnni(u, nb, K, xt, dt, st, sums, 1); break;
+                case 2: q4_1_group_vnni(u, nb, K, xt, dt, st, sums, 2); break;
+                case 3: q4_1_group_vnni(u, nb, K, xt, dt, st, sums, 3); break;
+                default: q4_1_group_vnni(u, nb, K, xt, dt, st, sums, QUANT_TILE_T); break;
             }
+            float acc[16 * QUANT_TILE_T];
+            for (int t = 0; t < tn; ++t) _mm512_storeu_ps(acc + 16 * t, sums[t]);
+#if defined(__AVX512BF16__)
+            linear_epilogue16(acc, t0, tn, 16 * g, N, b, op, o, other_st, out);
+#else
+            for (int t = 0; t < tn; ++t)
+                for (int j = 0; j < 16; ++j) {
+                    const int64_t n = 16 * g + j;
+                    out[(t0 + t) * N + n] = to_bf16(apply_op(acc[16 * t + j] + (b ? bf16_value(b[n]) : 0.f), op, o,
+                                                             other_st, (int)(t0 + t), n));
+                }
+#endif
         }
     }
     free(xq);
@@ -356,19 +398,10 @@ static int linear_q4_1_vnni(const void* x, int64_t x_st, const uint8_t* w, const
  * of 32 k, row-major: one block of a row widens to one 64-byte tile row, no transposition) and x the B operand, packed
  * once per call in the tiles' pair-interleaved layout; the sums come out [n][t] and are transposed on the way out.
  */
+/* Block b of an INT8 or Q8_0 row widened to bf16 (32 values) into dst. */
 static inline void widen_block_bf16(int format, const uint8_t* row, int64_t K, int64_t b, uint16_t* dst) {
     __m512 f0, f1;
-    if (format == WEIGHT_Q4_1) {
-        const uint8_t* blk = row + 20 * b;
-        uint16_t dh, mh;
-        memcpy(&dh, blk, 2);
-        memcpy(&mh, blk + 2, 2);
-        const __m512 d = _mm512_set1_ps(half_value(dh)), m = _mm512_set1_ps(half_value(mh));
-        const __m128i qs = _mm_loadu_si128((const __m128i*)(blk + 4)), low4 = _mm_set1_epi8(15);
-        const __m128i lo = _mm_and_si128(qs, low4), hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low4);
-        f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m);  /* d * q exact: one rounding */
-        f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
-    } else if (format == WEIGHT_Q8_0) {
+    if (format == WEIGHT_Q8_0) {
         const uint8_t* blk = row + 34 * b;
         uint16_t dh;
         memcpy(&dh, blk, 2);
@@ -386,13 +419,27 @@ static inline void widen_block_bf16(int format, const uint8_t* row, int64_t K, i
     _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));  /* nearest even, as torch */
 }
 
-/* Blocks b and b + 1 of a Q4_1 row (p: block b) widened to bf16 into dst0 and dst1: the two blocks' 16 values each,
- * d * q + m rounded once, as one 32-entry table that the nibbles index (a third fewer instructions than widening
- * each nibble to float32). */
-static inline void widen_q4_1_pair_bf16(const uint8_t* p, uint16_t* dst0, uint16_t* dst1) {
+/* One Q4_1 block (dm: its fp16 d and m, qs: its 16 bytes of nibbles) widened to bf16 (32 values) into dst. */
+static inline void widen_q4_1_block_bf16(const uint8_t* dm, const uint8_t* qs, uint16_t* dst) {
+    uint16_t dh, mh;
+    memcpy(&dh, dm, 2);
+    memcpy(&mh, dm + 2, 2);
+    const __m512 d = _mm512_set1_ps(half_value(dh)), m = _mm512_set1_ps(half_value(mh));
+    const __m128i q = _mm_loadu_si128((const __m128i*)qs), low4 = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(q, low4), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low4);
+    const __m512 f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), d, m);  /* d * q exact: one rounding */
+    const __m512 f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), d, m);
+    _mm512_storeu_si512(dst, (__m512i)_mm512_cvtne2ps_pbh(f1, f0));  /* nearest even, as torch */
+}
+
+/* Two Q4_1 blocks of a row (dm0, qs0 and dm1, qs1 as above) widened to bf16 into dst0 and dst1: the two blocks' 16
+ * values each, d * q + m rounded once, as one 32-entry table that the nibbles index (a third fewer instructions than
+ * widening each nibble to float32). */
+static inline void widen_q4_1_pair_bf16(const uint8_t* dm0p, const uint8_t* dm1p, const uint8_t* qs0,
+                                        const uint8_t* qs1, uint16_t* dst0, uint16_t* dst1) {
     int32_t dm0, dm1;
-    memcpy(&dm0, p, 4);
-    memcpy(&dm1, p + 20, 4);
+    memcpy(&dm0, dm0p, 4);
+    memcpy(&dm1, dm1p, 4);
     const __m512 dm = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_setr_epi32(dm0, dm1, 0, 0)));  /* d0 m0 d1 m1 */
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(0), dm),
@@ -400,7 +447,7 @@ static inline void widen_q4_1_pair_bf16(const uint8_t* p, uint16_t* dst0, uint16
     const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_permutexvar_ps(_mm512_set1_epi32(2), dm),
                                       _mm512_permutexvar_ps(_mm512_set1_epi32(3), dm));
     const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);  /* 0-15 block b's values, 16-31 block b + 1's */
-    const __m256i qs = _mm256_loadu2_m128i((const __m128i*)(p + 24), (const __m128i*)(p + 4));
+    const __m256i qs = _mm256_loadu2_m128i((const __m128i*)qs1, (const __m128i*)qs0);
     const __m512i z = _mm512_cvtepu8_epi16(qs);  /* lanes 0-15 block b's bytes, 16-31 block b + 1's */
     const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
     const __m512i low4 = _mm512_set1_epi16(15);
@@ -411,6 +458,24 @@ static inline void widen_q4_1_pair_bf16(const uint8_t* p, uint16_t* dst0, uint16
     _mm256_storeu_si256((__m256i*)(dst0 + 16), _mm512_castsi512_si256(wh));
     _mm256_storeu_si256((__m256i*)dst1, _mm512_extracti64x4_epi64(wl, 1));
     _mm256_storeu_si256((__m256i*)(dst1 + 16), _mm512_extracti64x4_epi64(wh, 1));
+}
+
+/* A Q4_1 unit's nibbles (4 vectors, lane j of vector v: row j's bytes 4v .. 4v + 3) back to rows: qs[16 * j + i] is
+ * row j's byte i, GGUF's order. */
+static inline void q4_1_unit_rows(const uint8_t* u, uint8_t* qs) {
+    const __m512i v0 = _mm512_loadu_si512(u + 64), v1 = _mm512_loadu_si512(u + 128);
+    const __m512i v2 = _mm512_loadu_si512(u + 192), v3 = _mm512_loadu_si512(u + 256);
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const __m512i a = _mm512_permutex2var_epi32(v0, first, v1), b = _mm512_permutex2var_epi32(v0, second, v1);
+    const __m512i c = _mm512_permutex2var_epi32(v2, first, v3), d = _mm512_permutex2var_epi32(v2, second, v3);
+    /* a: (v0[j], v1[j]) for rows 0-7, c: (v2[j], v3[j]); b and d rows 8-15 */
+    const __m512i rows_lo = _mm512_setr_epi32(0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23);
+    const __m512i rows_hi = _mm512_setr_epi32(8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31);
+    _mm512_storeu_si512(qs, _mm512_permutex2var_epi32(a, rows_lo, c));
+    _mm512_storeu_si512(qs + 64, _mm512_permutex2var_epi32(a, rows_hi, c));
+    _mm512_storeu_si512(qs + 128, _mm512_permutex2var_epi32(b, rows_lo, d));
+    _mm512_storeu_si512(qs + 192, _mm512_permutex2var_epi32(b, rows_hi, d));
 }
 
 /* A thread's buffer `which` of at least `size` bytes, 64-byte aligned, kept for its next call. NOTE: a step makes
@@ -456,14 +521,31 @@ static int linear_quant_amx(int format, const void* x, int64_t x_st, const uint8
 #pragma omp for schedule(static)
             for (int64_t np = 0; np < num_panels; ++np) {
                 const int64_t n0 = 32 * np, halves = N - n0 >= 32 ? 2 : 1;  /* N % 16 == 0 */
-                for (int64_t kb = 0; kb < KB; ++kb) {  /* NOTE: kb outer: the panel is written in order */
-                    if (format == WEIGHT_Q4_1 && kb + 1 < KB) {
-                        for (int64_t r = 0; r < 16 * halves; ++r)
-                            widen_q4_1_pair_bf16(w + (n0 + r) * row_bytes + 20 * kb, panel + kb * 1024 + r * 32,
-                                                 panel + (kb + 1) * 1024 + r * 32);
-                        ++kb;
-                        continue;
+                /* NOTE: kb outer: the panel is written in order; the next panel's weights are requested as far
+                 * along, so that they are here while this one is widened */
+                for (int64_t kb = 0; kb < KB && format == WEIGHT_Q4_1; kb += 2) {  /* a group's blocks two at a time */
+                    const int pair = kb + 1 < KB;
+                    for (int64_t h = 0; h < halves; ++h) {
+                        const uint8_t* u = q4_1_unit(w, K, n0 / 16 + h, kb);
+                        for (int line = 0; line < 2 * Q4_1_UNIT; line += 64)
+                            __builtin_prefetch(q4_1_unit(w, K, n0 / 16 + h + 2, kb) + line, 0, 3);
+                        uint8_t qs[2][256];
+                        q4_1_unit_rows(u, qs[0]);
+                        if (pair) q4_1_unit_rows(u + Q4_1_UNIT, qs[1]);
+                        for (int r = 0; r < 16; ++r) {
+                            uint16_t* dst = panel + kb * 1024 + (16 * h + r) * 32;
+                            if (pair)
+                                widen_q4_1_pair_bf16(u + 4 * r, u + Q4_1_UNIT + 4 * r, qs[0] + 16 * r, qs[1] + 16 * r,
+                                                     dst, dst + 1024);
+                            else
+                                widen_q4_1_block_bf16(u + 4 * r, qs[0] + 16 * r, dst);
+                        }
                     }
+                }
+                for (int64_t kb = 0; kb < KB && format != WEIGHT_Q4_1; ++kb) {
+                    const int64_t block_bytes = format == WEIGHT_Q8_0 ? 34 : 32;
+                    for (int64_t r = 0; r < 32; ++r)
+                        __builtin_prefetch(w + (n0 + 32 + r) * row_bytes + block_bytes * kb, 0, 3);
                     for (int64_t r = 0; r < 16 * halves; ++r)
                         widen_block_bf16(format, w + (n0 + r) * row_bytes, K, kb, panel + kb * 1024 + r * 32);
                 }
@@ -543,11 +625,11 @@ static int linear_quant(int format, const void* x, int64_t x_st, const void* wei
                 const uint8_t* rows = w + n * row_bytes;
                 float sums[QUANT_R][QUANT_TILE_T];
                 if (format == WEIGHT_Q4_1) {
-                    DISPATCH(q4_1_rows, rows, row_bytes, rn, K, xt, tn, sums)
+                    DISPATCH(q4_1_rows, rn, tn, w, N, n, K, xt, sums)
                 } else if (format == WEIGHT_Q8_0) {
-                    DISPATCH(q8_0_rows, rows, row_bytes, rn, K, xt, tn, sums)
+                    DISPATCH(q8_0_rows, rn, tn, rows, row_bytes, K, xt, sums)
                 } else {
-                    DISPATCH(int8_rows, rows, row_bytes, rn, K, xt, tn, sums)
+                    DISPATCH(int8_rows, rn, tn, rows, row_bytes, K, xt, sums)
                 }
                 for (int r = 0; r < rn; ++r) {
                     const float bn = b ? bf16_value(b[n + r]) : 0.f;
@@ -599,12 +681,12 @@ int dequantize_weight(int format, const void* weight, int64_t N, int64_t K, void
         uint16_t* dst = (uint16_t*)out + n * K;
         if (format == WEIGHT_Q4_1) {
             for (int64_t b = 0; b < K / 32; ++b) {
-                uint16_t dh, mh;
-                memcpy(&dh, row + 20 * b, 2);
-                memcpy(&mh, row + 20 * b + 2, 2);
-                const float d = half_value(dh), m = half_value(mh);
                 v16u8 qs;
-                memcpy(&qs, row + 20 * b + 4, sizeof qs);
+                const uint8_t* dm = q4_1_block((const uint8_t*)weight, N, K, n, b, &qs);
+                uint16_t dh, mh;
+                memcpy(&dh, dm, 2);
+                memcpy(&mh, dm + 2, 2);
+                const float d = half_value(dh), m = half_value(mh);
                 store16_bf16(dst + 32 * b, u8_to_f32(qs & 15) * d + m);
                 store16_bf16(dst + 32 * b + 16, u8_to_f32(qs >> 4) * d + m);
             }
