@@ -185,9 +185,8 @@ class Linear:
         if self.layout is Layout.PLAIN:
             return self.weight.index_select(0, rows)
         if self.layout.quantized:
-            fmt = self.layout.value  # NOTE: q4_1's rows are held in groups: GGUF's rows first
-            gguf_rows = quantized_linear.ungroup_rows(fmt, self.weight).index_select(0, rows)
-            return quantized_linear.dequantize(fmt, gguf_rows).to(torch.bfloat16)
+            held = quantized_linear.gguf_rows(self.layout.value, self.weight, rows)
+            return quantized_linear.dequantize(self.layout.value, held).to(torch.bfloat16)
         return cpu_kernels.linear_weight_rows(self.weight, rows)
 
 

@@ -75,6 +75,19 @@ def ungroup_rows(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, row_byt
     return torch.cat([rows, weight[n:]])
 
 
+def gguf_rows(fmt: str, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # [len(rows), row_bytes] uint8
+    """Rows ``rows`` of a held weight as GGUF's, each self-contained: only the groups they are in are read back (a
+    tied embedding looks up a step's tokens in the LM head's weight)."""
+    if fmt != "q4_1" or weight.shape[0] < _GROUP:
+        return weight.index_select(0, rows)
+    whole = weight.shape[0] // _GROUP * _GROUP
+    in_groups = rows.clamp(max=whole - 1)  # rows past the last whole group are read as they are, below
+    groups = weight[:whole].reshape(whole // _GROUP, _GROUP, -1).index_select(0, in_groups // _GROUP)
+    ungrouped = ungroup_rows(fmt, groups.reshape(-1, weight.shape[1])).reshape(len(rows), _GROUP, -1)
+    picked = ungrouped[torch.arange(len(rows)), in_groups % _GROUP]
+    return torch.where((rows < whole)[:, None], picked, weight.index_select(0, rows))
+
+
 def fits(fmt: str, k: int) -> bool:
     """Whether ``fmt`` holds rows of ``k`` weights (whole blocks)."""
     return k > 0 and k % _BLOCK[fmt] == 0

@@ -523,31 +523,34 @@ static int linear_quant_amx(int format, const void* x, int64_t x_st, const uint8
                 const int64_t n0 = 32 * np, halves = N - n0 >= 32 ? 2 : 1;  /* N % 16 == 0 */
                 /* NOTE: kb outer: the panel is written in order; the next panel's weights are requested as far
                  * along, so that they are here while this one is widened */
-                for (int64_t kb = 0; kb < KB && format == WEIGHT_Q4_1; kb += 2) {  /* a group's blocks two at a time */
-                    const int pair = kb + 1 < KB;
-                    for (int64_t h = 0; h < halves; ++h) {
-                        const uint8_t* u = q4_1_unit(w, K, n0 / 16 + h, kb);
-                        for (int line = 0; line < 2 * Q4_1_UNIT; line += 64)
-                            __builtin_prefetch(q4_1_unit(w, K, n0 / 16 + h + 2, kb) + line, 0, 3);
-                        uint8_t qs[2][256];
-                        q4_1_unit_rows(u, qs[0]);
-                        if (pair) q4_1_unit_rows(u + Q4_1_UNIT, qs[1]);
-                        for (int r = 0; r < 16; ++r) {
-                            uint16_t* dst = panel + kb * 1024 + (16 * h + r) * 32;
-                            if (pair)
-                                widen_q4_1_pair_bf16(u + 4 * r, u + Q4_1_UNIT + 4 * r, qs[0] + 16 * r, qs[1] + 16 * r,
-                                                     dst, dst + 1024);
-                            else
-                                widen_q4_1_block_bf16(u + 4 * r, qs[0] + 16 * r, dst);
+                if (format == WEIGHT_Q4_1) {
+                    for (int64_t kb = 0; kb < KB; kb += 2) {  /* a group's blocks two at a time */
+                        const int pair = kb + 1 < KB;
+                        for (int64_t h = 0; h < halves; ++h) {
+                            const uint8_t* u = q4_1_unit(w, K, n0 / 16 + h, kb);
+                            for (int line = 0; line < 2 * Q4_1_UNIT; line += 64)
+                                __builtin_prefetch(q4_1_unit(w, K, n0 / 16 + h + 2, kb) + line, 0, 3);
+                            uint8_t qs[2][256];
+                            q4_1_unit_rows(u, qs[0]);
+                            if (pair) q4_1_unit_rows(u + Q4_1_UNIT, qs[1]);
+                            for (int r = 0; r < 16; ++r) {
+                                uint16_t* dst = panel + kb * 1024 + (16 * h + r) * 32;
+                                if (pair)
+                                    widen_q4_1_pair_bf16(u + 4 * r, u + Q4_1_UNIT + 4 * r, qs[0] + 16 * r,
+                                                         qs[1] + 16 * r, dst, dst + 1024);
+                                else
+                                    widen_q4_1_block_bf16(u + 4 * r, qs[0] + 16 * r, dst);
+                            }
                         }
                     }
-                }
-                for (int64_t kb = 0; kb < KB && format != WEIGHT_Q4_1; ++kb) {
-                    const int64_t block_bytes = format == WEIGHT_Q8_0 ? 34 : 32;
-                    for (int64_t r = 0; r < 32; ++r)
-                        __builtin_prefetch(w + (n0 + 32 + r) * row_bytes + block_bytes * kb, 0, 3);
-                    for (int64_t r = 0; r < 16 * halves; ++r)
-                        widen_block_bf16(format, w + (n0 + r) * row_bytes, K, kb, panel + kb * 1024 + r * 32);
+                } else {
+                    for (int64_t kb = 0; kb < KB; ++kb) {
+                        const int64_t block_bytes = format == WEIGHT_Q8_0 ? 34 : 32;
+                        for (int64_t r = 0; r < 32; ++r)
+                            __builtin_prefetch(w + (n0 + 32 + r) * row_bytes + block_bytes * kb, 0, 3);
+                        for (int64_t r = 0; r < 16 * halves; ++r)
+                            widen_block_bf16(format, w + (n0 + r) * row_bytes, K, kb, panel + kb * 1024 + r * 32);
+                    }
                 }
                 for (int64_t tt = 0; tt < TT; tt += 2) {
                     const int two = tt + 1 < TT;
