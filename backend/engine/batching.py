@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 OutputSink = Callable[[RequestOutput], None]
 
 SHUTTING_DOWN = "the server is shutting down"
+# A request Triton's iterative sequence batcher let go of while its client still waited (IterationDriver).
+DROPPED = ("the server lost track of this request (Triton's sequence batcher did not hand it back to the model) and "
+           "ended it; this was not caused by the client: send it again")
 
 
 def engine_failed(exc: BaseException) -> str:
@@ -350,20 +353,25 @@ class IterationDriver:
     step over exactly the requests Triton handed back now; the others are not stepped and keep their KV blocks.
 
     Outputs go to a request only while Triton has handed it in: the shutdown deadline and a broken engine end each
-    request when it is next handed in. Triton never hands back a request whose client cancelled while it waited to
-    be rescheduled (2.51), and nothing may be sent to it any more, so a request not seen for ``reap_after`` seconds
-    is aborted, its blocks freed, and its final output goes to ``gone`` instead of the sink. One lock:
-    :meth:`iterate` runs on Triton's thread, :meth:`reap` may run on a timer thread.
+    request when it is next handed in. A request Triton has not handed back for ``reap_after`` seconds is ended
+    and its blocks freed; Triton hands every request it holds back at the next iteration, so it let go of that one:
+    - its client cancelled it while it waited to be rescheduled (``client_cancelled`` says so): Triton answered it
+      itself, nothing more may be sent to it, and its final output goes to ``gone`` instead of the sink;
+    - otherwise Triton dropped it (2.51 refuses to reschedule a request whose sequence its reaper ended): the model
+      still holds its response sender, and its client gets the final error :data:`DROPPED` through the sink.
+    One lock: :meth:`iterate` runs on Triton's thread, :meth:`reap` may run on a timer thread; sends never overlap.
     """
 
     def __init__(self, engine: LLMEngine, sink: OutputSink, gone: OutputSink, reap_after: float = 5.0,
-                 after_step: Callable[[], None] = lambda: None) -> None:
+                 after_step: Callable[[], None] = lambda: None,
+                 client_cancelled: Callable[[Collection[str]], Iterable[str]] = lambda ids: ids) -> None:
         self.engine = engine
         self.reap_after = reap_after
         self.fatal_error: BaseException | None = None
         self._sink = sink
         self._gone = gone
         self._after_step = after_step
+        self._client_cancelled = client_cancelled
         self._last_seen: dict[str, float] = {}  # open request -> time.monotonic() it was last handed in or back
         self._lock = threading.Lock()
 
@@ -420,7 +428,7 @@ class IterationDriver:
             return unfinished
 
     def reap(self) -> None:
-        """End the requests Triton has not handed back for ``reap_after`` seconds (their client went away)."""
+        """End the requests Triton has not handed back for ``reap_after`` seconds (see the class)."""
         with self._lock:
             if self._reap(time.monotonic()):
                 self._after_step()
@@ -428,11 +436,17 @@ class IterationDriver:
     def _reap(self, now: float) -> list[str]:
         stale = sorted(rid for rid, seen in self._last_seen.items() if now - seen > self.reap_after)
         if stale:
-            log.warning("ending %d requests Triton did not hand back for %.0f s", len(stale), self.reap_after)
+            cancelled = set(self._client_cancelled(stale))
+            dropped = [rid for rid in stale if rid not in cancelled]
+            log.warning("ending %d requests Triton did not hand back for %.0f s: %d cancelled by their clients, "
+                        "%d dropped by Triton (answered with an error)", len(stale), self.reap_after,
+                        len(stale) - len(dropped), len(dropped))
             for rid in stale:
                 self._last_seen.pop(rid)
-            end_all(self.engine, stale, f"not handed back by Triton within {self.reap_after:.0f} s (cancelled)",
-                    FinishReason.ABORT, self._gone)
+            end_all(self.engine, [rid for rid in stale if rid in cancelled],
+                    f"not handed back by Triton within {self.reap_after:.0f} s (cancelled)", FinishReason.ABORT,
+                    self._gone)
+            end_all(self.engine, dropped, DROPPED, FinishReason.ERROR, self._sink)
         return stale
 
     def _emit(self, output: RequestOutput) -> None:

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import threading
+import time
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +26,13 @@ class FaultInjector:
     ``{"step_error": "<<fail-step>>", "fatal_error": "<<kill-engine>>"}``) *and* the server runs with
     ``LLM_TEST_FAULTS=1``. ``step_error`` makes the step that runs the request raise, as a failing forward would:
     that step's requests fail and serving goes on. ``fatal_error`` raises past the step's error handling, as a
-    broken engine would: the model must fail every open request and refuse new ones.
+    broken engine would: the model must fail every open request and refuse new ones. ``slow_step`` makes the step
+    take ``SLOW_STEP_S`` longer, as a long prefill on a busy machine would (longer than Triton's sequence idle time
+    in tests of llm_iterative: Triton then ends the sequence while the model holds its request).
     """
 
-    KINDS = ("step_error", "fatal_error")
+    KINDS = ("step_error", "fatal_error", "slow_step")
+    SLOW_STEP_S = 1.0
 
     def __init__(self, markers: dict[str, str]) -> None:
         unknown = sorted(set(markers) - set(self.KINDS))
@@ -61,6 +65,9 @@ class FaultInjector:
     def __call__(self, requests: list) -> None:
         with self._lock:
             hits = {r.request_id: self._armed.pop(r.request_id) for r in requests if r.request_id in self._armed}
+        if "slow_step" in hits.values():
+            time.sleep(self.SLOW_STEP_S)
+            hits = {rid: kind for rid, kind in hits.items() if kind != "slow_step"}
         if "fatal_error" in hits.values():
             raise InjectedFatalError(f"injected fatal engine fault (requests {sorted(hits)})")
         if hits:

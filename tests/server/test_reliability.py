@@ -507,6 +507,32 @@ def fault_server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
     return triton_server_factory.start(repo, model=tiny_llama_dir, env={"LLM_TEST_FAULTS": "1"})
 
 
+SLOW_STEP = "<<take-your-time>>"
+
+
+@pytest.mark.timeout(300)
+def test_iterative_answers_a_request_triton_dropped(tiny_llama_dir, tmp_path, start_server):
+    """Triton 2.51 ends a sequence idle for max_sequence_idle_microseconds even while the model holds its request;
+    it then refuses to reschedule that request and sends nothing. The model still holds the response sender: the
+    client gets an error that says the server lost the request (not a hang), and serving goes on."""
+    faults = json.dumps({"slow_step": SLOW_STEP}).replace('"', '\\"')
+    repo = make_repository(tmp_path / "model_repository", {"fault_injection": faults}, models=["llm_iterative"])
+    config = repo / "llm_iterative" / "config.pbtxt"  # a step of 1 s (slow_step) outlasts a 0.3 s idle time
+    config.write_text(config.read_text().replace("max_sequence_idle_microseconds: 5000000",
+                                                 "max_sequence_idle_microseconds: 300000"))
+    server = start_server(repo, model=tiny_llama_dir, env={"LLM_TEST_FAULTS": "1"})
+
+    dropped = start_stream(server.grpc_url, "llm_iterative", f"slow {SLOW_STEP}", max_tokens=8, **GREEDY)
+    assert dropped.wait(30), "the request Triton dropped got no final response"
+    dropped.close()
+    assert dropped.error is not None and "lost track of this request" in dropped.error, dropped.error
+    assert "not caused by the client" in dropped.error
+    assert "must specify the START flag" in server.output_tail(400)  # Triton refused the hand-back
+    after = generate(server.grpc_url, "llm_iterative", "and then", max_tokens=6, **GREEDY)
+    assert after.error is None and len(after.token_ids) == 6
+    assert all(v == 0 for v in wait_gauges_zero(server, ["llm_iterative"]).values())
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model", MODELS)
 def test_a_failing_step_fails_its_requests_and_a_broken_engine_fails_every_request(fault_server, model):

@@ -244,7 +244,7 @@ def test_run_to_completion_gives_every_member_one_final_output_whatever_happens(
 
 
 def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(smollm2_dir, reference):
-    from backend.engine.batching import SHUTTING_DOWN, IterationDriver
+    from backend.engine.batching import DROPPED, SHUTTING_DOWN, IterationDriver
 
     engine = make_engine(smollm2_dir, batching="iterative", max_num_seqs=4, num_kv_blocks=64)
     finals, tokens, gone = {}, {}, {}
@@ -281,6 +281,15 @@ def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(sm
     driver.iterate(["late", "later"])  # "gone" was not handed back: reaped, its blocks freed
     assert "gone" not in finals and gone["gone"].finish_reason == "abort" and "not handed back" in gone["gone"].error
     driver.reap_after = 3600
+    # One not handed back whose client did not cancel it was dropped by Triton: its client still gets a final error.
+    driver._client_cancelled = lambda ids: []
+    driver.add("dropped", PROMPTS[0], GREEDY, None)
+    driver.iterate(["dropped", "late", "later"])
+    driver.reap_after = 0.0
+    driver.iterate(["late", "later"])
+    driver.reap_after = 3600
+    assert "dropped" not in gone and finals["dropped"].finish_reason == "error"
+    assert finals["dropped"].error == DROPPED and not driver.is_open("dropped")
     assert driver.iterate(["late"], expired=lambda: True) == set() and finals["late"].error == SHUTTING_DOWN
     assert "later" not in finals and driver.is_open("later")
     driver.iterate(["later"], expired=lambda: True)

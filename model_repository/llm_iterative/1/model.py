@@ -13,9 +13,15 @@ sequence, which Triton batches like any other. A sequence of several requests ca
 request closes it in Triton 2.51, which then refuses the third itself; the second, which would otherwise wait for
 ever, is answered at once with an error that says what to send instead (``MULTI_REQUEST_SEQUENCE``).
 
-NOTE: Triton 2.51 never hands back a request whose client cancelled while it waited to be rescheduled, so a
-timer ends the requests not seen for max_sequence_idle_microseconds and frees their KV blocks, sending nothing:
-a response sent for a request Triton has let go of crashes tritonserver (Signal 11 in TRITONBACKEND_ResponseSend).
+Triton hands every request it holds back at its next iteration. One not handed back for
+max_sequence_idle_microseconds is ended and its KV blocks freed (``IterationDriver``): if its client cancelled it
+while it waited to be rescheduled, Triton answered it itself and nothing is sent (a second final response crashes
+tritonserver 2.51); otherwise Triton dropped it, and its client gets an error that says the server lost it.
+Measured: a client that cancels right after its final response (tritonclient's ``stop_stream(cancel_requests=True)``)
+can do so before the model's release reaches Triton, which then keeps that sequence's slot until its idle reaper
+frees it; with every slot held, new requests wait in Triton's backlog, and one that waited longer than the idle
+time is ended by the reaper as soon as it gets a slot, so Triton refuses to reschedule it ("must specify the START
+flag") and only the model can still answer it.
 """
 
 import threading
@@ -46,7 +52,7 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         engine = LLMEngine(config)  # loaded on the thread that steps it: one OpenMP thread team
         reap_after = sequence_idle_seconds(self.model_config)
         self.driver = IterationDriver(engine, self.open.send, self.open.forget, reap_after,
-                                      after_step=self.observe_steps)
+                                      after_step=self.observe_steps, client_cancelled=self.open.cancelled)
         self.request_ids = {}  # Triton's correlation id -> engine request id, while the request is open
         self.reap_after = reap_after
         # Correlation ids whose request the driver ended while Triton held it (reaped, or every request ended by a
