@@ -61,11 +61,18 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         self.gap = self.metrics.iteration_gap()
         self.released_at = None  # when the last execute() that handed requests back returned
         self.stopping = threading.Event()
+        # The reaper answers requests Triton dropped; execute() sends too. NOTE: responses sent from two threads at
+        # once crashed tritonserver 2.51 (backend/triton/responses.py), so they take turns.
+        self.sending = threading.Lock()
         self.relay = SequenceRelay(pb_utils, self.name)
         threading.Thread(target=self._reaper, args=(reap_after,), name="reaper", daemon=True).start()
         return engine
 
     def execute(self, requests):
+        with self.sending:
+            return self._execute(requests)
+
+    def _execute(self, requests):
         started = time.perf_counter()
         handed = {}  # engine request id -> this iteration's Triton request
         for request in requests:
@@ -120,7 +127,8 @@ class TritonPythonModel(ServedModel, batching="iterative"):
 
     def _reaper(self, period):
         while not self.stopping.wait(period):
-            self.driver.reap()
+            with self.sending:
+                self.driver.reap()
 
     def finalize(self):
         self.stopping.set()
