@@ -23,6 +23,7 @@ from pathlib import Path
 if not __package__:  # run as a file (python3 backend/triton/probe.py, the containers' probe): the project on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from backend.triton.names import ENGINE_HEALTHY  # noqa: E402
+from backend.triton.prometheus import parse_prometheus  # noqa: E402
 
 
 def get(url: str, timeout: float) -> tuple[int, str]:
@@ -37,15 +38,9 @@ def get(url: str, timeout: float) -> tuple[int, str]:
 
 
 def failed_engines(metrics_text: str) -> list[str]:
-    """Models whose ``llm_engine_healthy`` gauge is 0."""
-    failed = []
-    for line in metrics_text.splitlines():
-        if line.startswith(ENGINE_HEALTHY + "{"):
-            labels, _, value = line.rpartition(" ")
-            if float(value) == 0:
-                model = labels.split('model="', 1)[1].split('"', 1)[0] if 'model="' in labels else labels
-                failed.append(model)
-    return sorted(failed)
+    """Models whose ``llm_engine_healthy`` gauge is 0 (on any of their instances)."""
+    series = parse_prometheus(metrics_text)
+    return sorted({s.labels.get("model", s.name) for s in series if s.name == ENGINE_HEALTHY and s.value == 0})
 
 
 def check(kind: str, url: str, metrics_url: str, timeout: float = 3.0) -> str | None:
