@@ -25,10 +25,12 @@ class FaultInjector:
     ``{"step_error": "<<fail-step>>", "fatal_error": "<<kill-engine>>"}``) *and* the server runs with
     ``LLM_TEST_FAULTS=1``. ``step_error`` makes the step that runs the request raise, as a failing forward would:
     that step's requests fail and serving goes on. ``fatal_error`` raises past the step's error handling, as a
-    broken engine would: the model must fail every open request and refuse new ones.
+    broken engine would: the model must fail every open request and refuse new ones. ``stall`` blocks the step that
+    runs the request for good, as a hung forward would: the thread that steps the engine stops (execute() of the
+    batcher models, so Triton's queue in front of it grows; llm_continuous's loop) until the process is killed.
     """
 
-    KINDS = ("step_error", "fatal_error")
+    KINDS = ("step_error", "fatal_error", "stall")
 
     def __init__(self, markers: dict[str, str]) -> None:
         unknown = sorted(set(markers) - set(self.KINDS))
@@ -37,6 +39,7 @@ class FaultInjector:
         self.markers = markers
         self._armed: dict[str, str] = {}  # request id -> kind; written by execute(), read by the engine thread
         self._lock = threading.Lock()
+        self._never = threading.Event()  # what a stalled step waits for
 
     @classmethod
     def from_config(cls, model_config: dict) -> FaultInjector | None:
@@ -61,6 +64,9 @@ class FaultInjector:
     def __call__(self, requests: list) -> None:
         with self._lock:
             hits = {r.request_id: self._armed.pop(r.request_id) for r in requests if r.request_id in self._armed}
+        if "stall" in hits.values():
+            log.warning("injected stall: this step never returns (requests %s)", sorted(hits))
+            self._never.wait()
         if "fatal_error" in hits.values():
             raise InjectedFatalError(f"injected fatal engine fault (requests {sorted(hits)})")
         if hits:

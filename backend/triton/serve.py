@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
+from backend.triton import shutdown
 from backend.triton.launch_options import (
     ADMIN_HEADER,
     ADMIN_KEY_ENV_VAR,
@@ -129,10 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ServerError as exc:
             if signals_received:
                 print("[serve] stopped before the server was ready", file=sys.stderr)
-                return _exit_status(server.wait())
+                return shutdown.exit_status(server.wait(), server.stop_result)
             print(f"serve: error: {exc}", file=sys.stderr)
             server.stop()
-            return _exit_status(server.wait()) or 1
+            return shutdown.exit_status(server.wait(), server.stop_result) or 1
         if restarts == 0:
             _print_admin_key_hint(extra_args, server)
         if frontend is not None and frontend.poll() is not None:
@@ -161,14 +162,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         except LauncherError as exc:
             print(f"serve: error: {exc}", file=sys.stderr)
             return 2
-    status = _exit_status(code)
-    print(f"[serve] tritonserver exited with status {status}", file=sys.stderr)
+    status = shutdown.exit_status(code, server.stop_result)
+    if server.stop_result is not None and server.stop_result.forced is not None and status == 0:
+        print("[serve] the stop ended tritonserver (the forced line above): exit status 0", file=sys.stderr)
+    else:
+        print(f"[serve] tritonserver exited with status {status}", file=sys.stderr)
     if frontend is not None:
         stop_frontend(frontend)
     if status and any("Exit timeout expired" in line for line in server.output_lines()[-50:]):
-        print("[serve] tritonserver gave up waiting at --exit-timeout-secs: a model could not unload (a gRPC client "
-              "that cancels a stream right after its final response can cause that in Triton 2.51), or a client "
-              "connection could not be closed; see docs/server.md, \"Stopping the server\"", file=sys.stderr)
+        print("[serve] tritonserver gave up waiting at --exit-timeout-secs: a request was still open (a model that "
+              "does not answer), or a client connection could not be closed, so the stop could not end a model "
+              "that would not unload; see docs/server.md, \"Stopping the server\"", file=sys.stderr)
     return status
 
 
@@ -206,10 +210,6 @@ def _print_admin_key_hint(extra_args: Sequence[str], server: TritonServer) -> No
             f"header {ADMIN_HEADER} (gRPC: {GRPC_HEADER_PREFIX}{ADMIN_HEADER}) set to {where}",
             flush=True,
         )
-
-
-def _exit_status(code: int) -> int:
-    return 128 - code if code < 0 else code
 
 
 if __name__ == "__main__":
