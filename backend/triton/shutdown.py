@@ -28,8 +28,9 @@ keeps tritonserver's own status. "No request open" is the models' own word (thei
 before its first step, so one whose step never returns too): Triton 2.51 counts no request of a decoupled Python
 model as in flight, and goes on to unload with one stuck in execute().
 
-``python -m backend.triton.shutdown run -- tritonserver ARGS...`` runs a server under this stop. Standard library
-only: it runs in the container's Python without the engine's dependencies.
+``python -m backend.triton.shutdown run -- tritonserver ARGS...`` runs a server under this stop (and under the
+watchdog, ``backend/triton/watchdog.py``). Standard library only: it runs in the container's Python without the
+engine's dependencies.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from pathlib import Path
 
 if not __package__:  # run as a file (python3 backend/triton/shutdown.py): put the project on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from backend.triton import names, prometheus  # noqa: E402
+from backend.triton import names, prometheus, watchdog  # noqa: E402
 from backend.triton.processes import (  # noqa: E402
     children,
     command_line,
@@ -372,10 +373,13 @@ def _leads_its_group(pid: int) -> bool:
 # ---- running a server under this stop (the container) ---------------------------------------------------------
 
 
-def run(command: Sequence[str], log: Log | None = None) -> int:
+def run(command: Sequence[str], log: Log | None = None, stall_timeout: float = watchdog.STALL_TIMEOUT_S) -> int:
     """Run ``command`` (tritonserver and its arguments), its output echoed; the first SIGTERM or SIGINT stops it
-    with :func:`stop`, a second one kills it. Returns its exit status (:func:`exit_status`)."""
+    with :func:`stop`, a second one kills it. A model that stalls for ``stall_timeout`` s (0: never) ends it
+    (``watchdog.supervise``) with status 1, for the container's restart policy. Returns its exit status
+    (:func:`exit_status`)."""
     log = log or (lambda text: print(f"[shutdown] {text}", file=sys.stderr, flush=True))
+    metrics_port = _port(command, "--metrics-port", 8002)
     process = subprocess.Popen(list(command), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     recent: collections.deque[str] = collections.deque(maxlen=2000)  # what stop() reads tritonserver's reports from
     echo = threading.Thread(target=_echo, args=(process.stdout, recent), name="tritonserver-output", daemon=True)
@@ -397,10 +401,21 @@ def run(command: Sequence[str], log: Log | None = None) -> int:
     stopper = threading.Thread(target=stop_and_keep, name="tritonserver-stop", daemon=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    code = process.wait()
-    echo.join(5)
-    if received:
-        stopper.join(10)  # it returns once tritonserver is gone
+    watchdog.clear_stalled(metrics_port)
+    try:
+        stalls = []
+        if stall_timeout > 0:
+            stalls = watchdog.supervise(process.pid, f"http://127.0.0.1:{metrics_port}/metrics", metrics_port,
+                                        stall_timeout, stopping=lambda: bool(received), log=log)
+        code = process.wait()
+        echo.join(5)
+        if received:
+            stopper.join(10)  # it returns once tritonserver is gone
+    finally:
+        watchdog.clear_stalled(metrics_port)
+    if stalls and not received:
+        log("tritonserver was ended because a model stalled: exit status 1")
+        return 1
     return exit_status(code, stopped[0] if stopped else None)
 
 
@@ -415,6 +430,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.triton.shutdown", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True)
     run_parser = sub.add_parser("run", help="run tritonserver (the command after --) and stop it gracefully")
+    run_parser.add_argument("--stall-timeout", type=float, default=watchdog.STALL_TIMEOUT_S,
+                            help="end tritonserver (exit status 1) when a model has requests pending in Triton's "
+                            "queue and nothing it executes moves for this many seconds (default: %(default)s; 0: "
+                            "never)")
     run_parser.add_argument("command", nargs=argparse.REMAINDER)
     stop_parser = sub.add_parser("stop", help="stop a running tritonserver gracefully")
     stop_parser.add_argument("--pid", type=int, required=True)
@@ -423,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         if not command:
             parser.error("run needs a command: run -- tritonserver ARGS...")
-        return run(command)
+        return run(command, stall_timeout=args.stall_timeout)
     stop(args.pid, log=lambda text: print(f"[shutdown] {text}", file=sys.stderr, flush=True))
     return 0
 

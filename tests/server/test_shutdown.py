@@ -1,5 +1,5 @@
 """Stopping the server: `make serve`'s launcher under a real Locust load, after clients cancelled finished requests,
-and with a request that never ends.
+and with a request that never ends; and the watchdog that restarts a server whose model stopped executing.
 
 Each Locust case runs the launcher's CLI (``python -m backend.triton.serve``, what ``make serve`` runs) on the three
 models with the tiny Llama, Locust against llm_continuous (``--config loadtest/locust.conf``, gRPC and HTTP users, as a
@@ -10,7 +10,7 @@ finished requests equals what the clients saw finish, none was cut off, and ever
 ended with its last token or with "the server is shutting down".
 
 What tritonserver 2.51 does by itself on SIGTERM, and what backend/triton/shutdown.py adds, is written at the top of
-that module; tests/unit/test_shutdown.py checks its parts without a server.
+that module; tests/unit/test_shutdown.py checks its parts (and the watchdog's) without a server.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from backend.triton import processes
+from backend.triton import probe, processes, watchdog
 from backend.triton.launch_options import free_ports
 from backend.triton.server import TritonServer
 from backend.triton.server_home import server_home
-from client.grpc_stream import start_stream
+from client.grpc_stream import GrpcStream, start_stream
 from tests.server_harness import LOCALHOST, REPO_ROOT, make_repository
 
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
@@ -292,16 +292,17 @@ def stall_repository(path: Path) -> Path:
     return make_repository(path, {"fault_injection": faults}, models=("llm_dynamic",))
 
 
-def start_container_entry(repo: Path, model_dir: Path, log_path: Path, *args: str,
-                          ) -> tuple[subprocess.Popen, tuple[int, int, int]]:
-    """``python -m backend.triton.shutdown run -- tritonserver ...`` (the container's other entry) on free loopback
-    ports, the launcher's tritonserver command and environment; returns once the server is ready."""
+def start_container_entry(repo: Path, model_dir: Path, log_path: Path, *args: str, run_args: tuple[str, ...] = (),
+                          env: dict | None = None) -> tuple[subprocess.Popen, tuple[int, int, int]]:
+    """``python -m backend.triton.shutdown run RUN_ARGS -- tritonserver ARGS`` (the container's other entry) on free
+    loopback ports, the launcher's tritonserver command and environment; returns once the server is ready."""
     ports = free_ports(3)
     server = TritonServer(repo, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2], address=LOCALHOST,
                           model=model_dir, extra_args=args)
-    command = [sys.executable, "-m", "backend.triton.shutdown", "run", "--", *server.command(server_home())]
+    command = [sys.executable, "-m", "backend.triton.shutdown", "run", *run_args, "--",
+               *server.command(server_home())]
     entry = subprocess.Popen(command, cwd=REPO_ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
-                             env=server.environment())
+                             env={**server.environment(), **(env or {})})
     deadline = time.monotonic() + 180
     while not server.is_ready():
         if entry.poll() is not None or time.monotonic() > deadline:
@@ -359,7 +360,7 @@ def test_a_stop_with_a_request_still_open_keeps_a_non_zero_status(tiny_llama_dir
     tritonserver's own exit timeout decides."""
     repo = stall_repository(tmp_path / "model_repository")
     serve_log = tmp_path / "serve.log"
-    serve, (_, grpc_port, _) = start_serve(repo, tiny_llama_dir, serve_log, *EXIT_TIMEOUT,
+    serve, (_, grpc_port, _) = start_serve(repo, tiny_llama_dir, serve_log, "--stall-timeout", "0", *EXIT_TIMEOUT,
                                            env={"LLM_TEST_FAULTS": "1"})
     try:
         stuck = start_stream(f"{LOCALHOST}:{grpc_port}", "llm_dynamic", f"never {STALL}", max_tokens=4)
@@ -379,3 +380,83 @@ def test_a_stop_with_a_request_still_open_keeps_a_non_zero_status(tiny_llama_dir
     assert stuck.error is not None
     assert not processes_of(repo)
 
+
+# ---- the watchdog ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_a_model_whose_queue_stops_moving_is_noticed_and_the_server_restarted(tiny_llama_dir, tmp_path):
+    bound = 3.0
+    repo = stall_repository(tmp_path / "model_repository")
+    serve_log = tmp_path / "serve.log"
+    serve, (http_port, grpc_port, metrics_port) = start_serve(
+        repo, tiny_llama_dir, serve_log, "--stall-timeout", str(bound), "--max-restarts", "1", *EXIT_TIMEOUT,
+        env={"LLM_TEST_FAULTS": "1"})
+    http_url, grpc_url = f"http://{LOCALHOST}:{http_port}", f"{LOCALHOST}:{grpc_port}"
+    metrics_url = f"http://{LOCALHOST}:{metrics_port}/metrics"
+    try:
+        assert probe.check("ready", http_url, metrics_url) is None
+        stuck = start_stream(grpc_url, "llm_dynamic", f"never {STALL}", max_tokens=4)
+        wait_for_line(serve, serve_log, "injected stall", timeout=30)
+        # execute() never returns: these wait in Triton's queue for good.
+        queued = [start_stream(grpc_url, "llm_dynamic", f"queued {i}", max_tokens=4) for i in range(3)]
+        t0 = time.monotonic()
+        noticed = wait_for_line(serve, serve_log, "[serve] llm_dynamic stalled: ", timeout=bound + 10)
+        not_ready = probe.check("ready", http_url, metrics_url)  # until the restarted server is ready
+        calls: list[GrpcStream] = [stuck, *queued]
+        assert all(call.wait(15) for call in calls), "a client call held by the killed server did not end"
+        for call in calls:
+            call.close()
+        wait_for_line(serve, serve_log, "[serve] tritonserver was ended: a model stalled; restarting it (1 of 1)",
+                      timeout=10)
+        wait_for_line(serve, serve_log, "[serve] ready", timeout=180, count=2)
+        ready_again = probe.check("ready", http_url, metrics_url)
+        after = start_stream(grpc_url, "llm_dynamic", "served again", max_tokens=4)
+        assert after.wait(60)
+        after.close()
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(60)
+    finally:
+        ended(serve)
+    lines = serve_log.read_text().splitlines()
+    stalled = next(line for line in lines if "[serve] llm_dynamic stalled: " in line)
+    print(f"\nnoticed {noticed - t0:.1f} s after the queue formed (bound {bound:.0f} s): {stalled}; probe: "
+          f"{not_ready}; the held calls ended with: {sorted({call.error for call in calls})}")
+    assert bound - 1.0 <= noticed - t0 <= bound + 2.5, stalled  # the bound, give or take a reading a second
+    assert "3 requests pending" in stalled
+    assert not_ready is not None and "llm_dynamic stalled" in not_ready, not_ready
+    assert all(call.error is not None for call in calls)
+    assert ready_again is None and after.error is None and len(after.token_ids) == 4
+    assert code == 0, "\n".join(lines[-40:])
+
+
+@pytest.mark.server
+@pytest.mark.timeout(240)
+def test_the_container_entry_ends_a_server_whose_queue_stops_moving_with_status_1(tiny_llama_dir, tmp_path):
+    """``shutdown run`` has no restart loop: it ends tritonserver and exits 1, for the container's restart policy."""
+    bound = 3.0
+    log_path = tmp_path / "entry.log"
+    entry, (_, grpc_port, metrics_port) = start_container_entry(
+        stall_repository(tmp_path / "model_repository"), tiny_llama_dir, log_path, *EXIT_TIMEOUT[1:],
+        run_args=("--stall-timeout", str(bound)), env={"LLM_TEST_FAULTS": "1"})
+    grpc_url = f"{LOCALHOST}:{grpc_port}"
+    try:
+        calls = [start_stream(grpc_url, "llm_dynamic", f"never {STALL}", max_tokens=4)]
+        wait_for_line(entry, log_path, "injected stall", timeout=30)
+        calls += [start_stream(grpc_url, "llm_dynamic", f"queued {i}", max_tokens=4) for i in range(2)]
+        t0 = time.monotonic()
+        code = entry.wait(bound + 30)
+        ended_s = time.monotonic() - t0
+        assert all(call.wait(15) for call in calls), "a client call held by the killed server did not end"
+    finally:
+        ended(entry)
+    lines = log_path.read_text().splitlines()
+    print(f"\nexit status {code} {ended_s:.1f} s after the queue formed; "
+          + "; ".join(line for line in lines if line.startswith("[shutdown]")))
+    assert code == 1, "\n".join(lines[-30:])
+    stalled = r"\[shutdown\] llm_dynamic stalled: 2 requests pending in Triton's queue and nothing executed for [34] s"
+    assert any(re.fullmatch(stalled, line) for line in lines), "\n".join(lines[-30:])
+    assert ended_s <= bound + 5.0
+    assert all(call.error is not None for call in calls)
+    assert watchdog.stalled(metrics_port) is None  # the mark goes with the entry

@@ -1,9 +1,9 @@
-"""The parts of backend/triton/shutdown.py and probe.py without a server: the drain grace, what the metrics say is
-open, a child's client connections, when a model that cannot unload may be ended, and the probe and stop scripts on
-the standard library alone.
+"""The parts of backend/triton/shutdown.py, watchdog.py and probe.py without a server: the drain grace, what the
+metrics say is open, a child's client connections, when a model that cannot unload may be ended, when a model's queue
+counts as stalled, and the probe and stop scripts on the standard library alone.
 
 tests/server/test_shutdown.py stops `make serve` under a real Locust load, after cancels of finished requests and
-with a request that never ends.
+with a request that never ends, and has the watchdog restart a server whose model stopped executing.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 
-from backend.triton import probe, processes, shutdown
+from backend.triton import probe, processes, prometheus, shutdown, watchdog
 from backend.triton.launch_options import free_ports
 from tests.server_harness import LOCALHOST, REPO_ROOT
 
@@ -192,3 +193,60 @@ def test_a_stubs_model_and_cpu_time_are_read_from_proc():
             child.wait()
     assert processes.cpu_seconds(stub.pid) is None
 
+
+# ---- the watchdog ------------------------------------------------------------------------------------------------
+
+
+def reading(pending: int, executed: int = 0, steps: int = 0, running: int = 0, model: str = "llm_dynamic",
+            ) -> list[prometheus.Series]:
+    """One reading of the metrics port for ``model``, as Triton and our models write it."""
+    return prometheus.parse_prometheus(f"""
+nv_inference_pending_request_count{{model="{model}",version="1"}} {pending}
+nv_inference_exec_count{{model="{model}",version="1"}} {executed}
+llm_batch_size_count{{model="{model}"}} {steps}
+llm_num_requests_running{{model="{model}"}} {running}
+llm_num_requests_waiting{{model="{model}"}} 0
+llm_request_success_total{{model="{model}",finish_reason="length"}} {steps // 10}
+""")
+
+
+def test_the_watchdog_names_a_model_whose_queue_does_not_move_for_longer_than_the_bound():
+    dog = watchdog.Watchdog(bound_s=30)
+    assert dog.observe(reading(0, executed=4, steps=100), 0.0) == []
+    for t in range(1, 31):  # 9, then 10 requests pending and nothing moves: the stall seen on llm_iterative
+        assert dog.observe(reading(9 + t // 20, executed=4, steps=100), float(t)) == []
+    (stall,) = dog.observe(reading(10, executed=4, steps=100) + reading(0, model="llm_continuous"), 31.0)
+    assert (stall.model, stall.num_pending, stall.seconds) == ("llm_dynamic", 10, 31.0)
+    assert str(stall) == "llm_dynamic stalled: 10 requests pending in Triton's queue and nothing executed for 31 s"
+    assert dog.observe(reading(10, executed=5, steps=100), 32.0) == []  # it moved: the clock starts again
+
+
+def test_the_watchdog_leaves_a_busy_or_idle_model_alone():
+    busy, batching, idle = (watchdog.Watchdog(bound_s=30) for _ in range(3))
+    for t in range(300):
+        # llm_dynamic runs one long batch: Triton's queue waits for minutes, while the engine steps
+        assert busy.observe(reading(8, executed=1, steps=t * 20, running=8), float(t)) == []
+        # llm_static waits up to a second for a full batch, again and again
+        assert batching.observe(reading(t % 2 * 3, executed=t // 2), float(t)) == []
+        # nothing to do: nothing moves, and nothing is pending
+        assert idle.observe(reading(0), float(t)) == []
+    # A reading without the model (unloaded, or the port did not answer) is no evidence either way.
+    assert busy.observe([], 400.0) == []
+
+
+def test_the_probe_reads_not_ready_while_the_launcher_marks_a_model_stalled(pages, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the launcher's markers, for this test only
+    url, table = pages
+    table["/v2/health/ready"] = table["/v2/health/live"] = (200, "")
+    table["/metrics"] = (200, METRICS.replace('"llm_dynamic"} 0', '"llm_dynamic"} 1'))
+    port, metrics_url = int(url.rsplit(":", 1)[1]), f"{url}/metrics"
+    assert probe.check("ready", url, metrics_url) is None
+    watchdog.mark_stalled(port, [watchdog.Stall("llm_dynamic", 3, 31.0)])
+    assert watchdog.marker_path(port).parent == tmp_path
+    assert probe.check("ready", url, metrics_url) == (
+        "llm_dynamic stalled: 3 requests pending in Triton's queue and nothing executed for 31 s; the launcher "
+        "restarts the server")
+    assert probe.check("live", url, metrics_url) is None  # restarting is the launcher's job, not the orchestrator's
+    assert watchdog.stalled(port + 1) is None  # one marker per server, by its metrics port
+    watchdog.clear_stalled(port)
+    assert probe.check("ready", url, metrics_url) is None
