@@ -162,8 +162,7 @@ class GrpcStream:
 
     def close(self, cancel: bool = False) -> None:
         """End the stream (``cancel``: cancel the request too; otherwise wait for it to finish), then close the client
-        if the stream opened it. Cancel only a request that has not ended: cancelling one right after its final
-        response can keep its model from unloading in Triton 2.51 (backend/triton/shutdown.py)."""
+        if the stream opened it."""
         client, self.client = self.client, None
         if client is None:
             return

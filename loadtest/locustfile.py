@@ -360,8 +360,8 @@ class GrpcStreamUser(StreamingLLMUser):
         except TimeoutError:
             raise StreamError("timeout: no final response within --request-timeout") from None
         finally:
-            # NOTE: cancel only a request still running (the last response is its final one, or an error: our
-            # models end a request with it); see GrpcStream.close.
+            # A request that ended (its final response, or an error: our models end a request with it) has nothing
+            # left to cancel.
             stream.close(cancel=not stream.final)
         if stream.exception is not None:
             raise StreamError(f"error: {stream.exception}")

@@ -16,46 +16,15 @@ Histogram buckets are kept only in the first and last sample of a run (enough fo
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-import urllib.request
-from dataclasses import dataclass
 
 import requests
 
 from backend.triton import names
+from backend.triton.prometheus import Series, by_model, parse_prometheus, scrape
 
 PREFIXES = (names.METRIC_PREFIX, names.TRITON_METRIC_PREFIX)
-
-_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-@dataclass(frozen=True)
-class Series:
-    name: str
-    labels: dict
-    value: float
-
-
-def parse_prometheus(text: str) -> list[Series]:
-    """Every sample line of Prometheus text exposition; comments and malformed lines are skipped."""
-    found = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = _LINE.match(line)
-        if match is None:
-            continue
-        name, labels, value = match.groups()
-        try:
-            number = float(value)
-        except ValueError:
-            continue
-        found.append(Series(name, dict(_LABEL.findall(labels or "")), number))
-    return found
 
 
 def series_key(name: str, labels: dict) -> str:
@@ -81,22 +50,13 @@ def select(series: list[Series], model: str, prefixes=PREFIXES, buckets: bool = 
 
 def steps_by_model(series: list[Series]) -> dict[str, float]:
     """Forward steps each model has run so far (the count of its ``llm_batch_size``, instances summed)."""
-    steps: dict[str, float] = {}
-    for s in series:
-        if s.name == f"{names.BATCH_SIZE}_count" and "model" in s.labels:
-            steps[s.labels["model"]] = steps.get(s.labels["model"], 0.0) + s.value
-    return steps
+    return by_model(series, f"{names.BATCH_SIZE}_count")
 
 
 def models_under_load(first: dict[str, float], last: dict[str, float]) -> list[str]:
     """The models that ran forward steps between two readings of :func:`steps_by_model`: those under load then.
     More than one means their engines shared the cores (``backend/engine/shared_cores.py``)."""
     return sorted(model for model, steps in last.items() if steps > first.get(model, steps))
-
-
-def scrape(url: str, timeout: float = 2.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return response.read().decode("utf-8", errors="replace")
 
 
 def scrape_metrics(metrics_url: str) -> dict[str, float]:

@@ -26,12 +26,14 @@ class FaultInjector:
     ``{"step_error": "<<fail-step>>", "fatal_error": "<<kill-engine>>"}``) *and* the server runs with
     ``LLM_TEST_FAULTS=1``. ``step_error`` makes the step that runs the request raise, as a failing forward would:
     that step's requests fail and serving goes on. ``fatal_error`` raises past the step's error handling, as a
-    broken engine would: the model must fail every open request and refuse new ones. ``slow_step`` makes the step
-    take ``SLOW_STEP_S`` longer, as a long prefill on a busy machine would (longer than Triton's sequence idle time
-    in tests of llm_iterative: Triton then ends the sequence while the model holds its request).
+    broken engine would: the model must fail every open request and refuse new ones. ``stall`` blocks the step that
+    runs the request for good, as a hung forward would: the thread that steps the engine stops (execute() of the
+    batcher models, so Triton's queue in front of it grows; llm_continuous's loop) until the process is killed.
+    ``slow_step`` makes the step take ``SLOW_STEP_S`` longer, as a long prefill on a busy machine would (longer than
+    Triton's sequence idle time in tests of llm_iterative: Triton then ends the sequence while the model holds it).
     """
 
-    KINDS = ("step_error", "fatal_error", "slow_step")
+    KINDS = ("step_error", "fatal_error", "stall", "slow_step")
     SLOW_STEP_S = 1.0
 
     def __init__(self, markers: dict[str, str]) -> None:
@@ -41,6 +43,7 @@ class FaultInjector:
         self.markers = markers
         self._armed: dict[str, str] = {}  # request id -> kind; written by execute(), read by the engine thread
         self._lock = threading.Lock()
+        self._never = threading.Event()  # what a stalled step waits for
 
     @classmethod
     def from_config(cls, model_config: dict) -> FaultInjector | None:
@@ -65,6 +68,9 @@ class FaultInjector:
     def __call__(self, requests: list) -> None:
         with self._lock:
             hits = {r.request_id: self._armed.pop(r.request_id) for r in requests if r.request_id in self._armed}
+        if "stall" in hits.values():
+            log.warning("injected stall: this step never returns (requests %s)", sorted(hits))
+            self._never.wait()
         if "slow_step" in hits.values():
             time.sleep(self.SLOW_STEP_S)
             hits = {rid: kind for rid, kind in hits.items() if kind != "slow_step"}

@@ -41,6 +41,7 @@ ITERATION_GAP = "llm_iteration_gap_seconds"  # llm_iterative only
 
 TRITON_METRIC_PREFIX = "nv_inference_"
 PENDING_REQUESTS = "nv_inference_pending_request_count"  # the queue in front of execute()
+EXEC_COUNT = "nv_inference_exec_count"  # batches the model executed
 
 
 

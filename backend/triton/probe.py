@@ -1,13 +1,15 @@
-"""Health probes for Kubernetes and Docker that also see a dead engine.
+"""Health probes for Kubernetes and Docker that also see a dead engine and a stalled model.
 
-    python3 backend/triton/probe.py ready   # /v2/health/ready answers 200 and no model's engine has failed
+    python3 backend/triton/probe.py ready   # no model stalled, /v2/health/ready answers 200, no engine has failed
     python3 backend/triton/probe.py live    # /v2/health/live answers 200 and no model's engine has failed
 
 Triton 2.51 keeps a Python model READY after its engine failed: the model then refuses every request with "the
 engine failed ...; restart the server" and sets ``llm_engine_healthy`` to 0 on the metrics port, but it cannot mark
-itself unready, so ``/v2/health/ready`` stays 200. These probes read that gauge too. Exit status 0 when healthy,
-1 otherwise, with the reason on stdout (``kubectl describe pod`` shows it). New connections only: during a shutdown
-tritonserver refuses them, so the probes fail at once. Standard library only; run it as a file.
+itself unready, so ``/v2/health/ready`` stays 200. These probes read that gauge too. Nor does Triton see a model
+whose queue stopped moving; the launcher's watchdog does (``watchdog.py``), and marks the server stalled until it
+has restarted it: ``ready`` reads that mark. Exit status 0 when healthy, 1 otherwise, with the reason on stdout
+(``kubectl describe pod`` shows it). New connections only: during a shutdown tritonserver refuses them, so the
+probes fail at once. Standard library only; run it as a file.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +26,8 @@ from pathlib import Path
 if not __package__:  # run as a file (python3 backend/triton/probe.py, the containers' probe): the project on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from backend.triton.names import ENGINE_HEALTHY  # noqa: E402
+from backend.triton.prometheus import parse_prometheus  # noqa: E402
+from backend.triton.watchdog import stalled  # noqa: E402
 
 
 def get(url: str, timeout: float) -> tuple[int, str]:
@@ -37,19 +42,16 @@ def get(url: str, timeout: float) -> tuple[int, str]:
 
 
 def failed_engines(metrics_text: str) -> list[str]:
-    """Models whose ``llm_engine_healthy`` gauge is 0."""
-    failed = []
-    for line in metrics_text.splitlines():
-        if line.startswith(ENGINE_HEALTHY + "{"):
-            labels, _, value = line.rpartition(" ")
-            if float(value) == 0:
-                model = labels.split('model="', 1)[1].split('"', 1)[0] if 'model="' in labels else labels
-                failed.append(model)
-    return sorted(failed)
+    """Models whose ``llm_engine_healthy`` gauge is 0 (on any of their instances)."""
+    series = parse_prometheus(metrics_text)
+    return sorted({s.labels.get("model", s.name) for s in series if s.name == ENGINE_HEALTHY and s.value == 0})
 
 
 def check(kind: str, url: str, metrics_url: str, timeout: float = 3.0) -> str | None:
     """None when healthy, else why not."""
+    metrics_port = urllib.parse.urlsplit(metrics_url).port
+    if kind == "ready" and metrics_port is not None and (stall := stalled(metrics_port)) is not None:
+        return f"{stall}; the launcher restarts the server"
     status, _ = get(f"{url.rstrip('/')}/v2/health/{kind}", timeout)
     if status != 200:
         return f"/v2/health/{kind} answered {status or 'nothing'}"

@@ -1,5 +1,5 @@
-"""tritonserver's processes as Linux shows them in /proc: its command line, its children (the Python-backend stubs),
-its process group, and the stubs' shared memory.
+"""tritonserver's processes as Linux shows them in /proc: its command line, its children (the Python-backend stubs and
+the models they serve), their CPU time, its process group, and the stubs' shared memory.
 
 Standard library only (``psutil`` is imported inside the two functions that need it): ``shutdown.py`` imports this
 module when it runs as a file in a container, and the launcher runs in the Python 3.10 test environment too.
@@ -46,6 +46,27 @@ def is_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in _ENDED
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time process ``pid`` has used so far, all its threads, user and system; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def stub_models(pid: int) -> dict[int, str]:
+    """``stub pid -> model`` for the live Python-backend stubs of tritonserver ``pid`` (the model folder that holds
+    the ``model.py`` a stub runs)."""
+    models = {}
+    for child in children(pid):
+        argv = command_line(child)
+        script = next((part for part in argv if part.endswith("model.py")), None)
+        if argv and argv[0].endswith(STUB_NAME) and script is not None:
+            models[child] = Path(script).parent.parent.name
+    return models
 
 
 def command_line(pid: int) -> list[str]:

@@ -5,8 +5,9 @@
 
 It starts one :class:`~backend.triton.server.TritonServer` (the binary from ``backend.triton.server_home``, the checks
 and admin flags of ``backend.triton.launch_options``), echoes its output, and starts it again on the same ports when
-it dies by a signal nobody sent it (``--max-restarts``). Ctrl-C or SIGTERM stops it gracefully; a second one kills it
-with its stubs.
+it dies by a signal nobody sent it, or when the watchdog ended it because a model's queue stopped moving
+(``backend.triton.watchdog``; ``--stall-timeout``); both count toward ``--max-restarts``. Ctrl-C or SIGTERM stops it
+gracefully; a second one kills it with its stubs.
 
 The launcher's parts are also importable from here, as they were before it was split by job: ``server_home`` (the
 Docker image calls it), ``TritonServer``, ``start_on_free_ports`` and ``copy_model_repository``.
@@ -19,8 +20,9 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from backend.triton import shutdown, watchdog
 from backend.triton.launch_options import (
     ADMIN_HEADER,
     ADMIN_KEY_ENV_VAR,
@@ -84,6 +86,14 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         help="start tritonserver again when it dies by a signal nobody sent it, at most this many times "
         "(default: $MAX_RESTARTS or %(default)s; 0: never)",
     )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=float(os.environ.get("STALL_TIMEOUT") or watchdog.STALL_TIMEOUT_S),
+        help="restart tritonserver when a model has requests pending in Triton's queue and nothing it executes "
+        "moves for this many seconds; longer than the longest engine step (default: $STALL_TIMEOUT or "
+        "%(default)s; 0: never)",
+    )
     # Which stub to look up; only for testing the "no stub for this Python" path.
     parser.add_argument("--python-version", default=None, help=argparse.SUPPRESS)
     args, unknown = parser.parse_known_args(argv)
@@ -92,8 +102,10 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, extra_args = parse_args(sys.argv[1:] if argv is None else argv)
-    # Every option but this loop's own (--max-restarts, --openai-port) is one of TritonServer's keywords.
-    options = {name: value for name, value in vars(args).items() if name not in ("max_restarts", "openai_port")}
+    # Every option but this loop's own (--max-restarts, --openai-port, --stall-timeout) is one of TritonServer's
+    # keywords.
+    own = ("max_restarts", "openai_port", "stall_timeout")
+    options = {name: value for name, value in vars(args).items() if name not in own}
 
     def new_server(env: Mapping[str, str] | None = None) -> TritonServer:
         return TritonServer(**options, extra_args=extra_args, env=env, echo=True)
@@ -106,6 +118,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except LauncherError as exc:
         print(f"serve: error: {exc}", file=sys.stderr)
         return 2
+    watchdog.clear_stalled(args.metrics_port)  # left by a launcher that was killed: the port is this one's now
+    try:
+        return _serve(server, new_server, args, extra_args)
+    finally:
+        watchdog.clear_stalled(args.metrics_port)
+
+
+def _serve(server: TritonServer, new_server: Callable[..., TritonServer], args: argparse.Namespace,
+           extra_args: Sequence[str]) -> int:
+    """Supervise the started ``server`` until it is stopped, or exits and may not be restarted; its exit status."""
     frontend = start_frontend(server, args.address, args.openai_port) if args.openai_port else None
 
     signals_received: list[int] = []
@@ -129,10 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ServerError as exc:
             if signals_received:
                 print("[serve] stopped before the server was ready", file=sys.stderr)
-                return _exit_status(server.wait())
+                return shutdown.exit_status(server.wait(), server.stop_result)
             print(f"serve: error: {exc}", file=sys.stderr)
             server.stop()
-            return _exit_status(server.wait()) or 1
+            return shutdown.exit_status(server.wait(), server.stop_result) or 1
+        watchdog.clear_stalled(args.metrics_port)  # a restarted server serves again
         if restarts == 0:
             _print_admin_key_hint(extra_args, server)
         if frontend is not None and frontend.poll() is not None:
@@ -144,32 +167,44 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"metrics {server.metrics_url}{openai}  (model {server.model}; Ctrl+C stops)",
             flush=True,
         )
+        stalls = []
+        if args.stall_timeout > 0:
+            stalls = watchdog.supervise(server.pid, server.metrics_url, args.metrics_port, args.stall_timeout,
+                                        stopping=lambda: bool(signals_received), log=_log)
         code = server.wait()
         # NOTE: a signal nobody here sent is a crash (the bundled Triton's gRPC frontend can crash under heavy
-        # stream cancellation; docs/server.md). Come back on the same ports with the same admin key.
+        # stream cancellation; docs/server.md), and a stalled server was killed here. Come back on the same ports
+        # with the same admin key.
         if signals_received or code >= 0 or restarts >= args.max_restarts:
             break
         restarts += 1
-        print(
-            f"[serve] tritonserver died by signal {-code}; restarting it ({restarts} of {args.max_restarts})",
-            file=sys.stderr,
-            flush=True,
-        )
+        why = "was ended: a model stalled" if stalls else f"died by signal {-code}"
+        _log(f"tritonserver {why}; restarting it ({restarts} of {args.max_restarts})")
         server = new_server(env={ADMIN_KEY_ENV_VAR: server.admin_key})
         try:
             server.start()
         except LauncherError as exc:
             print(f"serve: error: {exc}", file=sys.stderr)
             return 2
-    status = _exit_status(code)
-    print(f"[serve] tritonserver exited with status {status}", file=sys.stderr)
+    status = shutdown.exit_status(code, server.stop_result)
+    if server.stop_result is not None and server.stop_result.forced is not None and status == 0:
+        _log("the stop ended tritonserver (the forced line above): exit status 0")
+    elif stalls and not signals_received:
+        _log(f"tritonserver was ended because a model stalled, and no restart is left (--max-restarts "
+             f"{args.max_restarts}): exit status {status}")
+    else:
+        _log(f"tritonserver exited with status {status}")
     if frontend is not None:
         stop_frontend(frontend)
     if status and any("Exit timeout expired" in line for line in server.output_lines()[-50:]):
-        print("[serve] tritonserver gave up waiting at --exit-timeout-secs: a model could not unload (a gRPC client "
-              "that cancels a stream right after its final response can cause that in Triton 2.51), or a client "
-              "connection could not be closed; see docs/server.md, \"Stopping the server\"", file=sys.stderr)
+        _log("tritonserver gave up waiting at --exit-timeout-secs: a request was still open (a model that does not "
+             "answer), or a client connection could not be closed, so the stop could not end a model that would not "
+             "unload; see docs/server.md, \"Stopping the server\"")
     return status
+
+
+def _log(text: str) -> None:
+    print(f"[serve] {text}", file=sys.stderr, flush=True)
 
 
 def start_frontend(server: TritonServer, address: str, port: int) -> subprocess.Popen:
@@ -206,10 +241,6 @@ def _print_admin_key_hint(extra_args: Sequence[str], server: TritonServer) -> No
             f"header {ADMIN_HEADER} (gRPC: {GRPC_HEADER_PREFIX}{ADMIN_HEADER}) set to {where}",
             flush=True,
         )
-
-
-def _exit_status(code: int) -> int:
-    return 128 - code if code < 0 else code
 
 
 if __name__ == "__main__":

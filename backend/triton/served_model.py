@@ -106,6 +106,12 @@ class ServedModel:
             return None
         return request_id
 
+    def count_joined(self) -> None:
+        """Before a step, on the thread that steps the engine: publish the engine's gauges with the requests that
+        joined it since the last step. A step that never returns then still counts its requests: the stop reads
+        these gauges (``backend.triton.shutdown``), and must never take a server with a request open for drained."""
+        self.metrics.on_steps(self.engine)
+
     def observe_steps(self) -> None:
         """After a step, on the thread that steps the engine and sends: publish the engine's steps since the last
         call and its gauges; the stream pacer chooses the next interval."""

@@ -7,7 +7,8 @@ ports, on a copy from ``copy_model_repository`` if they change settings)::
 
 The server runs in its own session: ``stop()`` stops it gracefully with ``backend.triton.shutdown.stop``
 (tritonserver and its stubs get the signal, the models drain, idle client connections are closed so the models can
-unload at once) and, if it has to escalate, SIGKILLs the whole process group, so no stub outlives it. The model
+unload at once, and a model that still cannot unload with nothing open is ended: ``stop_result.forced``) and, if it
+has to escalate, SIGKILLs the whole process group, so no stub outlives it. The model
 folder reaches the models as the environment variable ``LLM_MODEL``; the model repository does not depend on this
 launcher.
 """
@@ -51,6 +52,8 @@ from backend.triton.shutdown import option_value
 
 # A stub notices within about a second that tritonserver is gone, then removes its shared memory and exits.
 STUB_EXIT_GRACE_S = 3.0
+# The graceful stop returns within a poll of the server's exit (killing a process group waits up to 5 s).
+STOP_RESULT_WAIT_S = 10.0
 # Lines a CPU-only machine always prints; they are not the reason a start failed.
 _NOISE = re.compile(r"CudaDriverHelper|NVML|DCGM|CUDA driver version is insufficient|pinned memory", re.I)
 _ERROR = re.compile(r"^E\d{4} |error|failed|unavailable|unrecognized option|address already in use", re.I)
@@ -115,6 +118,7 @@ class TritonServer:
         self._reader: threading.Thread | None = None
         self._group_ended = False
         self._stopper: threading.Thread | None = None
+        self.stop_result: shutdown.StopResult | None = None  # what the graceful stop did, once it is over
         self._shared_cores: Path | None = None  # the registry its engines share the cores through
 
     # -- addresses
@@ -289,6 +293,20 @@ class TritonServer:
                 return []
         return list(self._recent_lines)
 
+    def recent_output(self, max_bytes: int = 256 * 1024) -> list[str]:
+        """Its last lines of output (at most the last ``max_bytes`` of a log file): what ``shutdown.stop`` reads
+        tritonserver's shutdown reports from, several times a second."""
+        if self.log_path is None or self.echo:
+            return list(self._recent_lines)
+        try:
+            with open(self.log_path, "rb") as f:
+                start = max(0, f.seek(0, os.SEEK_END) - max_bytes)
+                f.seek(start)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return []
+        return lines[1:] if start else lines  # the first line read may be cut
+
     def output_tail(self, num_lines: int = 80) -> str:
         return "\n".join(self.output_lines()[-num_lines:])
 
@@ -309,10 +327,12 @@ class TritonServer:
         only."""
         if not self.is_running or self._stopper is not None:
             return
-        self._stopper = threading.Thread(target=shutdown.stop, args=(self._process.pid, sig),
-                                         kwargs={"host": self._client_host, "log": self._log}, name="tritonserver-stop",
-                                         daemon=True)
+        self._stopper = threading.Thread(target=self._stop_and_keep_result, args=(self._process.pid, sig),
+                                         name="tritonserver-stop", daemon=True)
         self._stopper.start()
+
+    def _stop_and_keep_result(self, pid: int, sig: int) -> None:
+        self.stop_result = shutdown.stop(pid, sig, host=self._client_host, log=self._log, output=self.recent_output)
 
     def _log(self, text: str) -> None:
         line = f"[serve] stopping: {text}"
@@ -328,7 +348,8 @@ class TritonServer:
             kill_process_group(self._process.pid)
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for the process to exit, then for its process group; return its status (negative: that signal).
+        """Wait for the process to exit, then for its process group and the graceful stop (``stop_result``); return
+        its status (negative: that signal; ``shutdown.exit_status`` says what to report).
 
         Group members still alive ``STUB_EXIT_GRACE_S`` after the server exited are killed.
         """
@@ -337,6 +358,8 @@ class TritonServer:
         code = self._process.wait(timeout)
         self._end_group()
         self._drain_output()
+        if self._stopper is not None:
+            self._stopper.join(STOP_RESULT_WAIT_S)
         if self.stopped_at is None:
             self.stopped_at = time.monotonic()
         return code

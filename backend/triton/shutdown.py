@@ -11,41 +11,56 @@ What tritonserver 2.51 does on SIGTERM (measured; tests/server/test_shutdown.py 
   immediately.") and it exits with status 1.
 - gRPC: a model unloads only once every stream that carried its requests is closed, so a client that keeps its
   stream open holds the model (tritonserver then even hung past its exit timeout here).
-- A gRPC stream cancelled right after its final response (``stop_stream(cancel_requests=True)`` once the answer is
-  complete) now and then leaves the model it used unable to unload at all, a race in 2.51's gRPC frontend (seen
-  with a ten-line model too). Nothing here can release it: that shutdown ends at the exit timeout with status 1.
-  Clients should cancel only requests that are still running (``client/`` and the Locust users do).
+- A gRPC request cancelled right after its final response (``stop_stream(cancel_requests=True)`` once the answer is
+  complete) is now and then never released by 2.51's gRPC frontend, and it keeps its model loaded for good: every
+  model kind, a ten-line model too. tritonserver then finds no inference in flight, unloads the other models and
+  logs "Found 1 live models" every second until the exit timeout, then exits 1.
 
 :func:`stop` does what is missing: it signals tritonserver and its stubs, waits until no request is open in any
 model (the metrics port) or the models' drain grace is over, then shuts down the client connections still open on
 the HTTP port and the idle ones on the gRPC port, so that tritonserver goes on at once to unload its models and
 exit. A client still connected then sees its connection closed (every request it sent already has its final
-response).
+response). If a model then cannot unload, the stop ends it: once tritonserver waits only for models to unload (its
+report "Found N live models"), no request is open in any model or in Triton's queue, no client is connected, and
+every stub left has sat idle for ``UNLOAD_IDLE_S``, it kills the stubs and tritonserver and logs one "forced:" line
+that names the models; :func:`exit_status` reports that exit as 0. A request still open, a crash, or anything else
+keeps tritonserver's own status. "No request open" is the models' own word (their gauges count a request from
+before its first step, so one whose step never returns too): Triton 2.51 counts no request of a decoupled Python
+model as in flight, and goes on to unload with one stuck in execute().
 
-``python -m backend.triton.shutdown run -- tritonserver ARGS...`` runs a server under this stop (the container's entry).
-Standard library only: it runs in the container's Python without the engine's dependencies.
+``python -m backend.triton.shutdown run -- tritonserver ARGS...`` runs a server under this stop (and under the
+watchdog, ``backend/triton/watchdog.py``). Standard library only: it runs in the container's Python without the
+engine's dependencies.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 if not __package__:  # run as a file (python3 backend/triton/shutdown.py): put the project on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from backend.triton import names  # noqa: E402
-from backend.triton.processes import children, command_line, is_alive  # noqa: E402
+from backend.triton import names, prometheus, watchdog  # noqa: E402
+from backend.triton.processes import (  # noqa: E402
+    children,
+    command_line,
+    cpu_seconds,
+    is_alive,
+    kill_process_group,
+    stub_models,
+)
 
 # tritonserver's default --exit-timeout-secs, and how long before it the models end what is still running: the
 # final responses, the connections closing and the models unloading must all fit in this margin.
@@ -61,6 +76,11 @@ QUEUE_SETTLE_S = 1.5
 # A gRPC connection is closed only after it has sent and received nothing for this long (see stop()): longer than
 # any batcher holds a request (1 s for llm_static), so no request is waiting on a connection closed.
 GRPC_IDLE_S = 2.5
+# Once nothing is open, how long every stub still alive must have used (almost) no CPU before the stop takes the
+# unloading for stalled: a model that can unload does so within a second of the drain (its stub busy finalizing),
+# and this must fit, with the drain, inside the tests' 5-s exit timeout.
+UNLOAD_IDLE_S = 2.0
+IDLE_CPU_S = 0.05  # CPU time within which a process still counts as idle (a stuck stub's own threads use ~2 ms/s)
 POLL_S = 0.2
 _SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
 _TCP_ESTABLISHED = "01"
@@ -118,23 +138,11 @@ def signal_server(pid: int, sig: int = signal.SIGTERM) -> None:
 def open_requests(metrics_url: str, timeout: float = 2.0) -> tuple[float, float] | None:
     """``(in the engines, in Triton's queue)``: requests accepted and not answered yet, summed over the models;
     None when the metrics port does not answer."""
-    try:
-        with urllib.request.urlopen(metrics_url, timeout=timeout) as response:
-            text = response.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError):
+    series = prometheus.read(metrics_url, timeout)
+    if series is None:
         return None
-    engines = queued = 0.0
-    for line in text.splitlines():
-        if line.startswith((*ENGINE_GAUGES, QUEUE_GAUGE)):
-            try:
-                value = float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                continue
-            if line.startswith(QUEUE_GAUGE):
-                queued += value
-            else:
-                engines += value
-    return engines, queued
+    engines = sum(sum(prometheus.by_model(series, name).values()) for name in ENGINE_GAUGES)
+    return engines, sum(prometheus.by_model(series, QUEUE_GAUGE).values())
 
 
 # ---- client connections ---------------------------------------------------------------------------------------
@@ -211,16 +219,95 @@ def idle_seconds(sock: socket.socket) -> float:
     return min(int.from_bytes(info[44:48], sys.byteorder), int.from_bytes(info[52:56], sys.byteorder)) / 1000
 
 
+# ---- a model that cannot unload -------------------------------------------------------------------------------
+
+# tritonserver's once-a-second report while it shuts down: first the inferences still in flight (a decoupled Python
+# model's never count), then, once none is, the models not unloaded yet.
+_IN_FLIGHT = re.compile(r"Timeout \d+: Found (\d+) model versions that have in-flight inferences")
+_LIVE_MODELS = re.compile(r"Timeout \d+: Found (\d+) live models and (\d+) in-flight non-inference requests")
+
+
+def models_left_to_unload(output: Iterable[str]) -> int | None:
+    """How many models tritonserver still waits for once it found no inference in flight (its latest report:
+    "Timeout N: Found M live models and 0 in-flight non-inference requests"); None while its latest report is of
+    something in flight, or it has reported nothing yet."""
+    for line in reversed(list(output)):
+        if (live := _LIVE_MODELS.search(line)) is not None:
+            return int(live[1]) if live[2] == "0" else None
+        if _IN_FLIGHT.search(line):
+            return None
+    return None
+
+
+class IdleClock:
+    """How long each process has used no more than ``IDLE_CPU_S`` of CPU: its clock restarts whenever it used more
+    since the clock last started. Feed it every process's CPU seconds at each reading."""
+
+    def __init__(self, idle_cpu_s: float = IDLE_CPU_S) -> None:
+        self.idle_cpu_s = idle_cpu_s
+        self._since: dict[int, tuple[float, float]] = {}  # pid -> (its CPU seconds, the time) when its clock started
+
+    def update(self, cpu: Mapping[int, float], now: float) -> dict[int, float]:
+        """``pid -> seconds idle`` for the processes in ``cpu`` (``pid -> CPU seconds used so far``)."""
+        self._since = {pid: since for pid, since in self._since.items() if pid in cpu}
+        for pid, used in cpu.items():
+            since = self._since.get(pid)
+            if since is None or used - since[0] > self.idle_cpu_s:
+                self._since[pid] = (used, now)
+        return {pid: now - self._since[pid][1] for pid in cpu}
+
+
+@dataclass(frozen=True)
+class StopResult:
+    """What :func:`stop` did, in words; ``forced`` is its line when it ended tritonserver itself."""
+
+    summary: str
+    forced: str | None = None
+
+
+def exit_status(code: int, stopped: StopResult | None = None) -> int:
+    """The status to report for tritonserver's exit ``code`` (negative: the signal that ended it, reported as
+    128 + N, as a shell does): 0 when :func:`stop` ended it because a model could not unload with nothing open."""
+    if stopped is not None and stopped.forced is not None and code == -signal.SIGKILL:
+        return 0
+    return 128 - code if code < 0 else code
+
+
+def _end_stuck_unload(pid: int, output: Callable[[], Iterable[str]], metrics_url: str, ports: Sequence[int],
+                      poll: float) -> str | None:
+    """Until tritonserver ``pid`` exits: once its unloading stalls with nothing open (the module's docstring), kill
+    it with its stubs and return the line that says so. None when it exited by itself."""
+    clock = IdleClock()
+    while is_alive(pid):
+        stubs = stub_models(pid)
+        cpu = {stub: used for stub in stubs if (used := cpu_seconds(stub)) is not None}
+        idle = clock.update(cpu, time.monotonic())
+        if (idle and min(idle.values()) >= UNLOAD_IDLE_S and models_left_to_unload(output())
+                and not client_connections(pid, ports) and open_requests(metrics_url) == (0, 0)):
+            models = sorted({stubs[stub] for stub in idle})
+            kill_process_group(pid)  # the stubs and tritonserver (its process group: it leads one)
+            stubs_ended = "its stub" if len(idle) == 1 else f"their {len(idle)} stubs"
+            return (f"forced: tritonserver could not unload {', '.join(models)} (most likely a request that "
+                    "Triton 2.51's gRPC frontend never released: a client cancelled it right after its final "
+                    f"response); no request was open and {stubs_ended} sat idle for {UNLOAD_IDLE_S:.0f} s; ended "
+                    f"{stubs_ended} and the server")
+        time.sleep(poll)
+    return None
+
+
 # ---- the stop -------------------------------------------------------------------------------------------------
 
 
 def stop(pid: int, sig: int = signal.SIGTERM, *, host: str = "127.0.0.1", log: Log = print,
-         poll: float = POLL_S) -> str:
-    """Stop tritonserver ``pid`` as described at the top; returns once its client connections are shut down (or
-    it has exited). Its ports and exit timeout are read from its command line. Returns what was done, in words."""
+         poll: float = POLL_S, output: Callable[[], Iterable[str]] | None = None) -> StopResult:
+    """Stop tritonserver ``pid`` as described at the top. Its ports and exit timeout are read from its command line.
+
+    ``output`` returns its latest output lines (its log: the shutdown reports). With it, and a tritonserver that
+    leads its own process group (as the launcher and :func:`run` start it), this returns once tritonserver has
+    exited, ended here if a model could not unload; without, once its client connections are shut down."""
     args = command_line(pid)
     if not args:
-        return "tritonserver had already exited"
+        return StopResult("tritonserver had already exited")
     grace = drain_grace(args)
     http_port, grpc_port = _port(args, "--http-port", 8000), _port(args, "--grpc-port", 8001)
     metrics_url = f"http://{host}:{_port(args, '--metrics-port', 8002)}/metrics"
@@ -233,7 +320,7 @@ def stop(pid: int, sig: int = signal.SIGTERM, *, host: str = "127.0.0.1", log: L
     idle_since = drained_at = last = None
     while drained_at is None and time.monotonic() - t0 < grace + 1.0:
         if not is_alive(pid):
-            return "tritonserver exited while draining"
+            return StopResult("tritonserver exited while draining")
         last = open_requests(metrics_url)
         if last is None or last[0] > 0:
             idle_since = None
@@ -264,41 +351,89 @@ def stop(pid: int, sig: int = signal.SIGTERM, *, host: str = "127.0.0.1", log: L
         except OSError as exc:
             log(f"{drained}; cannot close the {len(http) + len(grpc)} client connections still open ({exc}): "
                 "tritonserver waits for them up to its --exit-timeout-secs")
-            return drained
+            return StopResult(drained)
         time.sleep(poll)
     message = f"{drained}; closed {closed} client connection{'s' * (closed != 1)} left open" if closed else drained
     log(message)
-    return message
+    if output is None or not _leads_its_group(pid):
+        return StopResult(message)
+    forced = _end_stuck_unload(pid, output, metrics_url, [http_port, grpc_port], poll)
+    if forced is not None:
+        log(forced)
+    return StopResult(message, forced)
+
+
+def _leads_its_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return False
 
 
 # ---- running a server under this stop (the container) ---------------------------------------------------------
 
 
-def run(command: Sequence[str], log: Log | None = None) -> int:
-    """Run ``command`` (tritonserver and its arguments); the first SIGTERM or SIGINT stops it with :func:`stop`,
-    a second one kills it. Returns its exit status (128 + N for a signal N, as a shell reports it)."""
+def run(command: Sequence[str], log: Log | None = None, stall_timeout: float = watchdog.STALL_TIMEOUT_S) -> int:
+    """Run ``command`` (tritonserver and its arguments), its output echoed; the first SIGTERM or SIGINT stops it
+    with :func:`stop`, a second one kills it. A model that stalls for ``stall_timeout`` s (0: never) ends it
+    (``watchdog.supervise``) with status 1, for the container's restart policy. Returns its exit status
+    (:func:`exit_status`)."""
     log = log or (lambda text: print(f"[shutdown] {text}", file=sys.stderr, flush=True))
-    process = subprocess.Popen(list(command), start_new_session=True)
+    metrics_port = _port(command, "--metrics-port", 8002)
+    process = subprocess.Popen(list(command), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    recent: collections.deque[str] = collections.deque(maxlen=2000)  # what stop() reads tritonserver's reports from
+    echo = threading.Thread(target=_echo, args=(process.stdout, recent), name="tritonserver-output", daemon=True)
+    echo.start()
     received: list[int] = []
+    stopped: list[StopResult] = []
+
+    def stop_and_keep() -> None:
+        stopped.append(stop(process.pid, received[0], log=log, output=lambda: list(recent)))
 
     def on_signal(signum: int, _frame) -> None:
         received.append(signum)
         if len(received) == 1:
-            threading.Thread(target=stop, args=(process.pid, signum), kwargs={"log": log}, daemon=True).start()
+            stopper.start()
         else:
             log("second signal: killing tritonserver and its stubs")
             signal_server(process.pid, signal.SIGKILL)
 
+    stopper = threading.Thread(target=stop_and_keep, name="tritonserver-stop", daemon=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    code = process.wait()
-    return 128 - code if code < 0 else code
+    watchdog.clear_stalled(metrics_port)
+    try:
+        stalls = []
+        if stall_timeout > 0:
+            stalls = watchdog.supervise(process.pid, f"http://127.0.0.1:{metrics_port}/metrics", metrics_port,
+                                        stall_timeout, stopping=lambda: bool(received), log=log)
+        code = process.wait()
+        echo.join(5)
+        if received:
+            stopper.join(10)  # it returns once tritonserver is gone
+    finally:
+        watchdog.clear_stalled(metrics_port)
+    if stalls and not received:
+        log("tritonserver was ended because a model stalled: exit status 1")
+        return 1
+    return exit_status(code, stopped[0] if stopped else None)
+
+
+def _echo(stream, recent: collections.deque[str]) -> None:
+    for raw in stream:
+        sys.stdout.buffer.write(raw)
+        sys.stdout.buffer.flush()
+        recent.append(raw.decode(errors="replace").rstrip("\n"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.triton.shutdown", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True)
     run_parser = sub.add_parser("run", help="run tritonserver (the command after --) and stop it gracefully")
+    run_parser.add_argument("--stall-timeout", type=float, default=watchdog.STALL_TIMEOUT_S,
+                            help="end tritonserver (exit status 1) when a model has requests pending in Triton's "
+                            "queue and nothing it executes moves for this many seconds (default: %(default)s; 0: "
+                            "never)")
     run_parser.add_argument("command", nargs=argparse.REMAINDER)
     stop_parser = sub.add_parser("stop", help="stop a running tritonserver gracefully")
     stop_parser.add_argument("--pid", type=int, required=True)
@@ -307,7 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         if not command:
             parser.error("run needs a command: run -- tritonserver ARGS...")
-        return run(command)
+        return run(command, stall_timeout=args.stall_timeout)
     stop(args.pid, log=lambda text: print(f"[shutdown] {text}", file=sys.stderr, flush=True))
     return 0
 

@@ -118,8 +118,8 @@ class TritonGeneration:
         )
 
     async def aclose(self) -> None:
-        """Cancel the request if it has not ended; otherwise let Triton close the stream (NOTE: cancelling right
-        after the final response can keep a model from unloading in Triton 2.51: backend/triton/shutdown.py)."""
+        """Cancel the request if it has not ended; otherwise let Triton close the stream (nothing is left to
+        cancel)."""
         if not self.finished:
             self.finished = True
             self._call.cancel()

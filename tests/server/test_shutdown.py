@@ -1,15 +1,16 @@
-"""Stopping the server under load: `make serve`'s launcher, a real Locust run, SIGTERM or Ctrl-C.
+"""Stopping the server: `make serve`'s launcher under a real Locust load, after clients cancelled finished requests,
+and with a request that never ends; and the watchdog that restarts a server whose model stopped executing.
 
-Each case runs the launcher's CLI (``python -m backend.triton.serve``, what ``make serve`` runs) on the three models
-with the tiny Llama, Locust against llm_continuous (``--config loadtest/locust.conf``, gRPC and HTTP users, as a user
-would run it) and against llm_dynamic and llm_static, then signals. It checks what a user and a Kubernetes grace
+Each Locust case runs the launcher's CLI (``python -m backend.triton.serve``, what ``make serve`` runs) on the three
+models with the tiny Llama, Locust against llm_continuous (``--config loadtest/locust.conf``, gRPC and HTTP users, as a
+user would run it) and against llm_dynamic and llm_static, then signals. It checks what a user and a Kubernetes grace
 period rely on: exit status 0 well inside the exit timeout (30 s, Triton's default), every model unloaded, KV blocks
 and open requests back to 0 in every model, and every request a model accepted answered: the server's count of
 finished requests equals what the clients saw finish, none was cut off, and every request that had streamed a token
 ended with its last token or with "the server is shutting down".
 
 What tritonserver 2.51 does by itself on SIGTERM, and what backend/triton/shutdown.py adds, is written at the top of
-that module; tests/unit/test_shutdown.py checks its parts without a server.
+that module; tests/unit/test_shutdown.py checks its parts (and the watchdog's) without a server.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ from pathlib import Path
 import pytest
 import requests
 
+from backend.triton import probe, processes, watchdog
 from backend.triton.launch_options import free_ports
+from backend.triton.server import TritonServer
+from backend.triton.server_home import server_home
+from client.grpc_stream import GrpcStream, start_stream
 from tests.server_harness import LOCALHOST, REPO_ROOT, make_repository
 
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
@@ -78,6 +83,44 @@ class MetricsTrail:
         self._stop.set()
         self._thread.join(10)
         return self.last
+
+
+def start_serve(repo: Path, model_dir: Path, log_path: Path, *args: str, env: dict | None = None,
+                ) -> tuple[subprocess.Popen, tuple[int, int, int]]:
+    """`make serve`'s command (no restarts unless ``args`` say so, no OpenAI frontend) on free loopback ports, its
+    output in ``log_path``; returns once it printed "[serve] ready", with the HTTP, gRPC and metrics ports."""
+    ports = free_ports(3)
+    command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(repo),
+               "--model", str(model_dir), "--address", LOCALHOST, "--http-port", str(ports[0]),
+               "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--max-restarts", "0",
+               "--openai-port", "0", *args]
+    serve = subprocess.Popen(command, cwd=REPO_ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                             env={**os.environ, **(env or {})})
+    try:
+        wait_for_line(serve, log_path, "[serve] ready", timeout=180)
+    except BaseException:
+        serve.kill()
+        serve.wait()
+        raise
+    return serve, tuple(ports)
+
+
+def wait_for_line(serve: subprocess.Popen, log_path: Path, text: str, timeout: float, count: int = 1) -> float:
+    """Wait until ``text`` is in ``count`` lines of the launcher's output; returns when (``time.monotonic()``)."""
+    deadline = time.monotonic() + timeout
+    while sum(text in line for line in log_path.read_text().splitlines()) < count:
+        assert serve.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+def ended(entry: subprocess.Popen) -> None:
+    """Kill an entry still running, and the tritonserver it started with its stubs (their own process group)."""
+    if entry.poll() is None:
+        for child in processes.children(entry.pid):
+            processes.kill_process_group(child)
+        entry.kill()
+        entry.wait()
 
 
 def start_locust(server_urls: tuple[str, str], model: str, users: int, out: Path) -> subprocess.Popen:
@@ -130,20 +173,11 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_stopping_make_serve_under_locust_load(case, tiny_llama_dir, tmp_path):
     sig, locust_lead = CASES[case]
-    http_port, grpc_port, metrics_port = free_ports(3)
     repo = make_repository(tmp_path / "model_repository", CONTEXT, models=MODELS)
-    command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(repo),
-               "--model", str(tiny_llama_dir), "--address", LOCALHOST, "--http-port", str(http_port),
-               "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--max-restarts", "0",
-               "--openai-port", "0"]
     serve_log = tmp_path / "serve.log"
-    serve = subprocess.Popen(command, cwd=REPO_ROOT, stdout=open(serve_log, "w"), stderr=subprocess.STDOUT)
+    serve, (http_port, grpc_port, metrics_port) = start_serve(repo, tiny_llama_dir, serve_log)
     locusts: dict[str, subprocess.Popen] = {}
     try:
-        deadline = time.monotonic() + 180
-        while "[serve] ready" not in serve_log.read_text():
-            assert serve.poll() is None and time.monotonic() < deadline, serve_log.read_text()[-3000:]
-            time.sleep(0.2)
         urls = (f"http://{LOCALHOST}:{http_port}", f"{LOCALHOST}:{grpc_port}")
         for model, users in (("llm_continuous", 4), ("llm_dynamic", 2), ("llm_static", 2)):
             locusts[model] = start_locust(urls, model, users, tmp_path)
@@ -200,3 +234,229 @@ def test_stopping_make_serve_under_locust_load(case, tiny_llama_dir, tmp_path):
         # Every request a model accepted was answered once: the model's count of finished requests is what the
         # clients saw finish (a request that ran must have streamed a token: the tiny model makes one in ms).
         assert final["llm_request_success_total"] == len(streamed), (model, final, len(streamed))
+
+
+# ---- cancelled after their final response; a request that never ends -------------------------------------------
+
+# Tests give tritonserver a 5-s exit timeout: the stop must end a model that cannot unload well before it.
+EXIT_TIMEOUT = ("--", "--exit-timeout-secs", "5")
+# Cancel-after-final requests from 4 threads at once. Here 300 left a model loaded in 4 of 4 stops (100 from one
+# thread: 1 of 4): Triton 2.51's gRPC frontend never releases some of them.
+CANCELS, CANCELLING_THREADS = 300, 4
+STALL = "<<stall-this-step>>"
+
+
+def cancel_after_final(grpc_url: str, models: tuple[str, ...], count: int) -> None:
+    """``count`` requests spread over ``models``, each cancelled (``stop_stream(cancel_requests=True)``) right after
+    its final response, as a client that always cancels when it is done would."""
+    numbers = iter(range(count))
+    lock = threading.Lock()
+    failures: list[str] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(numbers, None)
+            if i is None:
+                return
+            stream = start_stream(grpc_url, models[i % len(models)], "the quick brown fox", max_tokens=1 + i % 8,
+                                  ignore_eos=True, stream=bool(i % 2), temperature=0.0)
+            if not stream.wait(60) or stream.error:
+                failures.append(f"request {i}: {stream.error or 'no final response'}")
+            stream.close(cancel=True)
+
+    threads = [threading.Thread(target=client) for _ in range(CANCELLING_THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[:5]
+
+
+def processes_of(repo: Path) -> list[str]:
+    """Command lines of live processes that name ``repo``: tritonserver (its --model-repository) and its stubs."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(str(repo) in arg for arg in argv) and "pytest" not in " ".join(argv):
+            found.append(" ".join(argv)[:200])
+    return found
+
+
+def stall_repository(path: Path) -> Path:
+    """llm_dynamic on the tiny Llama; its engine step never returns for a prompt with ``STALL`` (LLM_TEST_FAULTS=1)."""
+    faults = json.dumps({"stall": STALL}).replace('"', '\\"')
+    return make_repository(path, {"fault_injection": faults}, models=("llm_dynamic",))
+
+
+def start_container_entry(repo: Path, model_dir: Path, log_path: Path, *args: str, run_args: tuple[str, ...] = (),
+                          env: dict | None = None) -> tuple[subprocess.Popen, tuple[int, int, int]]:
+    """``python -m backend.triton.shutdown run RUN_ARGS -- tritonserver ARGS`` (the container's other entry) on free
+    loopback ports, the launcher's tritonserver command and environment; returns once the server is ready."""
+    ports = free_ports(3)
+    server = TritonServer(repo, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2], address=LOCALHOST,
+                          model=model_dir, extra_args=args)
+    command = [sys.executable, "-m", "backend.triton.shutdown", "run", *run_args, "--",
+               *server.command(server_home())]
+    entry = subprocess.Popen(command, cwd=REPO_ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
+                             env={**server.environment(), **(env or {})})
+    deadline = time.monotonic() + 180
+    while not server.is_ready():
+        if entry.poll() is not None or time.monotonic() > deadline:
+            ended(entry)
+            raise AssertionError(log_path.read_text()[-4000:])
+        time.sleep(0.2)
+    return entry, tuple(ports)
+
+
+# Each entry that stops tritonserver, and the line its stop logs when it ends a model that cannot unload.
+ENTRIES = {
+    "make_serve": (lambda repo, model_dir, log: start_serve(repo, model_dir, log, *EXIT_TIMEOUT), "[serve] stopping: "),
+    "shutdown_run": (lambda repo, model_dir, log: start_container_entry(repo, model_dir, log, *EXIT_TIMEOUT[1:]),
+                     "[shutdown] "),
+}
+
+
+@pytest.mark.server
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_the_server_exits_0_after_clients_cancelled_requests_right_after_their_final_response(entry, tiny_llama_dir,
+                                                                                            tmp_path):
+    start, prefix = ENTRIES[entry]
+    models = ("llm_dynamic", "llm_continuous")
+    repo = make_repository(tmp_path / "model_repository", models=models)
+    log_path = tmp_path / "entry.log"
+    process, (_, grpc_port, _) = start(repo, tiny_llama_dir, log_path)
+    try:
+        cancel_after_final(f"{LOCALHOST}:{grpc_port}", models, CANCELS)
+        t0 = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(60)
+        stop_s = time.monotonic() - t0
+    finally:
+        ended(process)
+
+    lines = log_path.read_text().splitlines()
+    forced = [line for line in lines if line.startswith(f"{prefix}forced:")]
+    left = set(models) - {m[1] for line in lines if (m := re.search(r"successfully unloaded '(\w+)'", line))}
+    print(f"\n{entry}: exit status {code} {stop_s:.1f} s after SIGTERM; not unloaded: {sorted(left)}; {forced}")
+    assert code == 0, "\n".join(lines[-40:])
+    assert stop_s < 5.0, "\n".join(lines[-40:])  # before tritonserver's own exit timeout, which exits 1
+    # Forced exactly when a model stayed loaded, naming those models; nothing of the server lives on.
+    assert len(forced) == bool(left), "\n".join(lines[-40:])
+    if forced:
+        named = forced[0].split("could not unload ", 1)[1].split(" (", 1)[0].split(", ")
+        assert set(named) == left and "no request was open" in forced[0]
+    assert not processes_of(repo)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(240)
+def test_a_stop_with_a_request_still_open_keeps_a_non_zero_status(tiny_llama_dir, tmp_path):
+    """A request stuck in execute() is in flight for Triton (though in no engine gauge yet): nothing is forced, and
+    tritonserver's own exit timeout decides."""
+    repo = stall_repository(tmp_path / "model_repository")
+    serve_log = tmp_path / "serve.log"
+    serve, (_, grpc_port, _) = start_serve(repo, tiny_llama_dir, serve_log, "--stall-timeout", "0", *EXIT_TIMEOUT,
+                                           env={"LLM_TEST_FAULTS": "1"})
+    try:
+        stuck = start_stream(f"{LOCALHOST}:{grpc_port}", "llm_dynamic", f"never {STALL}", max_tokens=4)
+        wait_for_line(serve, serve_log, "injected stall", timeout=30)
+        t0 = time.monotonic()
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(60)
+        stop_s = time.monotonic() - t0
+        assert stuck.wait(10), "the client's call must end when the server does"
+        stuck.close()
+    finally:
+        ended(serve)
+    lines = serve_log.read_text().splitlines()
+    print(f"\nexit status {code} {stop_s:.1f} s after SIGTERM; the stuck call ended with: {stuck.error}")
+    assert code == 1 and any("Exit timeout expired" in line for line in lines), "\n".join(lines[-40:])
+    assert not any("forced:" in line for line in lines), "\n".join(lines[-40:])
+    assert stuck.error is not None
+    assert not processes_of(repo)
+
+
+# ---- the watchdog ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_a_model_whose_queue_stops_moving_is_noticed_and_the_server_restarted(tiny_llama_dir, tmp_path):
+    bound = 3.0
+    repo = stall_repository(tmp_path / "model_repository")
+    serve_log = tmp_path / "serve.log"
+    serve, (http_port, grpc_port, metrics_port) = start_serve(
+        repo, tiny_llama_dir, serve_log, "--stall-timeout", str(bound), "--max-restarts", "1", *EXIT_TIMEOUT,
+        env={"LLM_TEST_FAULTS": "1"})
+    http_url, grpc_url = f"http://{LOCALHOST}:{http_port}", f"{LOCALHOST}:{grpc_port}"
+    metrics_url = f"http://{LOCALHOST}:{metrics_port}/metrics"
+    try:
+        assert probe.check("ready", http_url, metrics_url) is None
+        stuck = start_stream(grpc_url, "llm_dynamic", f"never {STALL}", max_tokens=4)
+        wait_for_line(serve, serve_log, "injected stall", timeout=30)
+        # execute() never returns: these wait in Triton's queue for good.
+        queued = [start_stream(grpc_url, "llm_dynamic", f"queued {i}", max_tokens=4) for i in range(3)]
+        t0 = time.monotonic()
+        noticed = wait_for_line(serve, serve_log, "[serve] llm_dynamic stalled: ", timeout=bound + 10)
+        not_ready = probe.check("ready", http_url, metrics_url)  # until the restarted server is ready
+        calls: list[GrpcStream] = [stuck, *queued]
+        assert all(call.wait(15) for call in calls), "a client call held by the killed server did not end"
+        for call in calls:
+            call.close()
+        wait_for_line(serve, serve_log, "[serve] tritonserver was ended: a model stalled; restarting it (1 of 1)",
+                      timeout=10)
+        wait_for_line(serve, serve_log, "[serve] ready", timeout=180, count=2)
+        ready_again = probe.check("ready", http_url, metrics_url)
+        after = start_stream(grpc_url, "llm_dynamic", "served again", max_tokens=4)
+        assert after.wait(60)
+        after.close()
+        serve.send_signal(signal.SIGTERM)
+        code = serve.wait(60)
+    finally:
+        ended(serve)
+    lines = serve_log.read_text().splitlines()
+    stalled = next(line for line in lines if "[serve] llm_dynamic stalled: " in line)
+    print(f"\nnoticed {noticed - t0:.1f} s after the queue formed (bound {bound:.0f} s): {stalled}; probe: "
+          f"{not_ready}; the held calls ended with: {sorted({call.error for call in calls})}")
+    assert bound - 1.0 <= noticed - t0 <= bound + 2.5, stalled  # the bound, give or take a reading a second
+    assert "3 requests pending" in stalled
+    assert not_ready is not None and "llm_dynamic stalled" in not_ready, not_ready
+    assert all(call.error is not None for call in calls)
+    assert ready_again is None and after.error is None and len(after.token_ids) == 4
+    assert code == 0, "\n".join(lines[-40:])
+
+
+@pytest.mark.server
+@pytest.mark.timeout(240)
+def test_the_container_entry_ends_a_server_whose_queue_stops_moving_with_status_1(tiny_llama_dir, tmp_path):
+    """``shutdown run`` has no restart loop: it ends tritonserver and exits 1, for the container's restart policy."""
+    bound = 3.0
+    log_path = tmp_path / "entry.log"
+    entry, (_, grpc_port, metrics_port) = start_container_entry(
+        stall_repository(tmp_path / "model_repository"), tiny_llama_dir, log_path, *EXIT_TIMEOUT[1:],
+        run_args=("--stall-timeout", str(bound)), env={"LLM_TEST_FAULTS": "1"})
+    grpc_url = f"{LOCALHOST}:{grpc_port}"
+    try:
+        calls = [start_stream(grpc_url, "llm_dynamic", f"never {STALL}", max_tokens=4)]
+        wait_for_line(entry, log_path, "injected stall", timeout=30)
+        calls += [start_stream(grpc_url, "llm_dynamic", f"queued {i}", max_tokens=4) for i in range(2)]
+        t0 = time.monotonic()
+        code = entry.wait(bound + 30)
+        ended_s = time.monotonic() - t0
+        assert all(call.wait(15) for call in calls), "a client call held by the killed server did not end"
+    finally:
+        ended(entry)
+    lines = log_path.read_text().splitlines()
+    print(f"\nexit status {code} {ended_s:.1f} s after the queue formed; "
+          + "; ".join(line for line in lines if line.startswith("[shutdown]")))
+    assert code == 1, "\n".join(lines[-30:])
+    stalled = r"\[shutdown\] llm_dynamic stalled: 2 requests pending in Triton's queue and nothing executed for [34] s"
+    assert any(re.fullmatch(stalled, line) for line in lines), "\n".join(lines[-30:])
+    assert ended_s <= bound + 5.0
+    assert all(call.error is not None for call in calls)
+    assert watchdog.stalled(metrics_port) is None  # the mark goes with the entry

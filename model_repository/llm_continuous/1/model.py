@@ -38,7 +38,8 @@ class TritonPythonModel(ServedModel, batching="continuous"):
 
     # ---- the engine thread ------------------------------------------------------------------------------------
 
-    def _cancelled(self):
+    def _cancelled(self):  # before each step
+        self.count_joined()
         return self.cancellations(self.engine.snapshot().running_request_ids)  # the loop thread owns the engine
 
     def _observe(self):

@@ -31,6 +31,7 @@ class TritonPythonModel(ServedModel, batching="run_to_completion"):
         arrival = time.perf_counter()
         admitted = [self.admit(request, arrival, self.engine.add_request) for request in requests]
         batch = [request_id for request_id in admitted if request_id is not None]  # Triton's batch, less refusals
+        self.count_joined()
         error = run_to_completion(self.engine, batch, sink=self.open.send, cancelled=self.cancellations,
                                   expired=self.shutdown.expired, after_step=self.observe_steps)
         if error is not None:  # every member got its final error

@@ -105,7 +105,7 @@ class TritonPythonModel(ServedModel, batching="iterative"):
                 self.request_ids[correlation_id] = request_id
                 handed[request_id] = (correlation_id, request)
 
-        unfinished = self.driver.iterate(handed, cancelled=self.open.cancelled, expired=self.shutdown.expired)
+        unfinished = self.driver.iterate(handed, cancelled=self._cancelled, expired=self.shutdown.expired)
         if self.driver.fatal_error is not None and self.failure is None:  # every open request got its final error
             self.fail(self.driver.fatal_error)
         for request_id, (correlation_id, request) in handed.items():
@@ -124,6 +124,10 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         self.let_go = {c: t for c, t in self.let_go.items() if now - t < 2 * self.reap_after}
         self.released_at = time.perf_counter() if unfinished else None
         return None
+
+    def _cancelled(self, request_ids):  # before the step, under the driver's lock
+        self.count_joined()
+        return self.open.cancelled(request_ids)
 
     def _reaper(self, period):
         while not self.stopping.wait(period):
