@@ -9,8 +9,9 @@ pattern needs it). Then, for each pattern (``loadtest/soak_patterns.py``), each 
 turn (a *cell*), that many client threads send ``--requests`` requests in all to that model, and none after
 ``--duration-limit`` seconds. Every request is accounted for as completed, cancelled, an error that says why, or
 lost. After each cell the model must settle within ``--settle-timeout``: nothing pending in Triton
-(``nv_inference_pending_request_count``), nothing running or waiting in the engine, no KV block in use. At the end
-the frontend and then tritonserver get SIGTERM; tritonserver must exit 0 within its exit timeout.
+(``nv_inference_pending_request_count``), nothing running or waiting in the engine, no KV block in use; and it must
+answer a full batch (``max_batch_size`` requests at once), which it cannot if it kept a seat for a request that is
+gone. At the end the frontend and then tritonserver get SIGTERM; tritonserver must exit 0 within its exit timeout.
 
 All of it runs ``--rounds`` times. Meanwhile it samples, every second, the resident memory of the tritonserver
 process tree (server + Python-backend stubs, psutil) and the models' gauges. The same work done again must not need
@@ -18,8 +19,9 @@ more memory: from two rounds on, the last round's peak RSS is compared with the 
 
 Writes ``soak.json`` (every cell, the samples, the shutdown, the verdict) and ``soak.png`` (RSS and KV over time)
 under ``--out`` (default ``reports/soak-<time>/``), prints a table, and exits 1 unless every target holds: no
-request lost, every cell settled, the peak RSS grows by less than ``--rss-growth-limit`` (5 %) from the first round
-to the last, the server stayed up and exited 0 within its grace on SIGTERM.
+request lost, every cell settled and answered a full batch after it, the peak RSS grows by less than
+``--rss-growth-limit`` (5 %) from the first round to the last, the server stayed up and exited 0 within its grace on
+SIGTERM.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from backend.triton.processes import process_names, tree_rss
 from backend.triton.server import start_on_free_ports
 from frontend.openai.process import FrontendProcess
 from loadtest.metrics import parse_prometheus, scrape, select
-from loadtest.soak_patterns import PATTERNS, Accounts, Budget, Client, Target, play
+from loadtest.soak_patterns import PATTERNS, Accounts, Budget, Client, Target, full_batch, play
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # What a model must be back to after each cell: Triton's queue, the engine's requests, the KV cache.
@@ -100,6 +102,9 @@ class Soak:
             client.lose_open("the client was still waiting when the cell ended")
         seconds = time.monotonic() - started
         settled = self.settle(model)
+        answered, batch = full_batch(self.target, model) if self.server.is_running else (0, 0)
+        if answered < batch:  # what it left pending, if anything, is this cell's
+            settled = self.settle(model)
         return {
             "round": round_index,
             "pattern": pattern,
@@ -119,6 +124,7 @@ class Soak:
             "clients_still_running": len(still_running),
             "after": settled["gauges"],
             "settled_after_s": settled["seconds"],
+            "full_batch_after": [answered, batch],
         }
 
     def settle(self, model: str) -> dict:
@@ -222,7 +228,8 @@ def verdict(report: dict, args) -> dict:
         "engine_idle_after_each_cell": all(c["after"].get(NUM_REQUESTS_RUNNING) == 0
                                            and c["after"].get(NUM_REQUESTS_WAITING) == 0 for c in cells),
         "kv_blocks_back_to_zero_after_each_cell": all(c["after"].get(KV_BLOCKS_USED) == 0 for c in cells),
-        "requests_completed": sum(c["completed"] for c in cells) > 0,
+        "full_batch_answered_after_each_cell": all(c["full_batch_after"][0] == c["full_batch_after"][1] > 0
+                                                   for c in cells),
         "sigterm_exit_0_within_grace": shutdown["exit_status"] == 0
         and shutdown["exited_after_s"] <= shutdown["grace_s"],
     }
@@ -240,21 +247,24 @@ def verdict(report: dict, args) -> dict:
 
 def cell_line(cell: dict) -> str:
     after = cell["after"]
+    answered, batch = cell["full_batch_after"]
     return (f"{cell['pattern']} x{cell['clients']} {cell['model']}: {cell['requests']} requests, "
             f"{cell['completed']} completed, {cell['cancelled']} cancelled, {cell['errors']} errors, "
-            f"{cell['lost']} lost; pending {after.get(PENDING_REQUESTS)}, KV {after.get(KV_BLOCKS_USED)} "
+            f"{cell['lost']} lost; pending {after.get(PENDING_REQUESTS)}, KV {after.get(KV_BLOCKS_USED)}, "
+            f"a full batch after: {answered}/{batch} answered "
             f"({cell['seconds']:.1f} s{', out of time' if cell['out_of_time'] else ''})")
 
 
 def table(cells: list[dict]) -> list[str]:
     header = ("round", "pattern", "clients", "model", "requests", "completed", "cancelled", "errors", "lost",
-              "pending after", "KV after", "seconds")
+              "pending after", "KV after", "full batch after", "seconds", "settled in s")
     rows = [header] + [
         (str(c["round"] + 1), c["pattern"], str(c["clients"]), c["model"],
          str(c["requests"]) + ("*" if c["out_of_time"] else ""),
          str(c["completed"]), str(c["cancelled"]), str(c["errors"]), str(c["lost"]),
          f"{c['after'].get(PENDING_REQUESTS, float('nan')):g}", f"{c['after'].get(KV_BLOCKS_USED, float('nan')):g}",
-         f"{c['seconds']:.1f}")
+         "{}/{}".format(*c["full_batch_after"]),
+         f"{c['seconds']:.1f}", f"{c['settled_after_s']:.1f}")
         for c in cells
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

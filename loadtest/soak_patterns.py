@@ -387,8 +387,10 @@ def perf_analyzer_sequences(client: Client) -> None:
                 stream = session.send(client.model, client.tensors(request), sequence_id=sequence_id,
                                       sequence_start=position == 0, sequence_end=position == granted - 1)
                 stream.wait(target.request_timeout)
-                outcome = stream_outcome(stream, request, target.request_timeout, SEQUENCE_REFUSALS)
-                client.account(*outcome)
+                outcome, reason = stream_outcome(stream, request, target.request_timeout, SEQUENCE_REFUSALS)
+                if outcome == "lost":
+                    reason = f"request {position + 1} of a sequence of {granted}: {reason}"
+                client.account(outcome, reason)
                 if not session.idle:
                     session.close(cancel=True)
                     session = StreamSession(target.grpc_url)
@@ -412,6 +414,25 @@ def bad_requests(client: Client) -> None:
         else:
             outcome, reason = error_outcome(response.text)
             client.account(outcome, reason if outcome == "error" else f"{name}: HTTP {response.status_code}: {reason}")
+
+
+# ---- after a cell ---------------------------------------------------------------------------------------------
+
+
+def full_batch(target: Target, model: str) -> tuple[int, int]:
+    """(answered, sent): ``max_batch_size`` one-token requests sent to ``model`` at once, each on a stream of its own,
+    and how many were answered within the request timeout. A model that kept a seat (a sequence slot, a batch place)
+    for a request that is gone answers fewer: a request after the one that leaked it would be lost."""
+    size = max(1, max_batch_size(target.grpc_url, model))
+    request = Request("a full batch", 1, stream=False)
+    streams = [start_stream(target.grpc_url, model, request.prompt, **request.values) for _ in range(size)]
+    deadline = time.monotonic() + target.request_timeout
+    for stream in streams:
+        stream.wait(max(0.0, deadline - time.monotonic()))
+    for stream in streams:
+        stream.close(cancel=not stream.final)
+    answered = sum(stream_outcome(s, request, target.request_timeout)[0] == "completed" for s in streams)
+    return answered, size
 
 
 PATTERNS: dict[str, Callable[[Client], None]] = {
