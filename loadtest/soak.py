@@ -10,8 +10,9 @@ turn (a *cell*), that many client threads send ``--requests`` requests in all to
 ``--duration-limit`` seconds. Every request is accounted for as completed, cancelled, an error that says why, or
 lost. After each cell the model must settle within ``--settle-timeout``: nothing pending in Triton
 (``nv_inference_pending_request_count``), nothing running or waiting in the engine, no KV block in use; and it must
-answer a full batch (``max_batch_size`` requests at once), which it cannot if it kept a seat for a request that is
-gone. At the end the frontend and then tritonserver get SIGTERM; tritonserver must exit 0 within its exit timeout.
+answer a full batch (a request for each of its ``max_num_seqs`` seats, at once), which it cannot if it kept a seat
+for a request that is gone. At the end the frontend and then tritonserver get SIGTERM; tritonserver must exit 0
+within its exit timeout.
 
 All of it runs ``--rounds`` times. Meanwhile it samples, every second, the resident memory of the tritonserver
 process tree (server + Python-backend stubs, psutil) and the models' gauges. The same work done again must not need

@@ -13,6 +13,7 @@ requests (or of time) is spent, and accounts for every request it sent as exactl
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import json
 import random
@@ -25,6 +26,7 @@ import requests
 
 from client.grpc_stream import GrpcStream, StreamSession, max_batch_size, start_stream
 from client.schema import input_tensors, raw_input_values
+from loadtest.runner import max_num_seqs
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven small birds sing about rivers mountains and old cities "
@@ -419,11 +421,19 @@ def bad_requests(client: Client) -> None:
 # ---- after a cell ---------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=16)
+def seats(http_url: str, model: str) -> int:
+    """The requests ``model`` runs at once: its engine's ``max_num_seqs`` from the config the server serves (every
+    shipped model has 8), else its ``max_batch_size``."""
+    config = requests.get(f"{http_url}/v2/models/{model}/config", timeout=30).json()
+    return max_num_seqs(config) or max(1, int(config.get("max_batch_size", 0)))
+
+
 def full_batch(target: Target, model: str) -> tuple[int, int]:
-    """(answered, sent): ``max_batch_size`` one-token requests sent to ``model`` at once, each on a stream of its own,
-    and how many were answered within the request timeout. A model that kept a seat (a sequence slot, a batch place)
-    for a request that is gone answers fewer: a request after the one that leaked it would be lost."""
-    size = max(1, max_batch_size(target.grpc_url, model))
+    """(answered, sent): one one-token request for each of ``model``'s seats, all at once, each on a stream of its
+    own, and how many were answered within the request timeout. A model that kept a seat (a sequence slot, a batch
+    place) for a request that is gone answers fewer: a request after the one that leaked it would be lost."""
+    size = seats(target.http_url, model)
     request = Request("a full batch", 1, stream=False)
     streams = [start_stream(target.grpc_url, model, request.prompt, **request.values) for _ in range(size)]
     deadline = time.monotonic() + target.request_timeout
