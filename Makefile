@@ -7,7 +7,8 @@
 #                  ARGS="--quantization q4_1" (or int8) serves every model on those weights
 #   make slo       highest load each model sustains within TTFT/TPOT p99 SLOs
 #   make locust    Locust's web UI (:8089) against a running `make serve`, with the live batching tab
-#   make soak      mixed load with cancellations and bad requests, 10 min; RSS/KV report in reports/soak-<time>/
+#   make soak      clients that misbehave, every pattern on every model, 1 and 8 clients, 2,000 requests per pattern
+#                  and model; hours, never in CI (docs/server.md); report in reports/soak-<time>/
 #   make bench     offline engine benchmark (reports/bench.json)
 #   make bench-shared  engines that share the cores: 1, 2, 4 engines stepping at once, each way of sharing beside
 #                  its baseline (reports/shared_cores.json); models of real servers under load together beside

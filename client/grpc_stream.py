@@ -14,6 +14,7 @@ flagged ``triton_final_response`` or at an error (our models end a request with 
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 from typing import Any, Iterator
@@ -24,10 +25,12 @@ from client.schema import Chunk, input_tensors, parse_chunk, raw_input_values
 
 
 class GrpcStream:
-    """A request in flight on its own gRPC stream: ``chunks`` as they arrived, and how it ended.
+    """A request in flight on a gRPC stream (its own, or a :class:`StreamSession`'s): ``chunks`` as they arrived, and
+    how it ended.
 
     ``final``: the final response or an error arrived (``final_at``, ``perf_counter``). ``exception``: the error, the
-    server's or the client library's; ``error`` is its text. After :meth:`cancel` nothing more is recorded.
+    server's or the client library's; ``error`` is its text. After either, or :meth:`cancel`, nothing more is
+    recorded.
     """
 
     def __init__(self, model: str, client: grpcclient.InferenceServerClient | None, owns_client: bool) -> None:
@@ -38,6 +41,7 @@ class GrpcStream:
         self.exception: Exception | None = None
         self.final = False
         self.cancelled = False
+        self.request_id = ""
         self.sent_at = 0.0
         self.final_at: float | None = None
         self._changed = threading.Condition()
@@ -60,6 +64,7 @@ class GrpcStream:
         owns = isinstance(client, str)
         stream = cls(model, grpcclient.InferenceServerClient(client) if owns else client, owns)
         stream.client.start_stream(callback=stream._on_response)
+        stream.request_id = request_id
         stream.sent_at = time.perf_counter()
         try:
             stream.client.async_stream_infer(
@@ -75,7 +80,9 @@ class GrpcStream:
     def _on_response(self, result, error) -> None:
         arrived = time.perf_counter()
         with self._changed:
-            if self.cancelled:  # e.g. "Locally cancelled by application!"
+            # NOTE: after the end nothing counts: e.g. "Locally cancelled by application!" when the stream is closed
+            # with cancel_requests=True, after the cancel or after the final response.
+            if self.ended:
                 return
             if error is not None:
                 self._end(arrived, error)
@@ -171,6 +178,55 @@ class GrpcStream:
         finally:
             if self._owns_client:
                 client.close()
+
+
+class StreamSession:
+    """One gRPC stream kept open for many requests sent in turn, as perf_analyzer and a long-lived client use a
+    stream: each request is read by its own :class:`GrpcStream`, sent once the one before it has ended.
+
+    NOTE: one request in flight at a time: Triton's error responses on a stream carry no request id, so an error can
+    only be told apart from another request's by being the only one open.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.client = grpcclient.InferenceServerClient(url)
+        self.current: GrpcStream | None = None
+        self._request_ids = itertools.count(1)
+        self.client.start_stream(callback=self._on_response)
+
+    def _on_response(self, result, error) -> None:
+        current = self.current
+        if current is None:
+            return
+        if result is not None and result.get_response().id != current.request_id:
+            return  # a late response of an earlier request, one that was given up on
+        current._on_response(result, error)
+
+    @property
+    def idle(self) -> bool:
+        """No request is open on the stream."""
+        return self.current is None or self.current.ended
+
+    def send(self, model: str, inputs: list[grpcclient.InferInput], *, parameters: dict | None = None,
+             **sequence: Any) -> GrpcStream:
+        """Send one request (``sequence``: tritonclient's ``sequence_id``, ``sequence_start``, ``sequence_end``).
+        Raises RuntimeError while the request before it is open."""
+        if not self.idle:
+            raise RuntimeError("the request before this one on the stream is still open")
+        stream = GrpcStream(model, None, owns_client=False)
+        stream.request_id = str(next(self._request_ids))
+        self.current = stream
+        stream.sent_at = time.perf_counter()
+        self.client.async_stream_infer(model, inputs, parameters=parameters, request_id=stream.request_id,
+                                       enable_empty_final_response=True, **sequence)
+        return stream
+
+    def close(self, cancel: bool = False) -> None:
+        """End the stream (``cancel``: cancel the open request too; otherwise wait for it to finish) and the client."""
+        try:
+            self.client.stop_stream(cancel_requests=cancel)
+        finally:
+            self.client.close()
 
 
 # ---- one request from a prompt and raw values (the soak and the tests: bad requests too) ------------------------

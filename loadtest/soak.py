@@ -1,316 +1,307 @@
-"""Soak: mixed load with cancellations and bad requests against llm_dynamic and llm_continuous, watching memory and
-the KV cache.
+"""Soak: clients that misbehave, on every model, through a real server; every accepted request must end with exactly
+one final response (its answer or an error that says why), and the server must let go of everything afterwards.
 
-    python -m loadtest.soak [--duration 600] [--users 8] [--model DIR] [--model-repository DIR] [--out DIR]
+    python -m loadtest.soak [--patterns P,...] [--models M,...] [--requests 500] [--clients 1,8] [--rounds 2]
+                            [--duration-limit 1800] [--model DIR] [--model-repository DIR] [--out DIR]
 
-Starts its own tritonserver (the launcher's way, on free 127.0.0.1 ports), then runs ``--users`` closed-loop users
-for ``--duration`` seconds. Each request is one of: a gRPC stream to completion, a gRPC stream cancelled after a
-few tokens (``stop_stream(cancel_requests=True)``), an HTTP /generate, an HTTP /generate_stream dropped after a few
-events, or a bad request (empty prompt, max_tokens 0, top_p 2, an unknown key, broken JSON, a prompt over the byte
-limit). Every request is accounted for as completed, cancelled or refused; anything else (no final response within
-the timeout, an unexpected error, a wrong number of tokens) is *lost*.
+Starts its own tritonserver (the launcher's way, on free 127.0.0.1 ports; the OpenAI frontend beside it when a
+pattern needs it). Then, for each pattern (``loadtest/soak_patterns.py``), each number of clients and each model in
+turn (a *cell*), that many client threads send ``--requests`` requests in all to that model, and none after
+``--duration-limit`` seconds. Every request is accounted for as completed, cancelled, an error that says why, or
+lost. After each cell the model must settle within ``--settle-timeout``: nothing pending in Triton
+(``nv_inference_pending_request_count``), nothing running or waiting in the engine, no KV block in use; and it must
+answer a full batch (a request for each of its ``max_num_seqs`` seats, at once), which it cannot if it kept a seat
+for a request that is gone. At the end the frontend and then tritonserver get SIGTERM; tritonserver must exit 0
+within its exit timeout.
 
-Meanwhile it samples, every second, the resident memory of the tritonserver process tree (server + Python-backend
-stubs, psutil) and the KV blocks in use (the ``llm_kv_blocks_used`` gauges). When the load stops, the KV cache and
-the running/waiting gauges must return to zero.
+All of it runs ``--rounds`` times. Meanwhile it samples, every second, the resident memory of the tritonserver
+process tree (server + Python-backend stubs, psutil) and the models' gauges. The same work done again must not need
+more memory: from two rounds on, the last round's peak RSS is compared with the first's.
 
-Writes ``soak.json`` (samples, counts by outcome and error kind, verdict) and ``soak.png`` (RSS and KV over time)
-under ``--out`` (default ``reports/soak-<time>/``), prints a summary, and exits 1 unless the targets hold:
-RSS after warm-up grows by less than ``--rss-growth-limit`` (5 %), the KV cache is back to zero, no request lost.
+Writes ``soak.json`` (every cell, the samples, the shutdown, the verdict) and ``soak.png`` (RSS and KV over time)
+under ``--out`` (default ``reports/soak-<time>/``), prints a table, and exits 1 unless every target holds: no
+request lost, every cell settled and answered a full batch after it, the peak RSS grows by less than
+``--rss-growth-limit`` (5 %) from the first round to the last, the server stayed up and exited 0 within its grace on
+SIGTERM.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import random
 import re
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import requests
 
-from backend.triton.names import CONTINUOUS, DYNAMIC, KV_BLOCKS_USED, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING
+from backend.triton.launch_options import DEFAULT_MODEL, free_ports
+from backend.triton.names import (
+    KV_BLOCKS_USED,
+    MODELS,
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+    PENDING_REQUESTS,
+)
 from backend.triton.processes import process_names, tree_rss
 from backend.triton.server import start_on_free_ports
-from client.grpc_stream import GrpcStream, generate, start_stream
-from loadtest.metrics import model_sample, scrape_metrics
+from frontend.openai.process import FrontendProcess
+from loadtest.metrics import parse_prometheus, scrape, select
+from loadtest.soak_patterns import PATTERNS, Accounts, Budget, Client, Target, full_batch, play
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-MODELS = (DYNAMIC, CONTINUOUS)
-# The gauges sampled per model: back to 0 once the load stops, or something leaked.
-GAUGES = (KV_BLOCKS_USED, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING)
-PROMPTS = [
-    "Tell me a story about a lighthouse keeper.",
-    "List five prime numbers and explain why they are prime.",
-    "Write a haiku about the sea.",
-    "What is continuous batching?",
-    "Count from one to twenty.",
-    "Explain the difference between a list and a tuple in Python.",
-]
+# What a model must be back to after each cell: Triton's queue, the engine's requests, the KV cache.
+GAUGES = (PENDING_REQUESTS, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_BLOCKS_USED)
+OPENAI_PATTERNS = ("openai_stream_disconnect",)
 
 
-# ---- the soak ----------------------------------------------------------------------------------------------------
-
-# Bad requests and a piece of the error each must produce: (name, HTTP body, expected text).
-BAD_REQUESTS = [
-    ("empty_prompt", {"text_input": ""}, "text_input is empty"),
-    ("max_tokens_0", {"text_input": "Hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
-    ("top_p_2", {"text_input": "Hi", "top_p": 2.0}, "top_p must be in (0, 1]"),
-    ("unknown_key", {"text_input": "Hi", "sampling_parameters": '{"best_of": 2}'}, "unknown key"),
-    ("broken_json", {"text_input": "Hi", "sampling_parameters": "{max_tokens:"}, "not valid JSON"),
-    ("prompt_too_large", {"text_input": "x" * 100_000}, "the limit is"),
-]
-OVERLOADED = ("overloaded", "maximum queue size")
-
-
-class Accounts:
-    """Every request's outcome, counted by kind; the lost ones keep a reason."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.counts: collections.Counter = collections.Counter()
-        self.by_kind: collections.Counter = collections.Counter()
-        self.lost: list[str] = []
-
-    def add(self, outcome: str, kind: str, reason: str = "") -> None:
-        with self.lock:
-            self.counts[outcome] += 1
-            self.by_kind[f"{outcome}:{kind}"] += 1
-            if outcome == "lost":
-                self.lost.append(f"{kind}: {reason}"[:300])
+def read_gauges(metrics_url: str, models) -> dict[str, dict[str, float]]:
+    """``{model: {gauge: value}}`` from one scrape of the metrics port (a gauge the model does not export: NaN)."""
+    series = parse_prometheus(scrape(metrics_url, timeout=10))
+    out = {}
+    for model in models:
+        values = select(series, model, buckets=False)
+        out[model] = {name: values.get(name, float("nan")) for name in GAUGES}
+    return out
 
 
 class Soak:
-    def __init__(
-        self, http_url: str, grpc_url: str, metrics_url: str, server_pid: int, args, server_exit=lambda: None
-    ) -> None:
-        self.http_url, self.grpc_url, self.metrics_url = http_url, grpc_url, metrics_url
-        self.server_pid = server_pid
-        self.server_exit = server_exit  # () -> None while the server runs, else its exit status
+    def __init__(self, server, target: Target, args) -> None:
+        self.server = server
+        self.target = target
         self.args = args
-        self.accounts = Accounts()
+        self.cells: list[dict] = []
         self.samples: list[dict] = []
         self.stop = threading.Event()
+        self.round_ends: list[float] = []  # seconds since t0
+        self.t0 = time.monotonic()
 
-    # -- one request of each kind
+    # -- one cell: a pattern, a number of clients, a model
 
-    def one_request(self, rng: random.Random) -> None:
-        model = rng.choice(MODELS)
-        kind = rng.choices(["stream", "cancel", "http", "http_drop", "bad"], weights=[45, 20, 15, 10, 10])[0]
-        prompt = rng.choice(PROMPTS)
-        max_tokens = rng.randint(4, self.args.max_tokens)
+    def run_cell(self, round_index: int, pattern: str, num_clients: int, model: str) -> dict:
+        args = self.args
+        accounts, budget = Accounts(), Budget(args.requests, args.duration_limit)
+        seed = f"{args.seed}:{round_index}:{pattern}:{num_clients}:{model}"
+        clients = [Client(i, self.target, model, random.Random(f"{seed}:{i}"), budget, accounts)
+                   for i in range(num_clients)]
+        threads = [threading.Thread(target=play, args=(PATTERNS[pattern], c), daemon=True) for c in clients]
+        started = time.monotonic()
+        for thread in threads:
+            thread.start()
+        # A client finishes the request (a sequence: the requests) it took before the deadline; each waits at most
+        # the request timeout.
+        join_by = started + args.duration_limit + (args.sequence_length + 1) * args.request_timeout + 30
+        for thread in threads:
+            thread.join(max(0.0, join_by - time.monotonic()))
+        still_running = [c for c, t in zip(clients, threads) if t.is_alive()]
+        for client in still_running:  # NOTE: its thread may still account them later; this cell's count is final
+            client.lose_open("the client was still waiting when the cell ended")
+        seconds = time.monotonic() - started
+        settled = self.settle(model)
+        answered, batch = full_batch(self.target, model) if self.server.is_running else (0, 0)
+        if answered < batch:  # what it left pending, if anything, is this cell's
+            settled = self.settle(model)
+        return {
+            "round": round_index,
+            "pattern": pattern,
+            "clients": num_clients,
+            "model": model,
+            "t_start": round(started - self.t0, 2),
+            "seconds": round(seconds, 2),
+            "requests": accounts.num_requests,
+            "out_of_time": budget.num_left > 0,
+            "completed": accounts.counts["completed"],
+            "cancelled": accounts.counts["cancelled"],
+            "errors": accounts.counts["error"],
+            "lost": accounts.counts["lost"],
+            "error_reasons": dict(accounts.errors),
+            "lost_reasons": accounts.lost,
+            "client_failures": accounts.failures,
+            "clients_still_running": len(still_running),
+            "after": settled["gauges"],
+            "settled_after_s": settled["seconds"],
+            "full_batch_after": [answered, batch],
+        }
+
+    def settle(self, model: str) -> dict:
+        """Poll the model's gauges until all are 0 or ``--settle-timeout`` passes; the last reading."""
+        started = time.monotonic()
+        while True:
+            try:
+                gauges = read_gauges(self.server.metrics_url, [model])[model]
+            except (OSError, requests.RequestException) as exc:
+                gauges = {"metrics_error": str(exc)}
+            idle = all(gauges.get(name) == 0 for name in GAUGES)
+            if idle or time.monotonic() - started > self.args.settle_timeout or not self.server.is_running:
+                return {"gauges": gauges, "seconds": round(time.monotonic() - started, 2)}
+            time.sleep(0.25)
+
+    # -- sampling
+
+    def sample(self) -> dict:
+        rss = tree_rss(self.server.pid)
+        row = {"t": round(time.monotonic() - self.t0, 2), "rss_bytes": sum(rss.values()), "rss_by_pid": rss}
         try:
-            getattr(self, f"_{kind}")(rng, model, prompt, max_tokens)
-        except Exception as exc:  # a client-side failure is a lost request too: it was not answered as it should
-            self.accounts.add("lost", f"{kind}:{model}", f"{type(exc).__name__}: {exc}")
-
-    def _stream(self, rng, model, prompt, max_tokens) -> None:
-        stream = generate(
-            self.grpc_url,
-            model,
-            prompt,
-            timeout=self.args.request_timeout,
-            max_tokens=max_tokens,
-            ignore_eos=True,
-            stream=True,
-            temperature=rng.choice([0.0, 0.8]),
-            seed=rng.randint(0, 9),
-        )
-        self._account_stream(f"stream:{model}", stream, max_tokens)
-
-    def _account_stream(self, kind: str, stream: GrpcStream, max_tokens: int) -> None:
-        if not stream.final:
-            self.accounts.add("lost", kind, f"no final response within {self.args.request_timeout} s")
-        elif stream.error is not None:
-            self._account_error(kind, stream.error)
-        elif len(stream.token_ids) != max_tokens or stream.finish_reason != "length":
-            self.accounts.add("lost", kind, f"{len(stream.token_ids)} of {max_tokens} tokens, {stream.finish_reason!r}")
-        else:
-            self.accounts.add("completed", kind)
-
-    def _account_error(self, kind: str, error: str) -> None:
-        if any(word in error for word in OVERLOADED):
-            self.accounts.add("refused", f"overloaded:{kind}")
-        else:
-            self.accounts.add("lost", kind, f"unexpected error: {error}")
-
-    def _cancel(self, rng, model, prompt, max_tokens) -> None:
-        stream = start_stream(self.grpc_url, model, prompt, max_tokens=200, ignore_eos=True, stream=True)
-        try:
-            stream.wait_tokens(rng.randint(0, 8), timeout=self.args.request_timeout)
-            if stream.final and stream.error is not None:
-                self._account_error(f"cancel:{model}", stream.error)
-                return
-            stream.cancel()
-        finally:
-            stream.close()
-        self.accounts.add("cancelled", f"grpc:{model}")
-
-    def _http(self, rng, model, prompt, max_tokens) -> None:
-        body = {"text_input": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
-        response = requests.post(
-            f"{self.http_url}/v2/models/{model}/generate", json=body, timeout=self.args.request_timeout
-        )
-        kind = f"http:{model}"
-        if response.status_code != 200:
-            self._account_error(kind, response.text)
-        elif response.json().get("num_output_tokens") != max_tokens:
-            self.accounts.add("lost", kind, f"wrong answer: {response.text[:200]}")
-        else:
-            self.accounts.add("completed", kind)
-
-    def _http_drop(self, rng, model, prompt, max_tokens) -> None:
-        body = {"text_input": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True}
-        with requests.post(
-            f"{self.http_url}/v2/models/{model}/generate_stream",
-            json=body,
-            stream=True,
-            timeout=self.args.request_timeout,
-        ) as response:
-            if response.status_code != 200:
-                self._account_error(f"http_drop:{model}", response.text)
-                return
-            wanted, seen = rng.randint(1, 8), 0
-            for line in response.iter_lines():
-                seen += line.startswith(b"data:")
-                if seen >= wanted:
-                    break
-        self.accounts.add("cancelled", f"http_drop:{model}")  # closing the connection cancels the request
-
-    def _bad(self, rng, model, prompt, max_tokens) -> None:
-        name, body, expected = rng.choice(BAD_REQUESTS)
-        response = requests.post(
-            f"{self.http_url}/v2/models/{model}/generate", json=body, timeout=self.args.request_timeout
-        )
-        if response.status_code == 400 and expected in response.text:
-            self.accounts.add("refused", f"bad:{name}")
-        else:
-            self.accounts.add("lost", f"bad:{name}:{model}", f"HTTP {response.status_code}: {response.text[:200]}")
-
-    # -- users and sampling
-
-    def user(self, index: int) -> None:
-        rng = random.Random(self.args.seed * 1000 + index)
-        while not self.stop.is_set():
-            self.one_request(rng)
-
-    def sample(self, t0: float) -> dict:
-        rss = tree_rss(self.server_pid)
-        row = {"t": round(time.monotonic() - t0, 2), "rss_bytes": sum(rss.values()), "rss_by_pid": rss}
-        try:
-            metrics = scrape_metrics(self.metrics_url)
-            for name in GAUGES:
-                row[name] = {m: model_sample(metrics, name, m) for m in MODELS}
-        except requests.RequestException as exc:
+            row["gauges"] = read_gauges(self.server.metrics_url, self.args.models)
+        except (OSError, requests.RequestException) as exc:
             row["metrics_error"] = str(exc)
         return row
 
-    def sampler(self, t0: float) -> None:
+    def sampler(self) -> None:
         while not self.stop.is_set():
-            if self.server_exit() is not None:  # the server died: nothing more to measure, end the load now
-                print(f"[soak] tritonserver exited ({self.server_exit()}) during the load", flush=True)
-                self.stop.set()
-                return
-            self.samples.append(self.sample(t0))
+            self.samples.append(self.sample())
             self.stop.wait(self.args.sample_interval)
 
-    def run(self) -> dict:
-        t0 = time.monotonic()
-        sampler = threading.Thread(target=self.sampler, args=(t0,), daemon=True)
-        users = [threading.Thread(target=self.user, args=(i,), daemon=True) for i in range(self.args.users)]
+    def run(self) -> float:
+        """Every cell of every round in turn; returns the seconds it took. Stops early if the server exits."""
+        sampler = threading.Thread(target=self.sampler, daemon=True)
         sampler.start()
-        for user in users:
-            user.start()
-        self.stop.wait(self.args.duration)
-        self.stop.set()
-        for user in users:
-            user.join(self.args.request_timeout + 30)
-        sampler.join(10)
-        load_seconds = time.monotonic() - t0
-        drained = self.wait_idle(t0)
-        return self.report(load_seconds, drained, still_running=sum(u.is_alive() for u in users))
+        try:
+            for round_index in range(self.args.rounds):
+                for pattern in self.args.patterns:
+                    for num_clients in self.args.clients:
+                        for model in self.args.models:
+                            if not self.server.is_running:
+                                print(f"[soak] tritonserver exited ({self.server.returncode}); stopping", flush=True)
+                                self.round_ends.append(time.monotonic() - self.t0)  # the round it stopped in
+                                return time.monotonic() - self.t0
+                            cell = self.run_cell(round_index, pattern, num_clients, model)
+                            self.cells.append(cell)
+                            print("[soak] " + cell_line(cell), flush=True)
+                self.round_ends.append(time.monotonic() - self.t0)
+        finally:
+            self.stop.set()
+            sampler.join(10)
+        return time.monotonic() - self.t0
 
-    def wait_idle(self, t0: float, timeout: float = 30.0) -> dict:
-        """After the load: the gauges must come back to zero (KV blocks, running, waiting)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.server_exit() is not None:
-                return {}
-            row = self.sample(t0)
-            self.samples.append(row)
-            values = [
-                v
-                for name in GAUGES
-                for v in row.get(name, {}).values()
-            ]
-            if values and all(v == 0 for v in values):
-                return row
-            if time.monotonic() > deadline:
-                return row
-            time.sleep(0.5)
-
-    def report(self, load_seconds: float, idle_row: dict, still_running: int) -> dict:
-        # NOTE: 0 bytes means the process tree was gone when sampled; such a sample says nothing about growth.
-        rss = [(s["t"], s["rss_bytes"]) for s in self.samples if s["t"] <= load_seconds and s["rss_bytes"]]
-        warmup = self.args.warmup if self.args.warmup is not None else max(10.0, 0.2 * self.args.duration)
-        window = max(5.0, 0.15 * self.args.duration)
-        after_warmup = [b for t, b in rss if warmup <= t < warmup + window]
-        at_end = [b for t, b in rss if t >= load_seconds - window]
-        growth = (statistics.median(at_end) / statistics.median(after_warmup) - 1) if after_warmup and at_end else None
-        kv_after = {m: idle_row.get(KV_BLOCKS_USED, {}).get(m) for m in MODELS}
-        gauges_after = {name: idle_row.get(name, {}) for name in GAUGES}
-        counts = dict(self.accounts.counts)
-        total = sum(counts.values())
-        server_exit = self.server_exit()
-        checks = {
-            "server_stayed_up": server_exit is None,
-            "rss_growth_after_warmup_below_limit": growth is not None and growth < self.args.rss_growth_limit,
-            "kv_and_gauges_back_to_zero": bool(gauges_after)
-            and all(v == 0 for g in gauges_after.values() for v in g.values()),
-            "no_request_lost": counts.get("lost", 0) == 0 and still_running == 0,
-            "requests_served": counts.get("completed", 0) > 0,
-        }
-        names = process_names(self.server_pid)
-        rss_by_process = {}
-        for pid, name in names.items():
-            series = [s["rss_by_pid"].get(pid) for s in self.samples if s["t"] <= load_seconds]
-            series = [b for b in series if b]
+    def rss_report(self) -> dict:
+        """The tree's peak RSS in each round, and its growth from the first round to the last (from two rounds on)."""
+        # NOTE: 0 bytes means the process tree was gone when sampled; such a sample says nothing.
+        starts = [0.0, *self.round_ends[:-1]]
+        peaks = [max((s["rss_bytes"] for s in self.samples if start <= s["t"] < end), default=0)
+                 for start, end in zip(starts, self.round_ends)]
+        growth = peaks[-1] / peaks[0] - 1 if len(peaks) > 1 and peaks[0] and peaks[-1] else None
+        by_process = {}
+        for pid, name in process_names(self.server.pid).items():
+            series = [b for s in self.samples if (b := s["rss_by_pid"].get(pid))]
             if series:
-                rss_by_process[f"{name} ({pid})"] = {
-                    "first_mb": round(series[0] / 2**20, 1),
-                    "last_mb": round(series[-1] / 2**20, 1),
-                }
+                by_process[f"{name} ({pid})"] = {"first_mb": mib(series[0]), "last_mb": mib(series[-1]),
+                                                  "max_mb": mib(max(series))}
         return {
-            "duration_s": round(load_seconds, 1),
-            "server_exit": server_exit,
-            "users": self.args.users,
-            "requests": total,
-            "requests_per_s": round(total / load_seconds, 2) if load_seconds else 0.0,
-            "outcomes": counts,
-            "by_kind": dict(sorted(self.accounts.by_kind.items())),
-            "lost": self.accounts.lost[:50],
-            "rss": {
-                "warmup_s": warmup,
-                "window_s": window,
-                "after_warmup_mb": round(statistics.median(after_warmup) / 2**20, 1) if after_warmup else None,
-                "at_end_mb": round(statistics.median(at_end) / 2**20, 1) if at_end else None,
-                "max_mb": round(max(b for _, b in rss) / 2**20, 1) if rss else None,
-                "growth": None if growth is None else round(growth, 4),
-                "limit": self.args.rss_growth_limit,
-                "by_process": rss_by_process,
-            },
-            "after_load": gauges_after,
-            "kv_blocks_used_after_load": kv_after,
-            "checks": checks,
-            "ok": all(checks.values()),
-            "samples": self.samples,
+            "peak_by_round_mb": [mib(b) for b in peaks],
+            "growth": None if growth is None else round(growth, 4),
+            "limit": self.args.rss_growth_limit,
+            "by_process": by_process,
         }
+
+
+def mib(num_bytes: float) -> float:
+    return round(num_bytes / 2**20, 1)
+
+
+def stop_server(server, grace: float) -> dict:
+    """SIGTERM through the launcher's graceful stop; tritonserver's exit status and how long after the signal it
+    exited (its stubs are waited for afterwards)."""
+    started = time.monotonic()
+    server.begin_stop()
+    while server.is_running and time.monotonic() - started < grace + 30:
+        time.sleep(0.05)
+    exited_after = time.monotonic() - started
+    status = server.stop(timeout=1)  # collects it; SIGKILLs the group if it is still running
+    return {"exit_status": status, "exited_after_s": round(exited_after, 2), "grace_s": grace}
+
+
+def verdict(report: dict, args) -> dict:
+    cells = report["cells"]
+    rss, shutdown = report["rss"], report["shutdown"]
+    checks = {
+        "server_stayed_up": report["server_exit_during_soak"] is None,
+        "every_cell_ran": len(cells) == args.rounds * len(args.patterns) * len(args.clients) * len(args.models)
+        and all(c["requests"] > 0 for c in cells),
+        "no_request_lost": all(c["lost"] == 0 and not c["client_failures"] and not c["clients_still_running"]
+                               for c in cells),
+        "nothing_pending_in_triton_after_each_cell": all(c["after"].get(PENDING_REQUESTS) == 0 for c in cells),
+        "engine_idle_after_each_cell": all(c["after"].get(NUM_REQUESTS_RUNNING) == 0
+                                           and c["after"].get(NUM_REQUESTS_WAITING) == 0 for c in cells),
+        "kv_blocks_back_to_zero_after_each_cell": all(c["after"].get(KV_BLOCKS_USED) == 0 for c in cells),
+        "full_batch_answered_after_each_cell": all(c["full_batch_after"][0] == c["full_batch_after"][1] > 0
+                                                   for c in cells),
+        "sigterm_exit_0_within_grace": shutdown["exit_status"] == 0
+        and shutdown["exited_after_s"] <= shutdown["grace_s"],
+    }
+    if args.rounds > 1:
+        checks["peak_rss_growth_between_rounds_below_limit"] = (
+            rss["growth"] is not None and rss["growth"] < args.rss_growth_limit
+        )
+    if report["frontend_exit"] != "not started":
+        checks["frontend_exit_0"] = report["frontend_exit"] == 0
+    return checks
+
+
+# ---- the report ------------------------------------------------------------------------------------------------
+
+
+def cell_line(cell: dict) -> str:
+    after = cell["after"]
+    answered, batch = cell["full_batch_after"]
+    return (f"{cell['pattern']} x{cell['clients']} {cell['model']}: {cell['requests']} requests, "
+            f"{cell['completed']} completed, {cell['cancelled']} cancelled, {cell['errors']} errors, "
+            f"{cell['lost']} lost; pending {after.get(PENDING_REQUESTS)}, KV {after.get(KV_BLOCKS_USED)}, "
+            f"a full batch after: {answered}/{batch} answered "
+            f"({cell['seconds']:.1f} s{', out of time' if cell['out_of_time'] else ''})")
+
+
+def table(cells: list[dict]) -> list[str]:
+    header = ("round", "pattern", "clients", "model", "requests", "completed", "cancelled", "errors", "lost",
+              "pending after", "KV after", "full batch after", "seconds", "settled in s")
+    rows = [header] + [
+        (str(c["round"] + 1), c["pattern"], str(c["clients"]), c["model"],
+         str(c["requests"]) + ("*" if c["out_of_time"] else ""),
+         str(c["completed"]), str(c["cancelled"]), str(c["errors"]), str(c["lost"]),
+         f"{c['after'].get(PENDING_REQUESTS, float('nan')):g}", f"{c['after'].get(KV_BLOCKS_USED, float('nan')):g}",
+         "{}/{}".format(*c["full_batch_after"]),
+         f"{c['seconds']:.1f}", f"{c['settled_after_s']:.1f}")
+        for c in cells
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return ["  ".join(v.ljust(w) if i < 4 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths)))
+            for row in rows]
+
+
+def summary(report: dict) -> str:
+    rss, shutdown = report["rss"], report["shutdown"]
+    growth = "one round: not compared" if rss["growth"] is None else f"{100 * rss['growth']:+.2f} %"
+    errors: dict[str, int] = {}
+    for cell in report["cells"]:
+        for reason, count in cell["error_reasons"].items():
+            errors[reason] = errors.get(reason, 0) + count
+    lines = [f"soak: {report['requests']} requests in {report['duration_s']} s, {len(report['cells'])} cells "
+             "(* = stopped by --duration-limit)", *table(report["cells"])]
+    if errors:
+        lines.append("  errors by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(errors.items())))
+    lines += [
+        f"  peak RSS of the tritonserver tree by round: {rss['peak_by_round_mb']} MiB ({growth}; "
+        f"limit {100 * rss['limit']:.0f} %)",
+        f"  SIGTERM: tritonserver exited with status {shutdown['exit_status']} after {shutdown['exited_after_s']} s "
+        f"(grace {shutdown['grace_s']:g} s); the OpenAI frontend: {report['frontend_exit']}",
+    ]
+    lines += [f"  {'ok  ' if ok else 'FAIL'} {name}" for name, ok in report["checks"].items()]
+    if report.get("server_exit_during_soak") is not None:
+        lines.append(f"  tritonserver exited with status {report['server_exit_during_soak']} during the soak; "
+                     "its last lines:")
+        lines += [f"    {line}" for line in report.get("server_log_tail", [])]
+        if report.get("server_crash_site"):
+            lines.append(f"  it crashed in {report['server_crash_site']}")
+    for cell in report["cells"]:
+        where = f"round {cell['round'] + 1} {cell['pattern']} x{cell['clients']} {cell['model']}"
+        lines += [f"  lost ({where}): {reason}" for reason in cell["lost_reasons"][:5]]
+        lines += [f"  client failed ({where}): {reason}" for reason in cell["client_failures"][:3]]
+    return "\n".join(lines)
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -323,45 +314,26 @@ def plot(report: dict, path: Path) -> bool:
         return False
     samples = report["samples"]
     t = [s["t"] for s in samples]
-    fig, (ax_rss, ax_kv) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    fig, (ax_rss, ax_kv) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
     ax_rss.plot(t, [s["rss_bytes"] / 2**20 for s in samples])
-    ax_rss.axvline(report["rss"]["warmup_s"], color="grey", linestyle=":", label="end of warm-up")
     ax_rss.set_ylabel("tritonserver tree RSS (MiB)")
-    ax_rss.legend(loc="lower right")
-    for model in MODELS:
-        ax_kv.plot(t, [s.get("llm_kv_blocks_used", {}).get(model, float("nan")) for s in samples], label=model)
-    ax_kv.axvline(report["duration_s"], color="grey", linestyle=":", label="load stops")
+    for model in report["models"]:
+        ax_kv.plot(t, [s.get("gauges", {}).get(model, {}).get(KV_BLOCKS_USED, float("nan")) for s in samples],
+                   label=model)
+    for cell in report["cells"]:  # a faint line where each pattern starts
+        if cell["round"] == 0 and cell["clients"] == report["clients"][0] and cell["model"] == report["models"][0]:
+            for ax in (ax_rss, ax_kv):
+                ax.axvline(cell["t_start"], color="lightgrey", linewidth=0.8)
+            ax_kv.annotate(cell["pattern"], (cell["t_start"], 1), xycoords=("data", "axes fraction"), rotation=90,
+                           fontsize=6, va="top")
     ax_kv.set_ylabel("KV blocks in use")
     ax_kv.set_xlabel("seconds")
-    ax_kv.legend(loc="upper right")
+    ax_kv.legend(loc="upper right", fontsize=7)
     fig.suptitle(f"soak: {report['requests']} requests, {report['outcomes']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
-
-
-def summary(report: dict) -> str:
-    rss = report["rss"]
-    growth = "n/a" if rss["growth"] is None else f"{100 * rss['growth']:+.2f} %"
-    lines = [
-        f"soak: {report['duration_s']} s, {report['users']} users, {report['requests']} requests "
-        f"({report['requests_per_s']}/s)",
-        "  outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(report["outcomes"].items())),
-        f"  RSS after warm-up {rss['after_warmup_mb']} MiB, at the end {rss['at_end_mb']} MiB ({growth}; "
-        f"limit {100 * rss['limit']:.0f} %), max {rss['max_mb']} MiB",
-        f"  KV blocks in use after the load: {report['kv_blocks_used_after_load']}",
-        "  RSS by process (first -> last sample): "
-        + ", ".join(f"{name} {v['first_mb']} -> {v['last_mb']} MiB" for name, v in rss["by_process"].items()),
-    ]
-    lines += [f"  {'ok  ' if ok else 'FAIL'} {name}" for name, ok in report["checks"].items()]
-    if report.get("server_exit") is not None:
-        lines.append(f"  tritonserver exited with status {report['server_exit']} during the soak; its last lines:")
-        lines += [f"    {line}" for line in report.get("server_log_tail", [])]
-        if report.get("server_crash_site"):
-            lines.append(f"  it crashed in {report['server_crash_site']}")
-    lines += [f"  lost: {reason}" for reason in report["lost"][:10]]
-    return "\n".join(lines)
 
 
 def crash_lines(log: Path, count: int = 12) -> list[str]:
@@ -401,16 +373,58 @@ def crash_site(lines: list[str]) -> str | None:
     return where[0] if where and where[0] != "??" else None
 
 
+# ---- the command line -----------------------------------------------------------------------------------------
+
+
+def names_list(known: tuple[str, ...]) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        chosen = list(known) if text == "all" else [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in chosen if name not in known]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown) or text!r}: choose from {', '.join(known)}")
+        return chosen
+
+    return parse
+
+
+def client_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of positive numbers of clients")
+    return counts
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--duration", type=float, default=600.0, help="seconds of load (default: %(default)s)")
-    parser.add_argument("--users", type=int, default=8, help="concurrent closed-loop users (default: %(default)s)")
+    parser.add_argument("--patterns", type=names_list(tuple(PATTERNS)), default=list(PATTERNS),
+                        help=f"comma-separated, or all (default): {', '.join(PATTERNS)}")
+    parser.add_argument("--models", type=names_list(MODELS), default=list(MODELS),
+                        help=f"comma-separated, or all (default): {', '.join(MODELS)}")
+    parser.add_argument("--requests", type=int, default=500,
+                        help="requests per cell: pattern, model, number of clients, round (default: %(default)s)")
+    parser.add_argument("--clients", type=client_counts, default=[1, 8],
+                        help="numbers of clients at once, each a cell of its own (default: 1,8)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="times the whole soak runs; from 2 on, RSS growth is checked (default: %(default)s)")
+    parser.add_argument("--duration-limit", type=float, default=1800.0,
+                        help="seconds after which a cell sends no new request (default: %(default)s)")
     parser.add_argument("--model", default=None, help="HF model folder (default: the repository's own setting)")
     parser.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
-    parser.add_argument("--max-tokens", type=int, default=48, help="largest max_tokens of a request")
-    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--max-tokens", type=int, default=32, help="largest max_tokens of a request run to its end")
+    parser.add_argument("--long-tokens", type=int, default=200,
+                        help="max_tokens of a request that is cancelled or dropped (default: %(default)s)")
+    parser.add_argument("--sequence-length", type=int, default=20,
+                        help="the longest multi-request sequence (perf_analyzer's default: %(default)s)")
+    parser.add_argument("--request-timeout", type=float, default=120.0,
+                        help="seconds a request may take to its final response (default: %(default)s)")
+    parser.add_argument("--settle-timeout", type=float, default=30.0,
+                        help="seconds a model may take to be idle after a cell (default: %(default)s)")
+    parser.add_argument("--exit-timeout", type=float, default=10.0,
+                        help="tritonserver's --exit-timeout-secs, the grace SIGTERM must end within")
     parser.add_argument("--sample-interval", type=float, default=1.0)
-    parser.add_argument("--warmup", type=float, default=None, help="seconds (default: 20 %% of the duration, >= 10)")
     parser.add_argument("--rss-growth-limit", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="report folder (default: reports/soak-<time>)")
@@ -422,19 +436,55 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.out) if args.out else REPO_ROOT / "reports" / time.strftime("soak-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    with start_on_free_ports(
+    wants_frontend = any(p in OPENAI_PATTERNS for p in args.patterns)
+    frontend = None
+    server = start_on_free_ports(
         args.model_repository,
         model=args.model,
         log_path=out / "tritonserver.log",
-        extra_args=["--exit-timeout-secs", "10", *args.server_arg],
+        extra_args=["--exit-timeout-secs", f"{args.exit_timeout:g}", *args.server_arg],
         ready_timeout=600,
-    ) as server:
-        print(f"[soak] server ready (pid {server.pid}); {args.users} users for {args.duration:.0f} s", flush=True)
-        soak = Soak(server.http_url, server.grpc_url, server.metrics_url, server.pid, args, lambda: server.returncode)
-        report = soak.run()
-    if report["server_exit"] is not None:
+    )
+    with server:
+        if wants_frontend:
+            frontend = FrontendProcess(server.grpc_url, free_ports(1)[0], args.model or REPO_ROOT / DEFAULT_MODEL,
+                                       log_path=out / "frontend.log").__enter__()
+        target = Target(server.grpc_url, server.http_url, frontend.url if frontend else None, args.request_timeout,
+                        args.max_tokens, args.long_tokens, args.sequence_length)
+        print(f"[soak] server ready (pid {server.pid}): {', '.join(args.patterns)} on {', '.join(args.models)}, "
+              f"{args.requests} requests per cell, clients {args.clients}", flush=True)
+        soak = Soak(server, target, args)
+        try:
+            load_seconds = soak.run()
+            rss = soak.rss_report()
+        finally:
+            frontend_exit = frontend.stop() if frontend else "not started"
+        server_exit = server.returncode
+        shutdown = stop_server(server, args.exit_timeout) if server_exit is None else {
+            "exit_status": server_exit, "exited_after_s": None, "grace_s": args.exit_timeout}
+    cells = soak.cells
+    outcomes = {k: sum(c[k] for c in cells) for k in ("completed", "cancelled", "errors", "lost")}
+    report = {
+        "patterns": args.patterns,
+        "models": args.models,
+        "clients": args.clients,
+        "rounds": args.rounds,
+        "requests_per_cell": args.requests,
+        "duration_s": round(load_seconds, 1),
+        "requests": sum(c["requests"] for c in cells),
+        "outcomes": outcomes,
+        "server_exit_during_soak": server_exit,
+        "frontend_exit": frontend_exit,
+        "shutdown": shutdown,
+        "rss": rss,
+        "cells": cells,
+    }
+    if server_exit is not None:
         report["server_log_tail"] = crash_lines(out / "tritonserver.log")
         report["server_crash_site"] = crash_site(report["server_log_tail"])
+    report["checks"] = verdict(report, args)
+    report["ok"] = all(report["checks"].values())
+    report["samples"] = soak.samples
     (out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
     plotted = plot(report, out / "soak.png")
     print(summary(report))

@@ -1,5 +1,5 @@
 """The load tests' parts without a server: workloads, metrics parsing, the measurement window, the report and its plots,
-the SLO ladder, the capacity plan, the soak's crash report.
+the SLO ladder, the capacity plan, the soak's accounting, verdict and crash report.
 
 tests/server/test_loadtest.py runs headless Locust and `make compare --smoke` against real servers.
 """
@@ -7,13 +7,14 @@ tests/server/test_loadtest.py runs headless Locust and `make compare --smoke` ag
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from client.schema import Chunk
-from loadtest import compare, metrics, report, slo, soak, stats
+from loadtest import compare, metrics, report, slo, soak, soak_patterns, stats
 from loadtest.measure import Measurement, StreamError
 from loadtest.runner import REPO_ROOT, LoadPoint, Plan, batcher_settings, measurement_window
 from loadtest.slo import verdict
@@ -527,3 +528,82 @@ def test_soak_names_the_function_a_tritonserver_crash_happened_in():
              f" 2# 0x{base + process + 0x3E:016X} in {binary}"]
     assert soak.crash_site(stack).startswith("triton::server::grpc::ModelStreamInferHandler::Process(")
     assert soak.crash_site(stack[:2]) is None and soak.crash_site(["Signal (11) received."]) is None
+
+
+# ---- the soak's accounting ----------------------------------------------------------------------------------------
+
+
+def soak_client(num_requests: int, seconds: float = 60.0) -> soak_patterns.Client:
+    target = soak_patterns.Target("127.0.0.1:1", "http://127.0.0.1:1", None, 5.0, 8, 100, 4)
+    return soak_patterns.Client(0, target, "llm_dynamic", random.Random(0), soak_patterns.Budget(num_requests, seconds),
+                                soak_patterns.Accounts())
+
+
+def test_a_soak_budget_stops_at_its_count_and_at_its_deadline():
+    budget = soak_patterns.Budget(5, 60.0)
+    assert [budget.take(2), budget.take(2), budget.take(2), budget.take()] == [2, 2, 1, 0]
+    assert soak_patterns.Budget(5, 0.0).take() == 0
+
+
+def test_only_errors_that_say_why_are_not_lost():
+    refusals = soak_patterns.SEQUENCE_REFUSALS
+    assert soak_patterns.error_outcome("Exceeds maximum queue size") == ("error", "overloaded")
+    triton = "inference request for sequence 7 to model 'llm_iterative' must specify the START flag on the first " \
+             "request of the sequence"
+    assert soak_patterns.error_outcome(triton, refusals) == ("error", "sequence closed by Triton")
+    assert soak_patterns.error_outcome(triton)[0] == "lost"  # where no sequence was sent, it is not expected
+    assert soak_patterns.error_outcome("engine step failed")[0] == "lost"
+    assert soak_patterns.answer_outcome(8, "length", 8) == ("completed", "")
+    assert soak_patterns.answer_outcome(7, "length", 8)[0] == "lost"
+    assert soak_patterns.answer_outcome(8, "stop", 8)[0] == "lost"
+
+
+def test_a_client_that_fails_mid_request_loses_that_request_and_goes_on():
+    failed = []
+
+    def pattern(client):
+        for index in client.requests():
+            if index == 1 and not failed:
+                failed.append(index)
+                raise ConnectionError("reset by peer")
+            client.account("completed")
+
+    client = soak_client(4)
+    soak_patterns.play(pattern, client)
+    assert client.accounts.counts == {"completed": 3, "lost": 1} and client.num_open == 0
+    assert client.accounts.lost == ["client: ConnectionError: reset by peer"]
+
+    def broken(client):
+        raise RuntimeError("the OpenAI frontend is not running")
+
+    client = soak_client(4)
+    soak_patterns.play(broken, client)  # nothing sent: a failure of the client, not a lost request
+    assert client.accounts.num_requests == 0 and client.accounts.failures
+
+
+def soak_cell(**changes) -> dict:
+    cell = {"requests": 8, "lost": 0, "completed": 8, "client_failures": [], "clients_still_running": 0,
+            "full_batch_after": [8, 8], "after": {"nv_inference_pending_request_count": 0.0,
+                                                  "llm_num_requests_running": 0.0, "llm_num_requests_waiting": 0.0,
+                                                  "llm_kv_blocks_used": 0.0}}
+    return {**cell, **changes}
+
+
+@pytest.mark.parametrize(("cell", "failed"), [
+    (soak_cell(), None),
+    (soak_cell(lost=1), "no_request_lost"),
+    (soak_cell(after={**soak_cell()["after"], "nv_inference_pending_request_count": 1.0}),
+     "nothing_pending_in_triton_after_each_cell"),
+    (soak_cell(after={**soak_cell()["after"], "llm_kv_blocks_used": float("nan")}),
+     "kv_blocks_back_to_zero_after_each_cell"),
+    (soak_cell(full_batch_after=[7, 8]), "full_batch_answered_after_each_cell"),
+], ids=["ok", "lost", "pending", "kv-unknown", "seat-kept"])
+def test_the_soak_verdict_fails_on_each_target(cell, failed):
+    args = soak.parse_args(["--patterns", "http_generate", "--models", "llm_dynamic", "--clients", "8", "--rounds",
+                            "1"])
+    report = {"cells": [cell], "server_exit_during_soak": None, "frontend_exit": "not started",
+              "rss": {"growth": None}, "shutdown": {"exit_status": 0, "exited_after_s": 2.0, "grace_s": 10.0}}
+    checks = soak.verdict(report, args)
+    assert [name for name, ok in checks.items() if not ok] == ([failed] if failed else [])
+    report["shutdown"] = {"exit_status": 1, "exited_after_s": 10.4, "grace_s": 10.0}  # "Exit timeout expired"
+    assert not soak.verdict(report, args)["sigterm_exit_0_within_grace"]
