@@ -230,6 +230,14 @@ def fresh_stream_cancel_after_final(client: Client) -> None:
         client.account(*stream_outcome(stream, request, target.request_timeout))
 
 
+def unblocked(session: StreamSession, target: Target) -> StreamSession:
+    """``session``, or a new one if its last request is still open (lost): that one is cancelled with its stream."""
+    if session.idle:
+        return session
+    session.close(cancel=True)
+    return StreamSession(target.grpc_url)
+
+
 def long_lived_stream(client: Client) -> None:
     """One gRPC stream for all of the client's requests, sent in turn and never cancelled."""
     target = client.target
@@ -241,9 +249,7 @@ def long_lived_stream(client: Client) -> None:
             stream.wait(target.request_timeout)
             outcome = stream_outcome(stream, request, target.request_timeout)
             client.account(*outcome)
-            if not session.idle:  # lost and still open on the stream: cancel it, go on on a new stream
-                session.close(cancel=True)
-                session = StreamSession(target.grpc_url)
+            session = unblocked(session, target)
     finally:
         session.close(cancel=not session.idle)
 
@@ -393,9 +399,7 @@ def perf_analyzer_sequences(client: Client) -> None:
                 if outcome == "lost":
                     reason = f"request {position + 1} of a sequence of {granted}: {reason}"
                 client.account(outcome, reason)
-                if not session.idle:
-                    session.close(cancel=True)
-                    session = StreamSession(target.grpc_url)
+                session = unblocked(session, target)
     finally:
         session.close(cancel=not session.idle)
 
