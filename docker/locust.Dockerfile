@@ -25,9 +25,9 @@ RUN --mount=type=bind,source=docker/wheels,target=/wheels --mount=type=secret,id
 WORKDIR /opt/llm
 COPY loadtest/ loadtest/
 COPY client/ client/
-# The names the load tests share with the server (the models, the metrics): a module of the standard library alone.
+# What the load tests share with the server (the names of models and metrics, the metrics parser): standard library alone.
 COPY backend/__init__.py backend/
-COPY backend/triton/__init__.py backend/triton/names.py backend/triton/
+COPY backend/triton/__init__.py backend/triton/names.py backend/triton/prometheus.py backend/triton/
 
 RUN useradd --no-log-init --create-home --uid 10001 --user-group locust
 USER 10001:10001

@@ -144,6 +144,26 @@ def test_dockerfile_copies_files_that_exist_and_are_in_its_build_context(image):
             )
 
 
+def test_locust_image_holds_every_module_its_locustfile_imports(tmp_path):
+    # The locust image copies a few server modules by name; a new import in loadtest/ of a module it does not copy
+    # only fails when the container starts. Lay out what the image copies and import the locustfile from there alone.
+    for sources, destination in copy_sources(DOCKERFILES["locust"]):
+        for source in sources:
+            if not source.startswith(("loadtest", "client", "backend")):
+                continue  # the pip installer and its requirements
+            target = tmp_path / destination.rstrip("/")
+            if (ROOT / source).is_dir():
+                shutil.copytree(ROOT / source, tmp_path / source, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                target.mkdir(parents=True, exist_ok=True)
+                shutil.copy(ROOT / source, target / Path(source).name)
+    # NOTE: PYTHONPATH comes before the editable install's finder, so the packages resolve to the copies.
+    locust = Path(sys.executable).with_name("locust")
+    result = subprocess.run([str(locust), "-f", "loadtest/locustfile.py", "--list"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_triton_image_layers_serving_setup_and_order():
     instructions = dockerfile_instructions(DOCKERFILES["triton"])
     text = DOCKERFILES["triton"].read_text()
