@@ -50,6 +50,7 @@ from backend.triton.names import (
 )
 from backend.triton.processes import process_names, tree_rss
 from backend.triton.server import start_on_free_ports
+from backend.triton.shutdown import exit_status
 from frontend.openai.process import FrontendProcess
 from loadtest.metrics import parse_prometheus, scrape, select
 from loadtest.soak_patterns import PATTERNS, Accounts, Budget, Client, Target, full_batch, play
@@ -212,8 +213,12 @@ def stop_server(server, grace: float) -> dict:
     while server.is_running and time.monotonic() - started < grace + 30:
         time.sleep(0.05)
     exited_after = time.monotonic() - started
-    status = server.stop(timeout=1)  # collects it; SIGKILLs the group if it is still running
-    return {"exit_status": status, "exited_after_s": round(exited_after, 2), "grace_s": grace}
+    code = server.stop(timeout=1)  # collects it; SIGKILLs the group if it is still running
+    # As `make serve` reports it: 0 also when the stop had to end a model Triton 2.51 could not unload with nothing
+    # open (the `forced` line says so); 128 + N for a signal.
+    stopped = server.stop_result
+    return {"exit_status": exit_status(code, stopped), "exited_after_s": round(exited_after, 2),
+            "grace_s": grace, "forced": stopped.forced if stopped else None}
 
 
 def verdict(report: dict, args) -> dict:
@@ -290,6 +295,8 @@ def summary(report: dict) -> str:
         f"  SIGTERM: tritonserver exited with status {shutdown['exit_status']} after {shutdown['exited_after_s']} s "
         f"(grace {shutdown['grace_s']:g} s); the OpenAI frontend: {report['frontend_exit']}",
     ]
+    if shutdown.get("forced"):
+        lines.append(f"  the stop {shutdown['forced']}")
     lines += [f"  {'ok  ' if ok else 'FAIL'} {name}" for name, ok in report["checks"].items()]
     if report.get("server_exit_during_soak") is not None:
         lines.append(f"  tritonserver exited with status {report['server_exit_during_soak']} during the soak; "
