@@ -77,7 +77,11 @@ def test_every_request_of_every_client_behaviour_ends_and_the_server_lets_go(tin
         elif cell["pattern"] in CANCEL:
             assert cell["cancelled"] == REQUESTS, (where(**cell), cell["error_reasons"])
         elif cell["pattern"] == "openai_stream_disconnect":
-            assert cell["completed"] >= 2 and cell["cancelled"] >= 5, where(**cell)
+            # Every third request (by its number) is read to the end. One client numbers them 0-7: 2 and 5. Eight
+            # clients number theirs from their own index on, and one may send two while another sends none.
+            assert cell["completed"] + cell["cancelled"] == REQUESTS, (where(**cell), cell["error_reasons"])
+            if cell["clients"] == 1:
+                assert cell["completed"] == 2, where(**cell)
         elif cell["pattern"] == "bad_requests":
             assert cell["errors"] == REQUESTS and all(r.startswith("bad request:") for r in cell["error_reasons"])
         elif cell["pattern"] == "perf_analyzer_sequences":

@@ -13,15 +13,25 @@ sequence, which Triton batches like any other. A sequence of several requests ca
 request closes it in Triton 2.51, which then refuses the third itself; the second, which would otherwise wait for
 ever, is answered at once with an error that says what to send instead (``MULTI_REQUEST_SEQUENCE``).
 
+When a client's cancel reaches Triton decides what happens to the sequence's slot (Triton 2.51's sequence batcher):
+- while the model holds the request: handed back (RELEASE_RESCHEDULE), Triton finds it cancelled in its queue,
+  answers it itself (CANCELLED) and frees the slot at once;
+- between a release and the next batch (in the queue that forms it), or after a release for good (RELEASE_ALL) that
+  has not yet reached Triton: the slot stays taken until Triton's idle reaper (max_sequence_idle_microseconds, 5 s)
+  frees it. With every slot taken, new requests wait in Triton's backlog, and one that waited longer than the idle
+  time is ended by the reaper as soon as it gets a slot ("must specify the START flag" on the hand-back).
+Clients cancel in answer to what they receive, so what an execute() makes for a request is sent when the model
+holds it again (at the start of the next execute(), after the rebinds) or once it is released for good (then, or
+SEND_AFTER_RELEASE_S after the return when no execute() comes sooner). Never while Triton holds it: Triton may have
+answered it, and a send then crashes tritonserver 2.51. A request that ends in
+an execute() and whose client has cancelled it is handed back instead of released, what it made dropped, for
+Triton to answer. What remains, a cancel in the few milliseconds between a release and the next batch, costs that
+slot the idle time.
+
 Triton hands every request it holds back at its next iteration. One not handed back for
 max_sequence_idle_microseconds is ended and its KV blocks freed (``IterationDriver``): if its client cancelled it
-while it waited to be rescheduled, Triton answered it itself and nothing is sent (a second final response crashes
-tritonserver 2.51); otherwise Triton dropped it, and its client gets an error that says the server lost it.
-Measured: a client that cancels right after its final response (tritonclient's ``stop_stream(cancel_requests=True)``)
-can do so before the model's release reaches Triton, which then keeps that sequence's slot until its idle reaper
-frees it; with every slot held, new requests wait in Triton's backlog, and one that waited longer than the idle
-time is ended by the reaper as soon as it gets a slot, so Triton refuses to reschedule it ("must specify the START
-flag") and only the model can still answer it.
+while Triton held it, Triton answered it itself and nothing is sent (a second final response crashes tritonserver
+2.51); otherwise Triton dropped it, and its client gets an error that says the server lost it.
 """
 
 import threading
@@ -40,6 +50,11 @@ from backend.triton.responses import send_error  # noqa: E402
 from backend.triton.sequence_relay import SequenceRelay  # noqa: E402
 from backend.triton.served_model import ServedModel  # noqa: E402
 
+# Time from execute()'s return to sending what it made, when no execute() comes sooner (the module's docstring).
+SEND_AFTER_RELEASE_S = 0.005
+
+CANCELLED = "the request was cancelled"
+
 MULTI_REQUEST_SEQUENCE = (
     "llm_iterative serves one request per client sequence (Triton 2.51's iterative sequence batcher closes a sequence "
     "when its first request is done): send each request as a sequence of its own, with START and END, or with no "
@@ -51,13 +66,15 @@ class TritonPythonModel(ServedModel, batching="iterative"):
     def start_engine(self, config):
         engine = LLMEngine(config)  # loaded on the thread that steps it: one OpenMP thread team
         reap_after = sequence_idle_seconds(self.model_config)
-        self.driver = IterationDriver(engine, self.open.send, self.open.forget, reap_after,
+        self.driver = IterationDriver(engine, self._send, self.open.forget, reap_after,
                                       after_step=self.observe_steps, client_cancelled=self.open.cancelled)
         self.request_ids = {}  # Triton's correlation id -> engine request id, while the request is open
         self.reap_after = reap_after
         # Correlation ids whose request the driver ended while Triton held it (reaped, or every request ended by a
         # failure): Triton may still hand it back, and it must then be released unanswered. -> when
         self.let_go = {}
+        # Correlation ids of requests handed back because their client cancelled them (Triton answers them) -> when
+        self.cancelled_by_client = {}
         self.gap = self.metrics.iteration_gap()
         self.released_at = None  # when the last execute() that handed requests back returned
         self.stopping = threading.Event()
@@ -65,12 +82,46 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         # once crashed tritonserver 2.51 (backend/triton/responses.py), so they take turns.
         self.sending = threading.Lock()
         self.relay = SequenceRelay(pb_utils, self.name)
+        # What an execute() made, sent once Triton holds those requests again or has released them (the module's
+        # docstring): in the next execute(), or SEND_AFTER_RELEASE_S after this one returned if none comes sooner.
+        self.in_execute = False
+        self.unsent = {}  # request id -> outputs an execute() made for it, not sent yet
+        self.released = set()  # requests released for good: what they made may be sent at any time
+        self.returned = threading.Event()
         threading.Thread(target=self._reaper, args=(reap_after,), name="reaper", daemon=True).start()
+        threading.Thread(target=self._send_when_idle, name="sender", daemon=True).start()
         return engine
 
     def execute(self, requests):
         with self.sending:
-            return self._execute(requests)
+            self.in_execute = True
+            try:
+                return self._execute(requests)
+            finally:
+                self.in_execute = False
+                if self.released:
+                    self.returned.set()
+
+    def _send(self, output):
+        if self.in_execute:
+            self.unsent.setdefault(output.request_id, []).append(output)
+        else:
+            self.open.send(output)
+
+    def _send_unsent(self, request_ids):
+        """Send what was made for ``request_ids``: requests released for good, or handed back in this execute().
+        NOTE: never to one Triton holds: it may have answered it (a client's cancel) and freed what a send uses."""
+        for request_id in request_ids:
+            for output in self.unsent.pop(request_id, ()):
+                self.open.send(output)
+
+    def _send_when_idle(self):
+        while self.returned.wait() and not self.stopping.is_set():
+            time.sleep(SEND_AFTER_RELEASE_S)
+            with self.sending:
+                self.returned.clear()
+                self._send_unsent(self.released)
+                self.released.clear()
 
     def _execute(self, requests):
         started = time.perf_counter()
@@ -81,6 +132,14 @@ class TritonPythonModel(ServedModel, batching="iterative"):
                 request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
                 continue
             correlation_id = int(pb_utils.get_input_tensor_by_name(request, "CORRID").as_numpy().item())
+            if correlation_id in self.cancelled_by_client:
+                # Triton answers a cancelled request it finds in its queue; if it hands one back instead, it is the
+                # model's to answer.
+                del self.cancelled_by_client[correlation_id]
+                pb_utils.Logger.log_warn(f"{self.name}: Triton handed back a cancelled request ({correlation_id})")
+                send_error(pb_utils, request.get_response_sender(), CANCELLED)
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
+                continue
             if pb_utils.get_input_tensor_by_name(request, "START").as_numpy().item():
                 self.let_go.pop(correlation_id, None)
                 request_id = self.admit(request, started, self.driver.add)
@@ -100,19 +159,33 @@ class TritonPythonModel(ServedModel, batching="iterative"):
                     request_id = None
             if request_id is None or not self.driver.is_open(request_id):  # it got its final response
                 self.request_ids.pop(correlation_id, None)
+                if request_id is not None:
+                    self.released.add(request_id)
                 request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
             else:
                 self.request_ids[correlation_id] = request_id
                 handed[request_id] = (correlation_id, request)
 
+        # Triton released the last execute()'s requests before it called this one, and those handed back are
+        # bound to their new senders: what it made goes out now, while they are in the model's hands again.
+        self._send_unsent([*self.released, *handed])
+        self.released.clear()
+        # What was made for a request Triton no longer hands back (the driver ended it) is never sent.
+        self.unsent = {rid: outputs for rid, outputs in self.unsent.items() if self.driver.is_open(rid)}
         unfinished = self.driver.iterate(handed, cancelled=self._cancelled, expired=self.shutdown.expired)
         if self.driver.fatal_error is not None and self.failure is None:  # every open request got its final error
             self.fail(self.driver.fatal_error)
+        cancelled = self._hand_cancelled_to_triton([rid for rid in handed if rid not in unfinished])
         for request_id, (correlation_id, request) in handed.items():
             if request_id in unfinished:
                 request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+            elif request_id in cancelled:
+                self.request_ids.pop(correlation_id, None)
+                self.cancelled_by_client[correlation_id] = time.perf_counter()
+                request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
             else:
                 self.request_ids.pop(correlation_id, None)
+                self.released.add(request_id)
                 request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
         # Requests the driver ended while Triton held them (reaped: Triton let go of them; or a failure) are
         # forgotten, and remembered as let go until Triton's own idle timeout has surely ended their sequences.
@@ -122,8 +195,19 @@ class TritonPythonModel(ServedModel, batching="iterative"):
                 del self.request_ids[correlation_id]
                 self.let_go[correlation_id] = now
         self.let_go = {c: t for c, t in self.let_go.items() if now - t < 2 * self.reap_after}
+        self.cancelled_by_client = {c: t for c, t in self.cancelled_by_client.items() if now - t < 2 * self.reap_after}
         self.released_at = time.perf_counter() if unfinished else None
         return None
+
+    def _hand_cancelled_to_triton(self, ended):
+        """Those of ``ended`` (their final responses not sent yet) whose client cancelled them: what they made is
+        dropped, and they are handed back rather than released, for Triton to answer (the module's docstring)."""
+        cancelled = set(self.open.cancelled([rid for rid in ended if rid in self.unsent]))
+        for request_id in cancelled:
+            for output in self.unsent.pop(request_id):
+                if output.finished:
+                    self.open.forget(output)
+        return cancelled
 
     def _cancelled(self, request_ids):  # before the step, under the driver's lock
         self.count_joined()
@@ -136,5 +220,8 @@ class TritonPythonModel(ServedModel, batching="iterative"):
 
     def finalize(self):
         self.stopping.set()
+        self.returned.set()
+        with self.sending:
+            self._send_unsent(self.released)
         self.relay.join(timeout=5.0)
         super().finalize()
