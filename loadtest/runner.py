@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlparse
 
+from backend.triton import config_text
 from backend.triton.names import DYNAMIC
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.metrics import MetricsSampler
@@ -216,18 +217,11 @@ class DynamicVariant:
             parameters["num_threads"] = str(threads)
         copy_model_repository(dst / "staging", [DYNAMIC], parameters, source=source)
         folder = dst / "staging" / DYNAMIC
-        path = folder / "config.pbtxt"
-        text = path.read_text()
-        for pattern, replacement in (
-            (r'^name: "llm_dynamic"$', f'name: "{self.name}"'),
-            (r"^max_batch_size: \d+$", f"max_batch_size: {self.max_batch_size}"),
-            (r"(instance_group \[ \{ count: )\d+", rf"\g<1>{self.instances}"),
-            (r"(max_queue_delay_microseconds: )\d+", rf"\g<1>{self.max_queue_delay_us}"),
-        ):
-            text, found = re.subn(pattern, replacement, text, flags=re.MULTILINE)
-            if found != 1:
-                raise RuntimeError(f"{path}: expected one {pattern!r} to replace, found {found}")
-        path.write_text(text)
+        with config_text.edit(folder / "config.pbtxt") as config:
+            config.name = self.name
+            config_text.set_max_batch_size(config, self.max_batch_size)
+            config_text.set_instance_count(config, self.instances)
+            config_text.dynamic_batching(config).max_queue_delay_microseconds = self.max_queue_delay_us
         folder.rename(dst / self.name)
         (dst / "staging").rmdir()
 

@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from backend.triton import config_text
 from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.report import fmt
@@ -95,19 +96,11 @@ def capacity_repository(
     engine ``parameters`` given."""
     served_repository(source, dst, [ITERATIVE, CONTINUOUS, *(v.name for v in variants)], variants, parameters)
     for model in (ITERATIVE, CONTINUOUS):
-        path = dst / model / "config.pbtxt"
-        text = path.read_text()
-        replacements = [(r'(key: "max_num_seqs", value: \{ string_value: ")\d+', rf"\g<1>{seats}")]
-        if model == ITERATIVE:
-            replacements += [
-                (r"^max_batch_size: \d+$", f"max_batch_size: {seats}"),
-                (r"(max_candidate_sequences: )\d+", rf"\g<1>{seats}"),
-            ]
-        for pattern, replacement in replacements:
-            text, found = re.subn(pattern, replacement, text, flags=re.MULTILINE)
-            if found != 1:
-                raise RuntimeError(f"{path}: expected one {pattern!r} to replace, found {found}")
-        path.write_text(text)
+        with config_text.edit(dst / model / "config.pbtxt") as config:
+            config_text.set_parameters(config, {"max_num_seqs": seats}, add_missing=False)
+            if model == ITERATIVE:
+                config_text.set_max_batch_size(config, seats)
+                config_text.oldest_sequence_batching(config).max_candidate_sequences = seats
     return dst
 
 

@@ -10,11 +10,11 @@ import atexit
 import itertools
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from backend.triton import config_text
 from backend.triton.launch_options import LOOPBACK, copy_model_repository
 from backend.triton.server import TritonServer, start_on_free_ports
 
@@ -79,12 +79,11 @@ def make_repository(
     copy_model_repository(dst, models, {**TINY_SETTINGS, **(params or {})})
     path = dst / "llm_dynamic" / "config.pbtxt"
     if path.exists() and (max_batch_size is not None or dynamic_queue_size is not None):
-        text = path.read_text()
-        if max_batch_size is not None:
-            text = re.sub(r"^max_batch_size: \d+", f"max_batch_size: {max_batch_size}", text, flags=re.M)
-        if dynamic_queue_size is not None:
-            text = re.sub(r"max_queue_size: \d+ \}", f"max_queue_size: {dynamic_queue_size} }}", text)
-        path.write_text(text)
+        with config_text.edit(path) as config:
+            if max_batch_size is not None:
+                config_text.set_max_batch_size(config, max_batch_size)
+            if dynamic_queue_size is not None:
+                config_text.dynamic_batching(config).default_queue_policy.max_queue_size = dynamic_queue_size
     return dst
 
 

@@ -20,7 +20,6 @@ import functools
 import os
 import queue
 import random
-import re
 import shutil
 import statistics
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
+from backend.triton import config_text
 from backend.triton.names import CONTINUOUS, DYNAMIC
 from backend.triton.processes import process_group_members
 from backend.triton.server import TritonServer, start_on_free_ports
@@ -63,31 +63,21 @@ def served_repository(
     repository = out_dir / "model_repository"
     for model in models:
         source = REPO_ROOT / "model_repository" / model
-        config = (source / "config.pbtxt").read_text()
-        config = _set_parameter(config, "dtype", dtype)
+        config = config_text.load(source / "config.pbtxt")
+        # NOTE: the shipped parameters must be there to be set (one that disappeared would otherwise go unnoticed).
+        config_text.set_parameters(config, {"dtype": dtype, "max_num_seqs": max_num_seqs,
+                                            "max_model_len": max_model_len,
+                                            "max_num_batched_tokens": max(2048, max_num_seqs * 64)},
+                                   add_missing=False)
         if quantization is not None:
-            config = _set_parameter(config, "quantization", quantization, add=True)
-        config = _set_parameter(config, "max_num_seqs", max_num_seqs)
-        config = _set_parameter(config, "max_model_len", max_model_len)
-        config = _set_parameter(config, "max_num_batched_tokens", max(2048, max_num_seqs * 64))
-        config = re.sub(r"max_batch_size: [1-9]\d*", f"max_batch_size: {max_num_seqs}", config)
-        config = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {BATCHER_DELAY_US}",
-                        config)
+            config_text.set_parameters(config, {"quantization": quantization})
+        if config.max_batch_size:  # batched by Triton: as many seats in its batcher
+            config_text.set_max_batch_size(config, max_num_seqs)
+            config_text.dynamic_batching(config).max_queue_delay_microseconds = BATCHER_DELAY_US
         (repository / model / "1").mkdir(parents=True, exist_ok=True)
-        (repository / model / "config.pbtxt").write_text(config)
+        config_text.save(config, repository / model / "config.pbtxt")
         shutil.copy((source / "1" / "model.py").resolve(), repository / model / "1" / "model.py")
     return repository
-
-
-def _set_parameter(config: str, key: str, value: int | str, add: bool = False) -> str:
-    """``config`` with the parameter ``key`` set to ``value``; one the config lacks is appended when ``add``, else
-    refused (a shipped parameter that disappeared would otherwise go unnoticed)."""
-    pattern = rf'(key: "{key}", value: {{ string_value: ")[^"]*(")'
-    if not re.search(pattern, config):
-        if add:
-            return config.rstrip("\n") + f'\nparameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
-        raise ValueError(f"the model config has no parameter {key!r} to set")
-    return re.sub(pattern, rf"\g<1>{value}\g<2>", config)
 
 
 def text_prompts(tokenizer, num: int, length: int, seed: int) -> list[str]:

@@ -10,7 +10,6 @@ value of ``$TRITON_ADMIN_KEY``, or of a random key made for each launch when tha
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import socket
 import sys
@@ -68,20 +67,18 @@ def copy_model_repository(
     parameters: Mapping[str, str] | None = None,
     source: str | os.PathLike = REPO_ROOT / "model_repository",
 ) -> Path:
-    """A copy of ``models`` from ``source`` in ``dst``, each config.pbtxt with ``parameters`` set (replaced where the
-    config has the key, appended where it does not). For servers that need other settings than the shipped ones."""
+    """A copy of ``models`` from ``source`` in ``dst``, each config.pbtxt with the string ``parameters`` set
+    (replaced where the config has the key, added where it does not); without ``parameters``, the files as they
+    are. For servers that need other settings than the shipped ones."""
+    # NOTE: imported here: protobuf and tritonclient load only for a copy, not for every launch.
+    from backend.triton import config_text
+
     dst = Path(dst)
     for model in models:
         shutil.copytree(Path(source) / model, dst / model, ignore=shutil.ignore_patterns("__pycache__"))
-        path = dst / model / "config.pbtxt"
-        text = path.read_text()
-        for key, value in (parameters or {}).items():
-            line = f'parameters: {{ key: "{key}", value: {{ string_value: "{value}" }} }}\n'
-            text, found = re.subn(rf'parameters: \{{ key: "{key}", value: \{{ string_value: "[^"]*" \}} \}}\n',
-                                  line.replace("\\", "\\\\"), text)
-            if not found:
-                text += line
-        path.write_text(text)
+        if parameters:
+            with config_text.edit(dst / model / "config.pbtxt") as config:
+                config_text.set_parameters(config, parameters)
     return dst
 
 

@@ -26,7 +26,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from backend.triton import probe
+from backend.triton import config_text, probe
 from backend.triton.processes import process_names, tree_rss
 from client.grpc_stream import generate, start_stream
 from client.schema import input_tensors, raw_input_values
@@ -430,9 +430,9 @@ CAPACITY = 2 + 4
 def small_server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
     repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository", SMALL, max_batch_size=2,
                            dynamic_queue_size=4, models=(*MODELS, "llm_iterative"))
-    iterative = repo / "llm_iterative" / "config.pbtxt"  # two seats, as the others have
-    iterative.write_text(iterative.read_text().replace("max_batch_size: 8", "max_batch_size: 2")
-                         .replace("max_candidate_sequences: 8", "max_candidate_sequences: 2"))
+    with config_text.edit(repo / "llm_iterative" / "config.pbtxt") as config:  # two seats, as the others have
+        config_text.set_max_batch_size(config, 2)
+        config_text.oldest_sequence_batching(config).max_candidate_sequences = 2
     return triton_server_factory.start(repo, model=tiny_llama_dir)
 
 
@@ -499,7 +499,7 @@ STEP_FAULT, FATAL_FAULT = "<<fail-this-step>>", "<<break-the-engine>>"
 @pytest.fixture(scope="module")
 def fault_server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
     """Faults are injected through a test-only parameter, read only with LLM_TEST_FAULTS=1 in the environment."""
-    faults = json.dumps({"step_error": STEP_FAULT, "fatal_error": FATAL_FAULT}).replace('"', '\\"')
+    faults = json.dumps({"step_error": STEP_FAULT, "fatal_error": FATAL_FAULT})
     repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository",
                            {"max_num_seqs": "2", "fault_injection": faults}, max_batch_size=2)
     return triton_server_factory.start(repo, model=tiny_llama_dir, env={"LLM_TEST_FAULTS": "1"})
@@ -513,11 +513,11 @@ def test_iterative_answers_a_request_triton_dropped(tiny_llama_dir, tmp_path, st
     """Triton 2.51 ends a sequence idle for max_sequence_idle_microseconds even while the model holds its request;
     it then refuses to reschedule that request and sends nothing. The model still holds the response sender: the
     client gets an error that says the server lost the request (not a hang), and serving goes on."""
-    faults = json.dumps({"slow_step": SLOW_STEP}).replace('"', '\\"')
+    faults = json.dumps({"slow_step": SLOW_STEP})
     repo = make_repository(tmp_path / "model_repository", {"fault_injection": faults}, models=["llm_iterative"])
-    config = repo / "llm_iterative" / "config.pbtxt"  # a step of 1 s (slow_step) outlasts a 0.3 s idle time
-    config.write_text(config.read_text().replace("max_sequence_idle_microseconds: 5000000",
-                                                 "max_sequence_idle_microseconds: 300000"))
+    # A step of 1 s (slow_step) outlasts a 0.3 s idle time.
+    with config_text.edit(repo / "llm_iterative" / "config.pbtxt") as config:
+        config_text.sequence_batching(config).max_sequence_idle_microseconds = 300_000
     server = start_server(repo, model=tiny_llama_dir, env={"LLM_TEST_FAULTS": "1"})
 
     dropped = start_stream(server.grpc_url, "llm_iterative", f"slow {SLOW_STEP}", max_tokens=8, **GREEDY)
@@ -591,7 +591,7 @@ def test_a_failing_step_fails_its_requests_and_a_broken_engine_fails_every_reque
 
 @pytest.mark.timeout(120)
 def test_fault_injection_is_inert_without_the_environment_variable(tiny_llama_dir, tmp_path, start_server):
-    faults = json.dumps({"step_error": STEP_FAULT}).replace('"', '\\"')
+    faults = json.dumps({"step_error": STEP_FAULT})
     repo = make_repository(tmp_path / "model_repository", {"fault_injection": faults})
     server = start_server(repo, model=tiny_llama_dir, env={"LLM_TEST_FAULTS": ""})
     for model in MODELS:

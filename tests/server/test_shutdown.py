@@ -288,7 +288,7 @@ def processes_of(repo: Path) -> list[str]:
 
 def stall_repository(path: Path) -> Path:
     """llm_dynamic on the tiny Llama; its engine step never returns for a prompt with ``STALL`` (LLM_TEST_FAULTS=1)."""
-    faults = json.dumps({"stall": STALL}).replace('"', '\\"')
+    faults = json.dumps({"stall": STALL})
     return make_repository(path, {"fault_injection": faults}, models=("llm_dynamic",))
 
 

@@ -15,6 +15,7 @@ import shutil
 import pytest
 import requests
 
+from backend.triton import config_text
 from client import grpc_stream
 from tests.server_harness import make_repository
 
@@ -35,11 +36,9 @@ def server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
                                  {"stream_interval": str(EVERY), "stream_interval_ms": "600000"}, models=GROUPED)
     each = repository / EACH_STEP
     shutil.copytree(repository / "llm_continuous", each)
-    config = (each / "config.pbtxt").read_text().replace('name: "llm_continuous"', f'name: "{EACH_STEP}"')
-    config = config.replace(f'key: "stream_interval", value: {{ string_value: "{EVERY}" }}',
-                            'key: "stream_interval", value: { string_value: "1" }')
-    assert 'string_value: "1" }' in config
-    (each / "config.pbtxt").write_text(config)
+    with config_text.edit(each / "config.pbtxt") as config:
+        config.name = EACH_STEP
+        config_text.set_parameters(config, {"stream_interval": "1"}, add_missing=False)
     server = triton_server_factory.start(repository, model=tiny_llama_dir)
     yield server
     server.stop()

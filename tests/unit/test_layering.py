@@ -79,3 +79,32 @@ def test_the_check_sees_an_upward_import(tmp_path):
     modules = [m for _, m in imported_modules(kernel, root=tmp_path)]
     assert modules == ["backend.engine", "backend.engine.model", "backend.triton.serve"]
     assert [layer_of_module(m) for m in modules] == [1, 1, 2]
+
+
+def imported_closure(files: list[Path]) -> set[str]:
+    """Every project module that ``files`` import, directly or through each other."""
+    seen: set[str] = set()
+    todo = list(files)
+    while todo:
+        for _, module in imported_modules(todo.pop()):
+            parts = module.split(".")
+            while parts and parts[0] in ("backend", "model_repository"):  # `from m import name`: m is the module
+                name = ".".join(parts)
+                path = next((p for p in (ROOT / f"{name.replace('.', '/')}.py",
+                                         ROOT / name.replace(".", "/") / "__init__.py") if p.is_file()), None)
+                if path is not None:
+                    if name not in seen:
+                        seen.add(name)
+                        todo.append(path)
+                    break
+                parts.pop()
+    return seen
+
+
+def test_the_models_never_load_the_config_text_writer():
+    """Triton's Python stub hands a model its config as JSON; ``config_text`` (protobuf text, tritonclient) is for
+    the launcher and the tools that write copies, never imported by what runs inside the stub."""
+    models = sorted((ROOT / "model_repository").glob("*/1/model.py"))
+    closure = imported_closure(models)
+    assert "backend.triton.served_model" in closure and "backend.engine.llm_engine" in closure  # the check sees
+    assert "backend.triton.config_text" not in closure

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.triton import config_text
 from client.schema import Chunk
 from loadtest import compare, metrics, report, slo, soak, soak_patterns, stats
 from loadtest.measure import Measurement, StreamError
@@ -364,16 +365,16 @@ def test_compare_serves_llm_dynamic_variants_beside_the_shipped_models(tmp_path)
                       "llm_iterative", "llm_continuous"]
     served = compare.served_repository(args.model_repository, tmp_path / "repo", models, args.variants)
     assert sorted(p.name for p in served.iterdir()) == sorted(models)
-    config = (served / "llm_dynamic_3x4_50000us" / "config.pbtxt").read_text()
-    assert 'name: "llm_dynamic_3x4_50000us"' in config and 'name: "llm_dynamic"' not in config
-    assert "\nmax_batch_size: 4\n" in config
-    assert "instance_group [ { count: 3, kind: KIND_CPU } ]" in config
-    assert "max_queue_delay_microseconds: 50000" in config and "max_queue_delay_microseconds: 2000" not in config
-    assert 'key: "max_num_seqs", value: { string_value: "4" }' in config
-    assert 'key: "num_threads"' in config  # three instances share the cores
+    config = config_text.load(served / "llm_dynamic_3x4_50000us" / "config.pbtxt")
+    assert config.name == "llm_dynamic_3x4_50000us" and config.max_batch_size == 4
+    assert [group.count for group in config.instance_group] == [3]
+    assert config.dynamic_batching.max_queue_delay_microseconds == 50000
+    assert config_text.parameter(config, "max_num_seqs") == "4"
+    assert config_text.parameter(config, "num_threads") is not None  # three instances share the cores
     assert (served / "llm_dynamic_3x4_50000us" / "1" / "model.py").is_file()
-    single = (served / "llm_dynamic_1x16_0us" / "config.pbtxt").read_text()
-    assert "max_queue_delay_microseconds: 0\n" in single and 'key: "num_threads"' not in single
+    single = config_text.load(served / "llm_dynamic_1x16_0us" / "config.pbtxt")
+    assert single.HasField("dynamic_batching") and single.dynamic_batching.max_queue_delay_microseconds == 0
+    assert config_text.parameter(single, "num_threads") is None
     for model in ("llm_dynamic", "llm_continuous"):
         shipped = (REPO_ROOT / "model_repository" / model / "config.pbtxt").read_text()
         assert (served / model / "config.pbtxt").read_text() == shipped
@@ -479,10 +480,11 @@ def test_capacity_gives_the_paged_models_the_seats_their_kv_pool_holds(tmp_path,
 
     repo = slo.capacity_repository(REPO_ROOT / "model_repository", tmp_path / "repo", 96, args.variants)
     assert sorted(p.name for p in repo.iterdir()) == ["llm_continuous", "llm_dynamic_1x16_2000us", "llm_iterative"]
-    iterative = (repo / "llm_iterative" / "config.pbtxt").read_text()
-    assert "\nmax_batch_size: 96\n" in iterative and "max_candidate_sequences: 96 }" in iterative
+    iterative = config_text.load(repo / "llm_iterative" / "config.pbtxt")
+    assert iterative.max_batch_size == 96 and iterative.sequence_batching.oldest.max_candidate_sequences == 96
     for model in ("llm_iterative", "llm_continuous"):
-        assert 'key: "max_num_seqs", value: { string_value: "96" }' in (repo / model / "config.pbtxt").read_text()
+        assert config_text.parameter(config_text.load(repo / model / "config.pbtxt"), "max_num_seqs") == "96"
+
 
 
 @pytest.mark.timeout(10)

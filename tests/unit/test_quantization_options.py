@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 from pathlib import Path
 
 import pytest
 
 from backend.engine.config import QUANTIZATIONS, EngineConfig
+from backend.triton import config_text
 from backend.triton.names import CONTINUOUS, DYNAMIC, MODELS
 from loadtest import compare, report, slo
 from loadtest.runner import (
@@ -27,13 +27,9 @@ FIXTURE = Path(__file__).parents[1] / "data" / "loadtest_results.json"
 SHIPPED = REPO_ROOT / "model_repository"
 
 
-def parameters_of(config_pbtxt: Path) -> dict[str, list[str]]:
-    """Every value of each parameter key in a config.pbtxt (a key set twice shows as two values)."""
-    found: dict[str, list[str]] = {}
-    for key, value in re.findall(r'parameters: \{ key: "([^"]+)", value: \{ string_value: "([^"]*)" \} \}',
-                                 config_pbtxt.read_text()):
-        found.setdefault(key, []).append(value)
-    return found
+def parameters_of(config_pbtxt: Path) -> dict[str, str]:
+    """The string parameters of a config.pbtxt."""
+    return {key: value.string_value for key, value in config_text.load(config_pbtxt).parameters.items()}
 
 
 def test_the_load_tests_offer_the_engines_formats():
@@ -65,11 +61,11 @@ def test_served_repository_sets_quantization_on_every_model_and_variant(tmp_path
     served_repository(SHIPPED, tmp_path, models, [variant], {"quantization": "q4_1"})
     for model in models:
         params = parameters_of(tmp_path / model / "config.pbtxt")
-        assert params["quantization"] == ["q4_1"], model
+        assert params["quantization"] == "q4_1", model
         shipped = parameters_of(SHIPPED / (DYNAMIC if model == variant.name else model) / "config.pbtxt")
         for key in ("model", "dtype", "kv_cache_memory_bytes", "batching"):  # the rest as shipped
             assert params[key] == shipped[key], (model, key)
-    assert parameters_of(tmp_path / variant.name / "config.pbtxt")["max_num_seqs"] == ["4"]  # the variant's own
+    assert parameters_of(tmp_path / variant.name / "config.pbtxt")["max_num_seqs"] == "4"  # the variant's own
 
 
 @pytest.mark.timeout(10)
@@ -118,7 +114,7 @@ def test_compare_serves_a_copy_with_quantization_on_every_model(tmp_path, monkey
     served = seen["model_repository"]
     assert served.parent.parent == tmp_path and served.name == "model_repository"  # the report's own copy
     for model in MODELS:
-        assert parameters_of(served / model / "config.pbtxt")["quantization"] == ["q4_1"]
+        assert parameters_of(served / model / "config.pbtxt")["quantization"] == "q4_1"
 
 
 @pytest.mark.timeout(30)
@@ -136,7 +132,7 @@ def test_slo_serves_a_copy_with_quantization(tmp_path, monkeypatch):
     served = seen["model_repository"]
     assert sorted(p.name for p in served.iterdir()) == [CONTINUOUS, DYNAMIC]
     for model in (DYNAMIC, CONTINUOUS):
-        assert parameters_of(served / model / "config.pbtxt")["quantization"] == ["int8"]
+        assert parameters_of(served / model / "config.pbtxt")["quantization"] == "int8"
 
 
 def test_weight_format_reads_the_served_parameters():
