@@ -287,8 +287,14 @@ def warm_up(target: Target, model: str, concurrency: int = 8, max_tokens: int = 
     return time.perf_counter() - t0
 
 
+def served_parameter(config: dict, key: str) -> str | None:
+    """The string parameter ``key`` of a config as the server serves it (``/v2/models/<m>/config``); None when
+    unset."""
+    return config.get("parameters", {}).get(key, {}).get("string_value")
+
+
 def max_num_seqs(config: dict) -> int | None:
-    value = config.get("parameters", {}).get("max_num_seqs", {}).get("string_value")
+    value = served_parameter(config, "max_num_seqs")
     return int(value) if value and value.isdigit() else None
 
 

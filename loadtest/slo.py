@@ -13,7 +13,8 @@ last load point that held. Every point is bounded like ``loadtest.compare``'s.
 ``--capacity`` is the comparison at capacity: every model at its best seats for this machine rather than the 8 they
 share by default. The models that run over the paged cache step by step (``llm_continuous``, ``llm_iterative``) get
 as many sequences as the KV pool holds for the workload's mean request (``capacity_seats``: concurrency limited by
-KV capacity, not by a fixed number of seats); ``llm_dynamic`` is served at each of ``--dynamic-variants`` (default
+KV capacity, not by a fixed number of seats), the pool as a server reports it (``llm_kv_blocks_total``, read from a
+first server of ``llm_continuous`` alone); ``llm_dynamic`` is served at each of ``--dynamic-variants`` (default
 ``CAPACITY_DYNAMIC``), since a run-to-completion batch holds no more than its seats whatever the pool. The ladder
 is open loop (Poisson arrival rates) and the answer is the request rate each sustains within the SLO.
 
@@ -31,13 +32,12 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
-import re
 import sys
 import time
 from pathlib import Path
 
-from backend.triton import config_text
-from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE
+from backend.triton import config_text, prometheus
+from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOTAL
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.report import fmt
 from loadtest.runner import (
@@ -45,12 +45,16 @@ from loadtest.runner import (
     DynamicVariant,
     LoadPoint,
     Plan,
+    Target,
     batcher_settings,
     check_models,
     command_parser,
     engine_parameters,
+    http_json,
     open_target,
     run_load_point,
+    serve,
+    served_parameter,
     served_repository,
     warm_up,
 )
@@ -68,24 +72,45 @@ CAPACITY_DURATION_S = 60.0
 MAX_CAPACITY_SEATS = 256  # the engine's queue bound (max_queue_size) and the histogram's top bucket
 
 
-def capacity_seats(model_folder: Path, repository: Path, workload_name: str, length_scale: float = 1.0) -> dict:
-    """How many sequences the KV pool of ``llm_continuous``'s config holds at once for the workload's mean request
-    (prompt words, about one token each, plus its output), with what it was computed from."""
-    from backend.engine.config import EngineConfig
-
-    text = (repository / CONTINUOUS / "config.pbtxt").read_text()
-    params = dict(re.findall(r'parameters: \{ key: "([^"]+)", value: \{ string_value: "([^"]*)" \} \}', text))
-    config = EngineConfig.from_dict({k: v for k, v in params.items() if k in ("block_size", "kv_cache_memory_bytes")})
-    hf = json.loads((model_folder / "config.json").read_text())
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    heads = hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    block_bytes = config.kv_block_bytes(hf["num_hidden_layers"], heads, head_dim)
-    blocks = config.kv_cache_memory_bytes // block_bytes
+def capacity_seats(kv_blocks: int, block_size: int, workload_name: str, length_scale: float = 1.0) -> dict:
+    """How many sequences a KV pool of ``kv_blocks`` blocks of ``block_size`` tokens holds at once for the workload's
+    mean request (prompt words, about one token each, plus its output), with what it was computed from."""
     workload = get_workload(workload_name, length_scale)
     requests = [make_request(workload, i) for i in range(2000)]
-    mean_blocks = sum(-(-(r.num_prompt_words + r.max_tokens) // config.block_size) for r in requests) / len(requests)
-    seats = max(1, min(MAX_CAPACITY_SEATS, int(blocks // mean_blocks)))
-    return {"seats": seats, "kv_blocks": int(blocks), "block_size": config.block_size, "mean_blocks": mean_blocks}
+    mean_blocks = sum(-(-(r.num_prompt_words + r.max_tokens) // block_size) for r in requests) / len(requests)
+    seats = max(1, min(MAX_CAPACITY_SEATS, int(kv_blocks // mean_blocks)))
+    return {"seats": seats, "kv_blocks": int(kv_blocks), "block_size": block_size, "mean_blocks": mean_blocks}
+
+
+def served_kv_pool(target: Target, model: str) -> tuple[int, int]:
+    """``model``'s KV pool as the server runs it: (blocks, tokens per block). The blocks are what its engine
+    allocated (``llm_kv_blocks_total`` on the metrics port, published once the model has loaded), the block size
+    the ``block_size`` parameter of the config the server serves."""
+    block_size = served_parameter(http_json(f"{target.http_url}/v2/models/{model}/config"), "block_size")
+    if not (block_size or "").isdigit():
+        raise RuntimeError(f"{model}'s config sets no block_size (got {block_size!r}); set the parameter to size "
+                           "the KV pool in tokens")
+    # NOTE: one value per instance, each its own engine and pool; a sequence lives in one of them.
+    pools = [s.value for s in prometheus.read(target.metrics_url) or []
+             if s.name == KV_BLOCKS_TOTAL and s.labels.get("model") == model]
+    if not pools or min(pools) < 1:
+        raise RuntimeError(f"{target.metrics_url} shows no {KV_BLOCKS_TOTAL} for {model}")
+    return int(min(pools)), int(block_size)
+
+
+def size_capacity(args: argparse.Namespace, out_dir: Path, say=print) -> dict:
+    """:func:`capacity_seats` for ``llm_continuous``'s KV pool, read from a server that serves it alone (with the
+    engine parameters of the command line), started here and stopped once read.
+
+    NOTE: a server of its own before the measured one: the seats go into the measured models' configs, which
+    Triton reads only when it loads them."""
+    sizing = out_dir / "sizing"
+    repository = served_repository(args.model_repository, sizing / "model_repository", [CONTINUOUS], [],
+                                   engine_parameters(args))
+    say(f"capacity: serving {CONTINUOUS} alone to read its KV pool (log: {sizing / 'tritonserver.log'}) ...")
+    with serve(repository, args.model, sizing / "tritonserver.log") as target:
+        kv_blocks, block_size = served_kv_pool(target, CONTINUOUS)
+    return capacity_seats(kv_blocks, block_size, args.workload, args.length_scale)
 
 
 def capacity_repository(
@@ -241,8 +266,11 @@ def main(argv=None) -> int:
     say = lambda msg: print(f"[slo {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
     capacity = None
     if args.capacity:
-        model_folder = Path(args.model or REPO_ROOT / "models" / "smollm2-135m-instruct")
-        capacity = capacity_seats(model_folder, args.model_repository, args.workload, args.length_scale)
+        try:
+            capacity = size_capacity(args, out_dir, say)
+        except Exception as exc:
+            print(f"slo: error: {exc}", file=sys.stderr)
+            return 1
         say(
             f"capacity: {capacity['kv_blocks']} KV blocks of {capacity['block_size']} tokens, "
             f"{capacity['mean_blocks']:.1f} per mean request: {capacity['seats']} sequences for "

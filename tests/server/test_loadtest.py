@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from loadtest import slo
 from loadtest.runner import LOCUSTFILE, REPO_ROOT
+from tests.server_harness import make_repository
 
 # ---- headless Locust against the real server ----------------------------------------------------------------
 
@@ -152,3 +154,22 @@ def test_compare_smoke_end_to_end(tmp_path, smollm2_dir):
     assert "What each way of deciding the batch costs, measured:" in md and "**iterative** pays" in md
     assert (out_dir / "report.html").stat().st_size > 50_000
     assert (out_dir / "locust" / "llm_dynamic_u4_stats.csv").exists()
+
+
+# ---- make slo --capacity: the KV pool as a server reports it --------------------------------------------------------
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_capacity_is_sized_from_the_pool_a_server_of_a_written_copy_reports(tmp_path, tiny_llama_dir):
+    """``make slo --capacity``'s first server: a copy of llm_continuous written through ``config_text`` (the tiny
+    Llama's 256 KV blocks, and blocks of 8 tokens rather than the shipped 16), which Triton loads; the seats come
+    from the blocks on its metrics port and the block size of the config it serves."""
+    source = make_repository(tmp_path / "source", {"block_size": "8"}, models=("llm_continuous",))
+    args = slo.parse_args(["--capacity", "--model-repository", str(source), "--model", str(tiny_llama_dir)])
+    said = []
+    capacity = slo.size_capacity(args, tmp_path / "out", say=said.append)
+    assert capacity == slo.capacity_seats(256, 8, args.workload)
+    assert (capacity["kv_blocks"], capacity["block_size"]) == (256, 8)
+    assert said and "llm_continuous alone" in said[0]
+    assert (tmp_path / "out" / "sizing" / "tritonserver.log").is_file()

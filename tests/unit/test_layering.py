@@ -81,6 +81,14 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert [layer_of_module(m) for m in modules] == [1, 1, 2]
 
 
+def test_the_load_tests_import_nothing_of_the_engine():
+    """A load test learns what the server has (KV blocks, seats) from the server, not by importing the engine."""
+    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
+             for path in sorted((ROOT / "loadtest").rglob("*.py")) if "__pycache__" not in path.parts
+             for line, module in imported_modules(path) if module.startswith("backend.engine")]
+    assert not found, "\n".join(found)
+
+
 def imported_closure(files: list[Path]) -> set[str]:
     """Every project module that ``files`` import, directly or through each other."""
     seen: set[str] = set()

@@ -6,6 +6,7 @@ tests/server/test_loadtest.py runs headless Locust and `make compare --smoke` ag
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import subprocess
@@ -17,7 +18,7 @@ from backend.triton import config_text
 from client.schema import Chunk
 from loadtest import compare, metrics, report, slo, soak, soak_patterns, stats
 from loadtest.measure import Measurement, StreamError
-from loadtest.runner import REPO_ROOT, LoadPoint, Plan, batcher_settings, measurement_window
+from loadtest.runner import REPO_ROOT, LoadPoint, Plan, Target, batcher_settings, measurement_window
 from loadtest.slo import verdict
 from loadtest.workloads import WORKLOADS, get_workload, make_request
 
@@ -459,7 +460,7 @@ def test_slo_verdict_names_what_broke():
 
 
 @pytest.mark.timeout(20)
-def test_capacity_gives_the_paged_models_the_seats_their_kv_pool_holds(tmp_path, tiny_llama_dir):
+def test_capacity_gives_the_paged_models_the_seats_their_kv_pool_holds(tmp_path):
     args = slo.parse_args(["--capacity", "--dynamic-variants", "1x16@2000"])
     assert args.models == "llm_dynamic_1x16_2000us,llm_iterative,llm_continuous"
     assert args.rates == slo.CAPACITY_RATES and args.duration == slo.CAPACITY_DURATION_S
@@ -467,16 +468,15 @@ def test_capacity_gives_the_paged_models_the_seats_their_kv_pool_holds(tmp_path,
         with pytest.raises(SystemExit):
             slo.parse_args(bad)
 
-    # The pool's blocks over the mean request's blocks (the shipped 512 MiB for the tiny Llama's KV layout).
-    hf = json.loads((tiny_llama_dir / "config.json").read_text())
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-    per_block = 2 * hf["num_hidden_layers"] * 16 * hf["num_key_value_heads"] * head_dim * 2
-    capacity = slo.capacity_seats(tiny_llama_dir, REPO_ROOT / "model_repository", "long_tailed")
-    assert capacity["kv_blocks"] == 536870912 // per_block and capacity["block_size"] == 16
+    # The pool's blocks over the mean request's blocks.
+    capacity = slo.capacity_seats(1456, 16, "long_tailed")
+    assert capacity["kv_blocks"] == 1456 and capacity["block_size"] == 16
     spec = [make_request(get_workload("long_tailed"), i) for i in range(2000)]
     blocks = [-(-(r.num_prompt_words + r.max_tokens) // 16) for r in spec]  # ceil(tokens / block_size)
     assert capacity["mean_blocks"] == pytest.approx(sum(blocks) / 2000)
-    assert capacity["seats"] == min(slo.MAX_CAPACITY_SEATS, int(capacity["kv_blocks"] // capacity["mean_blocks"]))
+    assert capacity["seats"] == int(1456 // capacity["mean_blocks"]) < slo.MAX_CAPACITY_SEATS
+    assert slo.capacity_seats(10**6, 16, "long_tailed")["seats"] == slo.MAX_CAPACITY_SEATS
+    assert slo.capacity_seats(1, 16, "long_tailed")["seats"] == 1
 
     repo = slo.capacity_repository(REPO_ROOT / "model_repository", tmp_path / "repo", 96, args.variants)
     assert sorted(p.name for p in repo.iterdir()) == ["llm_continuous", "llm_dynamic_1x16_2000us", "llm_iterative"]
@@ -485,6 +485,47 @@ def test_capacity_gives_the_paged_models_the_seats_their_kv_pool_holds(tmp_path,
     for model in ("llm_iterative", "llm_continuous"):
         assert config_text.parameter(config_text.load(repo / model / "config.pbtxt"), "max_num_seqs") == "96"
 
+
+SERVED_METRICS = """\
+# TYPE llm_kv_blocks_total gauge
+llm_kv_blocks_total{model="llm_continuous",version="1",instance="llm_continuous_0"} 1456
+llm_kv_blocks_total{model="llm_continuous",version="1",instance="llm_continuous_1"} 1500
+llm_kv_blocks_total{model="llm_dynamic",version="1"} 7
+"""
+
+
+@pytest.mark.timeout(20)
+def test_capacity_reads_the_kv_pool_from_a_server_of_llm_continuous(tmp_path, monkeypatch):
+    """The pool is the server's: the blocks on its metrics port (one instance's), the block size in the config it
+    serves; read from a server of llm_continuous alone, with the command line's engine parameters."""
+    target = Target("http://127.0.0.1:1", "127.0.0.1:2", "http://127.0.0.1:3/metrics")
+    served = {"parameters": {"block_size": {"string_value": "16"}, "max_num_seqs": {"string_value": "8"}}}
+    asked = []
+    monkeypatch.setattr(slo, "http_json", lambda url: asked.append(url) or served)
+    monkeypatch.setattr(slo.prometheus, "scrape", lambda url, timeout=2.0: SERVED_METRICS)
+    assert slo.served_kv_pool(target, "llm_continuous") == (1456, 16)
+    assert asked == ["http://127.0.0.1:1/v2/models/llm_continuous/config"]
+    with pytest.raises(RuntimeError, match="llm_kv_blocks_total"):
+        slo.served_kv_pool(target, "llm_iterative")
+    served = {"parameters": {}}
+    with pytest.raises(RuntimeError, match="block_size"):
+        slo.served_kv_pool(target, "llm_continuous")
+
+    serving = []
+
+    @contextlib.contextmanager
+    def serve(repository, model_folder, log_path):
+        serving.append(repository)
+        yield target
+
+    monkeypatch.setattr(slo, "serve", serve)
+    monkeypatch.setattr(slo, "served_kv_pool", lambda target, model: (1456, 16))
+    args = slo.parse_args(["--capacity", "--quantization", "q4_1"])
+    assert slo.size_capacity(args, tmp_path, say=lambda _: None) == slo.capacity_seats(1456, 16, "long_tailed")
+    [repository] = serving
+    assert sorted(p.name for p in repository.iterdir()) == ["llm_continuous"]
+    assert config_text.parameter(config_text.load(repository / "llm_continuous" / "config.pbtxt"),
+                                 "quantization") == "q4_1"
 
 
 @pytest.mark.timeout(10)
