@@ -4,16 +4,21 @@
 
 ``results.json`` holds everything measured: ``meta`` (options, SLOs, machine) and ``runs`` (one per model and load
 point: the per-request records, the metrics samples, the measurement window). The tables are computed here
-(loadtest/stats.py), so a report can always be rebuilt from the raw data.
+(loadtest/stats.py), so a report can always be rebuilt from the raw data. The words are in
+``loadtest/templates/report.md.j2``; report.html is that Markdown rendered into ``report.html.j2``.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import html
+import functools
 import json
 from pathlib import Path
+
+import jinja2
+from markdown_it import MarkdownIt
+from markupsafe import Markup
 
 from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOTAL, STATIC, model_order, short_name
 from loadtest import metrics, plots
@@ -21,23 +26,22 @@ from loadtest.runner import BF16, weight_format
 from loadtest.stats import MIN_REQUESTS, MIN_WINDOW_S, headline, headline_point, is_measured, ratio, summarize
 
 BASELINE, CANDIDATE = DYNAMIC, CONTINUOUS  # the headline: continuous batching against Triton's dynamic batcher
-DESIGN_NOTE = "docs/batching.md (the design note on static, dynamic and continuous batching)"
+# Iterative at this share of continuous's output tokens/s or more: the report says that iteration-level scheduling is
+# what matters, whoever does it.
+ITERATIVE_CLOSE = 0.85
+TEMPLATES = Path(__file__).parent / "templates"
 
 
 def is_dynamic_variant(model: str) -> bool:
     return model.startswith(BASELINE + "_")
 
 
-# What each model beside the continuous one is, for its comparison table.
-BESIDE = {
-    STATIC: f"{STATIC} is the same engine behind Triton's batcher told to wait (up to its max_queue_delay) for a full "
-    "batch before it runs one, and to run that batch to its longest member: the static batching of "
-    f"{DESIGN_NOTE}, kept as a teaching baseline.",
-    BASELINE: f"{BASELINE} is the same engine behind Triton's dynamic batcher as shipped: a batch forms within its "
-    "max_queue_delay and runs to its longest member.",
-    ITERATIVE: f"{ITERATIVE} is the same engine behind Triton's iterative sequence batcher: Triton forms the batch at "
-    "every step, the model runs one step over it and hands the unfinished requests back.",
-}
+def batching_of(model: str) -> str | None:
+    """How a compared model decides its batch, as the report's words tell them apart (None: a model it has none for)."""
+    if is_dynamic_variant(model):
+        return "dynamic variant"
+    return {STATIC: "static", BASELINE: "dynamic", ITERATIVE: "iterative", CANDIDATE: "continuous"}.get(model)
+
 
 # (heading, row key, format) for the per-load-point table.
 COLUMNS = [
@@ -174,15 +178,31 @@ def build(results: dict, out_dir: Path) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = results["meta"]
-    slo_ttft, slo_tpot = meta["slo"]["ttft_ms"], meta["slo"]["tpot_ms"]
     runs = sorted(results["runs"], key=lambda r: (model_order(r["model"]), r.get("arrival_rate") or 0.0, r["users"]))
-    rows = [summarize(run, slo_ttft, slo_tpot) for run in runs]
+    rows = [summarize(run, meta["slo"]["ttft_ms"], meta["slo"]["tpot_ms"]) for run in runs]
     line = headline(rows, BASELINE, CANDIDATE, meta.get("max_num_seqs"))
-
     timeline_runs = _timeline_runs(runs, rows, meta.get("max_num_seqs"))
+    images = _plots(meta, runs, rows, timeline_runs, out_dir)
+
+    markdown = render_markdown(_context(meta, runs, rows, line, images, timeline_runs))
+    (out_dir / "report.md").write_text(markdown)
+    (out_dir / "report.html").write_text(render_html(markdown, out_dir))
+    (out_dir / "summary.json").write_text(json.dumps({"headline": line, "rows": rows}, indent=1))
+    return {
+        "rows": rows,
+        "headline": line,
+        "images": images,
+        "md": out_dir / "report.md",
+        "html": out_dir / "report.html",
+    }
+
+
+def _plots(meta: dict, runs: list[dict], rows: list[dict], timeline_runs: list[dict], out_dir: Path) -> dict:
+    """Draw the PNGs into ``out_dir``: against load for every row, over time for ``timeline_runs`` (if any)."""
+    slo = meta["slo"]
     images = {
         "throughput": plots.throughput_vs_load(rows, out_dir / "throughput_vs_load.png"),
-        "latency": plots.latency_vs_load(rows, out_dir / "latency_vs_load.png", slo_ttft, slo_tpot),
+        "latency": plots.latency_vs_load(rows, out_dir / "latency_vs_load.png", slo["ttft_ms"], slo["tpot_ms"]),
         "e2e": plots.e2e_distribution(
             [run for run, row in zip(runs, rows) if is_measured(row)], out_dir / "e2e_latency_cdf.png"
         ),
@@ -193,18 +213,7 @@ def build(results: dict, out_dir: Path) -> dict:
         )
         images["kv"] = plots.kv_blocks_over_time(timeline_runs, out_dir / "kv_blocks_over_time.png")
         images["batch_hist"] = plots.batch_size_histogram(timeline_runs, out_dir / "batch_size_histogram.png")
-
-    sections = _sections(meta, runs, rows, line, images, timeline_runs)
-    (out_dir / "report.md").write_text(_markdown(sections))
-    (out_dir / "report.html").write_text(_html(sections))
-    (out_dir / "summary.json").write_text(json.dumps({"headline": line, "rows": rows}, indent=1))
-    return {
-        "rows": rows,
-        "headline": line,
-        "images": images,
-        "md": out_dir / "report.md",
-        "html": out_dir / "report.html",
-    }
+    return images
 
 
 def _seats(meta: dict) -> dict[str, int]:
@@ -232,124 +241,146 @@ def _timeline_runs(runs: list[dict], rows: list[dict], max_num_seqs: int | None)
     return sorted(chosen, key=lambda run: model_order(run["model"]))
 
 
-# ---- sections, written once, rendered as Markdown and as HTML ------------------------------------------------
+# ---- what the report states: figures, tables and lists for report.md.j2 ---------------------------------------
 
 
-def _sections(
+def _context(
     meta: dict, runs: list[dict], rows: list[dict], line: str, images: dict, timeline_runs: list[dict]
-) -> list[tuple]:
-    """A list of ``(kind, content)``: ("h1"|"h2"|"p"|"pre", text), ("table", (header, rows)), ("img", (path, alt))."""
-    slo = meta["slo"]
+) -> dict:
+    """Everything report.md.j2 states, computed from the results; the template holds the words."""
     formats = weight_formats(meta)
-    title = "Continuous vs dynamic batching on Triton: measured"
-    if formats and formats != [BF16]:
-        title += f" ({', '.join(formats)} weights)"
-    s = [("h1", title), ("p", f"**Headline:** {line}")]
-    if meta.get("max_num_seqs"):
-        s.append(
-            (
-                "p",
-                f"Every model runs at most {meta['max_num_seqs']} sequences at once"
-                + _instances_text(meta.get("configs", {}), meta["max_num_seqs"])
-                + ". The headline is taken at the highest load with no more users than that, where every request "
-                "could be in the batch together; above it every model queues, and the tables below show by how much.",
-            )
-        )
-    s.append(("p", _setup_text(meta, runs)))
-    shared = _shared_text(runs)
-    if shared:
-        s.append(("p", shared))
-    if meta.get("configs"):
-        s += [
-            ("h2", "Configurations served"),
-            ("table", (CONFIG_HEADER, config_rows(meta["configs"], runs))),
-            (
-                "p",
-                "Read from each model's config as the server served it (/v2/models/<model>/config). Triton's batcher: "
-                "max_batch_size, preferred_batch_size, max_queue_delay and the instance count (each instance runs its "
-                "own engine and KV pool); the engine's: max_num_seqs, max_num_batched_tokens, the KV-cache blocks "
-                "(all instances together, as the engines reported them on the metrics port, else as configured per "
-                "instance) and the weights (the engine parameter quantization, else the dtype).",
-            ),
-        ]
+    return {
+        "title_formats": formats if formats and formats != [BF16] else [],
+        "headline": line,
+        "seats": meta.get("max_num_seqs"),
+        "instances": _instances_text(meta.get("configs", {}), meta.get("max_num_seqs")),
+        "setup": _setup(meta, runs),
+        "shared": _shared_text(runs),
+        "config_header": CONFIG_HEADER,
+        "configs": config_rows(meta["configs"], runs) if meta.get("configs") else None,
+        "dynamic": BASELINE,
+        "beside": _beside(rows),
+        "column_header": [c[0] for c in COLUMNS],
+        "load_points": table_rows(rows),
+        "slo": meta["slo"],
+        "unmeasured": [row for row in rows if not is_measured(row)],
+        "min_requests": MIN_REQUESTS,
+        "min_window_s": MIN_WINDOW_S,
+        "images": {key: Path(path).name for key, path in images.items()},
+        "timeline": _timeline(rows, timeline_runs) if timeline_runs else None,
+        "loadgen": _loadgen(rows),
+        "errors": sorted({e for r in rows for e in r["errors"]})[:20],
+    }
+
+
+def _setup(meta: dict, runs: list[dict]) -> dict:
+    """What the setup paragraph states: weights, workload, loop, server, machine ('?' where results.json is silent)."""
+    server = meta.get("server", {})
+    loads = [run["loadavg_before"][0] for run in runs if run.get("loadavg_before")]
+    cpus = meta.get("cpus") or 0
+    return {
+        "weights": _weights_text(meta),
+        "workload": meta["workload"],
+        "seed": meta.get("seed", 0),
+        "open_loop": bool(meta.get("rates")),
+        "users_for_rates": meta.get("users_for_rates"),
+        "run_s": meta.get("run_s", "?"),
+        "ramp_s": meta.get("ramp_s", "?"),
+        "max_requests": meta.get("max_requests", "?"),
+        "protocol": meta.get("protocol", "grpc"),
+        "url": server.get("url", "?"),
+        "started_here": bool(server.get("started_here")),
+        "model_folder": server.get("model_folder", "?"),
+        "machine": meta.get("machine", "?"),
+        "mode": meta.get("mode", "?"),
+        "started": meta.get("started", "?"),
+        "loadavg": (min(loads), max(loads)) if loads else None,
+        # A machine whose load average passed three quarters of its CPUs ran other work beside the comparison.
+        "busy_cpus": cpus if loads and cpus and max(loads) > 0.75 * cpus else None,
+    }
+
+
+def _beside(rows: list[dict]) -> list[dict]:
+    """Continuous set beside each other compared model: one table per model that shares a load point with it."""
+    sections = []
     for other in sorted({row["model"] for row in rows} - {CANDIDATE}, key=model_order):
         beside = comparison_rows(rows, other, CANDIDATE)
-        if not beside:
+        if beside:
+            short = short_name(other)
+            sections.append({
+                "model": other,
+                "short": short,
+                "batching": batching_of(other),
+                "header": COMPARISON_HEADER[:-1] + [f"goodput req/s (cont. vs {short})"],
+                "rows": beside,
+            })  # fmt: skip
+    return sections
+
+
+def _timeline(rows: list[dict], timeline_runs: list[dict]) -> dict:
+    """What the plotted load point shows: each model's steps, and what its way of deciding the batch cost it."""
+    load = timeline_runs[0]["load"]
+    at = {r["model"]: r for r in rows if r["load"] == load and is_measured(r)}
+    cont = at.get(CANDIDATE)
+    share = None
+    if cont is not None and ITERATIVE in at and at[ITERATIVE]["output_tok_per_s"] and cont["output_tok_per_s"]:
+        share = at[ITERATIVE]["output_tok_per_s"] / cont["output_tok_per_s"]
+    return {
+        "load": load,
+        "with_static": any(run["model"] == STATIC for run in timeline_runs),
+        "steps": _steps(rows, timeline_runs),
+        "costs": _decision_costs(rows, at),
+        "iterative_share": share,
+        "iterative_close": share is not None and share >= ITERATIVE_CLOSE,
+    }
+
+
+def _steps(rows: list[dict], timeline_runs: list[dict]) -> list[dict]:
+    """What the server's own counters say at the plotted load: batch size times steps per second."""
+    steps = []
+    for run in timeline_runs:
+        row = next(r for r in rows if r["model"] == run["model"] and r["load"] == run["load"])
+        if row["steps_per_s"] and row["mean_batch_size"]:
+            steps.append({
+                "model": run["model"],
+                "steps_per_s": row["steps_per_s"],
+                "step_ms": 1000 / row["steps_per_s"],
+                "batch": row["mean_batch_size"],
+                "sequence_steps": row["steps_per_s"] * row["mean_batch_size"],
+            })  # fmt: skip
+    return steps
+
+
+def _decision_costs(rows: list[dict], at: dict[str, dict]) -> list[dict]:
+    """Per model measured at the plotted load (``at``), the figures that show what deciding its batch costs:
+    static beside continuous at the lowest load, iterative's hand-back per iteration."""
+    measured = [r for r in rows if is_measured(r)]
+    lowest = min(((r["arrival_rate"], r["users"]) for r in measured), default=None)
+    low = {r["model"]: r for r in measured if (r["arrival_rate"], r["users"]) == lowest}
+    costs = []
+    for model in sorted(at, key=model_order):
+        row, batching = at[model], batching_of(model)
+        if batching is None:
             continue
-        short = short_name(other)
-        header = COMPARISON_HEADER[:-1] + [f"goodput req/s (cont. vs {short})"]
-        text = BESIDE.get(other) or (
-            f"{other} is {BASELINE} served with other batcher settings (the configuration table above): the dynamic "
-            "batcher at the best settings found for it on this machine, or those given with --dynamic-variants."
-        )
-        s += [("h2", f"Continuous beside {short}, per load point"), ("p", text), ("table", (header, beside))]
-    s += [
-        ("h2", "Every load point"),
-        ("table", ([c[0] for c in COLUMNS], table_rows(rows))),
-        (
-            "p",
-            f"Goodput: requests (started in the measured window) with TTFT ≤ {slo['ttft_ms']:.0f} ms and TPOT ≤ "
-            f"{slo['tpot_ms']:.0f} ms, per second. TTFT/TPOT/E2E are client-side (perf_counter in the Locust user). "
-            "'mean batch' is sequences per forward step from the server's llm_batch_size histogram; 'mean waiting' "
-            "adds the engine's queue and Triton's own queue in front of the model; 'cut off': requests still "
-            "streaming when the drain limit ended the run (not failures; their TTFT counts, their E2E cannot); "
-            "'steps/s' are forward steps per second; 'server CPU' is tritonserver with its Python-backend stubs and "
-            "'loadgen CPU' the Locust process, both in percent of one core (100% = one core fully busy).",
-        ),
-    ]
-    unmeasured = [row for row in rows if not is_measured(row)]
-    if unmeasured:
-        s.append(
-            (
-                "p",
-                f"**Not measured:** a load point gives figures only when at least {MIN_REQUESTS} requests started "
-                f"in a measurement window of at least {MIN_WINDOW_S:g} s; below that a rate or a percentile is "
-                "noise, so the tables give none and the plots leave the point out: "
-                + "; ".join(f"{row['model']} at {row['load']} ({row['not_measured']})" for row in unmeasured)
-                + ".",
-            )
-        )
-    s += [
-        ("h2", "Throughput and latency against load"),
-        ("img", (images["throughput"], "output tokens/s and requests/s against load")),
-        ("img", (images["latency"], "TTFT and TPOT p50/p99 against load")),
-        ("img", (images["e2e"], "end-to-end latency distribution")),
-    ]
-    if "batch" in images:
-        load = timeline_runs[0]["load"]
-        s += [
-            ("h2", f"Why: batch size over time at {load}"),
-            (
-                "p",
-                f"The pictures of {DESIGN_NOTE}, measured. "
-                + (
-                    "Static batching: the batcher waits for a full batch, which then runs to its longest member. "
-                    if any(run["model"] == STATIC for run in timeline_runs)
-                    else ""
-                )
-                + "Dynamic batching: Triton forms a batch, the batch runs to "
-                "its longest member, and it shrinks as short answers finish; requests that arrive meanwhile wait in "
-                "Triton's queue. Continuous batching: finished sequences leave and waiting ones join at every step, so "
-                "the batch stays full while there is work.",
-            ),
-            ("p", _step_text(rows, timeline_runs)),
-            ("p", _decision_costs(rows, timeline_runs)),
-            ("img", (images["batch"], "sequences per forward step over time")),
-            ("img", (images["batch_hist"], "forward steps by batch size")),
-            (
-                "p",
-                "KV-cache blocks: under every policy the scheduler frees a sequence's blocks the step it finishes. "
-                "A dynamic batch's KV use therefore falls as its members finish, and the freed blocks sit idle until "
-                "the whole batch returns, because no waiting request can join it; the continuous engine hands them "
-                "to a waiting request at the next step, so its KV use stays up while there is work.",
-            ),
-            ("img", (images["kv"], "KV-cache blocks in use over time")),
-        ]
-    s += [("h2", "The load generator"), ("p", _loadgen_text(rows))]
-    errors = sorted({e for r in rows for e in r["errors"]})
-    if errors:
-        s += [("h2", "Failures seen"), ("pre", "\n".join(errors[:20]))]
-    return s
+        cost = {"short": short_name(model), "batching": batching, "row": row, "low": None}
+        if batching == "static" and model in low and CANDIDATE in low:
+            cost.update(low=low[model], low_continuous=low[CANDIDATE])
+        elif batching == "iterative":
+            gap = row.get("mean_iteration_gap_ms")
+            step = 1000 / row["steps_per_s"] if row.get("steps_per_s") else None
+            cost.update(gap_ms=gap, step_ms=step, gap_percent=100 * gap / step if gap is not None and step else None)
+        costs.append(cost)
+    return costs
+
+
+def _loadgen(rows: list[dict]) -> dict | None:
+    """Locust's CPU (mean range, peak) and the server's, per load point, in percent of one core; None: not measured."""
+    cpu = [r["loadgen_cpu_mean"] for r in rows if r.get("loadgen_cpu_mean") is not None]
+    peak = [r["loadgen_cpu_max"] for r in rows if r.get("loadgen_cpu_max") is not None]
+    server = [r["server_cpu_mean"] for r in rows if r.get("server_cpu_mean") is not None]
+    if not cpu:
+        return None
+    return {"mean": (min(cpu), max(cpu)), "peak": max(peak), "server": (min(server), max(server)) if server else None}
 
 
 def _instances_text(configs: dict[str, dict], max_num_seqs: int | None = None) -> str:
@@ -366,83 +397,6 @@ def _instances_text(configs: dict[str, dict], max_num_seqs: int | None = None) -
         elif other_seats:
             several.append(f"{model}: {seats}")
     return f" per instance ({'; '.join(several)})" if several else ""
-
-
-def _step_text(rows: list[dict], timeline_runs: list[dict]) -> str:
-    """What the server's own counters say at the plotted load: batch size times steps per second."""
-    parts = []
-    for run in timeline_runs:
-        row = next(r for r in rows if r["model"] == run["model"] and r["load"] == run["load"])
-        if row["steps_per_s"] and row["mean_batch_size"]:
-            parts.append(
-                f"{run['model']} ran {row['steps_per_s']:.1f} forward steps/s ({1000 / row['steps_per_s']:.0f} ms "
-                f"each) with {row['mean_batch_size']:.2f} sequences per step, i.e. "
-                f"{row['steps_per_s'] * row['mean_batch_size']:.0f} sequence-steps/s"
-            )
-    if not parts:
-        return "The server exported no per-step batch sizes for this load."
-    return f"Measured at {timeline_runs[0]['load']}: " + "; ".join(parts) + "."
-
-
-def _decision_costs(rows: list[dict], timeline_runs: list[dict]) -> str:
-    """One paragraph, from the measured numbers: what each row's way of deciding the batch costs it."""
-    load = timeline_runs[0]["load"]
-    at = {r["model"]: r for r in rows if r["load"] == load and is_measured(r)}
-    measured = [r for r in rows if is_measured(r)]
-    lowest = min(((r["arrival_rate"], r["users"]) for r in measured), default=None)
-    low = {r["model"]: r for r in measured if (r["arrival_rate"], r["users"]) == lowest}
-    cont = at.get(CANDIDATE)
-
-    def said(row: dict) -> str:
-        return (
-            f"{fmt(row['mean_batch_size'], '{:.1f}')} sequences per step, "
-            f"{fmt(row['mean_waiting_total'], '{:.1f}')} requests waiting, TTFT p99 {fmt(row['ttft_p99_ms'], 'ms')}, "
-            f"{row['output_tok_per_s']:.0f} tok/s"
-        )
-
-    parts = []
-    for model in sorted(at, key=model_order):
-        row = at[model]
-        if model == STATIC:
-            wait = ""
-            if model in low and CANDIDATE in low:
-                wait = (
-                    f" at {low[model]['load']} its TTFT p50 was {fmt(low[model]['ttft_p50_ms'], 'ms')} against "
-                    f"{fmt(low[CANDIDATE]['ttft_p50_ms'], 'ms')} for continuous;"
-                )
-            parts.append(f"**static** waits to fill its batch:{wait} at {load}, {said(row)}")
-        elif model == BASELINE or is_dynamic_variant(model):
-            parts.append(
-                f"**{short_name(model)}** runs each batch to its longest member while the next requests wait "
-                f"in Triton's queue: at {load}, {said(row)}"
-            )
-        elif model == ITERATIVE:
-            gap = row.get("mean_iteration_gap_ms")
-            step = 1000 / row["steps_per_s"] if row.get("steps_per_s") else None
-            cost = (
-                f"{gap:.2f} ms per iteration between one step's end and the next execute()"
-                + (f" ({100 * gap / step:.0f}% of a {step:.0f} ms step)" if step else "")
-                if gap is not None
-                else "a hand-back per iteration the metrics did not show"
-            )
-            parts.append(f"**iterative** pays Triton's scheduler at every step, {cost}: at {load}, {said(row)}")
-        elif model == CANDIDATE:
-            parts.append(
-                f"**continuous** decides in its own loop, between steps, at no cost measured here: {said(row)}"
-            )
-    if not parts:
-        return "No model was measured at the plotted load."
-    text = "What each way of deciding the batch costs, measured: " + "; ".join(parts) + "."
-    if cont is not None and ITERATIVE in at and at[ITERATIVE]["output_tok_per_s"]:
-        close = at[ITERATIVE]["output_tok_per_s"] / cont["output_tok_per_s"] if cont["output_tok_per_s"] else None
-        if close is not None:
-            text += (
-                f" Triton's iterative batching reached {close:.0%} of the continuous model's output tokens/s: "
-                "iteration-level scheduling is what matters, whoever does it."
-                if close >= 0.85
-                else f" Triton's iterative batching reached {close:.0%} of the continuous model's output tokens/s."
-            )
-    return text
 
 
 def weight_formats(meta: dict) -> list[str]:
@@ -464,34 +418,6 @@ def _weights_text(meta: dict) -> str:
     by_model = ", ".join(f"{m} {weight_format(c)}" for m, c in sorted(meta["configs"].items(),
                                                                       key=lambda item: model_order(item[0])))
     return f"Weights: {by_model}."
-
-
-def _setup_text(meta: dict, runs: list[dict]) -> str:
-    server = meta.get("server", {})
-    parts = [
-        _weights_text(meta),
-        f"Workload {meta['workload']} (max_tokens with ignore_eos, so every model generates exactly the same tokens; "
-        f"seed {meta.get('seed', 0)}).",
-        f"Closed loop: N users each send the next request when the last one ends; "
-        f"{meta.get('run_s', '?')} s per load point, the first {meta.get('ramp_s', '?')} s left out, "
-        f"at most {meta.get('max_requests', '?')} requests each."
-        if not meta.get("rates")
-        else f"Open loop: Poisson arrivals at the given rate over {meta.get('users_for_rates')} users.",
-        f"Protocol: {meta.get('protocol', 'grpc')}. Server: {server.get('url', '?')} "
-        f"({'started by this run' if server.get('started_here') else 'already running'}), model folder "
-        f"{server.get('model_folder', '?')}. Machine: {meta.get('machine', '?')}. Mode: {meta.get('mode', '?')}; "
-        f"started {meta.get('started', '?')}.",
-    ]
-    loads = [run["loadavg_before"][0] for run in runs if run.get("loadavg_before")]
-    if loads:
-        parts.append(f"Load average (1 min) before each point: {min(loads):.1f}–{max(loads):.1f}.")
-        cpus = meta.get("cpus") or 0
-        if cpus and max(loads) > 0.75 * cpus:
-            parts.append(
-                f"**Warning:** other work was running on this {cpus}-CPU machine; absolute numbers are lower "
-                "than on an idle one, and the models were measured under the same conditions only roughly."
-            )
-    return " ".join(parts)
 
 
 def others_under_load(run: dict) -> list[str] | None:
@@ -519,80 +445,45 @@ def _shared_text(runs: list[dict]) -> str:
         "those rows measure the sharing as well as the batching.")
 
 
-def _loadgen_text(rows: list[dict]) -> str:
-    cpu = [r["loadgen_cpu_mean"] for r in rows if r.get("loadgen_cpu_mean") is not None]
-    peak = [r["loadgen_cpu_max"] for r in rows if r.get("loadgen_cpu_max") is not None]
-    server = [r["server_cpu_mean"] for r in rows if r.get("server_cpu_mean") is not None]
-    if not cpu:
-        return "The load generator's CPU use was not measured."
-    text = (
-        f"Locust used {min(cpu):.0f}–{max(cpu):.0f}% of one core on average per load point (peak {max(peak):.0f}%), "
-        "measured with psutil on its process every 0.5 s."
-    )
-    if server:
-        text += (
-            " The server (tritonserver and its Python-backend stubs) used "
-            f"{min(server):.0f}–{max(server):.0f}% of one core (a server busy on two cores shows 200%)."
-        )
-    text += (
-        " Locust's gevent loop is single-threaded: while it stays well below 100% of a core it is not what limits"
-        " the measured throughput."
-    )
-    return text
+# ---- rendering ----------------------------------------------------------------------------------------------
 
 
-def _markdown(sections: list[tuple]) -> str:
-    out = []
-    for kind, content in sections:
-        if kind == "h1":
-            out.append(f"# {content}\n")
-        elif kind == "h2":
-            out.append(f"## {content}\n")
-        elif kind == "p":
-            out.append(f"{content}\n")
-        elif kind == "pre":
-            out.append(f"```\n{content}\n```\n")
-        elif kind == "table":
-            header, rows = content
-            lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-            lines += ["| " + " | ".join(row) + " |" for row in rows]
-            out.append("\n".join(lines) + "\n")
-        elif kind == "img":
-            path, alt = content
-            out.append(f"![{alt}]({Path(path).name})\n")
-    return "\n".join(out)
+def _one_line(text: str) -> str:
+    return " ".join(line for line in text.splitlines() if line)
 
 
-def _html(sections: list[tuple]) -> str:
-    body = []
-    for kind, content in sections:
-        if kind in ("h1", "h2"):
-            body.append(f"<{kind}>{html.escape(content)}</{kind}>")
-        elif kind == "p":
-            text = html.escape(content)
-            while "**" in text:  # the one bit of Markdown the sections use
-                text = text.replace("**", "<b>", 1).replace("**", "</b>", 1)
-            body.append(f"<p>{text}</p>")
-        elif kind == "pre":
-            body.append(f"<pre>{html.escape(content)}</pre>")
-        elif kind == "table":
-            header, rows = content
-            head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-            cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table>")
-        elif kind == "img":
-            path, alt = content
-            data = base64.b64encode(Path(path).read_bytes()).decode()
-            body.append(f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">')
-    style = (
-        "body{font-family:sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;line-height:1.45}"
-        "table{border-collapse:collapse;font-size:13px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 7px;"
-        "text-align:right}td:first-child,th:first-child{text-align:left}th{background:#f3f3f3}img{max-width:100%}"
+@functools.cache
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        autoescape=jinja2.select_autoescape(enabled_extensions=("html.j2",), default_for_string=False),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
     )
-    return (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>Continuous vs dynamic batching</title>"
-        f"<style>{style}</style></head><body>{''.join(body)}</body></html>\n"
-    )
+    env.filters["fmt"] = fmt
+    # The template wraps its prose; report.md keeps each paragraph on one line, ended by its newline.
+    env.filters["paragraph"] = lambda text: _one_line(text) + "\n"
+    return env
+
+
+def render_markdown(context: dict) -> str:
+    return _environment().get_template("report.md.j2").render(context)
+
+
+def render_html(markdown: str, folder: Path) -> str:
+    """``markdown`` as one self-contained page: rendered as CommonMark with tables (raw HTML off, so a name such as
+    ``<model>`` stays text), each image read from ``folder`` into the page."""
+    parser = MarkdownIt("js-default")
+    tokens = parser.parse(markdown)
+    for token in tokens:
+        for child in token.children or []:
+            if child.type == "image":
+                data = base64.b64encode((folder / child.attrGet("src")).read_bytes()).decode()
+                child.attrSet("src", f"data:image/png;base64,{data}")
+    body = Markup(parser.renderer.render(tokens, parser.options, {}))
+    return _environment().get_template("report.html.j2").render(body=body)
 
 
 def main(argv=None) -> int:

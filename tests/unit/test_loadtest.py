@@ -6,6 +6,7 @@ tests/server/test_loadtest.py runs headless Locust and `make compare --smoke` ag
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import random
@@ -432,6 +433,19 @@ def test_report_builds_tables_and_plots_from_fixed_results(tmp_path):
     assert (
         dynamic4["num_failed"] == 0 and dynamic4["goodput_fraction"] == 0.0 and 2.5 < dynamic4["mean_batch_size"] < 3.5
     )
+
+
+@pytest.mark.timeout(10)
+def test_report_html_is_its_markdown_rendered_with_the_images_inside(tmp_path):
+    png = b"\x89PNG plot"
+    (tmp_path / "plot.png").write_bytes(png)
+    page = report.render_html(
+        "# Title\n\n**Headline:** /v2/models/<model>/config & more\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+        "![a plot](plot.png)\n", tmp_path
+    )
+    assert "<h1>Title</h1>" in page and "<td>1</td>" in page
+    assert "<strong>Headline:</strong> /v2/models/&lt;model&gt;/config &amp; more" in page  # text, not markup
+    assert f'src="data:image/png;base64,{base64.b64encode(png).decode()}"' in page
 
 
 @pytest.mark.timeout(60)
