@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE
+from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.report import fmt
 from loadtest.runner import (

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
-from backend.triton.names import CONTINUOUS, DYNAMIC
+from backend.contract.names import CONTINUOUS, DYNAMIC
 from backend.triton.processes import process_group_members
 from backend.triton.server import TritonServer, start_on_free_ports
 from client.schema import GenerationRequest, build_inputs
