@@ -25,8 +25,8 @@ RUN --mount=type=bind,source=docker/wheels,target=/wheels --mount=type=secret,id
 WORKDIR /opt/llm
 COPY loadtest/ loadtest/
 COPY client/ client/
-# What the load tests share with the server (backend/contract: the names of models and metrics, the metrics parser):
-# standard library alone.
+# What the load tests share with the server (backend/contract: the names of models and metrics, the metrics parser,
+# the errors' codes): standard library alone.
 COPY backend/__init__.py backend/
 COPY backend/contract/ backend/contract/
 
