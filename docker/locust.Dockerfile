@@ -25,9 +25,10 @@ RUN --mount=type=bind,source=docker/wheels,target=/wheels --mount=type=secret,id
 WORKDIR /opt/llm
 COPY loadtest/ loadtest/
 COPY client/ client/
-# What the load tests share with the server (the names of models and metrics, the metrics parser): standard library alone.
+# What the load tests share with the server (backend/contract: the names of models and metrics, the metrics parser,
+# the errors' codes): standard library alone.
 COPY backend/__init__.py backend/
-COPY backend/triton/__init__.py backend/triton/names.py backend/triton/prometheus.py backend/triton/
+COPY backend/contract/ backend/contract/
 
 RUN useradd --no-log-init --create-home --uid 10001 --user-group locust
 USER 10001:10001

@@ -6,7 +6,7 @@ Hex strings (matplotlib's "tab:" colours, named beside them), so the live view n
 
 from __future__ import annotations
 
-from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE, STATIC
+from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, STATIC
 
 COLORS = {
     STATIC: "#7f7f7f",  # tab:gray

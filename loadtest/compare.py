@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from backend.triton.names import DYNAMIC, MODELS
+from backend.contract.names import DYNAMIC, MODELS
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, live, report
 from loadtest.runner import (
     REPO_ROOT,

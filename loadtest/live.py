@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from backend.triton import names
+from backend.contract import names
 from loadtest.colors import color
 from loadtest.measure import meets_slo
 from loadtest.metrics import (

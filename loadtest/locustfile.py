@@ -48,7 +48,7 @@ from locust.exception import StopUser  # noqa: E402
 from locust.runners import STATE_RUNNING, STATE_SPAWNING  # noqa: E402
 from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 
-from backend.triton.names import CONTINUOUS  # noqa: E402
+from backend.contract.names import CONTINUOUS  # noqa: E402
 from client.grpc_stream import GrpcStream  # noqa: E402
 from client.schema import Chunk, GenerationRequest, build_inputs, parse_chunk  # noqa: E402
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS  # noqa: E402

@@ -21,8 +21,8 @@ import time
 
 import requests
 
-from backend.triton import names
-from backend.triton.prometheus import Series, by_model, parse_prometheus, scrape
+from backend.contract import names
+from backend.contract.prometheus import Series, by_model, parse_prometheus, scrape
 
 PREFIXES = (names.METRIC_PREFIX, names.TRITON_METRIC_PREFIX)
 

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from backend.triton import names  # noqa: E402
+from backend.contract import names  # noqa: E402
 from loadtest import metrics  # noqa: E402
 from loadtest.colors import color  # noqa: E402
 from loadtest.stats import batch_size_distribution, is_measured, started_in_window  # noqa: E402

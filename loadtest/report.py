@@ -20,7 +20,7 @@ import jinja2
 from markdown_it import MarkdownIt
 from markupsafe import Markup
 
-from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOTAL, STATIC, model_order, short_name
+from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOTAL, STATIC, model_order, short_name
 from loadtest import metrics, plots
 from loadtest.runner import BF16, weight_format
 from loadtest.stats import MIN_REQUESTS, MIN_WINDOW_S, headline, headline_point, is_measured, ratio, summarize

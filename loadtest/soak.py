@@ -40,14 +40,14 @@ from typing import Callable
 
 import requests
 
-from backend.triton.launch_options import DEFAULT_MODEL, free_ports
-from backend.triton.names import (
+from backend.contract.names import (
     KV_BLOCKS_USED,
     MODELS,
     NUM_REQUESTS_RUNNING,
     NUM_REQUESTS_WAITING,
     PENDING_REQUESTS,
 )
+from backend.triton.launch_options import DEFAULT_MODEL, free_ports
 from backend.triton.processes import process_names, tree_rss
 from backend.triton.server import start_on_free_ports
 from backend.triton.shutdown import exit_status

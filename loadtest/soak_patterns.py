@@ -5,8 +5,8 @@ requests (or of time) is spent, and accounts for every request it sent as exactl
 - ``completed``: the whole answer (greedy, ``ignore_eos``: exactly ``max_tokens`` tokens, finish reason "length");
 - ``cancelled``: the client cancelled it or dropped its connection (that the server let it go is what the soak
   checks afterwards: nothing pending in Triton, the KV blocks back to 0);
-- ``error``: refused, or ended with an error that says why (overloaded, a sequence Triton cannot serve, a bad
-  request), counted by reason;
+- ``error``: refused, or ended with an error of an expected kind (overloaded, a sequence Triton cannot serve, a bad
+  request; the kind is the code in front of the message, backend/contract/errors.py), counted by reason;
 - ``lost``: no final response within the request timeout, a wrong answer, or an error nobody expects.
 """
 
@@ -24,6 +24,8 @@ from typing import Callable, Iterator
 
 import requests
 
+from backend.contract import errors
+from backend.contract.errors import PROMPT, ErrorKind
 from client.grpc_stream import GrpcStream, StreamSession, max_batch_size, start_stream
 from client.schema import input_tensors, raw_input_values
 from loadtest.runner import max_num_seqs
@@ -34,23 +36,26 @@ WORDS = (
 ).split()
 MAX_CANCEL_AFTER = 8  # a cancelled or dropped request goes after 0 to this many tokens (events, chunks)
 
-# Refusals that say why, by reason: (pieces of the message, one of which it contains).
-OVERLOADED = {"overloaded": ("overloaded", "maximum queue size")}  # beyond max_queue_size, any pattern
+# Errors that say why, and the reason each is counted under: a kind of the models' errors, or a text of Triton's own
+# (which carries no kind).
+OVERLOADED = {ErrorKind.OVERLOADED: "overloaded"}  # beyond max_queue_size (Triton's own refusal included), any pattern
 # perf_analyzer's sequences of several requests on llm_iterative (model_repository/llm_iterative/1/model.py): the
-# model's answer to the second request (it names --sequence-length 1) and Triton's refusal of a request without START
-# once it has closed the sequence. Which of the two the second request gets is a race.
+# model's answer to the second request and Triton's refusal of a request without START once it has closed the
+# sequence. Which of the two the second request gets is a race.
 SEQUENCE_REFUSALS = {
-    "multi-request sequence": ("--sequence-length 1",),
-    "sequence closed by Triton": ("must specify the START flag on the first request of the sequence",),
+    ErrorKind.MULTI_REQUEST_SEQUENCE: "multi-request sequence",
+    "must specify the START flag on the first request of the sequence": "sequence closed by Triton",
 }
-# Bad requests and the reason each must be refused with: (name, HTTP /generate body, piece of the 400's text).
+# Bad requests and what each must be refused with: (name, HTTP /generate body, kind, the parameter it names).
 BAD_REQUESTS = [
-    ("empty_prompt", {"text_input": ""}, "text_input is empty"),
-    ("max_tokens_0", {"text_input": "Hi", "max_tokens": 0}, "max_tokens must be a positive integer"),
-    ("top_p_2", {"text_input": "Hi", "top_p": 2.0}, "top_p must be in (0, 1]"),
-    ("unknown_key", {"text_input": "Hi", "sampling_parameters": '{"best_of": 2}'}, "unknown key"),
-    ("broken_json", {"text_input": "Hi", "sampling_parameters": "{max_tokens:"}, "not valid JSON"),
-    ("prompt_too_large", {"text_input": "x" * 100_000}, "the limit is"),
+    ("empty_prompt", {"text_input": ""}, ErrorKind.INVALID_REQUEST, PROMPT),
+    ("max_tokens_0", {"text_input": "Hi", "max_tokens": 0}, ErrorKind.INVALID_REQUEST, "max_tokens"),
+    ("top_p_2", {"text_input": "Hi", "top_p": 2.0}, ErrorKind.INVALID_REQUEST, "top_p"),
+    ("unknown_key", {"text_input": "Hi", "sampling_parameters": '{"best_of": 2}'}, ErrorKind.INVALID_REQUEST,
+     "sampling_parameters"),
+    ("broken_json", {"text_input": "Hi", "sampling_parameters": "{max_tokens:"}, ErrorKind.INVALID_REQUEST,
+     "sampling_parameters"),
+    ("prompt_too_large", {"text_input": "x" * 100_000}, ErrorKind.CONTEXT_LENGTH_EXCEEDED, PROMPT),
 ]
 
 
@@ -192,12 +197,30 @@ def play(pattern: Callable[[Client], None], client: Client) -> None:
 # ---- outcomes -------------------------------------------------------------------------------------------------
 
 
-def error_outcome(text: str, expected: dict[str, tuple[str, ...]] | None = None) -> tuple[str, str]:
-    """("error", reason) for an error that says why (overloaded, or one of ``expected``), else ("lost", text)."""
-    for reason, pieces in {**OVERLOADED, **(expected or {})}.items():
-        if any(piece in text for piece in pieces):
+def error_outcome(message: str, expected: dict[ErrorKind | str, str] | None = None) -> tuple[str, str]:
+    """("error", reason) for an error that says why (overloaded, or one of ``expected``: by its kind, or for Triton's
+    own errors by their text), else ("lost", message)."""
+    error = errors.parse(message)
+    for key, reason in {**OVERLOADED, **(expected or {})}.items():
+        if (error is not None and error.kind is key) or (isinstance(key, str) and key in message):
             return "error", reason
-    return "lost", f"unexpected error: {text}"
+    return "lost", f"unexpected error: {message}"
+
+
+def http_error(response: requests.Response) -> str:
+    """The error message of Triton's HTTP answer (``{"error": message}``), or its whole text."""
+    try:
+        return str(response.json()["error"])
+    except (ValueError, KeyError, TypeError):
+        return response.text
+
+
+def openai_error_outcome(exc) -> tuple[str, str]:
+    """An error the OpenAI SDK raised, by the code of the OpenAI body (the contract's table): only overloaded is
+    expected."""
+    if getattr(exc, "code", None) == errors.HTTP[ErrorKind.OVERLOADED].code:
+        return "error", OVERLOADED[ErrorKind.OVERLOADED]
+    return "lost", f"unexpected error: {exc}"
 
 
 def stream_outcome(stream: GrpcStream, request: Request, timeout: float, expected=None) -> tuple[str, str]:
@@ -289,7 +312,7 @@ def http_generate(client: Client) -> None:
             client.account("lost", f"no response within {target.request_timeout:g} s")
             continue
         if response.status_code != 200:
-            client.account(*error_outcome(response.text))
+            client.account(*error_outcome(http_error(response)))
             continue
         answer = response.json()
         client.account(*answer_outcome(answer.get("num_output_tokens", -1), answer.get("finish_reason"),
@@ -307,7 +330,7 @@ def http_generate_stream_drop(client: Client) -> None:
             with requests.post(f"{target.http_url}/v2/models/{client.model}/generate_stream", json=body,
                                stream=True, timeout=target.request_timeout) as response:
                 if response.status_code != 200:
-                    client.account(*error_outcome(response.text))
+                    client.account(*error_outcome(http_error(response)))
                     continue
                 outcome = ("cancelled", "")  # leaving the block closes the connection
                 lines, num_events = response.iter_lines(), 0
@@ -357,7 +380,7 @@ def openai_stream_disconnect(client: Client) -> None:
             except openai.APITimeoutError:
                 outcome = ("lost", f"no response within {target.request_timeout:g} s")
             except openai.APIError as exc:  # a refusal (429: overloaded), or an error event in the stream
-                outcome = error_outcome(str(exc))
+                outcome = openai_error_outcome(exc)
             client.account(*outcome)
     finally:
         sdk.close()
@@ -408,17 +431,18 @@ def bad_requests(client: Client) -> None:
     """HTTP ``/generate`` requests the model must refuse with a 400 that names the problem, one kind after another."""
     target = client.target
     for _ in client.requests():
-        name, body, expected = client.rng.choice(BAD_REQUESTS)
+        name, body, kind, param = client.rng.choice(BAD_REQUESTS)
         try:
             response = requests.post(f"{target.http_url}/v2/models/{client.model}/generate", json=body,
                                      timeout=target.request_timeout)
         except requests.Timeout:
             client.account("lost", f"{name}: no response within {target.request_timeout:g} s")
             continue
-        if response.status_code == 400 and expected in response.text:
+        error = errors.parse(http_error(response))
+        if response.status_code == 400 and error is not None and (error.kind, error.param) == (kind, param):
             client.account("error", f"bad request: {name}")
         else:
-            outcome, reason = error_outcome(response.text)
+            outcome, reason = error_outcome(http_error(response))
             client.account(outcome, reason if outcome == "error" else f"{name}: HTTP {response.status_code}: {reason}")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from backend.triton import names
+from backend.contract import names
 from loadtest import metrics
 
 PERCENTILES = (50, 90, 99)

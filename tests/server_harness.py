@@ -14,6 +14,8 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from backend.contract import errors
+from backend.contract.errors import ErrorKind
 from backend.triton import config_text
 from backend.triton.launch_options import LOOPBACK, copy_model_repository
 from backend.triton.server import TritonServer, start_on_free_ports
@@ -28,6 +30,12 @@ COMPARED_MODELS = ("llm_dynamic", "llm_continuous")
 TINY_SETTINGS = {"dtype": "float32", "max_model_len": "256", "num_kv_blocks": "256"}
 
 _servers: list[TritonServer] = []
+
+
+def error_kind(message: str | None) -> ErrorKind | None:
+    """The kind of a model's (or Triton's full-queue) error message, by its code; None for no error or another."""
+    parsed = None if message is None else errors.parse(message)
+    return None if parsed is None else parsed.kind
 _log_numbers = itertools.count()
 
 

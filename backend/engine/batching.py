@@ -14,6 +14,7 @@ callables: a ``sink`` that receives every output, a cancellation check, the shut
 exactly one final output, whatever happens: it finishes, it is aborted, the engine refuses it
 (``FinishReason.REFUSED``), a step fails (``ERROR``), the server shuts down (``ABORT`` with :data:`SHUTTING_DOWN`),
 or the engine breaks (``ERROR`` with :func:`engine_failed`); :func:`end_all` is the one way to end open requests.
+Every error message is built by the contract (``backend/contract/errors.py``), its kind in front.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future
 
+from backend.contract import errors
+from backend.contract.errors import ErrorKind
 from backend.engine.config import SamplingParams
 from backend.engine.llm_engine import LLMEngine, RequestOutput
 from backend.engine.request import FinishReason
@@ -33,15 +36,15 @@ log = logging.getLogger(__name__)
 
 OutputSink = Callable[[RequestOutput], None]
 
-SHUTTING_DOWN = "the server is shutting down"
+SHUTTING_DOWN = errors.message(ErrorKind.SHUTTING_DOWN, "the server is shutting down")
 # A request Triton's iterative sequence batcher let go of while its client still waited (IterationDriver).
-DROPPED = ("the server lost track of this request (Triton's sequence batcher did not hand it back to the model) and "
-           "ended it; this was not caused by the client: send it again")
+DROPPED = errors.message(ErrorKind.DROPPED, "the server lost track of this request (Triton's sequence batcher did not "
+                         "hand it back to the model) and ended it; this was not caused by the client: send it again")
 
 
 def engine_failed(exc: BaseException) -> str:
     """The error every request gets once the engine broke in a way no step can contain."""
-    return f"the engine failed and cannot go on ({exc!r}); restart the server"
+    return errors.message(ErrorKind.ENGINE_FAILED, f"the engine failed and cannot go on ({exc!r}); restart the server")
 
 
 def end_all(
@@ -108,11 +111,13 @@ def run_to_completion(
 
 
 class EngineUnavailable(RuntimeError):
-    """``submit`` refused a request: the loop is stopping, or the engine failed and cannot go on."""
+    """``submit`` refused a request: the loop is stopping (:data:`SHUTTING_DOWN`), or the engine failed and cannot go
+    on (:func:`engine_failed`). The message is the one its client gets."""
 
 
 class EngineOverloaded(RuntimeError):
-    """``submit`` refused a request because ``max_queue_size`` requests are already waiting."""
+    """``submit`` refused a request because ``max_queue_size`` requests are already waiting. The message is the one
+    its client gets."""
 
 
 class RequestStream:
@@ -230,10 +235,9 @@ class EngineLoop:
             # two; len() of the scheduler's deque is atomic, and the loop thread only pops from it.
             num_waiting = len(self._inbox) + self.engine.scheduler.num_waiting
             if num_waiting >= self.max_queue_size:
-                raise EngineOverloaded(
-                    f"the server is overloaded: {num_waiting} requests are already waiting "
-                    f"(max_queue_size={self.max_queue_size}); retry later"
-                )
+                raise EngineOverloaded(errors.message(
+                    ErrorKind.OVERLOADED, f"the server is overloaded: {num_waiting} requests are already waiting "
+                    f"(max_queue_size={self.max_queue_size}); retry later"))
             if self._keeps_streams:
                 self._streams[request_id] = stream
             self._open.add(request_id)
@@ -307,7 +311,7 @@ class EngineLoop:
             self.engine.add_request(request_id, prompt, params, arrival)
         except ValueError as exc:
             return RequestOutput(request_id, "", [], finished=True, finish_reason=FinishReason.REFUSED.value,
-                                 error=str(exc))
+                                 error=errors.refusal(exc))
         return None
 
     def _fail_all(self, message: str, reason: FinishReason) -> None:
@@ -382,7 +386,7 @@ class IterationDriver:
                 self.engine.add_request(request_id, prompt, params, arrival)
             except ValueError as exc:
                 deliver(self._sink, RequestOutput(request_id, "", [], finished=True,
-                                                  finish_reason=FinishReason.REFUSED.value, error=str(exc)))
+                                                  finish_reason=FinishReason.REFUSED.value, error=errors.refusal(exc)))
                 return False
             self._last_seen[request_id] = time.monotonic()
             return True
@@ -444,8 +448,8 @@ class IterationDriver:
             for rid in stale:
                 self._last_seen.pop(rid)
             end_all(self.engine, [rid for rid in stale if rid in cancelled],
-                    f"not handed back by Triton within {self.reap_after:.0f} s (cancelled)", FinishReason.ABORT,
-                    self._gone)
+                    errors.message(ErrorKind.CANCELLED, f"not handed back by Triton within {self.reap_after:.0f} s"),
+                    FinishReason.ABORT, self._gone)
             end_all(self.engine, dropped, DROPPED, FinishReason.ERROR, self._sink)
         return stale
 

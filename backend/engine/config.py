@@ -1,8 +1,10 @@
 """Engine and sampling configuration: validating dataclasses with vLLM's parameter names, and the model's shape.
 
-They raise ``ValueError`` with a message a user can act on; ``assert`` would vanish under ``python -O``. The engine
-resolves the user's :class:`EngineConfig` once, against the model's :class:`ModelShape`, into a frozen
-:class:`ResolvedConfig` that every part of the engine reads.
+They raise ``ValueError`` with a message a user can act on; ``assert`` would vanish under ``python -O``. A request's
+settings that the engine cannot take raise the contract's ``InvalidRequest`` (a ``ValueError`` that names the
+parameter, backend/contract/errors.py), which the client gets as its error. The engine resolves the user's
+:class:`EngineConfig` once, against the model's :class:`ModelShape`, into a frozen :class:`ResolvedConfig` that every
+part of the engine reads.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal
 
+from backend.contract.errors import InvalidRequest
 from backend.engine.shared_cores import CORE_SHARING, CoreSharing
 
 Batching = Literal["continuous", "run_to_completion", "iterative"]
@@ -312,31 +315,34 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-                raise ValueError(f"max_tokens must be a positive integer; got {self.max_tokens!r}")
+                raise InvalidRequest("max_tokens", f"max_tokens must be a positive integer; got {self.max_tokens!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0; got {self.min_tokens!r}")
+            raise InvalidRequest("min_tokens", f"min_tokens must be an integer >= 0; got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+            raise InvalidRequest("min_tokens",
+                                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         temperature = self.temperature
         if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
+            raise InvalidRequest("temperature",
+                                 f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p!r}")
+            raise InvalidRequest("top_p", f"top_p must be in (0, 1]; got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = disabled); got {self.top_k!r}")
+            raise InvalidRequest("top_k", f"top_k must be an integer >= 0 (0 = disabled); got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer; got {self.seed!r}")
+            raise InvalidRequest("seed", f"seed must be an integer; got {self.seed!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise ValueError(f"seed must fit in 64 bits (from -2**63 to 2**64 - 1); got {self.seed}")
+            raise InvalidRequest("seed", f"seed must fit in 64 bits (from -2**63 to 2**64 - 1); got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed; got {len(self.stop)}")
+            raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed; got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings; got {s!r}")
+                raise InvalidRequest("stop", f"stop strings must be non-empty strings; got {s!r}")
             if len(s) > MAX_STOP_STRING_CHARS:
-                raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters; got {len(s)}")
+                raise InvalidRequest("stop",
+                                     f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters; got {len(s)}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
 
@@ -349,22 +355,30 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise InvalidRequest(None, f"unknown sampling parameter(s): {', '.join(unknown)}; "
+                                       f"known: {', '.join(sorted(known))}")
         kw: dict[str, Any] = {}
         for key, value in raw.items():
-            if key in ("max_tokens", "min_tokens", "top_k", "seed") and value is not None:
-                kw[key] = _parse_int(key, value)
-            elif key in ("temperature", "top_p"):
-                try:
-                    kw[key] = float(value)
-                except (TypeError, ValueError):
-                    raise ValueError(f"{key} must be a number; got {value!r}") from None
-            elif key == "ignore_eos":
-                kw[key] = _parse_bool(value)
-            elif key == "stop":
-                kw[key] = [value] if isinstance(value, str) else list(value or [])
-            elif key == "stop_token_ids":
-                kw[key] = [_parse_int(key, v) for v in (value or [])]
-            else:
-                kw[key] = value
+            try:
+                kw[key] = _sampling_value(key, value)
+            except ValueError as exc:
+                raise InvalidRequest(key, str(exc)) from None
         return cls(**kw)
+
+
+def _sampling_value(key: str, value: Any) -> Any:
+    """One sampling setting as sent (numbers may be strings, as genai-perf sends them) -> its type."""
+    if key in ("max_tokens", "min_tokens", "top_k", "seed") and value is not None:
+        return _parse_int(key, value)
+    if key in ("temperature", "top_p"):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key} must be a number; got {value!r}") from None
+    if key == "ignore_eos":
+        return _parse_bool(value)
+    if key == "stop":
+        return [value] if isinstance(value, str) else list(value or [])
+    if key == "stop_token_ids":
+        return [_parse_int(key, v) for v in (value or [])]
+    return value

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+from backend.contract import errors
+from backend.contract.errors import PROMPT, ErrorKind, InvalidRequest
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.detokenizer import IncrementalDetokenizer
@@ -41,7 +43,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     timings: RequestTimings | None = None
     num_preemptions: int = 0
-    error: str | None = None
+    error: str | None = None  # on a final output that failed: the message its client gets (backend/contract/errors.py)
 
 
 @dataclass(frozen=True)
@@ -110,12 +112,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        """Tokenize and queue a request. Raises ``ValueError`` (for this request only) when it cannot be served."""
+        """Tokenize and queue a request. Raises ``InvalidRequest`` (a ``ValueError``, for this request only) when it
+        cannot be served."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
-            raise ValueError("the prompt is empty: it encodes to zero tokens")
+            raise InvalidRequest(PROMPT, "the prompt is empty: it encodes to zero tokens")
         request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
         self.scheduler.add_request(request)  # refuses what can never fit: max_model_len, the KV pool
         self._detokenizers[request_id] = IncrementalDetokenizer(
@@ -148,7 +151,8 @@ class LLMEngine:
     def _fail(self, request: Request, exc: Exception) -> RequestOutput:
         self.scheduler.finish(request.request_id, FinishReason.ERROR)
         output = self._output(request, "", [])
-        output.error = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
+        output.error = errors.message(ErrorKind.ENGINE_FAULT,
+                                      f"the engine failed while running this request: {type(exc).__name__}: {exc}")
         return output
 
     # ---- the step -------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from itertools import islice
 
+from backend.contract.errors import PROMPT, ContextLengthExceeded, InvalidRequest
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig
 from backend.engine.request import FinishReason, Request, RequestStatus
@@ -80,13 +81,14 @@ class Scheduler:
     # ---- queues ---------------------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request; ``ValueError`` if it could never run (the engine reports that to this request only).
+        """Queue a request; ``InvalidRequest`` (a ``ValueError`` that names the parameter to blame) if it could never
+        run (the engine reports that to this request only).
 
         NOTE: how many may wait is the front door's limit (``EngineLoop.submit``, ``max_queue_size``), not this."""
         if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+            raise InvalidRequest(None, f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
-            raise ValueError(f"request {request.request_id!r} is not a new request")
+            raise InvalidRequest(None, f"request {request.request_id!r} is not a new request")
         self._check_fits(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -95,13 +97,15 @@ class Scheduler:
         """The one check of a request against max_model_len and the KV pool."""
         num_prompt = request.num_prompt_tokens
         if num_prompt >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthExceeded(
+                PROMPT,
                 f"the prompt has {num_prompt} tokens but max_model_len is {self.max_model_len}, "
                 "which leaves no room for a generated token; shorten the prompt"
             )
         pool = self.block_manager
         if pool.num_blocks_for(num_prompt) > pool.num_blocks:
-            raise ValueError(
+            raise ContextLengthExceeded(
+                PROMPT,
                 f"the prompt has {num_prompt} tokens, more than the whole KV cache holds "
                 f"({pool.num_blocks} blocks of {pool.block_size} tokens); shorten the prompt"
             )
@@ -110,7 +114,8 @@ class Scheduler:
         max_tokens = request.sampling_params.max_tokens
         max_len = self.max_model_len if max_tokens is None else min(num_prompt + max_tokens, self.max_model_len)
         if pool.num_blocks_for(max_len - 1) > pool.num_blocks:
-            raise ValueError(
+            raise ContextLengthExceeded(
+                "max_tokens",
                 f"the request may grow to {max_len} tokens (prompt + max_tokens, capped by max_model_len), more "
                 f"than the whole KV cache holds ({pool.num_blocks} blocks of {pool.block_size} tokens); "
                 "lower max_tokens"

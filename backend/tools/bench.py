@@ -91,6 +91,7 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 
 import torch  # noqa: E402
 
+from backend.contract.names import CONTINUOUS  # noqa: E402
 from backend.engine.block_manager import BlockManager  # noqa: E402
 from backend.engine.config import QUANTIZATIONS, EngineConfig, ModelShape, SamplingParams  # noqa: E402
 from backend.engine.cpu_fast_path import Linear  # noqa: E402
@@ -101,7 +102,6 @@ from backend.engine.stats import StepRecord  # noqa: E402
 from backend.tools.bench_llamacpp import llamacpp_column  # noqa: E402
 from backend.tools.bench_mixed import format_breakdown, mixed_step_breakdown  # noqa: E402
 from backend.tools.bench_served import SERVED_MODELS, served_column  # noqa: E402
-from backend.triton.names import CONTINUOUS  # noqa: E402
 
 
 @dataclass

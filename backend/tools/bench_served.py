@@ -29,8 +29,8 @@ from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 
+from backend.contract.names import CONTINUOUS, DYNAMIC
 from backend.triton import config_text
-from backend.triton.names import CONTINUOUS, DYNAMIC
 from backend.triton.processes import process_group_members
 from backend.triton.server import TritonServer, start_on_free_ports
 from client.schema import GenerationRequest, build_inputs

@@ -26,9 +26,9 @@ import threading
 import time
 from pathlib import Path
 
+from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, STATIC
 from backend.tools.bench_shared_cores import write_result
 from backend.triton.launch_options import copy_model_repository
-from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE, STATIC
 from backend.triton.server import start_on_free_ports
 from client.grpc_stream import generate
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from backend.contract import names
 from backend.engine.llm_engine import RequestOutput
 from backend.engine.request import FinishReason
-from backend.triton import names
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 _GAP_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]

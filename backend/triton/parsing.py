@@ -1,7 +1,8 @@
 """Request parsing: a Triton request's input tensors and parameters -> prompt, ``SamplingParams``, stream flag.
 
 Plain Python on numpy arrays (``read_inputs`` receives ``triton_python_backend_utils`` as ``pb`` instead of importing
-it), so it runs without a server. Every refusal is a ``ValueError`` whose message goes to the client as it is.
+it), so it runs without a server. Every refusal is an ``InvalidRequest`` (a ``ValueError``, backend/contract/errors.py)
+that names the input or setting to blame; its message goes to the client as it is.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from backend.contract.errors import PROMPT, ContextLengthExceeded, InvalidRequest
 from backend.engine.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 # Inputs every model declares (model_repository/README.md). Anything else is refused by Triton itself.
@@ -65,24 +67,25 @@ def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, paramete
     Keys that are not sampling settings are refused wherever they appear.
     """
     if "text_input" not in inputs:
-        raise ValueError("missing required input 'text_input'")
+        raise InvalidRequest(PROMPT, "missing required input 'text_input'")
     texts = inputs["text_input"].reshape(-1)
     if texts.size != 1:
-        raise ValueError(f"text_input must hold exactly one prompt per request; got {texts.size}")
+        raise InvalidRequest(PROMPT, f"text_input must hold exactly one prompt per request; got {texts.size}")
     raw = texts[0]
     if isinstance(raw, str):
         raw = raw.encode("utf-8")
     if len(raw) > limits.max_prompt_bytes:
-        raise ValueError(
+        raise ContextLengthExceeded(
+            PROMPT,
             f"text_input is {len(raw)} bytes; the limit is {limits.max_prompt_bytes} bytes "
             f"({MAX_PROMPT_BYTES_PER_TOKEN} per token of max_model_len {limits.max_model_len})"
         )
     try:
         prompt = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"text_input is not valid UTF-8 (byte {exc.start})") from None
+        raise InvalidRequest(PROMPT, f"text_input is not valid UTF-8 (byte {exc.start})") from None
     if not prompt:
-        raise ValueError("text_input is empty")
+        raise InvalidRequest(PROMPT, "text_input is empty")
 
     values: dict[str, Any] = {}  # a setting not sent takes SamplingParams' default
     for name in SAMPLING_INPUTS:
@@ -91,11 +94,11 @@ def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, paramete
     for alias, name in SAMPLING_INPUT_ALIASES.items():
         if alias in inputs:
             if name in inputs:
-                raise ValueError(f"send either '{name}' or '{alias}' (the same setting), not both")
+                raise InvalidRequest(alias, f"send either '{name}' or '{alias}' (the same setting), not both")
             values[name] = _scalar(alias, inputs[alias])
     if "stop" in inputs:
         values["stop"] = _stop_strings(inputs["stop"])
-    values.update(_json_object("the request parameters", parameters))
+    values.update(_json_object(None, parameters))
     if "sampling_parameters" in inputs:
         text = _text("sampling_parameters", _scalar("sampling_parameters", inputs["sampling_parameters"]))
         values.update(_json_object("sampling_parameters", text))
@@ -105,7 +108,8 @@ def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, paramete
     omitted = frozenset(out for out, on in switches.items() if not on)
     requested = frozenset(out for out, on in switches.items() if on)
     if params.max_tokens is not None and params.max_tokens >= limits.max_model_len:
-        raise ValueError(
+        raise ContextLengthExceeded(
+            "max_tokens",
             f"max_tokens is {params.max_tokens}, beyond this model's max_model_len ({limits.max_model_len}): "
             f"prompt and output together must fit in max_model_len, so at most {limits.max_model_len - 1} tokens "
             "can be generated"
@@ -113,42 +117,45 @@ def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, paramete
     return ParsedRequest(prompt, params, stream, omitted, requested)
 
 
-def _json_object(source: str, text: str) -> dict[str, Any]:
-    """A JSON object of sampling settings (numbers may be strings, as genai-perf sends them)."""
+def _json_object(name: str | None, text: str) -> dict[str, Any]:
+    """A JSON object of sampling settings (numbers may be strings, as genai-perf sends them): the input ``name``, or
+    the request parameters (``name`` None)."""
     if not text:
         return {}
+    source = name or "the request parameters"
     if len(text) > MAX_PARAMETERS_BYTES:
-        raise ValueError(f"{source} is {len(text)} characters; the limit is {MAX_PARAMETERS_BYTES}")
+        raise InvalidRequest(name, f"{source} is {len(text)} characters; the limit is {MAX_PARAMETERS_BYTES}")
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{source} is not valid JSON: {exc.msg} at position {exc.pos}") from None
+        raise InvalidRequest(name, f"{source} is not valid JSON: {exc.msg} at position {exc.pos}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{source} must be a JSON object")
+        raise InvalidRequest(name, f"{source} must be a JSON object")
     unknown = sorted(set(raw) - set(SAMPLING_KEYS))
     if unknown:
-        raise ValueError(f"unknown key(s) in {source}: {', '.join(unknown)}; known: {', '.join(SAMPLING_KEYS)}")
+        raise InvalidRequest(name, f"unknown key(s) in {source}: {', '.join(unknown)}; "
+                                   f"known: {', '.join(SAMPLING_KEYS)}")
     return raw
 
 
 def _stop_strings(array: np.ndarray) -> list[str]:
     flat = array.reshape(-1)
     if flat.size > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed; got {flat.size}")
+        raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed; got {flat.size}")
     for value in flat:  # refuse a huge one before decoding it (4 bytes per character at most)
         if isinstance(value, (bytes, np.bytes_)) and len(value) > 4 * MAX_STOP_STRING_CHARS:
-            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters; "
-                             f"got one of {len(value)} bytes")
+            raise InvalidRequest("stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters; "
+                                         f"got one of {len(value)} bytes")
     return [_text("stop", s) for s in flat]
 
 
 def _scalar(name: str, array: np.ndarray) -> Any:
     flat = array.reshape(-1)
     if flat.size != 1:
-        raise ValueError(f"input '{name}' must hold one value; got {flat.size}")
+        raise InvalidRequest(name, f"input '{name}' must hold one value; got {flat.size}")
     value = flat[0]
     if isinstance(value, np.floating) and not np.isfinite(value):
-        raise ValueError(f"input '{name}' must be a finite number; got {value}")
+        raise InvalidRequest(name, f"input '{name}' must be a finite number; got {value}")
     return value.item() if isinstance(value, np.generic) and not isinstance(value, np.bytes_) else value
 
 
@@ -157,7 +164,7 @@ def _text(name: str, value: Any) -> str:
         try:
             return bytes(value).decode("utf-8")
         except UnicodeDecodeError:
-            raise ValueError(f"input '{name}' is not valid UTF-8") from None
+            raise InvalidRequest(name, f"input '{name}' is not valid UTF-8") from None
     return str(value)
 
 
@@ -177,7 +184,7 @@ def read_inputs(pb, request) -> dict[str, np.ndarray]:
         if count > limit:
             what = f"at most {MAX_STOP_STRINGS} stop strings are allowed" if name == "stop" else \
                 f"input '{name}' must hold one value per request"
-            raise ValueError(f"{what}; got {count}")
+            raise InvalidRequest(name, f"{what}; got {count}")
         inputs[name] = tensor.as_numpy()
     return inputs
 

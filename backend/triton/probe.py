@@ -25,8 +25,8 @@ from pathlib import Path
 
 if not __package__:  # run as a file (python3 backend/triton/probe.py, the containers' probe): the project on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from backend.triton.names import ENGINE_HEALTHY  # noqa: E402
-from backend.triton.prometheus import parse_prometheus  # noqa: E402
+from backend.contract.names import ENGINE_HEALTHY  # noqa: E402
+from backend.contract.prometheus import parse_prometheus  # noqa: E402
 from backend.triton.watchdog import stalled  # noqa: E402
 
 

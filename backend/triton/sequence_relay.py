@@ -13,6 +13,9 @@ the same number. The iterative batcher then decides the copy's batch at every st
 of the copy goes back to the client's stream, and its final flag ends the client's request. A relayed request costs
 one more hop per response inside the server; requests without sequence flags are not relayed.
 
+A client sequence of several requests cannot be served that way (the second request would need the first's KV
+blocks): its second request is answered at once with :data:`MULTI_REQUEST_SEQUENCE`, which says what to send instead.
+
 NOTE: releasing the client's request makes Triton 2.51 log "sequence_utils.cc ... must specify the START flag" once
 (it closes the sequence again with a request of its own, which it has already closed); nothing is lost.
 """
@@ -23,10 +26,23 @@ import itertools
 import logging
 import threading
 
+from backend.contract import errors
+from backend.contract.errors import ErrorKind
+
 # The sequence controls of config.pbtxt (control_input): what the relayed copy must not carry.
 CONTROL_INPUTS = ("CORRID", "START", "END")
 # The copies' correlation ids: far from the ids clients and Triton's own numbering use (both count from 1).
 FIRST_RELAY_ID = 1 << 63
+# The error of a request whose client cancelled it, where llm_iterative answers it rather than Triton: a relayed
+# one, or one Triton handed back cancelled.
+CANCELLED = errors.message(ErrorKind.CANCELLED, "the request was cancelled")
+# llm_iterative's answer to the second request of a client sequence (the module's docstring).
+MULTI_REQUEST_SEQUENCE = errors.message(
+    ErrorKind.MULTI_REQUEST_SEQUENCE,
+    "llm_iterative serves one request per client sequence (Triton 2.51's iterative sequence batcher closes a sequence "
+    "when its first request is done): send each request as a sequence of its own, with START and END, or with no "
+    "sequence id (perf_analyzer --sequence-length 1; genai-perf: add -- --sequence-length 1)"
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +91,7 @@ class SequenceRelay:
                     cancel = getattr(responses, "cancel", None)  # BLS cancellation, where the backend has it
                     if cancel is not None:
                         cancel()
-                    error = pb.TritonError("the request was cancelled")
+                    error = pb.TritonError(CANCELLED)
                 else:
                     error = response.error() if response.has_error() else None
                 if error is not None:
@@ -90,8 +106,8 @@ class SequenceRelay:
         except Exception as exc:  # noqa: BLE001 (the client must get its final response whatever failed here)
             log.exception("relaying a sequence request failed")
             try:
-                sender.send(pb.InferenceResponse(error=pb.TritonError(f"relaying the request failed: {exc}")),
-                            flags=final)
+                failed = errors.message(ErrorKind.ENGINE_FAULT, f"relaying the request failed: {exc}")
+                sender.send(pb.InferenceResponse(error=pb.TritonError(failed)), flags=final)
             except Exception:  # noqa: BLE001 (the sender is gone: final already sent, or the server stopping)
                 pass
         finally:

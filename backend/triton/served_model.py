@@ -6,8 +6,9 @@ shutdown notice, and asks the model for its engine (:meth:`ServedModel.start_eng
 takes one new request: refused, not valid, or parsed, opened and handed to the model's driver. What is left in a
 ``model.py`` is its driver: how the engine is built and stepped, and ``execute()``.
 
-Every request gets exactly one final response. Bad input or a refusal is an error response for that request only;
-once the engine failed (:meth:`ServedModel.fail`) or the server is shutting down, every new request is refused.
+Every request gets exactly one final response. Bad input or a refusal is an error response for that request only,
+its message built by the contract (backend/contract/errors.py, the kind in front); once the engine failed
+(:meth:`ServedModel.fail`) or the server is shutting down, every new request is refused.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 
 import triton_python_backend_utils as pb_utils
 
+from backend.contract import errors
 from backend.engine.batching import SHUTTING_DOWN, EngineOverloaded, EngineUnavailable, engine_failed
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.llm_engine import LLMEngine
@@ -67,7 +69,7 @@ class ServedModel:
         self.limits = RequestLimits(self.engine.max_model_len)
         self.observe_steps()
         # On SIGTERM new requests are refused; open ones run on until shortly before tritonserver's exit timeout,
-        # and whatever is still running then ends with "the server is shutting down".
+        # and whatever is still running then ends with SHUTTING_DOWN.
         self.shutdown = ShutdownNotice(on_notice=self.on_shutdown)
 
     def start_engine(self, config: EngineConfig) -> LLMEngine:
@@ -89,7 +91,7 @@ class ServedModel:
             try:
                 parsed = parse_request(read_inputs(pb_utils, request), self.limits, read_parameters(request))
             except ValueError as exc:
-                refusal = str(exc)
+                refusal = errors.refusal(exc)
         if refusal is not None:
             send_error(pb_utils, sender, refusal)
             return None
@@ -102,7 +104,8 @@ class ServedModel:
             hand_over(request_id, parsed.prompt, parsed.params, arrival)
         except (ValueError, EngineOverloaded, EngineUnavailable) as exc:  # refused at once: nothing was queued
             self.open.discard(request_id)
-            send_error(pb_utils, sender, str(exc))
+            # NOTE: the engine loop's refusals carry their kind already; a ValueError is about the request's values.
+            send_error(pb_utils, sender, errors.refusal(exc) if isinstance(exc, ValueError) else str(exc))
             return None
         return request_id
 

@@ -52,7 +52,8 @@ from pathlib import Path
 
 if not __package__:  # run as a file (python3 backend/triton/shutdown.py): put the project on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from backend.triton import names, prometheus, watchdog  # noqa: E402
+from backend.contract import names, prometheus  # noqa: E402
+from backend.triton import watchdog  # noqa: E402
 from backend.triton.processes import (  # noqa: E402
     children,
     command_line,

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.triton import names, prometheus
+from backend.contract import names, prometheus
 from backend.triton.processes import is_alive, kill_process_group
 
 STALL_TIMEOUT_S = 30.0

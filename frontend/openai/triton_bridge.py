@@ -11,9 +11,10 @@ loop and a request is cancelled by cancelling its stream (Triton's request cance
 blocks at their next step). The request is the only message the stream carries; the models give every request
 exactly one final response, the one with a finish reason or an error, after which Triton closes the stream.
 
-The models answer every refusal as text (model_repository/README.md), so :func:`api_error` maps their messages onto
-OpenAI's statuses: a full queue 429, a server going down 503, a prompt or output beyond the context 400
-``context_length_exceeded``, any other refusal of the request's values 400, an engine failure on a request 500.
+The models answer every refusal and failure with a message that carries its kind as a code in front
+(backend/contract/errors.py, model_repository/README.md); :func:`api_error` maps that kind onto OpenAI's status, type
+and code through the contract's one table (a full queue 429, a server going down 503, a prompt or output beyond the
+context 400 ``context_length_exceeded``, ...), never through the message's words.
 """
 
 from __future__ import annotations
@@ -28,29 +29,22 @@ import grpc
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from backend.contract import errors
 from client.schema import GenerationRequest, build_inputs
-from frontend.openai.protocol import APIError, bad_request
+from frontend.openai.protocol import APIError
 
-# Triton's own queue refusal (llm_dynamic, llm_static, llm_iterative) and the engine's (llm_continuous).
-OVERLOADED = ("Exceeds maximum queue size", "the server is overloaded")
-UNAVAILABLE = ("the server is shutting down", "the engine failed and cannot go on")
-CONTEXT_EXCEEDED = ("max_model_len", "more than the whole KV cache holds")
-ENGINE_FAULT = "the engine failed while running this request"
 DRAIN_TIMEOUT_S = 5.0
 
 
 def api_error(message: str, prompt_param: str) -> APIError:
-    """The OpenAI error for a model's (or Triton's) error message about one request."""
-    if any(text in message for text in OVERLOADED):
-        return APIError(429, message, "rate_limit_error", None, "model_overloaded")
-    if any(text in message for text in UNAVAILABLE):
-        return APIError(503, message, "server_error", None, "service_unavailable")
-    if message.startswith(ENGINE_FAULT):
+    """The OpenAI error for a model's (or Triton's) error message about one request: the status, type and code of its
+    kind, the parameter it names (the prompt's is ``prompt_param``: ``prompt`` or ``messages``), and its text."""
+    error = errors.parse(message)
+    if error is None:  # neither a model's error nor Triton's full queue: nothing this server's client did
         return APIError(500, message, "server_error", None, "internal_error")
-    if any(text in message for text in CONTEXT_EXCEEDED) or message.startswith("text_input is"):
-        param = "max_tokens" if message.startswith("max_tokens") or "lower max_tokens" in message else prompt_param
-        return bad_request(message, param, "context_length_exceeded")
-    return bad_request(message, "stop" if "stop string" in message else None)
+    http = errors.HTTP[error.kind]
+    param = prompt_param if error.param == errors.PROMPT else error.param
+    return APIError(http.status, error.text, http.type, param, http.code)
 
 
 def unreachable(url: str, exc: BaseException) -> APIError:

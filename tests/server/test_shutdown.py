@@ -29,6 +29,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from backend.contract import errors
+from backend.contract.errors import ErrorKind
 from backend.triton import probe, processes, watchdog
 from backend.triton.launch_options import free_ports
 from backend.triton.server import TritonServer
@@ -40,7 +42,9 @@ LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
 MODELS = ("llm_continuous", "llm_dynamic", "llm_static")
 # The tiny model's settings (tests/server_harness.py) with a 512-token context (the tiny Llama's).
 CONTEXT = {"max_model_len": "512"}
-SHUTTING_DOWN = "the server is shutting down"
+# The code of the error a request gets when the server stops (backend/contract/errors.py), wherever a client puts the
+# message (the Locust users write "error: <message>").
+SHUTTING_DOWN = errors.message(ErrorKind.SHUTTING_DOWN, "")
 # Generous for a loaded 2-core machine (about 5 s here), and still short of the 20 s stall the issue saw.
 SHUTDOWN_BOUND_S = 15.0
 

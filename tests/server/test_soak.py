@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.triton.names import ITERATIVE, MODELS
+from backend.contract.names import ITERATIVE, MODELS
 from tests.server_harness import REPO_ROOT, make_repository
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, MODELS, STATIC
 from backend.triton import config_text
 from backend.triton.launch_options import copy_model_repository
-from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE, MODELS, STATIC
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "model_repository"

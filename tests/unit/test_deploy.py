@@ -164,6 +164,27 @@ def test_locust_image_holds_every_module_its_locustfile_imports(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+def test_triton_image_prepares_the_model_from_what_its_early_layer_copies(tmp_path):
+    # The model is converted in a layer that copies only prepare_model.py and what it imports, so that code changes
+    # keep it; an import added below prepare_model only fails in `docker build`. Lay out the copies made before the
+    # conversion and import prepare_model from there alone.
+    instructions = dockerfile_instructions(DOCKERFILES["triton"])
+    prepare = next(i for i, (k, a) in enumerate(instructions) if k == "RUN" and "prepare_model" in a)
+    tail = max(i for i, (k, _) in enumerate(instructions) if k == "FROM")
+    for keyword, arguments in instructions[tail:prepare]:
+        words = [w for w in shlex.split(arguments) if not w.startswith("--")]
+        if keyword != "COPY" or not words[0].startswith("backend/"):
+            continue
+        for source in words[:-1]:
+            target = tmp_path / words[-1]
+            target.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / source, target / Path(source).name)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", "import backend.tools.prepare_model"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_triton_image_layers_serving_setup_and_order():
     instructions = dockerfile_instructions(DOCKERFILES["triton"])
     text = DOCKERFILES["triton"].read_text()

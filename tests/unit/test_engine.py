@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backend.contract import errors
+from backend.contract.errors import ErrorKind
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.llm_engine import LLMEngine
 
@@ -43,6 +45,11 @@ FILLER = [
 ]
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 BASE = dict(dtype="float32", num_threads=2, max_model_len=512, block_size=16)
+
+
+def kind_of(message: str | None) -> ErrorKind | None:
+    parsed = None if message is None else errors.parse(message)
+    return None if parsed is None else parsed.kind
 
 
 def make_engine(smollm2_dir, **overrides) -> LLMEngine:
@@ -185,7 +192,7 @@ def test_failing_step_fails_only_its_requests(engine):
         assert sorted(o.request_id for o in outputs) == ["doomed-1", "doomed-2"]
         for o in outputs:
             assert o.finished and o.finish_reason == "error"
-            assert "injected fault" in o.error
+            assert kind_of(o.error) is ErrorKind.ENGINE_FAULT and "injected fault" in o.error
         assert pool.num_free_blocks == pool.num_blocks and not engine.has_unfinished()
 
         later = engine.add_request("later", PROMPTS[3], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -240,11 +247,11 @@ def test_run_to_completion_gives_every_member_one_final_output_whatever_happens(
 
     error, finals = run(["broken-1", "broken-2"], fault=fatal)
     assert isinstance(error, FatalFault)
-    assert all(o.finish_reason == "error" and "restart the server" in o.error for o in finals.values())
+    assert all(o.finish_reason == "error" and kind_of(o.error) is ErrorKind.ENGINE_FAILED for o in finals.values())
 
 
 def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(smollm2_dir, reference):
-    from backend.engine.batching import DROPPED, SHUTTING_DOWN, IterationDriver
+    from backend.engine.batching import SHUTTING_DOWN, IterationDriver
 
     engine = make_engine(smollm2_dir, batching="iterative", max_num_seqs=4, num_kv_blocks=64)
     finals, tokens, gone = {}, {}, {}
@@ -260,6 +267,7 @@ def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(sm
     for name, prompt in zip("ab", PROMPTS):
         assert driver.add(name, prompt, GREEDY, None)
     assert not driver.add("too-long", "word " * 600, GREEDY, None) and finals["too-long"].finish_reason == "refused"
+    assert kind_of(finals["too-long"].error) is ErrorKind.CONTEXT_LENGTH_EXCEEDED
     # a in every iteration, b in every other: b is not stepped when absent, and both still equal the reference.
     for n in range(200):
         handed = ["a", "b"] if n % 2 else ["a"]
@@ -279,7 +287,8 @@ def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(sm
     assert finals["cancelled"].finish_reason == "abort"
     driver.reap_after = 0.0
     driver.iterate(["late", "later"])  # "gone" was not handed back: reaped, its blocks freed
-    assert "gone" not in finals and gone["gone"].finish_reason == "abort" and "not handed back" in gone["gone"].error
+    assert "gone" not in finals and gone["gone"].finish_reason == "abort" and kind_of(gone["gone"].error) is \
+        ErrorKind.CANCELLED
     driver.reap_after = 3600
     # One not handed back whose client did not cancel it was dropped by Triton: its client still gets a final error.
     driver._client_cancelled = lambda ids: []
@@ -289,7 +298,7 @@ def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(sm
     driver.iterate(["late", "later"])
     driver.reap_after = 3600
     assert "dropped" not in gone and finals["dropped"].finish_reason == "error"
-    assert finals["dropped"].error == DROPPED and not driver.is_open("dropped")
+    assert kind_of(finals["dropped"].error) is ErrorKind.DROPPED and not driver.is_open("dropped")
     assert driver.iterate(["late"], expired=lambda: True) == set() and finals["late"].error == SHUTTING_DOWN
     assert "later" not in finals and driver.is_open("later")
     driver.iterate(["later"], expired=lambda: True)
@@ -304,8 +313,8 @@ def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(sm
     engine.fault_hook = fatal
     assert driver.iterate(["broken"]) == set() and isinstance(driver.fatal_error, FatalFault)
     engine.fault_hook = None
-    assert finals["broken"].finish_reason == "error" and "restart the server" in finals["broken"].error
-    assert driver.iterate(["bystander"]) == set() and "restart the server" in finals["bystander"].error
+    assert finals["broken"].finish_reason == "error" and kind_of(finals["broken"].error) is ErrorKind.ENGINE_FAILED
+    assert driver.iterate(["bystander"]) == set() and kind_of(finals["bystander"].error) is ErrorKind.ENGINE_FAILED
 
 
 # ---- KV-pool sizing on a GPU (memory figures injected: the arithmetic and the profiling step run on the CPU) --------

@@ -9,6 +9,14 @@ import time
 
 import pytest
 
+from backend.contract import errors
+from backend.contract.errors import ErrorKind
+
+
+def kind_of(message: str) -> ErrorKind | None:
+    parsed = errors.parse(message)
+    return None if parsed is None else parsed.kind
+
 
 @pytest.fixture(scope="module")
 def tiny_engine_config(tiny_llama_dir):
@@ -37,7 +45,7 @@ def run_loop(config: dict, fault_hook=None):
 
 @pytest.mark.timeout(120)
 def test_the_loop_bounds_its_queue_and_every_request_gets_exactly_one_final_output(tiny_engine_config):
-    from backend.engine.batching import EngineOverloaded, EngineUnavailable
+    from backend.engine.batching import SHUTTING_DOWN, EngineOverloaded, EngineUnavailable
     from backend.engine.config import SamplingParams
 
     engine, loop, finals = run_loop({**tiny_engine_config, "max_queue_size": 8})
@@ -49,18 +57,19 @@ def test_the_loop_bounds_its_queue_and_every_request_gets_exactly_one_final_outp
             accepted.append(f"r{i}")
         except EngineOverloaded as exc:
             overloaded += 1
-            assert "max_queue_size=8" in str(exc)
+            assert kind_of(str(exc)) is ErrorKind.OVERLOADED and "max_queue_size=8" in str(exc)
     assert 8 <= len(accepted) <= 8 + 4 and overloaded == 40 - len(accepted)
     loop.abort(accepted[0])
-    loop.drain(0.5)  # refuse from now on; what is left after 0.5 s ends with "the server is shutting down"
-    with pytest.raises(EngineUnavailable, match="shutting down"):
+    loop.drain(0.5)  # refuse from now on; what is left after 0.5 s ends with SHUTTING_DOWN
+    with pytest.raises(EngineUnavailable) as refused:
         loop.submit("late", "too late", params)
+    assert str(refused.value) == SHUTTING_DOWN
     deadline = time.monotonic() + 30
     while len(finals) < len(accepted) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sorted(finals) == sorted(accepted) and all(len(outputs) == 1 for outputs in finals.values())
     assert finals[accepted[0]][0].finish_reason == "abort"
-    assert any(o[0].error == "the server is shutting down" for o in finals.values())
+    assert any(o[0].error == SHUTTING_DOWN for o in finals.values())
     assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished()
 
 
@@ -83,7 +92,8 @@ def test_a_fatal_engine_error_gives_every_open_request_a_final_error(tiny_engine
         time.sleep(0.05)
     assert sorted(finals) == sorted([f"r{i}" for i in range(6)] + ["boom"])
     failed = [o[0] for o in finals.values() if o[0].error]
-    assert failed and all("the engine failed and cannot go on" in o.error for o in failed)
+    assert failed and all(kind_of(o.error) is ErrorKind.ENGINE_FAILED for o in failed)
     assert not loop.is_alive
-    with pytest.raises(EngineUnavailable, match="restart the server"):
+    with pytest.raises(EngineUnavailable, match="restart the server") as refused:
         loop.submit("after", "hello", params)
+    assert kind_of(str(refused.value)) is ErrorKind.ENGINE_FAILED

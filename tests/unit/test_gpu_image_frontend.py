@@ -17,7 +17,7 @@ from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_PINS = ROOT / "docker" / "requirements-gpu.txt"
-FRONTEND_SOURCES = ("frontend/openai", "client")  # what `python -m frontend.openai` imports
+FRONTEND_SOURCES = ("frontend/openai", "client", "backend/contract")  # what `python -m frontend.openai` imports
 
 
 def normalize(name: str) -> str:

@@ -1,16 +1,18 @@
-"""Imports point down the layers only: kernels <- engine <- Triton glue <- tools, the frontend and the load tests (the
-README's layout). Read from the source with ``ast`` (every import, function-level ones included), so nothing is
-imported."""
+"""Imports point down the layers only: contract <- kernels <- engine <- Triton glue <- tools, the frontend and the load
+tests (the README's layout). Read from the source with ``ast`` (every import, function-level ones included), so nothing
+is imported."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 # Each layer: the folders (relative to the repository) whose files belong to it, and the module prefixes that name it.
 LAYERS = [
+    ("contract", ("backend/contract",), ("backend.contract",)),
     ("kernels", ("backend/kernels",), ("backend.kernels",)),
     ("engine", ("backend/engine",), ("backend.engine",)),
     ("Triton glue", ("backend/triton", "model_repository"), ("backend.triton", "model_repository")),
@@ -63,9 +65,21 @@ def test_imports_point_down_the_layers_only():
     assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
 
 
+def test_the_contract_imports_only_the_standard_library():
+    """Everything imports the contract, inside Triton's Python stub and in the locust image, which copies that package
+    alone of the server's code: it imports nothing of the project's other layers and nothing installed."""
+    contract_files = [p for p in project_files() if layer_of_file(p) == 0]
+    assert len(contract_files) >= 4
+    for path in contract_files:
+        for line, module in imported_modules(path):
+            top = module.split(".")[0]
+            assert top in sys.stdlib_module_names or module.startswith("backend.contract"), \
+                f"{path.relative_to(ROOT)}:{line} imports {module}"
+
+
 def test_the_kernels_import_nothing_of_the_engine():
     """The strictest case, spelled out: a kernel is a tensor operation and knows no engine type."""
-    kernel_files = [p for p in project_files() if layer_of_file(p) == 0]
+    kernel_files = [p for p in project_files() if layer_of_file(p) == 1]
     assert kernel_files
     for path in kernel_files:
         assert not [m for _, m in imported_modules(path) if m.startswith(("backend.engine", "backend.triton"))], path
@@ -78,7 +92,7 @@ def test_the_check_sees_an_upward_import(tmp_path):
     kernel.write_text("from backend import engine\nfrom ..engine import model\nimport backend.triton.serve\n")
     modules = [m for _, m in imported_modules(kernel, root=tmp_path)]
     assert modules == ["backend.engine", "backend.engine.model", "backend.triton.serve"]
-    assert [layer_of_module(m) for m in modules] == [1, 1, 2]
+    assert [layer_of_module(m) for m in modules] == [2, 2, 3]
 
 
 def test_the_load_tests_import_nothing_of_the_engine():

@@ -12,9 +12,12 @@ import json
 import random
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from backend.contract import errors
+from backend.contract.errors import ErrorKind
 from backend.triton import config_text
 from client.schema import Chunk
 from loadtest import compare, metrics, report, slo, soak, soak_patterns, stats
@@ -605,11 +608,21 @@ def test_a_soak_budget_stops_at_its_count_and_at_its_deadline():
 def test_only_errors_that_say_why_are_not_lost():
     refusals = soak_patterns.SEQUENCE_REFUSALS
     assert soak_patterns.error_outcome("Exceeds maximum queue size") == ("error", "overloaded")
+    # By the kind in front of the message, whatever its words say.
+    overloaded = errors.message(ErrorKind.OVERLOADED, "reworded: the engine failed while running this request")
+    assert soak_patterns.error_outcome(overloaded) == ("error", "overloaded")
+    assert soak_patterns.error_outcome("the server is overloaded")[0] == "lost"  # no code: not a model's refusal
+    multi = errors.message(ErrorKind.MULTI_REQUEST_SEQUENCE, "send one request per sequence")
+    assert soak_patterns.error_outcome(multi, refusals) == ("error", "multi-request sequence")
+    assert soak_patterns.error_outcome(multi)[0] == "lost"  # where no sequence was sent, it is not expected
     triton = "inference request for sequence 7 to model 'llm_iterative' must specify the START flag on the first " \
              "request of the sequence"
     assert soak_patterns.error_outcome(triton, refusals) == ("error", "sequence closed by Triton")
-    assert soak_patterns.error_outcome(triton)[0] == "lost"  # where no sequence was sent, it is not expected
-    assert soak_patterns.error_outcome("engine step failed")[0] == "lost"
+    assert soak_patterns.error_outcome(triton)[0] == "lost"
+    assert soak_patterns.error_outcome(errors.message(ErrorKind.ENGINE_FAULT, "engine step failed"))[0] == "lost"
+    openai_overloaded = SimpleNamespace(code=errors.HTTP[ErrorKind.OVERLOADED].code)
+    assert soak_patterns.openai_error_outcome(openai_overloaded) == ("error", "overloaded")
+    assert soak_patterns.openai_error_outcome(SimpleNamespace(code="internal_error"))[0] == "lost"
     assert soak_patterns.answer_outcome(8, "length", 8) == ("completed", "")
     assert soak_patterns.answer_outcome(7, "length", 8)[0] == "lost"
     assert soak_patterns.answer_outcome(8, "stop", 8)[0] == "lost"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from backend.contract import errors
+from backend.contract.errors import PROMPT, ErrorKind, message
 from frontend.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from frontend.openai.triton_bridge import api_error
 
@@ -32,22 +34,28 @@ def test_neutral_values_of_unsupported_parameters_are_accepted():
     assert chat.max_tokens is None and chat.sampling_parameters == {"max_tokens": None}  # up to the context
 
 
-@pytest.mark.parametrize("message, status, code, param", [
-    ("the server is overloaded: 4 requests are already waiting (max_queue_size=4); retry later", 429,
-     "model_overloaded", None),
-    ("Exceeds maximum queue size", 429, "model_overloaded", None),
-    ("the server is shutting down", 503, "service_unavailable", None),
-    ("the engine failed and cannot go on (RuntimeError()); restart the server", 503, "service_unavailable", None),
-    ("the engine failed while running this request: RuntimeError: boom", 500, "internal_error", None),
-    ("the prompt has 600 tokens but max_model_len is 512, which leaves no room", 400, "context_length_exceeded",
-     "prompt"),
-    ("text_input is 25000 bytes; the limit is 8192 bytes (16 per token of max_model_len 512)", 400,
+@pytest.mark.parametrize("text, status, code, param", [
+    (message(ErrorKind.OVERLOADED, "the server is overloaded: 4 requests are already waiting (max_queue_size=4)"),
+     429, "model_overloaded", None),
+    ("Exceeds maximum queue size", 429, "model_overloaded", None),  # Triton's own, the one text without a code
+    (message(ErrorKind.SHUTTING_DOWN, "the server is shutting down"), 503, "service_unavailable", None),
+    (message(ErrorKind.ENGINE_FAILED, "the engine failed and cannot go on (RuntimeError()); restart the server"), 503,
+     "service_unavailable", None),
+    (message(ErrorKind.ENGINE_FAULT, "the engine failed while running this request: RuntimeError: boom"), 500,
+     "internal_error", None),
+    (message(ErrorKind.DROPPED, "the server lost track of this request"), 503, "service_unavailable", None),
+    (message(ErrorKind.CONTEXT_LENGTH_EXCEEDED, "the prompt has 600 tokens but max_model_len is 512", PROMPT), 400,
      "context_length_exceeded", "prompt"),
-    ("the request may grow to 600 tokens (prompt + max_tokens, capped by max_model_len), more than the whole KV "
-     "cache holds (16 blocks of 16 tokens); lower max_tokens", 400, "context_length_exceeded", "max_tokens"),
-    ("top_k must be an integer >= 0", 400, None, None),
+    (message(ErrorKind.CONTEXT_LENGTH_EXCEEDED, "the request may grow to 600 tokens", "max_tokens"), 400,
+     "context_length_exceeded", "max_tokens"),
+    (message(ErrorKind.INVALID_REQUEST, "top_k must be an integer >= 0", "top_k"), 400, None, "top_k"),
+    (message(ErrorKind.INVALID_REQUEST, "at most 16 stop strings are allowed; got 17", "stop"), 400, None, "stop"),
+    (message(ErrorKind.INVALID_REQUEST, "unknown sampling parameter(s): best_of"), 400, None, None),
+    ("a message without a code", 500, "internal_error", None),  # not one of the models' errors
 ])
-def test_model_errors_map_onto_openai_statuses(message, status, code, param):
-    error = api_error(message, "prompt")
+def test_model_errors_map_onto_openai_statuses(text, status, code, param):
+    error = api_error(text, "prompt")
     assert (error.status, error.code, error.param) == (status, code, param)
-    assert error.body()["error"]["message"] == message
+    parsed = errors.parse(text)
+    assert error.body()["error"]["message"] == (text if parsed is None else parsed.text), "the code is not repeated"
+    assert api_error(text, "messages").param == ("messages" if param == "prompt" else param)

@@ -2,7 +2,8 @@
 
 Inputs are numpy arrays shaped as Triton hands them over (``[1]`` for a model without a batch dimension, ``[1, 1]``
 with one); ``read_inputs`` gets a fake ``pb`` that stands in for ``triton_python_backend_utils``. Every refusal must be
-a ``ValueError`` whose message a client can act on: the model sends it as that request's error.
+an ``InvalidRequest`` (a ``ValueError``) whose message a client can act on, its kind and the parameter to blame in
+front: the model sends it as that request's error.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import numpy as np
 import pytest
 
+from backend.contract.errors import InvalidRequest
 from backend.engine.config import MAX_STOP_STRINGS, SamplingParams
 from backend.triton.parsing import (
     MAX_PARAMETERS_BYTES,
@@ -66,36 +68,47 @@ def test_stop_strings_aliases_and_optional_outputs():
 
 
 @pytest.mark.parametrize(
-    "inputs, parameters, message",
+    "inputs, parameters, code, message",
     [
-        ({"text_input": None}, "", "missing required input 'text_input'"),
-        ({"text_input": text("a", "b")}, "", "exactly one prompt per request; got 2"),
-        ({"text_input": text("")}, "", "text_input is empty"),
-        ({"text_input": text(b"\xff\xfe")}, "", r"text_input is not valid UTF-8 \(byte 0\)"),
-        ({"text_input": text("x" * (MAX_PROMPT_BYTES_PER_TOKEN * 64 + 1))}, "",
+        ({"text_input": None}, "", "invalid_request:text_input", "missing required input 'text_input'"),
+        ({"text_input": text("a", "b")}, "", "invalid_request:text_input", "exactly one prompt per request; got 2"),
+        ({"text_input": text("")}, "", "invalid_request:text_input", "text_input is empty"),
+        ({"text_input": text(b"\xff\xfe")}, "", "invalid_request:text_input",
+         r"text_input is not valid UTF-8 \(byte 0\)"),
+        ({"text_input": text("x" * (MAX_PROMPT_BYTES_PER_TOKEN * 64 + 1))}, "", "context_length_exceeded:text_input",
          f"text_input is {MAX_PROMPT_BYTES_PER_TOKEN * 64 + 1} bytes; the limit is {MAX_PROMPT_BYTES_PER_TOKEN * 64}"),
-        ({"max_tokens": scalar(64, np.int32)}, "", r"max_tokens is 64, beyond this model's max_model_len \(64\)"),
-        ({"max_tokens": scalar(0, np.int32)}, "", "max_tokens must be a positive integer; got 0"),
-        ({"temperature": scalar(np.nan, np.float32)}, "", "input 'temperature' must be a finite number"),
-        ({"top_k": np.array([1, 2], dtype=np.int32)}, "", "input 'top_k' must hold one value; got 2"),
-        ({"stop": text(*["s"] * (MAX_STOP_STRINGS + 1))}, "", f"at most {MAX_STOP_STRINGS} stop strings"),
-        ({"sampling_parameters": text("{not json")}, "", "sampling_parameters is not valid JSON"),
-        ({"sampling_parameters": text("[1]")}, "", "sampling_parameters must be a JSON object"),
-        ({"sampling_parameters": text('{"beam_width": 2}')}, "",
+        ({"max_tokens": scalar(64, np.int32)}, "", "context_length_exceeded:max_tokens",
+         r"max_tokens is 64, beyond this model's max_model_len \(64\)"),
+        ({"max_tokens": scalar(0, np.int32)}, "", "invalid_request:max_tokens",
+         "max_tokens must be a positive integer; got 0"),
+        ({"temperature": scalar(np.nan, np.float32)}, "", "invalid_request:temperature",
+         "input 'temperature' must be a finite number"),
+        ({"top_k": np.array([1, 2], dtype=np.int32)}, "", "invalid_request:top_k",
+         "input 'top_k' must hold one value; got 2"),
+        ({"stop": text(*["s"] * (MAX_STOP_STRINGS + 1))}, "", "invalid_request:stop",
+         f"at most {MAX_STOP_STRINGS} stop strings"),
+        ({"sampling_parameters": text("{not json")}, "", "invalid_request:sampling_parameters",
+         "sampling_parameters is not valid JSON"),
+        ({"sampling_parameters": text("[1]")}, "", "invalid_request:sampling_parameters",
+         "sampling_parameters must be a JSON object"),
+        ({"sampling_parameters": text('{"beam_width": 2}')}, "", "invalid_request:sampling_parameters",
          r"unknown key\(s\) in sampling_parameters: beam_width"),
-        ({}, '{"model": "x"}', r"unknown key\(s\) in the request parameters: model"),
-        ({}, "x" * (MAX_PARAMETERS_BYTES + 1), f"the request parameters is {MAX_PARAMETERS_BYTES + 1} characters"),
+        ({}, '{"model": "x"}', "invalid_request", r"unknown key\(s\) in the request parameters: model"),
+        ({}, "x" * (MAX_PARAMETERS_BYTES + 1), "invalid_request",
+         f"the request parameters is {MAX_PARAMETERS_BYTES + 1} characters"),
     ],
     ids=["no-prompt", "two-prompts", "empty", "not-utf8", "too-long", "max-tokens-too-big", "max-tokens-zero",
          "nan", "two-values", "too-many-stops", "bad-json", "not-object", "unknown-key", "unknown-parameter",
          "huge-parameters"],
 )
-def test_a_bad_request_is_refused_with_a_message_that_names_the_problem(inputs, parameters, message):
+def test_a_bad_request_is_refused_with_a_message_that_names_the_problem(inputs, parameters, code, message):
+    """The message starts with the code of its kind and the parameter to blame (backend/contract/errors.py)."""
     request = {"text_input": text("Hello"), **inputs}
     if request["text_input"] is None:
         del request["text_input"]
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(InvalidRequest, match=message) as refused:
         parse_request(request, LIMITS, parameters)
+    assert str(refused.value).startswith(f"[{code}] ")
 
 
 class FakeTensor:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from backend.contract.names import CONTINUOUS, DYNAMIC, MODELS
 from backend.engine.config import QUANTIZATIONS, EngineConfig
 from backend.triton import config_text
-from backend.triton.names import CONTINUOUS, DYNAMIC, MODELS
 from loadtest import compare, report, slo
 from loadtest.runner import (
     REPO_ROOT,

@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 
+from backend.engine.batching import SHUTTING_DOWN
 from backend.engine.llm_engine import EngineSnapshot, RequestOutput
 from backend.triton import responses
 from backend.triton.metrics import TritonMetrics
@@ -244,10 +245,10 @@ def test_a_non_streaming_request_gets_one_final_response_with_the_whole_text():
 
 def test_an_error_output_is_a_final_error_response_without_tensors():
     sender = RecordingSender()
-    failed = RequestOutput("r", "", [], finished=True, finish_reason="abort", error="the server is shutting down")
+    failed = RequestOutput("r", "", [], finished=True, finish_reason="abort", error=SHUTTING_DOWN)
     responses.send_output(FakeResponsePb, OpenRequest(sender, stream=False), failed, batched=False)
     ((response, flags),) = sender.sent
-    assert flags == 1 and response.tensors == {} and response.error.message == "the server is shutting down"
+    assert flags == 1 and response.tensors == {} and response.error.message == SHUTTING_DOWN  # the code with it
 
 
 def test_outputs_a_request_turned_off_are_left_out():

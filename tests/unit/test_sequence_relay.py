@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from backend.triton.sequence_relay import SequenceRelay
+from backend.triton.sequence_relay import CANCELLED, SequenceRelay
 
 FINAL = 1
 
@@ -90,6 +90,6 @@ def test_the_client_gets_one_final_error_and_the_copy_runs_to_its_end(case):
     (first, flags), (last, last_flags) = sender.sent
     assert first.outputs == ["a"] and flags == 0
     assert last_flags == FINAL and last.error is not None
-    assert last.error.message == ("boom" if case == "copy fails" else "the request was cancelled")
+    assert last.error.message == ("boom" if case == "copy fails" else CANCELLED)  # the copy's own error as it is
     assert responses.read == 3, "the copy's remaining responses are read to its end"
     assert responses.cancelled == (case == "client cancels")

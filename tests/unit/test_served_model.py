@@ -14,7 +14,9 @@ import types
 import numpy as np
 import pytest
 
-from backend.engine.batching import SHUTTING_DOWN, EngineOverloaded
+from backend.contract import errors
+from backend.contract.errors import ErrorKind
+from backend.engine.batching import EngineOverloaded, engine_failed
 from backend.engine.config import EngineConfig
 from backend.triton.model_config import check_batcher, sequence_idle_seconds
 from backend.triton.parsing import RequestLimits
@@ -131,27 +133,29 @@ def test_a_valid_request_is_opened_and_handed_to_the_driver(model):
 
 
 @pytest.mark.parametrize(
-    "why, incoming, message",
+    "why, incoming, kind",
     [
-        ("not valid", prompt(b"\xff"), "text_input is not valid UTF-8"),
-        ("not valid", prompt(max_tokens=np.array([64], dtype=np.int32)), "beyond this model's max_model_len"),
-        ("engine failed", prompt(), "the engine failed"),
-        ("shutting down", prompt(), SHUTTING_DOWN),
-        ("driver refused", prompt(), "the server is overloaded"),
+        ("not valid", prompt(b"\xff"), ErrorKind.INVALID_REQUEST),
+        ("not valid", prompt(max_tokens=np.array([64], dtype=np.int32)), ErrorKind.CONTEXT_LENGTH_EXCEEDED),
+        ("engine failed", prompt(), ErrorKind.ENGINE_FAILED),
+        ("shutting down", prompt(), ErrorKind.SHUTTING_DOWN),
+        ("driver refused", prompt(), ErrorKind.OVERLOADED),
+        ("driver refused the values", prompt(), ErrorKind.INVALID_REQUEST),
     ],
 )
-def test_a_request_that_is_not_taken_gets_one_final_error_and_stays_closed(model, why, incoming, message):
+def test_a_request_that_is_not_taken_gets_one_final_error_and_stays_closed(model, why, incoming, kind):
     handed = []
 
     def hand_over(*args):
         handed.append(args)
         if why == "driver refused":
-            raise EngineOverloaded("the server is overloaded: 256 requests are already waiting")
+            raise EngineOverloaded(errors.message(ErrorKind.OVERLOADED, "256 requests are already waiting"))
+        if why == "driver refused the values":
+            raise ValueError("a check without a kind of its own")
 
-    model.failure = "the engine failed and cannot go on (RuntimeError()); restart the server" \
-        if why == "engine failed" else None
+    model.failure = engine_failed(RuntimeError()) if why == "engine failed" else None
     model.shutdown.set = why == "shutting down"
     assert model.admit(incoming, 0.0, hand_over) is None
     (response,) = incoming.sender.finals
-    assert message in response.error.message
-    assert len(model.open) == 0 and (handed == []) == (why != "driver refused")
+    assert errors.parse(response.error.message).kind is kind, response.error.message
+    assert len(model.open) == 0 and (handed == []) == (not why.startswith("driver refused"))

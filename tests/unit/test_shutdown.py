@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.triton import probe, processes, prometheus, shutdown, watchdog
+from backend.contract import prometheus
+from backend.triton import probe, processes, shutdown, watchdog
 from backend.triton.launch_options import free_ports
 from tests.server_harness import LOCALHOST, REPO_ROOT
 

@@ -47,19 +47,11 @@ from backend.engine.batching import IterationDriver  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.triton.model_config import sequence_idle_seconds  # noqa: E402
 from backend.triton.responses import send_error  # noqa: E402
-from backend.triton.sequence_relay import SequenceRelay  # noqa: E402
+from backend.triton.sequence_relay import CANCELLED, MULTI_REQUEST_SEQUENCE, SequenceRelay  # noqa: E402
 from backend.triton.served_model import ServedModel  # noqa: E402
 
 # Time from execute()'s return to sending what it made, when no execute() comes sooner (the module's docstring).
 SEND_AFTER_RELEASE_S = 0.005
-
-CANCELLED = "the request was cancelled"
-
-MULTI_REQUEST_SEQUENCE = (
-    "llm_iterative serves one request per client sequence (Triton 2.51's iterative sequence batcher closes a sequence "
-    "when its first request is done): send each request as a sequence of its own, with START and END, or with no "
-    "sequence id (perf_analyzer --sequence-length 1; genai-perf: add -- --sequence-length 1)"
-)
 
 
 class TritonPythonModel(ServedModel, batching="iterative"):

@@ -2,8 +2,7 @@
 metrics the models publish on Triton's metrics port (``backend/triton/metrics.py`` creates them; the stop, the
 health probe and the load tests read them).
 
-NOTE: standard library only, and nothing imported at all: ``probe.py`` and ``shutdown.py`` import this module when
-they run as files in a container, and the load tests import it without the engine's dependencies.
+NOTE: nothing imported at all (the package's rule, ``backend/contract/__init__.py``).
 """
 
 # The shipped models in the order of docs/batching.md, from Triton's batcher waiting for a full batch to the model's

@@ -1,8 +1,7 @@
 """Triton's metrics port as Prometheus text, read with the standard library: the one parser of that text, for the
 stop (``shutdown.py``), the watchdog, the health probe and the load tests.
 
-NOTE: standard library only: ``probe.py`` and ``shutdown.py`` import this module when they run as files in a
-container.
+NOTE: standard library only (the package's rule, ``backend/contract/__init__.py``).
 """
 
 from __future__ import annotations
