@@ -5,9 +5,10 @@ only for the positions that will be sampled. Weights come from a local Hugging F
 and V projections are fused so each layer reads its attention weights in one matmul.
 
 Attention is the backend the model runner chose for the device (``backend.engine.attention``): every layer hands it
-the QKV projection's output and the step's metadata. The projections and the RMSNorm run whichever kernel
-``cpu_fast_path`` routes them to (on CUDA or in float32, the plain torch ops), and a small decode-only step on the C
-kernels runs every layer in one C call instead of the loop below (``cpu_fast_path.run_decode_stack``).
+the QKV projection's output and the step's metadata. The projections run whichever kernel ``linear.route`` sends
+them to and the RMSNorm whichever ``cpu_fast_path`` picks (on CUDA or in float32, the plain torch ops), and a small
+decode-only step on the C kernels runs every layer in one C call instead of the loop below
+(``cpu_fast_path.run_decode_stack``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from safetensors.torch import load_file
 from backend.engine import cpu_fast_path, weight_file
 from backend.engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from backend.engine.config import ModelShape, ResolvedConfig
-from backend.engine.cpu_fast_path import Layout, Linear
+from backend.engine.linear import Layout, Linear, make_linear
 from backend.kernels import quantized_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K, V) pools, each [num_blocks, block_size, kvh, hd]
@@ -47,7 +48,7 @@ def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.
             fmt = stored[0][0]
             return Linear(quantized_linear.group_rows(fmt, torch.cat([blocks for _, blocks in stored])), bias,
                           Layout(fmt))
-        return cpu_fast_path.make_linear(torch.cat([w[name].to(dtype) for name in names]), bias, quantize_to)
+        return make_linear(torch.cat([w[name].to(dtype) for name in names]), bias, quantize_to)
 
     out: Prepared = {}
     for i in range(shape.num_layers):

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from backend.engine.config import GGUF_BLOCKS
-from backend.engine.cpu_fast_path import Layout, Linear, c_layout
+from backend.engine.linear import Layout, Linear, c_layout
 from backend.kernels import cpu_kernels, quantized_linear
 
 log = logging.getLogger(__name__)

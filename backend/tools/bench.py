@@ -93,7 +93,7 @@ import torch  # noqa: E402
 
 from backend.engine.block_manager import BlockManager  # noqa: E402
 from backend.engine.config import QUANTIZATIONS, EngineConfig, ModelShape, SamplingParams  # noqa: E402
-from backend.engine.cpu_fast_path import Linear  # noqa: E402
+from backend.engine.linear import Linear  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.request import Request, RequestStatus  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest, Scheduler  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine.cpu_fast_path import Layout, Linear
+from backend.engine.linear import Layout, Linear
 from backend.kernels import cpu_kernels
 from backend.kernels.quantized_linear import (
     cpu_dequantize,

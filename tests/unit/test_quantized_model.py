@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backend.engine import cpu_fast_path, weight_file
+from backend.engine import weight_file
 from backend.engine.config import GGUF_BLOCKS, EngineConfig, ModelShape
-from backend.engine.cpu_fast_path import Kernel, Layout, Linear, make_linear, route
+from backend.engine.linear import QUANTIZED_ROWS, Kernel, Layout, Linear, make_linear, route
 from backend.engine.model import prepare_weights
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request
@@ -103,7 +103,7 @@ def test_int8_is_quantized_at_load_every_projection_and_the_lm_head(smollm2_dir,
 def test_routing_sends_few_rows_to_the_quantized_kernel_and_many_through_bf16():
     linear = make_linear(torch.randn(64, 96).to(torch.bfloat16), None, "q4_1")
     assert linear.layout is Layout.Q4_1
-    limit = cpu_fast_path.QUANTIZED_ROWS
+    limit = QUANTIZED_ROWS
     assert [route(n, linear) for n in (1, limit, limit + 1)] == [Kernel.C_QUANTIZED, Kernel.C_QUANTIZED,
                                                                  Kernel.DEQUANTIZED]
     x = torch.randn(limit + 5, 96).to(torch.bfloat16)
@@ -147,9 +147,9 @@ def test_quantized_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tin
             calls.append(1)
             return stack(*args)
 
-    def decode(decode_stack, quantized_rows=cpu_fast_path.QUANTIZED_ROWS):
+    def decode(decode_stack, quantized_rows=QUANTIZED_ROWS):
         monkeypatch.setattr(runner.model, "decode_stack", decode_stack)
-        monkeypatch.setattr(cpu_fast_path, "QUANTIZED_ROWS", quantized_rows)
+        monkeypatch.setattr("backend.engine.linear.QUANTIZED_ROWS", quantized_rows)
         return runner.run(inputs).clone()
 
     stacked = decode(Counted())
