@@ -38,7 +38,7 @@ def build_decode_stack(layers: list, shape: ModelShape, dtype: torch.dtype,
                                                     shape.head_dim)):
         return None
     layouts = {p.layout for layer in layers for p in (layer.qkv, layer.o, layer.gate, layer.up, layer.down)}
-    readable = {linear.c_layout(): "bf16", linear.Layout.Q4_1: "q4_1", linear.Layout.INT8: "int8"}
+    readable = {linear.held_layout(f): f for f in cpu_kernels.DecodeStack.WEIGHT_FORMATS}  # layout -> its format
     weight_format = readable.get(layouts.pop())
     if layouts or weight_format is None:
         return None
@@ -63,7 +63,7 @@ def run_decode_stack(
     """Every layer over ``h`` in one C call where the step is decodes only and ``linear.route`` sends every projection
     of it to C (up to the stack's own row limit); False (nothing done) elsewhere."""
     num_rows = h.shape[0]
-    layout = linear.c_layout() if stack.weight_format == "bf16" else linear.Layout(stack.weight_format)
+    layout = linear.held_layout(stack.weight_format)
     return (meta.is_decode_only and meta.num_decode_tokens == num_rows and num_rows <= linear.c_rows_limit(layout)
             and stack(h, positions, cos, sin_signed, kv_caches, meta.slot_mapping, meta.block_tables,
                       meta.context_lens, meta.scale, linear.small_rows_limit(layout)))

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.kernels import cpu_kernels, quantized_linear
+from backend.kernels.weight_format import WeightFormat
 
 # Up to this many rows a bf16 projection streams its row-major weight through linear_small once, faster than
 # oneDNN's matmul (builds without AVX512-BF16; above it the reference F.linear runs).
@@ -42,14 +43,19 @@ class Layout(enum.Enum):
     ROW_MAJOR = "row_major"  # bf16, builds without AVX512-BF16: linear_small for few rows, F.linear for more
     ONEDNN = "onednn"  # oneDNN's blocked layout (float32, or a shape the packed layout does not fit)
     PLAIN = "plain"  # as loaded: F.linear (CUDA, or no oneDNN)
-    # quantized (uint8 [N, row bytes], quantized_linear's formats): the quantized C kernels, or widened to bf16
-    Q4_1 = "q4_1"  # GGUF's 4-bit blocks
-    Q8_0 = "q8_0"  # GGUF's 8-bit blocks (the Q4_1 file's token embedding, so its tied LM head)
-    INT8 = "int8"  # int8 per output channel
+    # quantized (uint8 [N, row bytes], as quantized_linear holds the format): the quantized C kernels, or widened
+    Q4_1 = WeightFormat.Q4_1
+    Q8_0 = WeightFormat.Q8_0
+    INT8 = WeightFormat.INT8
+
+    @property
+    def weight_format(self) -> WeightFormat | None:
+        """The format a quantized layout holds; None for the others (the weight's dtype says what they hold)."""
+        return self.value if isinstance(self.value, WeightFormat) else None
 
     @property
     def quantized(self) -> bool:
-        return self in (Layout.Q4_1, Layout.Q8_0, Layout.INT8)
+        return self.weight_format is not None
 
 
 class Kernel(enum.Enum):
@@ -87,6 +93,12 @@ def c_layout() -> Layout:
     return Layout.PACKED if cpu_kernels.weight_packed() else Layout.ROW_MAJOR
 
 
+def held_layout(fmt: WeightFormat) -> Layout:
+    """The layout a weight of ``fmt`` is held in by the C kernels of this build: bf16's :func:`c_layout`, a quantized
+    format's its own."""
+    return c_layout() if fmt is WeightFormat.BF16 else Layout(fmt)
+
+
 def route(num_rows: int, linear: Linear) -> Kernel:
     """The kernel that runs ``linear`` over ``num_rows`` rows: the one place this is decided."""
     layout = linear.layout
@@ -111,9 +123,10 @@ def lay_out(weight: torch.Tensor) -> tuple[torch.Tensor, Layout]:
     return (weight, Layout.PLAIN) if packed is None else (packed, Layout.ONEDNN)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, quantization: str | None = None) -> Linear:
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                quantization: WeightFormat | None = None) -> Linear:
     """A :class:`Linear` of ``weight`` (out, in): as :func:`lay_out` lays it out, or quantized to ``quantization``
-    (a quantized layout's value) where that format holds its rows; else in ``weight``'s dtype."""
+    where that format holds its rows; else in ``weight``'s dtype."""
     if quantization is None or weight.device.type != "cpu" or not quantized_linear.fits(quantization,
                                                                                          weight.shape[1]):
         return Linear(weight, bias)
@@ -139,9 +152,11 @@ class Linear:
         if kernel is Kernel.C_AMX:
             return cpu_kernels.cpu_linear_amx(x, self.weight, self.bias, op, other)
         if kernel is Kernel.C_QUANTIZED:
-            return quantized_linear.cpu_quantized_linear(self.layout.value, x, self.weight, self.bias, op, other)
+            return quantized_linear.cpu_quantized_linear(self.layout.weight_format, x, self.weight, self.bias, op,
+                                                         other)
         if kernel is Kernel.DEQUANTIZED:  # a prefill's rows: the bf16 matmuls' cost dwarfs widening the weight
-            return Linear(quantized_linear.cpu_dequantize(self.layout.value, self.weight), self.bias)(x, op, other)
+            widened = quantized_linear.cpu_dequantize(self.layout.weight_format, self.weight)
+            return Linear(widened, self.bias)(x, op, other)
         if kernel is Kernel.ONEDNN:
             if op in ("mul", "add"):
                 return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, op)
@@ -167,7 +182,7 @@ class Linear:
         """The weight row-major (out, in): a copy where it is packed (the reference path's, never the engine's), in
         bf16 where it is quantized."""
         if self.layout.quantized:
-            return quantized_linear.dequantize(self.layout.value, self.weight).to(torch.bfloat16)
+            return quantized_linear.dequantize(self.layout.weight_format, self.weight).to(torch.bfloat16)
         if self.layout is Layout.PACKED:
             return cpu_kernels.linear_weight_dense(self.weight)
         if self.layout is Layout.ONEDNN:
@@ -181,8 +196,8 @@ class Linear:
         if self.layout is Layout.PLAIN:
             return self.weight.index_select(0, rows)
         if self.layout.quantized:
-            held = quantized_linear.gguf_rows(self.layout.value, self.weight, rows)
-            return quantized_linear.dequantize(self.layout.value, held).to(torch.bfloat16)
+            held = quantized_linear.gguf_rows(self.layout.weight_format, self.weight, rows)
+            return quantized_linear.dequantize(self.layout.weight_format, held).to(torch.bfloat16)
         return cpu_kernels.linear_weight_rows(self.weight, rows)
 
 

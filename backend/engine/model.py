@@ -23,6 +23,7 @@ from backend.engine.attention import AttentionBackend, AttentionMetadata, TorchA
 from backend.engine.config import ModelShape, ResolvedConfig
 from backend.engine.linear import Layout, Linear, make_linear
 from backend.kernels import quantized_linear
+from backend.kernels.weight_format import WeightFormat
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K, V) pools, each [num_blocks, block_size, kvh, hd]
 
@@ -32,8 +33,8 @@ _PROJECTIONS = ("qkv", "o", "gate", "up", "down")
 
 
 def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.dtype,
-                    quantization: str | None = None,
-                    gguf_blocks: dict[str, tuple[str, torch.Tensor]] | None = None) -> Prepared:
+                    quantization: WeightFormat | None = None,
+                    gguf_blocks: dict[str, tuple[WeightFormat, torch.Tensor]] | None = None) -> Prepared:
     """The checkpoint's tensors as the forward reads them: each projection a :class:`Linear` holding its one copy in
     the layout chosen for this CPU, Q, K and V fused; the norms copied out of ``w`` (a file mapping: nothing the
     engine keeps points into it, so it can be let go). A tied embedding is looked up in the LM head's copy.
@@ -42,8 +43,9 @@ def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.
     def take(name: str) -> torch.Tensor:
         return w[name].to(dtype, copy=True)
 
-    def linear(names: list[str], bias: torch.Tensor | None = None, quantize_to: str | None = quantization) -> Linear:
-        stored = [(gguf_blocks or {}).get(name) for name in names] if quantization == "q4_1" else [None]
+    def linear(names: list[str], bias: torch.Tensor | None = None,
+               quantize_to: WeightFormat | None = quantization) -> Linear:
+        stored = [(gguf_blocks or {}).get(name) for name in names] if quantization == WeightFormat.Q4_1 else [None]
         if all(s is not None and s[0] == stored[0][0] for s in stored):  # the GGUF's own blocks, rows stacked
             fmt = stored[0][0]
             return Linear(quantized_linear.group_rows(fmt, torch.cat([blocks for _, blocks in stored])), bias,
@@ -64,7 +66,9 @@ def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.
         out[f"{i}.down"] = linear([p + "mlp.down_proj.weight"])  # I -> D
     embed = w["model.embed_tokens.weight"].to(dtype)  # (V, D)
     head = "model.embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight"
-    out["lm_head"] = lm_head = linear([head], quantize_to="q8_0" if quantization == "q4_1" else quantization)  # D -> V
+    # q4_1's LM head in q8_0: the shipped GGUF holds its token embedding (the tied head) in Q8_0
+    lm_head_format = WeightFormat.Q8_0 if quantization == WeightFormat.Q4_1 else quantization
+    out["lm_head"] = lm_head = linear([head], quantize_to=lm_head_format)  # D -> V
     if not shape.tie_word_embeddings or lm_head.layout is Layout.ONEDNN:  # its rows cannot be read back
         out["embed"] = embed.clone()
     out["final_norm"] = take("model.norm.weight")  # (D,)
@@ -93,7 +97,7 @@ class LlamaModel:
 
         def prepare() -> Prepared:
             weights = {k: v.to(device) for k, v in _load_safetensors(Path(config.model)).items()}
-            blocks = weight_file.gguf_blocks(Path(config.model)) if quantization == "q4_1" else None
+            blocks = weight_file.gguf_blocks(Path(config.model)) if quantization == WeightFormat.Q4_1 else None
             return prepare_weights(weights, s, dtype, quantization, blocks)
 
         # one copy per machine where the weights can be mapped from a file, else one per engine

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.engine.config import QUANTIZATIONS, EngineConfig
+from backend.engine import config
+from backend.engine.config import EngineConfig
 from backend.triton.names import CONTINUOUS, DYNAMIC, MODELS
 from loadtest import compare, report, slo
 from loadtest.runner import (
@@ -37,8 +38,8 @@ def parameters_of(config_pbtxt: Path) -> dict[str, list[str]]:
 
 
 def test_the_load_tests_offer_the_engines_formats():
-    # Written out in loadtest.runner (a load test does not import the engine): held equal to the engine's here.
-    assert WEIGHT_FORMATS == ("bf16", *QUANTIZATIONS)
+    # Listed in loadtest.runner (a load test does not import the engine): held equal to the engine's here.
+    assert WEIGHT_FORMATS == config.WEIGHT_FORMATS
     assert EngineConfig(quantization="none").quantization is None  # what --quantization bf16 writes
 
 
