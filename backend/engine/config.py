@@ -22,7 +22,7 @@ from backend.kernels.weight_format import WeightFormat
 
 Batching = Literal["continuous", "run_to_completion", "iterative"]
 BATCHING = ("continuous", "run_to_completion", "iterative")
-_DTYPES = ("bfloat16", "float16", "float32")
+_DTYPES = ("bfloat16", "float16", "float32")  # torch's own names: the engine's dtype is getattr(torch, dtype)
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Weight-only formats (vLLM's ``quantization``): the GGUF's own 4-bit Q4_1 blocks, or int8 per output channel.

@@ -42,7 +42,6 @@ Prepared = dict[str, "torch.Tensor | Linear"]  # model.prepare_weights's result:
 
 _FORMAT = b"llm-batching-triton prepared weights 1"
 _ALIGN = 4096  # each tensor starts on its own page
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
 # plain memory: a file holds them as they are
 _STORED_LAYOUTS = (Layout.PACKED, Layout.ROW_MAJOR, Layout.PLAIN, Layout.Q4_1, Layout.Q8_0, Layout.INT8)
 
@@ -185,7 +184,7 @@ def read(path: Path) -> Prepared:
         data = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
 
     def view(entry: dict) -> torch.Tensor:
-        dtype = _DTYPES[entry["dtype"]]
+        dtype = getattr(torch, entry["dtype"])  # torch's own name for it, as _write gave it
         count = 1
         for size in entry["shape"]:
             count *= size

@@ -292,7 +292,7 @@ class HFGenerate:
     def __init__(self, s: BenchSettings) -> None:
         from transformers import AutoModelForCausalLM
 
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[s.dtype]
+        dtype = getattr(torch, s.dtype)  # the engine's dtype names are torch's
         self.model = AutoModelForCausalLM.from_pretrained(s.model, dtype=dtype).eval()
         pad = self.model.config.pad_token_id
         self.pad = pad if pad is not None else 0
