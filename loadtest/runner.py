@@ -24,6 +24,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from backend.contract.names import DYNAMIC
+from backend.kernels.weight_format import WeightFormat
 from backend.triton import config_text
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.metrics import MetricsSampler
@@ -32,10 +33,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
 USER_CLASSES = {"grpc": "GrpcStreamUser", "http": "HttpStreamUser", "openai": "OpenAIStreamUser"}
 # The weights a served model can run (--quantization): bf16 as shipped, or the engine's quantization formats.
-# NOTE: written out, not imported: a load test does not import the engine (tests/unit/test_quantization_options.py
-# holds it equal to backend.engine.config.QUANTIZATIONS).
-BF16 = "bf16"
-WEIGHT_FORMATS = (BF16, "q4_1", "int8")
+# NOTE: listed here, not imported: a load test does not import the engine (tests/unit/test_quantization_options.py
+# holds it equal to backend.engine.config.WEIGHT_FORMATS); their names are the kernels' (plain Python).
+BF16 = WeightFormat.BF16
+WEIGHT_FORMATS = (BF16, WeightFormat.Q4_1, WeightFormat.INT8)
 
 
 @dataclass
@@ -129,7 +130,7 @@ def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--quantization",
-        choices=WEIGHT_FORMATS,
+        choices=[str(f) for f in WEIGHT_FORMATS],
         default=None,
         help="the weights every served model runs: the engine parameter quantization, set in the served copies' "
         "configs (default: as the repository ships them, bf16)",

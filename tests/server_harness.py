@@ -17,11 +17,11 @@ from typing import Iterable, Mapping
 from backend.contract import errors
 from backend.contract.errors import ErrorKind
 from backend.triton import config_text
-from backend.triton.launch_options import LOOPBACK, copy_model_repository
+from backend.triton.launch_options import DEFAULT_MODEL, LOOPBACK, copy_model_repository
 from backend.triton.server import TritonServer, start_on_free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2_DIR = REPO_ROOT / "models" / "smollm2-135m-instruct"
+SMOLLM2_DIR = REPO_ROOT / DEFAULT_MODEL
 LOCALHOST = LOOPBACK
 # Tests never wait 30 s (tritonserver's default) for in-flight work at shutdown.
 DEFAULT_SERVER_ARGS = ("--exit-timeout-secs", "5")

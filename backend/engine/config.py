@@ -21,17 +21,25 @@ from typing import Any, Literal
 
 from backend.contract.errors import InvalidRequest
 from backend.engine.shared_cores import CORE_SHARING, CoreSharing
+from backend.kernels.weight_format import WeightFormat
 
 Batching = Literal["continuous", "run_to_completion", "iterative"]
 BATCHING = ("continuous", "run_to_completion", "iterative")
-_DTYPES = ("bfloat16", "float16", "float32")
+_DTYPES = ("bfloat16", "float16", "float32")  # torch's own names: the engine's dtype is getattr(torch, dtype)
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Weight-only formats (vLLM's ``quantization``): the GGUF's own 4-bit Q4_1 blocks, or int8 per output channel.
-QUANTIZATIONS = ("q4_1", "int8")
+QUANTIZATIONS = (WeightFormat.Q4_1, WeightFormat.INT8)
+# The weights a model can run on, as the tools' --quantization and --formats name them: the checkpoint's in bf16
+# (quantization none), or a quantization.
+WEIGHT_FORMATS = (WeightFormat.BF16, *QUANTIZATIONS)
 # The GGUF's quantized tensors beside a converted checkpoint (backend/tools/prepare_model.py writes them, q4_1 serves
 # them): uint8 [N, row bytes] under the checkpoint's names, each one's format (quantized_linear's) in the metadata.
 GGUF_BLOCKS = Path("quantized") / "gguf_blocks.safetensors"
+# The model folder the repository prepares (`make model`) and serves when none is named, relative to the repository
+# root. NOTE: not the engine's default (EngineConfig.model has none); held here as the lowest module every user may
+# import, prepare_model's Docker layer included (it copies this file, not the Triton glue).
+DEFAULT_MODEL = "models/smollm2-135m-instruct"
 
 # Default KV pool on a CPU when neither a block count nor a byte budget is given (vLLM's CPU backend uses 4 GiB).
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -116,9 +124,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
-    # None (or "none"): the weights in ``dtype`` as today; "q4_1" or "int8": weight-only quantized projections
-    # (backend/kernels/quantized_linear.py), bf16 activations, on the CPU.
-    quantization: str | None = None
+    # None (or "none"): the weights in ``dtype`` as today; "q4_1" or "int8" (held as the WeightFormat): weight-only
+    # quantized projections (backend/kernels/quantized_linear.py), bf16 activations, on the CPU.
+    quantization: WeightFormat | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = False
     # Who may join the running batch: anyone, every step (continuous), nobody until the batch in flight has
@@ -167,15 +175,10 @@ class EngineConfig:
         _positive("max_queue_size", self.max_queue_size)
 
     def _check_quantization(self) -> None:
-        quantization = None if self.quantization is None else str(self.quantization).strip().lower()
-        quantization = None if quantization in ("", "none") else quantization
+        quantization = parse_quantization(self.quantization)
         object.__setattr__(self, "quantization", quantization)
         if quantization is None:
             return
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATIONS)} or none; got {self.quantization!r}"
-            )
         if self.dtype != "bfloat16":
             raise ValueError(
                 f"quantization={quantization} computes in bfloat16 (its kernels take bf16 activations); "
@@ -267,6 +270,14 @@ class ResolvedConfig(EngineConfig):
         """Bytes of one KV block across all layers (K and V)."""
         s = self.model_shape
         return self.kv_block_bytes(s.num_layers, s.num_kv_heads, s.head_dim)
+
+
+def parse_quantization(value: Any) -> WeightFormat | None:
+    """``quantization`` as a user gives it (config.pbtxt, a dict of settings, a keyword): one of
+    :data:`QUANTIZATIONS` by name, in any case, or None, empty or "none" for the weights in ``dtype``."""
+    if value is None or str(value).strip().lower() in ("", "none"):
+        return None
+    return WeightFormat.parse(value, QUANTIZATIONS, "quantization", also="or none")
 
 
 def _parse_int(name: str, raw: Any) -> int:

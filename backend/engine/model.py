@@ -5,9 +5,10 @@ only for the positions that will be sampled. Weights come from a local Hugging F
 and V projections are fused so each layer reads its attention weights in one matmul.
 
 Attention is the backend the model runner chose for the device (``backend.engine.attention``): every layer hands it
-the QKV projection's output and the step's metadata. The projections and the RMSNorm run whichever kernel
-``cpu_fast_path`` routes them to (on CUDA or in float32, the plain torch ops), and a small decode-only step on the C
-kernels runs every layer in one C call instead of the loop below (``cpu_fast_path.run_decode_stack``).
+the QKV projection's output and the step's metadata. The projections run whichever kernel ``linear.route`` sends
+them to and the RMSNorm whichever ``cpu_fast_path`` picks (on CUDA or in float32, the plain torch ops), and a small
+decode-only step on the C kernels runs every layer in one C call instead of the loop below
+(``cpu_fast_path.run_decode_stack``).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from safetensors.torch import load_file
 from backend.engine import cpu_fast_path, weight_file
 from backend.engine.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from backend.engine.config import ModelShape, ResolvedConfig
-from backend.engine.cpu_fast_path import Layout, Linear
+from backend.engine.linear import Layout, Linear, make_linear
 from backend.kernels import quantized_linear
+from backend.kernels.weight_format import WeightFormat
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (K, V) pools, each [num_blocks, block_size, kvh, hd]
 
@@ -31,8 +33,8 @@ _PROJECTIONS = ("qkv", "o", "gate", "up", "down")
 
 
 def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.dtype,
-                    quantization: str | None = None,
-                    gguf_blocks: dict[str, tuple[str, torch.Tensor]] | None = None) -> Prepared:
+                    quantization: WeightFormat | None = None,
+                    gguf_blocks: dict[str, tuple[WeightFormat, torch.Tensor]] | None = None) -> Prepared:
     """The checkpoint's tensors as the forward reads them: each projection a :class:`Linear` holding its one copy in
     the layout chosen for this CPU, Q, K and V fused; the norms copied out of ``w`` (a file mapping: nothing the
     engine keeps points into it, so it can be let go). A tied embedding is looked up in the LM head's copy.
@@ -41,13 +43,14 @@ def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.
     def take(name: str) -> torch.Tensor:
         return w[name].to(dtype, copy=True)
 
-    def linear(names: list[str], bias: torch.Tensor | None = None, quantize_to: str | None = quantization) -> Linear:
-        stored = [(gguf_blocks or {}).get(name) for name in names] if quantization == "q4_1" else [None]
+    def linear(names: list[str], bias: torch.Tensor | None = None,
+               quantize_to: WeightFormat | None = quantization) -> Linear:
+        stored = [(gguf_blocks or {}).get(name) for name in names] if quantization == WeightFormat.Q4_1 else [None]
         if all(s is not None and s[0] == stored[0][0] for s in stored):  # the GGUF's own blocks, rows stacked
             fmt = stored[0][0]
             return Linear(quantized_linear.group_rows(fmt, torch.cat([blocks for _, blocks in stored])), bias,
                           Layout(fmt))
-        return cpu_fast_path.make_linear(torch.cat([w[name].to(dtype) for name in names]), bias, quantize_to)
+        return make_linear(torch.cat([w[name].to(dtype) for name in names]), bias, quantize_to)
 
     out: Prepared = {}
     for i in range(shape.num_layers):
@@ -63,7 +66,9 @@ def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.
         out[f"{i}.down"] = linear([p + "mlp.down_proj.weight"])  # I -> D
     embed = w["model.embed_tokens.weight"].to(dtype)  # (V, D)
     head = "model.embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight"
-    out["lm_head"] = lm_head = linear([head], quantize_to="q8_0" if quantization == "q4_1" else quantization)  # D -> V
+    # q4_1's LM head in q8_0: the shipped GGUF holds its token embedding (the tied head) in Q8_0
+    lm_head_format = WeightFormat.Q8_0 if quantization == WeightFormat.Q4_1 else quantization
+    out["lm_head"] = lm_head = linear([head], quantize_to=lm_head_format)  # D -> V
     if not shape.tie_word_embeddings or lm_head.layout is Layout.ONEDNN:  # its rows cannot be read back
         out["embed"] = embed.clone()
     out["final_norm"] = take("model.norm.weight")  # (D,)
@@ -92,7 +97,7 @@ class LlamaModel:
 
         def prepare() -> Prepared:
             weights = {k: v.to(device) for k, v in _load_safetensors(Path(config.model)).items()}
-            blocks = weight_file.gguf_blocks(Path(config.model)) if quantization == "q4_1" else None
+            blocks = weight_file.gguf_blocks(Path(config.model)) if quantization == WeightFormat.Q4_1 else None
             return prepare_weights(weights, s, dtype, quantization, blocks)
 
         # one copy per machine where the weights can be mapped from a file, else one per engine

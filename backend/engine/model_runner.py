@@ -18,8 +18,6 @@ from backend.engine.request import Request
 from backend.engine.scheduler import ScheduledRequest
 from backend.engine.shared_cores import cores_available
 
-_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` is CUDA when torch sees a GPU, else the CPU."""
@@ -100,7 +98,7 @@ class ModelRunner:
             _keep_freed_memory_in_process()
         elif self.device.index is not None:
             torch.cuda.set_device(self.device)  # OpenAI Triton launches on the current device
-        self.dtype = _TORCH_DTYPES[config.dtype]
+        self.dtype = getattr(torch, config.dtype)  # config's dtype names are torch's (config._DTYPES)
         self.model = LlamaModel(config, self.dtype, self.device, select_attention_backend(self.device))
         self.block_size = config.block_size
         self._block_offsets = torch.arange(self.block_size)

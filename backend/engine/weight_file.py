@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 
 from backend.engine.config import GGUF_BLOCKS
-from backend.engine.cpu_fast_path import Layout, Linear, c_layout
+from backend.engine.linear import Layout, Linear, c_layout
 from backend.kernels import cpu_kernels, quantized_linear
+from backend.kernels.weight_format import WeightFormat
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,11 @@ Prepared = dict[str, "torch.Tensor | Linear"]  # model.prepare_weights's result:
 
 _FORMAT = b"llm-batching-triton prepared weights 1"
 _ALIGN = 4096  # each tensor starts on its own page
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "uint8": torch.uint8}
 # plain memory: a file holds them as they are
 _STORED_LAYOUTS = (Layout.PACKED, Layout.ROW_MAJOR, Layout.PLAIN, Layout.Q4_1, Layout.Q8_0, Layout.INT8)
 
 
-def gguf_blocks(model_dir: Path) -> dict[str, tuple[str, torch.Tensor]] | None:
+def gguf_blocks(model_dir: Path) -> dict[str, tuple[WeightFormat, torch.Tensor]] | None:
     """The GGUF's quantized tensors kept beside the checkpoint, by name: (format, uint8 blocks); None if none."""
     path = model_dir / GGUF_BLOCKS
     if not path.is_file():
@@ -55,11 +55,11 @@ def gguf_blocks(model_dir: Path) -> dict[str, tuple[str, torch.Tensor]] | None:
 
     with safe_open(str(path), framework="pt") as f:
         formats = f.metadata() or {}
-        return {name: (formats[name], f.get_tensor(name)) for name in f.keys() if name in formats}
+        return {name: (WeightFormat(formats[name]), f.get_tensor(name)) for name in f.keys() if name in formats}
 
 
 def prepared_weights(model_dir: Path, dtype: torch.dtype, device: torch.device,
-                     prepare: Callable[[], Prepared], quantization: str | None = None) -> Prepared:
+                     prepare: Callable[[], Prepared], quantization: WeightFormat | None = None) -> Prepared:
     """What ``prepare()`` returns, mapped from the file of prepared weights for this key (built first if there is
     none yet); ``prepare()`` itself where the weights cannot live in a file."""
     if (device.type != "cpu" or dtype != torch.bfloat16 or cpu_kernels.load() is None
@@ -90,7 +90,7 @@ def prepared_weights(model_dir: Path, dtype: torch.dtype, device: torch.device,
     return read(path)
 
 
-def weights_path(model_dir: Path, dtype: torch.dtype, quantization: str | None = None) -> Path:
+def weights_path(model_dir: Path, dtype: torch.dtype, quantization: WeightFormat | None = None) -> Path:
     """The file for this checkpoint, dtype, quantization, layout and CPU (what its name hashes is in the module's
     docstring)."""
     model_dir = model_dir.resolve()
@@ -184,7 +184,7 @@ def read(path: Path) -> Prepared:
         data = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive as long as any view of it
 
     def view(entry: dict) -> torch.Tensor:
-        dtype = _DTYPES[entry["dtype"]]
+        dtype = getattr(torch, entry["dtype"])  # torch's own name for it, as _write gave it
         count = 1
         for size in entry["shape"]:
             count *= size

@@ -38,6 +38,8 @@ from typing import NamedTuple
 
 import torch
 
+from backend.kernels.weight_format import WeightFormat
+
 log = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).with_name("cpu")
@@ -421,11 +423,12 @@ class DecodeStack:
     residual, from the same C functions as the calls above, so the result is the same to the bit. The weights'
     addresses are gathered once."""
 
-    # how the projections' weights are held: bf16 in prepare_linear_weight's layout, or quantized_linear's formats
-    WEIGHT_FORMATS = {"bf16": 0, "q4_1": 1, "int8": 2}
+    # how the projections' weights may be held: bf16 in prepare_linear_weight's layout, or quantized_linear's
+    WEIGHT_FORMATS = (WeightFormat.BF16, WeightFormat.Q4_1, WeightFormat.INT8)
 
     def __init__(self, layers: list[StackLayer], hidden_size: int, intermediate_size: int, num_heads: int,
-                 num_kv_heads: int, head_dim: int, eps: float, weight_format: str = "bf16") -> None:
+                 num_kv_heads: int, head_dim: int, eps: float,
+                 weight_format: WeightFormat = WeightFormat.BF16) -> None:
         def pointers(tensors: list[torch.Tensor | None]) -> ctypes.Array:
             return (ctypes.c_void_p * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
 
@@ -434,9 +437,7 @@ class DecodeStack:
         self._keep = layers  # the pointers below are into these tensors
         self.num_layers, self.hidden_size, self.intermediate_size = len(layers), hidden_size, intermediate_size
         self.num_heads, self.num_kv_heads, self.head_dim, self.eps = num_heads, num_kv_heads, head_dim, eps
-        if weight_format not in self.WEIGHT_FORMATS:
-            raise ValueError(f"weight_format must be one of {', '.join(self.WEIGHT_FORMATS)}; got {weight_format!r}")
-        self.weight_format = weight_format
+        self.weight_format = WeightFormat.parse(weight_format, self.WEIGHT_FORMATS, "weight_format")
         self.norm1, self.qkv, self.qkv_bias, self.o, self.norm2, self.gate, self.up, self.down = (
             pointers([getattr(layer, name) for layer in layers]) for name in StackLayer._fields)
         # (first K pool's address, whether the pools fit the kernels, K pointers, V pointers), built on first use:
@@ -489,7 +490,7 @@ class DecodeStack:
         block_size = k_cache.shape[1]
         status = _lib.decode_stack(
             h.data_ptr(), num_tokens, self.hidden_size, self.num_layers, self.norm1, self.qkv, self.qkv_bias, self.o,
-            self.norm2, self.gate, self.up, self.down, self.WEIGHT_FORMATS[self.weight_format],
+            self.norm2, self.gate, self.up, self.down, self.weight_format.c_code,
             min(small_rows, _lib.limits.linear_max_rows), self.intermediate_size, self.eps, positions.data_ptr(),
             cos.data_ptr(), sin_signed.data_ptr(), slots.data_ptr(), self._pools[2], self._pools[3], k_cache.stride(0),
             k_cache.stride(1), k_cache.stride(2),

@@ -1,4 +1,5 @@
-"""Weight-only quantized projections on CPUs: the weight formats, their torch twins, and the C kernels.
+"""Weight-only quantized projections on CPUs: the bytes of the quantized weight formats (named by
+:class:`~backend.kernels.weight_format.WeightFormat`), their torch twins, and the C kernels.
 
 A quantized weight is one uint8 tensor ``[N, row_bytes]`` (``cpu/linear_quant.c``):
 
@@ -28,32 +29,33 @@ import torch
 import torch.nn.functional as F
 
 from backend.kernels import cpu_kernels
+from backend.kernels.weight_format import WeightFormat
 
-FORMAT_CODES = {"q4_1": 1, "int8": 2, "q8_0": 3}  # the C kernels' codes (linear_quant.c)
+Q4_1, Q8_0, INT8 = WeightFormat.Q4_1, WeightFormat.Q8_0, WeightFormat.INT8  # the formats held here, by short names
 # NOTE: one more whenever a format's held bytes change (2: q4_1's rows in groups); files of prepared weights are
 # keyed by it, so none made before is read with the new meaning
 HELD_LAYOUT_VERSION = 2
-_BLOCK = {"q4_1": 32, "int8": 16, "q8_0": 32}  # K must be a multiple of this
-_KERNELS = {"q4_1": "linear_q4_1", "int8": "linear_int8", "q8_0": "linear_q8_0"}
+_BLOCK = {Q4_1: 32, INT8: 16, Q8_0: 32}  # K must be a multiple of this
+_KERNELS = {Q4_1: "linear_q4_1", INT8: "linear_int8", Q8_0: "linear_q8_0"}
 
 
-def row_bytes(fmt: str, k: int) -> int:
+def row_bytes(fmt: WeightFormat, k: int) -> int:
     """Bytes of one output row of K weights in ``fmt``."""
-    return {"q4_1": k // 32 * 20, "q8_0": k // 32 * 34, "int8": k + 4}[fmt]
+    return {Q4_1: k // 32 * 20, Q8_0: k // 32 * 34, INT8: k + 4}[fmt]
 
 
-def in_features(fmt: str, num_row_bytes: int) -> int:
+def in_features(fmt: WeightFormat, num_row_bytes: int) -> int:
     """K of a weight whose rows are ``num_row_bytes`` long."""
-    return {"q4_1": num_row_bytes // 20 * 32, "q8_0": num_row_bytes // 34 * 32, "int8": num_row_bytes - 4}[fmt]
+    return {Q4_1: num_row_bytes // 20 * 32, Q8_0: num_row_bytes // 34 * 32, INT8: num_row_bytes - 4}[fmt]
 
 
 _GROUP = 16  # q4_1's rows per group
 
 
-def group_rows(fmt: str, rows: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] uint8
+def group_rows(fmt: WeightFormat, rows: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] uint8
     """GGUF's rows (``[N, row_bytes]``) as ``fmt`` holds them: q4_1's in groups of 16 (see the module's docstring),
     the others as they are."""
-    if fmt != "q4_1" or rows.shape[0] < _GROUP:
+    if fmt != Q4_1 or rows.shape[0] < _GROUP:
         return rows
     n, nb = rows.shape[0] // _GROUP * _GROUP, rows.shape[1] // 20
     blocks = rows[:n].reshape(n // _GROUP, _GROUP, nb, 20)  # (G, 16 rows, nb, bytes)
@@ -63,9 +65,9 @@ def group_rows(fmt: str, rows: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] 
     return torch.cat([grouped, rows[n:]])
 
 
-def ungroup_rows(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] uint8
+def ungroup_rows(fmt: WeightFormat, weight: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] uint8
     """The inverse of :func:`group_rows`: GGUF's rows, each self-contained."""
-    if fmt != "q4_1" or weight.shape[0] < _GROUP:
+    if fmt != Q4_1 or weight.shape[0] < _GROUP:
         return weight
     n, nb = weight.shape[0] // _GROUP * _GROUP, weight.shape[1] // 20
     units = weight[:n].reshape(n // _GROUP, nb, 320)
@@ -75,10 +77,11 @@ def ungroup_rows(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, row_byt
     return torch.cat([rows, weight[n:]])
 
 
-def gguf_rows(fmt: str, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # [len(rows), row_bytes] uint8
+def gguf_rows(fmt: WeightFormat, weight: torch.Tensor,
+              rows: torch.Tensor) -> torch.Tensor:  # [len(rows), row_bytes] uint8
     """Rows ``rows`` of a held weight as GGUF's, each self-contained: only the groups they are in are read back (a
     tied embedding looks up a step's tokens in the LM head's weight)."""
-    if fmt != "q4_1" or weight.shape[0] < _GROUP:
+    if fmt != Q4_1 or weight.shape[0] < _GROUP:
         return weight.index_select(0, rows)
     whole = weight.shape[0] // _GROUP * _GROUP
     in_groups = rows.clamp(max=whole - 1)  # rows past the last whole group are read as they are, below
@@ -88,24 +91,24 @@ def gguf_rows(fmt: str, weight: torch.Tensor, rows: torch.Tensor) -> torch.Tenso
     return torch.where((rows < whole)[:, None], picked, weight.index_select(0, rows))
 
 
-def fits(fmt: str, k: int) -> bool:
+def fits(fmt: WeightFormat, k: int) -> bool:
     """Whether ``fmt`` holds rows of ``k`` weights (whole blocks)."""
     return k > 0 and k % _BLOCK[fmt] == 0
 
 
-def quantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] uint8
+def quantize(fmt: WeightFormat, weight: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] uint8
     """``weight`` [N, K] in ``fmt`` as held, rounded as llama.cpp's reference quantizers (``quantize_row_q4_1_ref``,
     ``quantize_row_q8_0_ref``) round; ``int8`` scales each row by its largest magnitude / 127."""
     w = weight.float()
     n, k = w.shape
     if not fits(fmt, k):
         raise ValueError(f"{fmt} holds rows of a multiple of {_BLOCK[fmt]} weights; got {k}")
-    if fmt == "int8":
+    if fmt == INT8:
         scale = w.abs().amax(dim=1, keepdim=True) / 127  # (N, 1)
         q = torch.round(w / torch.where(scale > 0, scale, 1)).clamp(-127, 127).to(torch.int8)
         return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=1)
     blocks = w.view(n, k // 32, 32)
-    if fmt == "q4_1":
+    if fmt == Q4_1:
         lo, hi = blocks.amin(dim=2, keepdim=True), blocks.amax(dim=2, keepdim=True)
         d = (hi - lo) / 15
         inv = torch.where(d > 0, 1 / d, 0)
@@ -119,17 +122,17 @@ def quantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, row_bytes] 
     return torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=2).reshape(n, -1)
 
 
-def dequantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, K] float32
+def dequantize(fmt: WeightFormat, weight: torch.Tensor) -> torch.Tensor:  # [N, K] float32
     """The weights a quantized tensor holds, each widened to float32 exactly as the C kernels widen it."""
     weight = ungroup_rows(fmt, weight)
     n = weight.shape[0]
-    if fmt == "int8":
+    if fmt == INT8:
         k = weight.shape[1] - 4
         scale = weight[:, k:].contiguous().view(torch.float32)  # (N, 1)
         return weight[:, :k].view(torch.int8).float() * scale
-    blocks = weight.reshape(n, -1, 20 if fmt == "q4_1" else 34)  # (N, K/32, bytes)
+    blocks = weight.reshape(n, -1, 20 if fmt == Q4_1 else 34)  # (N, K/32, bytes)
     d = blocks[:, :, 0:2].contiguous().view(torch.float16).float()  # (N, K/32, 1)
-    if fmt == "q4_1":
+    if fmt == Q4_1:
         m = blocks[:, :, 2:4].contiguous().view(torch.float16).float()
         qs = blocks[:, :, 4:]  # (N, K/32, 16)
         q = torch.cat([qs & 15, qs >> 4], dim=2).float()  # (N, K/32, 32)
@@ -141,11 +144,11 @@ def dequantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, K] float3
 KERNEL_PATHS = ("float32", "x_int8", "bf16_tiles")  # quant_kernel_path's codes (linear_quant.c)
 
 
-def kernel_path(fmt: str, num_rows: int, k: int, n: int) -> str:
+def kernel_path(fmt: WeightFormat, num_rows: int, k: int, n: int) -> str:
     """How this build's kernel computes ``num_rows`` rows against an [n, k] weight of ``fmt`` (see the module's
     docstring): ``float32``, ``x_int8`` or ``bf16_tiles``; ``float32`` without the C kernels."""
     lib = cpu_kernels.load()
-    return "float32" if lib is None else KERNEL_PATHS[lib.quant_kernel_path(FORMAT_CODES[fmt], num_rows, k, n)]
+    return "float32" if lib is None else KERNEL_PATHS[lib.quant_kernel_path(fmt.c_code, num_rows, k, n)]
 
 
 def quantize_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,7 +164,7 @@ def q4_1_terms(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tor
     """The per-block terms of the VNNI kernel's sums, each [T, N, K/32] float32: (d dx) * sum(q_w q_x), and m sx."""
     q, dx, sx = quantize_x_q8(x)  # (T, nb, 32), (T, nb, 1) x2
     n = weight.shape[0]
-    blocks = ungroup_rows("q4_1", weight).reshape(n, -1, 20)
+    blocks = ungroup_rows(Q4_1, weight).reshape(n, -1, 20)
     d = blocks[:, :, 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, nb)
     m = blocks[:, :, 2:4].contiguous().view(torch.float16).float()[..., 0]
     qs = blocks[:, :, 4:]
@@ -171,7 +174,7 @@ def q4_1_terms(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def quantized_linear_reference(
-    fmt: str,
+    fmt: WeightFormat,
     x: torch.Tensor,  # [T, K] bf16
     weight: torch.Tensor,  # [N, row_bytes] uint8 in fmt
     bias: torch.Tensor | None = None,  # [N] bf16
@@ -198,7 +201,7 @@ def quantized_linear_reference(
     return y.to(torch.bfloat16)
 
 
-def supports(fmt: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
+def supports(fmt: WeightFormat, x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`cpu_quantized_linear` takes these tensors (else the caller runs the twin)."""
     lib_limits = cpu_kernels.limits()
     k = in_features(fmt, weight.shape[1])
@@ -208,7 +211,7 @@ def supports(fmt: str, x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def cpu_quantized_linear(
-    fmt: str,
+    fmt: WeightFormat,
     x: torch.Tensor,  # [T, K] bf16, rows may be strided
     weight: torch.Tensor,  # [N, row_bytes] uint8 in fmt
     bias: torch.Tensor | None = None,  # [N] bf16
@@ -233,14 +236,14 @@ def cpu_quantized_linear(
     return out
 
 
-def cpu_dequantize(fmt: str, weight: torch.Tensor) -> torch.Tensor:  # [N, K] bf16
+def cpu_dequantize(fmt: WeightFormat, weight: torch.Tensor) -> torch.Tensor:  # [N, K] bf16
     """The C twin of ``dequantize(fmt, weight).to(torch.bfloat16)``."""
     lib = cpu_kernels.load()
     k = in_features(fmt, weight.shape[1])
     if lib is None or weight.dtype != torch.uint8 or not weight.is_contiguous() or weight.device.type != "cpu":
         raise ValueError("dequantize_weight cannot take this tensor; run dequantize")
     out = torch.empty((weight.shape[0], k), dtype=torch.bfloat16)
-    if lib.dequantize_weight(FORMAT_CODES[fmt], weight.data_ptr(), weight.shape[0], k, out.data_ptr(),
+    if lib.dequantize_weight(fmt.c_code, weight.data_ptr(), weight.shape[0], k, out.data_ptr(),
                              torch.get_num_threads()) != 0:
         raise ValueError(f"dequantize_weight cannot take rows of {k} weights in {fmt}")
     return out

@@ -93,12 +93,19 @@ import torch  # noqa: E402
 
 from backend.contract.names import CONTINUOUS  # noqa: E402
 from backend.engine.block_manager import BlockManager  # noqa: E402
-from backend.engine.config import QUANTIZATIONS, EngineConfig, ModelShape, SamplingParams  # noqa: E402
-from backend.engine.cpu_fast_path import Linear  # noqa: E402
+from backend.engine.config import (  # noqa: E402
+    DEFAULT_MODEL,
+    WEIGHT_FORMATS,
+    EngineConfig,
+    ModelShape,
+    SamplingParams,
+)
+from backend.engine.linear import Linear  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.request import Request, RequestStatus  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest, Scheduler  # noqa: E402
 from backend.engine.stats import StepRecord  # noqa: E402
+from backend.kernels.weight_format import WeightFormat  # noqa: E402
 from backend.tools.bench_llamacpp import llamacpp_column  # noqa: E402
 from backend.tools.bench_mixed import format_breakdown, mixed_step_breakdown  # noqa: E402
 from backend.tools.bench_served import SERVED_MODELS, served_column  # noqa: E402
@@ -130,11 +137,11 @@ class BenchSettings:
     served_models: tuple[str, ...] = SERVED_MODELS  # the served column's models; () skips it
     llamacpp: str | None = None  # llama.cpp's llama-server for its column; None skips it
     llamacpp_gguf: str | None = None  # the GGUF it serves; None: the one of this format beside it (default_gguf)
-    quantization: str | None = None  # the engines' weights (EngineConfig.quantization); None: bf16
+    quantization: WeightFormat | None = None  # the engines' weights (EngineConfig.quantization); None: bf16
 
     @property
-    def weight_format(self) -> str:
-        return self.quantization or "bf16"
+    def weight_format(self) -> WeightFormat:
+        return self.quantization or WeightFormat.BF16
 
     @classmethod
     def quick_settings(cls, model: str, **overrides) -> BenchSettings:
@@ -286,7 +293,7 @@ class HFGenerate:
     def __init__(self, s: BenchSettings) -> None:
         from transformers import AutoModelForCausalLM
 
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[s.dtype]
+        dtype = getattr(torch, s.dtype)  # the engine's dtype names are torch's
         self.model = AutoModelForCausalLM.from_pretrained(s.model, dtype=dtype).eval()
         pad = self.model.config.pad_token_id
         self.pad = pad if pad is not None else 0
@@ -591,13 +598,13 @@ def _versus_llamacpp(result: dict) -> tuple[float | None, str, bool | None, str]
 def format_table(result: dict) -> str:
     c, w, sc = result["config"], result["workload"], result["scheduler"]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    weights = c.get("quantization") or "bf16"
+    weights = WeightFormat(c.get("quantization") or WeightFormat.BF16)
     lines = [
         f"model {c['model']}  weights {weights}  dtype {c['dtype']}  threads {c['threads']}"
         f"{'  (quick)' if c['quick'] else ''}",
         "",
         f"1. Fixed batches: {c['prompt_len']}-token prompts, exactly {c['new_tokens']} new tokens (greedy, ignore_eos)"
-        + ("" if weights == "bf16" else f"; the engine on {weights} weights, HF generate on bf16"),
+        + (f"; the engine on {weights} weights, HF generate on bf16" if weights.quantized else ""),
         f"   {'batch':>5}  {'engine tok/s':>12}  {'HF tok/s':>9}  {'ratio':>6}  {'engine decode step ms':>21}",
     ]
     for row in result["fixed_batches"]:
@@ -700,7 +707,7 @@ def _steps_and_rows(w: dict, policy: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="models/smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a reduced run of about a minute (smoke test)")
@@ -714,15 +721,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llamacpp-gguf", metavar="PATH", help="the GGUF llama.cpp serves (default: the one of "
                         "--quantization's format that `make llamacpp` puts beside the server: <model>-q4_1.gguf for "
                         "q4_1, else <model>-bf16.gguf)")
-    parser.add_argument("--quantization", choices=("bf16", *QUANTIZATIONS), default="bf16",
+    parser.add_argument("--quantization", choices=[str(f) for f in WEIGHT_FORMATS], default=str(WeightFormat.BF16),
                         help="the weights of the engines and the served column (default: %(default)s)")
     parser.add_argument("--out", default="reports/bench.json")
     args = parser.parse_args(argv)
     if args.llamacpp_gguf and not args.llamacpp:
         parser.error("--llamacpp-gguf is the GGUF of the llama.cpp column: give the server with --llamacpp PATH")
+    weights = WeightFormat(args.quantization)
     overrides = {
         "dtype": args.dtype, "threads": args.threads, "llamacpp": args.llamacpp, "llamacpp_gguf": args.llamacpp_gguf,
-        "quantization": None if args.quantization == "bf16" else args.quantization,
+        "quantization": weights if weights.quantized else None,
     }
     if args.batches:
         overrides["batches"] = tuple(int(b) for b in args.batches.split(","))

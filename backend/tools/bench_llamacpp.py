@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend.kernels.weight_format import WeightFormat
 from backend.tools.bench_served import _cpu_seconds
 
 HOST = "127.0.0.1"
@@ -40,17 +41,17 @@ class LlamaCppWorkload:
     new_tokens: int
 
 
-# The GGUF ``make llamacpp`` puts beside the server for each of the engine's weight formats: the shipped Q4_1 file
-# for q4_1 (the same blocks the engine serves); bf16 for the rest (no int8 GGUF is made: llama.cpp's Q8_0 is not
+# The formats ``make llamacpp`` puts a GGUF of beside the server (``<model>-<format>.gguf``): the shipped Q4_1 file
+# for q4_1 (the same blocks the engine serves), and bf16 for the rest (no int8 GGUF is made: llama.cpp's Q8_0 is not
 # the engine's per-channel int8, so int8 is measured against llama.cpp's BF16).
-GGUF_SUFFIXES = {"q4_1": "q4_1"}
+GGUF_FORMATS = (WeightFormat.BF16, WeightFormat.Q4_1)
 
 
-def default_gguf(server: str | Path, model_dir: str | Path, quantization: str | None = None) -> Path:
+def default_gguf(server: str | Path, model_dir: str | Path, quantization: WeightFormat | None = None) -> Path:
     """Where ``make llamacpp`` puts the GGUF of ``model_dir`` for the weight format ``quantization`` (None or
-    "bf16": the BF16 conversion; "q4_1": the shipped Q4_1 file): beside the ``bin/`` folder of ``server``."""
-    suffix = GGUF_SUFFIXES.get(str(quantization).lower(), "bf16")
-    return Path(server).absolute().parent.parent / f"{Path(model_dir).name}-{suffix}.gguf"
+    bf16: the BF16 conversion; q4_1: the shipped Q4_1 file): beside the ``bin/`` folder of ``server``."""
+    fmt = quantization if quantization in GGUF_FORMATS else WeightFormat.BF16
+    return Path(server).absolute().parent.parent / f"{Path(model_dir).name}-{fmt}.gguf"
 
 
 def server_command(server: str | Path, gguf: str | Path, port: int, threads: int, num_slots: int,
@@ -226,7 +227,7 @@ def llamacpp_column(
     seed: int,
     log=print,
     gguf: str | Path | None = None,
-    quantization: str | None = None,
+    quantization: WeightFormat | None = None,
 ) -> dict:
     """Every (batch, greedy or temperature 1.0) workload through one ``llama-server``, best ITL of ``repeats``.
 

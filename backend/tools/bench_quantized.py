@@ -25,8 +25,9 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 
 import torch  # noqa: E402
 
-from backend.engine.config import EngineConfig, SamplingParams  # noqa: E402
+from backend.engine.config import DEFAULT_MODEL, WEIGHT_FORMATS, EngineConfig, SamplingParams  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.kernels.weight_format import WeightFormat  # noqa: E402
 from backend.tools.bench import _median_ms, _timed_generate, random_prompts  # noqa: E402
 from backend.tools.bench import held_weight_bytes as weight_bytes  # noqa: E402
 
@@ -40,17 +41,20 @@ PROMPTS = (
 )
 
 
-def build(model: str, fmt: str, threads: int, batch: int, prompt_len: int, new_tokens: int) -> LLMEngine:
+BF16 = WeightFormat.BF16  # the baseline every format is measured against
+
+
+def build(model: str, fmt: WeightFormat, threads: int, batch: int, prompt_len: int, new_tokens: int) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        model=model, quantization=None if fmt == "bf16" else fmt, num_threads=threads, max_num_seqs=batch,
+        model=model, quantization=fmt if fmt.quantized else None, num_threads=threads, max_num_seqs=batch,
         max_num_batched_tokens=max(2048, batch * prompt_len), max_model_len=prompt_len + new_tokens + 16,
         num_kv_blocks=batch * -(-(prompt_len + new_tokens + 16) // 16) + 16,
     ))
 
 
-def greedy_agreement(engines: dict[str, LLMEngine], max_tokens: int) -> dict:
+def greedy_agreement(engines: dict[WeightFormat, LLMEngine], max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    hf_tokenizer = engines["bf16"].tokenizer.hf
+    hf_tokenizer = engines[BF16].tokenizer.hf
     prompts = [hf_tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                 tokenize=True) for p in PROMPTS]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
@@ -58,7 +62,7 @@ def greedy_agreement(engines: dict[str, LLMEngine], max_tokens: int) -> dict:
     result = {}
     for fmt, outs in outputs.items():
         same = total = 0
-        for out, ref in zip(outs, outputs["bf16"]):
+        for out, ref in zip(outs, outputs[BF16]):
             prefix = next((i for i, (a, b) in enumerate(zip(out.token_ids, ref.token_ids)) if a != b),
                           min(len(out.token_ids), len(ref.token_ids)))
             same, total = same + prefix, total + len(ref.token_ids)
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
     formats, batches = args.formats, args.batches
     engines = {fmt: build(args.model, fmt, args.threads, max(batches), args.prompt_len, args.new_tokens)
                for fmt in formats}
-    bf16 = engines["bf16"]
+    bf16 = engines[BF16]
     block_bytes = bf16.config.block_bytes
     memory = {fmt: {"weight_mib": weight_bytes(e) / 2**20,
                     "kv_blocks_gained": (weight_bytes(bf16) - weight_bytes(e)) // block_bytes}
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace, log=print) -> dict:
     for engine in engines.values():
         engine.generate(random_prompts(2, args.prompt_len, vocab, 99), warm_up)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    steps: dict[str, dict[int, float]] = {fmt: {} for fmt in formats}
+    steps: dict[WeightFormat, dict[int, float]] = {fmt: {} for fmt in formats}
     for batch in batches:
         prompts = random_prompts(batch, args.prompt_len, vocab, batch)
         for repeat in range(args.repeats):
@@ -102,12 +106,12 @@ def run(args: argparse.Namespace, log=print) -> dict:
 
 def format_table(result: dict) -> str:
     steps, memory = result["decode_step_ms"], result["memory"]
-    batches = list(steps["bf16"])
+    batches = list(steps[BF16])
     lines = ["decode step, ms (x bf16 from the same run)",
              "format  " + "".join(f"{'B=' + b:>16}" for b in batches) + f"{'weights MiB':>14}{'KV blocks +':>13}"
              + f"{'greedy prefix':>15}"]
     for fmt, by_batch in steps.items():
-        cells = "".join(f"{by_batch[b]:>8.2f} ({by_batch[b] / steps['bf16'][b]:.2f}x)" for b in batches)
+        cells = "".join(f"{by_batch[b]:>8.2f} ({by_batch[b] / steps[BF16][b]:.2f}x)" for b in batches)
         share = result["greedy_agreement"][fmt]["prefix_share"]
         lines.append(f"{fmt:<8}{cells}{memory[fmt]['weight_mib']:>14.1f}{memory[fmt]['kv_blocks_gained']:>13}"
                      f"{share:>15.0%}")
@@ -118,8 +122,8 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="models/smollm2-135m-instruct")
-    parser.add_argument("--formats", type=lambda v: v.split(","), default=["bf16", "q4_1", "int8"])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--batches", type=lambda v: [int(b) for b in v.split(",")], default=[1, 8, 32, 64])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -128,8 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agreement-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    if "bf16" not in args.formats:
-        args.formats = ["bf16", *args.formats]  # the baseline
+    try:
+        args.formats = [WeightFormat.parse(name, WEIGHT_FORMATS, "--formats") for name in args.formats.split(",")]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if BF16 not in args.formats:
+        args.formats = [BF16, *args.formats]  # the baseline
     result = run(args)
     print(format_table(result))
     for fmt, entry in result["greedy_agreement"].items():

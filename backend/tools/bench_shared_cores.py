@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from backend.engine.config import DEFAULT_MODEL
 from backend.engine.shared_cores import remove_registry
 
 ARMS = ("divide", "step_lock", "off", "passive")
@@ -145,7 +146,7 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=os.environ.get("MODEL", "models/smollm2-135m-instruct"))
+    p.add_argument("--model", default=os.environ.get("MODEL", DEFAULT_MODEL))
     p.add_argument("--engines", default="1,2,4", help="how many engines step at once, each a row")
     p.add_argument("--batch", type=int, default=4, help="decoding sequences per engine")
     p.add_argument("--seconds", type=float, default=5.0, help="measured time per arm, N and round")

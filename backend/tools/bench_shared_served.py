@@ -28,7 +28,7 @@ from pathlib import Path
 
 from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, STATIC
 from backend.tools.bench_shared_cores import write_result
-from backend.triton.launch_options import copy_model_repository
+from backend.triton.launch_options import DEFAULT_MODEL, copy_model_repository
 from backend.triton.server import start_on_free_ports
 from client.grpc_stream import generate
 
@@ -95,7 +95,7 @@ def run(arms: list[str], users: int, phase_s: float, rounds: int, max_tokens: in
                 # NOTE: a smaller KV pool than shipped (4 users need little), so four servers fit in memory.
                 repository = copy_model_repository(Path(tmp) / arm, models, {
                     "core_sharing": sharing, "kv_cache_memory_bytes": str(128 << 20)})
-                server = start_on_free_ports(repository, model=REPO_ROOT / "models/smollm2-135m-instruct", env=env,
+                server = start_on_free_ports(repository, model=REPO_ROOT / DEFAULT_MODEL, env=env,
                                              log_path=Path(tmp) / f"{arm}.log")
                 servers[arm] = server.__enter__()
                 log(f"{arm}: server ready ({server.grpc_url})")

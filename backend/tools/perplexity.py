@@ -26,11 +26,12 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 
 import torch  # noqa: E402
 
-from backend.engine.config import EngineConfig  # noqa: E402
+from backend.engine.config import DEFAULT_MODEL, WEIGHT_FORMATS, EngineConfig  # noqa: E402
 from backend.engine.model_runner import ModelRunner  # noqa: E402
 from backend.engine.request import Request  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest  # noqa: E402
 from backend.engine.tokenizer import load_tokenizer  # noqa: E402
+from backend.kernels.weight_format import WeightFormat  # noqa: E402
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity_text.txt"
 
@@ -49,7 +50,7 @@ def _nll(logits: torch.Tensor, chunk: list[int]) -> tuple[float, int]:  # logits
     return -log_probs.gather(1, targets[:, None]).sum().item(), len(targets)
 
 
-def engine_nll(model: str, quantization: str | None, parts: list[list[int]], threads: int,
+def engine_nll(model: str, quantization: WeightFormat | None, parts: list[list[int]], threads: int,
                path: str = "prefill") -> tuple[float, int]:
     """The engine's sum of NLLs over ``parts``. ``path``: ``prefill`` runs each chunk as one prefill (where a
     quantized format widens its weights to bf16); ``decode`` runs the first half as a prefill and then scores the
@@ -102,8 +103,8 @@ def hf_nll(model: str, parts: list[list[int]]) -> tuple[float, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="models/smollm2-135m-instruct")
-    parser.add_argument("--formats", type=lambda v: v.split(","), default=["bf16", "q4_1", "int8"])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="comma-separated (default: %(default)s)")
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
     parser.add_argument("--threads", type=int, default=2)
@@ -111,11 +112,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="score the engine's prefill (default) or its decode steps (the quantized kernels)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    try:
+        formats = [WeightFormat.parse(name, WEIGHT_FORMATS, "--formats") for name in args.formats.split(",")]
+    except ValueError as exc:
+        parser.error(str(exc))
     token_ids = load_tokenizer(args.model).encode(args.text.read_text())
     parts = chunks(token_ids, args.ctx)
     results = {"hf_fp32": hf_nll(args.model, parts)}
-    for fmt in args.formats:
-        results[fmt] = engine_nll(args.model, None if fmt == "bf16" else fmt, parts, args.threads, args.path)
+    for fmt in formats:
+        results[fmt] = engine_nll(args.model, fmt if fmt.quantized else None, parts, args.threads, args.path)
     ppl = {name: math.exp(total / count) for name, (total, count) in results.items()}
     scored = next(iter(results.values()))[1]
     print(f"perplexity on {args.text.name}: {len(token_ids)} tokens, {len(parts)} chunks of {args.ctx}, "

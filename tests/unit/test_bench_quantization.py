@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.kernels.weight_format import WeightFormat
 from backend.tools import bench
 from backend.tools.bench_llamacpp import default_gguf, llamacpp_column
 from backend.tools.bench_served import served_repository
@@ -20,12 +21,12 @@ MODEL = "models/smollm2-135m-instruct"
 
 def test_default_gguf_follows_the_weight_format():
     assert str(default_gguf(SERVER, MODEL)) == "/a/.llamacpp/smollm2-135m-instruct-bf16.gguf"
-    assert str(default_gguf(SERVER, MODEL, "bf16")) == "/a/.llamacpp/smollm2-135m-instruct-bf16.gguf"
+    assert str(default_gguf(SERVER, MODEL, WeightFormat.BF16)) == "/a/.llamacpp/smollm2-135m-instruct-bf16.gguf"
     # The file `make llamacpp` links beside the BF16 one: the Q4_1 GGUF the model ships as.
-    assert str(default_gguf(SERVER, MODEL, "q4_1")) == "/a/.llamacpp/smollm2-135m-instruct-q4_1.gguf"
-    assert str(default_gguf(SERVER, MODEL + "/", "Q4_1")) == "/a/.llamacpp/smollm2-135m-instruct-q4_1.gguf"
+    assert str(default_gguf(SERVER, MODEL, WeightFormat.Q4_1)) == "/a/.llamacpp/smollm2-135m-instruct-q4_1.gguf"
+    assert str(default_gguf(SERVER, MODEL + "/", WeightFormat.Q4_1)) == "/a/.llamacpp/smollm2-135m-instruct-q4_1.gguf"
     # No int8 GGUF is made (llama.cpp's Q8_0 is not the engine's per-channel int8): BF16 is its baseline.
-    assert str(default_gguf(SERVER, MODEL, "int8")) == "/a/.llamacpp/smollm2-135m-instruct-bf16.gguf"
+    assert str(default_gguf(SERVER, MODEL, WeightFormat.INT8)) == "/a/.llamacpp/smollm2-135m-instruct-bf16.gguf"
 
 
 def test_the_makefile_links_the_q4_1_gguf_where_default_gguf_looks():
@@ -35,9 +36,9 @@ def test_the_makefile_links_the_q4_1_gguf_where_default_gguf_looks():
 
 
 @pytest.mark.parametrize("quantization, gguf, expected", [
-    ("q4_1", None, "smollm2-135m-instruct-q4_1.gguf"),
+    (WeightFormat.Q4_1, None, "smollm2-135m-instruct-q4_1.gguf"),
     (None, None, "smollm2-135m-instruct-bf16.gguf"),
-    ("q4_1", "elsewhere/my-own.gguf", "my-own.gguf"),  # an explicit GGUF wins over the format's
+    (WeightFormat.Q4_1, "elsewhere/my-own.gguf", "my-own.gguf"),  # an explicit GGUF wins over the format's
 ])
 def test_llamacpp_column_serves_the_chosen_gguf(tmp_path, quantization, gguf, expected):
     # Nothing there: the column refuses before it starts a server, naming the file it would have served.
@@ -65,13 +66,14 @@ def settings_of(argv: list[str], monkeypatch) -> bench.BenchSettings:
 
 def test_bench_options_reach_the_settings(monkeypatch):
     default = settings_of(["--quick"], monkeypatch)
-    assert default.quantization is None and default.weight_format == "bf16" and default.llamacpp_gguf is None
+    assert default.quantization is None and default.weight_format is WeightFormat.BF16
+    assert default.llamacpp_gguf is None
     assert settings_of(["--quick", "--quantization", "bf16"], monkeypatch).quantization is None
     quantized = settings_of(["--quick", "--quantization", "q4_1", "--llamacpp", SERVER, "--llamacpp-gguf",
                              "/g/m-q4_1.gguf"], monkeypatch)
-    assert quantized.quantization == "q4_1" and quantized.weight_format == "q4_1"
+    assert quantized.quantization is quantized.weight_format is WeightFormat.Q4_1
     assert quantized.llamacpp == SERVER and quantized.llamacpp_gguf == "/g/m-q4_1.gguf"
-    assert settings_of(["--quantization", "int8"], monkeypatch).quantization == "int8"
+    assert settings_of(["--quantization", "int8"], monkeypatch).quantization is WeightFormat.INT8
     with pytest.raises(SystemExit):
         bench.main(["--quantization", "q4_0"])
     with pytest.raises(SystemExit):  # a GGUF without the server that would serve it

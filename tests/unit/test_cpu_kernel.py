@@ -223,8 +223,8 @@ def test_amx_linear_matches_float32_sum_rounded_once(op, num_rows, shape):
 
 
 def test_model_linear_holds_one_copy_and_routes_every_row_count_to_a_kernel_of_its_layout():
-    from backend.engine.cpu_fast_path import SMALL_BATCH_ROWS, Kernel, Layout, Linear, c_layout, route
-    from backend.engine.cpu_fast_path import SMALL_BATCH_ROWS_WITH_AMX as WITH_AMX
+    from backend.engine.linear import SMALL_BATCH_ROWS, Kernel, Layout, Linear, c_layout, route
+    from backend.engine.linear import SMALL_BATCH_ROWS_WITH_AMX as WITH_AMX
 
     gen = torch.Generator().manual_seed(1)
     weight = (0.05 * torch.randn(64, 576, generator=gen)).bfloat16()

@@ -34,7 +34,7 @@ from packaging.requirements import Requirement
 from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
-from backend.engine.config import EngineConfig
+from backend.engine.config import DEFAULT_MODEL, EngineConfig
 from backend.triton import shutdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -678,7 +678,7 @@ def test_images_are_the_same_in_compose_and_kubernetes():
 
 def test_readme_kv_capacity_example_matches_the_model_configs():
     """docker/README.md sizes replicas from the KV pool that config.pbtxt gives SmolLM2; its numbers must hold."""
-    model_config = ROOT / "models" / "smollm2-135m-instruct" / "config.json"
+    model_config = ROOT / DEFAULT_MODEL / "config.json"
     if model_config.is_file():
         shape = json.loads(model_config.read_text())
         assert (shape["num_hidden_layers"], shape["num_key_value_heads"], shape["head_dim"]) == (

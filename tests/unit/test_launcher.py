@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from backend.tools import prepare_model
-from backend.triton.launch_options import LauncherError, free_ports
+from backend.triton.launch_options import DEFAULT_MODEL, LauncherError, free_ports
 from backend.triton.server_home import find_stub, prepare_server_home, server_distribution, stub_versions
 from tests.server_harness import LOCALHOST, REPO_ROOT
 
@@ -44,6 +44,14 @@ def launcher_args(repository: Path, model: Path, ports: list[int] | None = None)
         "--model-repository", str(repository), "--model", str(model), "--address", LOCALHOST,
         "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", "0",
     ]  # fmt: skip
+
+
+def test_make_prepares_and_runs_the_default_model():
+    # The Makefile cannot import it: its own copy is held equal to the one the code reads.
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    assert f"\nDEFAULT_MODEL := {DEFAULT_MODEL}\n" in makefile
+    assert "\nMODEL ?= $(DEFAULT_MODEL)\n" in makefile and "prepare_model --out $(DEFAULT_MODEL)\n" in makefile
+    assert prepare_model.DEFAULT_OUT == Path(DEFAULT_MODEL)
 
 
 @pytest.mark.timeout(60)

@@ -112,11 +112,11 @@ def test_prefill_over_cached_prefix_matches_hf(runner, hf_model):
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 9, 40])
 def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_dir, batch, monkeypatch):
-    """A decode-only step in bf16 whose projections all route to C (``cpu_fast_path.route``: up to the library's row
+    """A decode-only step in bf16 whose projections all route to C (``linear.route``: up to the library's row
     limit with packed weights, SMALL_BATCH_ROWS row-major) runs every layer in one C call (``DecodeStack``); the same
     step run layer by layer (the same C kernels called from Python) gives the same logits exactly, and the reference
     ``F.linear`` on the weights read back gives them within bf16 rounding."""
-    from backend.engine import cpu_fast_path
+    from backend.engine import linear
     from backend.kernels import cpu_kernels
 
     if cpu_kernels.load() is None:
@@ -149,11 +149,11 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
     def decode(decode_stack, c_paths=True):
         monkeypatch.setattr(runner.model, "decode_stack", decode_stack)
         for limit in ("small_rows_limit", "c_rows_limit"):  # 0: route sends no row to C
-            monkeypatch.setattr(cpu_fast_path, limit, getattr(cpu_fast_path, limit) if c_paths else lambda layout: 0)
+            monkeypatch.setattr(linear, limit, getattr(linear, limit) if c_paths else lambda layout: 0)
         return runner.run(inputs).clone()  # the step writes the same K/V again: runs are independent
 
     stacked = decode(Counted())
-    if batch > cpu_fast_path.c_rows_limit(cpu_fast_path.c_layout()):  # F.linear's rows: layer by layer
+    if batch > linear.c_rows_limit(linear.c_layout()):  # F.linear's rows: layer by layer
         assert not calls
         return
     assert calls, "the step did not take the decode stack"

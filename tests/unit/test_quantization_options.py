@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from backend.contract.names import CONTINUOUS, DYNAMIC, MODELS
-from backend.engine.config import QUANTIZATIONS, EngineConfig
+from backend.engine import config
+from backend.engine.config import EngineConfig
 from backend.triton import config_text
 from loadtest import compare, report, slo
 from loadtest.runner import (
@@ -33,8 +34,8 @@ def parameters_of(config_pbtxt: Path) -> dict[str, str]:
 
 
 def test_the_load_tests_offer_the_engines_formats():
-    # Written out in loadtest.runner (a load test does not import the engine): held equal to the engine's here.
-    assert WEIGHT_FORMATS == ("bf16", *QUANTIZATIONS)
+    # Listed in loadtest.runner (a load test does not import the engine): held equal to the engine's here.
+    assert WEIGHT_FORMATS == config.WEIGHT_FORMATS
     assert EngineConfig(quantization="none").quantization is None  # what --quantization bf16 writes
 
 

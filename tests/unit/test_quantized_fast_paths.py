@@ -18,7 +18,10 @@ import torch
 
 from backend.kernels import cpu_kernels
 from backend.kernels.quantized_linear import KERNEL_PATHS, cpu_quantized_linear, kernel_path, quantize
+from backend.kernels.weight_format import WeightFormat
 from tests.unit.test_quantized_linear import assert_within_fp32_order  # the bound's one owner
+
+Q4_1, Q8_0, INT8 = WeightFormat.Q4_1, WeightFormat.Q8_0, WeightFormat.INT8
 
 needs_c = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
 
@@ -33,7 +36,7 @@ def case(fmt, n, k, rows, seed):
 
 
 @needs_c
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "int8"])
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0, INT8])
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64])
 @pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (48, 576), (32, 64)],
                          ids=["qkv", "down", "half-panel", "tiny"])
@@ -49,28 +52,28 @@ def test_every_path_equals_its_twin(fmt, rows, n, k):
 def test_the_lm_heads_shape_on_every_thread():
     """The tied LM head's Q8_0 weight (49,152 x 576 in the model; a slice of its rows here) at a decode step's rows."""
     for rows in (1, 8, 64):
-        weight, x, _, _ = case("q8_0", 4096, 576, rows, seed=rows)
-        assert_within_fp32_order("q8_0", cpu_quantized_linear("q8_0", x, weight), x, weight, None, "none", None)
+        weight, x, _, _ = case(Q8_0, 4096, 576, rows, seed=rows)
+        assert_within_fp32_order(Q8_0, cpu_quantized_linear(Q8_0, x, weight), x, weight, None, "none", None)
 
 
 @needs_c
 def test_paths_are_what_the_build_has():
     """A path is taken only where the build has it: x_int8 for q4_1 alone, bf16 tiles where AMX runs, and every
     path the same for a given row count whatever the weight's values."""
-    for fmt in ("q4_1", "q8_0", "int8"):
+    for fmt in (Q4_1, Q8_0, INT8):
         for rows in (1, 3, 8, 17, 64):
             path = kernel_path(fmt, rows, 576, 960)
             assert path in KERNEL_PATHS
-            assert path != "x_int8" or fmt == "q4_1"
+            assert path != "x_int8" or fmt == Q4_1
             assert path != "bf16_tiles" or cpu_kernels.has_amx()
     if cpu_kernels.has_amx():
-        assert kernel_path("q4_1", 64, 576, 960) == "bf16_tiles"
-        assert kernel_path("q4_1", 64, 576, 40) != "bf16_tiles"  # whole tiles of 16 outputs only
+        assert kernel_path(Q4_1, 64, 576, 960) == "bf16_tiles"
+        assert kernel_path(Q4_1, 64, 576, 40) != "bf16_tiles"  # whole tiles of 16 outputs only
 
 
 def test_without_the_kernels_the_twin_widens_to_float32(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
-    assert kernel_path("q4_1", 64, 576, 960) == "float32"
+    assert kernel_path(Q4_1, 64, 576, 960) == "float32"
 
 
 @pytest.mark.slow

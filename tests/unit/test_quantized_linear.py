@@ -22,9 +22,12 @@ from backend.kernels.quantized_linear import (
     quantized_linear_reference,
     row_bytes,
 )
+from backend.kernels.weight_format import WeightFormat
+
+Q4_1, Q8_0, INT8 = WeightFormat.Q4_1, WeightFormat.Q8_0, WeightFormat.INT8
 
 needs_c = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
-FORMATS = ("q4_1", "int8", "q8_0")
+FORMATS = (Q4_1, INT8, Q8_0)
 
 
 def case(fmt, n, k, rows, seed=0, with_bias=False):
@@ -81,11 +84,11 @@ def test_dequantize_kernel_equals_reference_to_the_bit(fmt):
 
 @needs_c
 def test_kernels_refuse_what_they_cannot_take():
-    weight, x, _, _ = case("q4_1", 32, 64, 2)
+    weight, x, _, _ = case(Q4_1, 32, 64, 2)
     with pytest.raises(ValueError):
-        cpu_quantized_linear("q4_1", x.float(), weight)  # float32 activations
+        cpu_quantized_linear(Q4_1, x.float(), weight)  # float32 activations
     with pytest.raises(ValueError):
-        cpu_quantized_linear("q4_1", x[:, :32], weight)  # K does not match the weight's
+        cpu_quantized_linear(Q4_1, x[:, :32], weight)  # K does not match the weight's
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -95,13 +98,13 @@ def test_formats_round_trip_within_their_step(fmt):
     q = quantize(fmt, w)
     assert q.dtype == torch.uint8 and q.shape == (16, row_bytes(fmt, 96)) and in_features(fmt, q.shape[1]) == 96
     back = dequantize(fmt, q)
-    if fmt == "int8":
+    if fmt == INT8:
         step = w.abs().amax(dim=1, keepdim=True) / 127
     else:
         blocks = w.view(16, 3, 32)
-        span = blocks.amax(2, keepdim=True) - blocks.amin(2, keepdim=True) if fmt == "q4_1" else blocks.abs().amax(
+        span = blocks.amax(2, keepdim=True) - blocks.amin(2, keepdim=True) if fmt == Q4_1 else blocks.abs().amax(
             2, keepdim=True) * 2
-        step = (span / (15 if fmt == "q4_1" else 254)).expand(16, 3, 32).reshape(16, 96)
+        step = (span / (15 if fmt == Q4_1 else 254)).expand(16, 3, 32).reshape(16, 96)
     # half a step, plus the fp16 rounding of the block's scale (times at most 15 or 127 steps: within the block's
     # span) and of its min: 2^-11 relative each, at most 3 times the largest magnitude
     assert bool(((back - w).abs() <= 0.5 * step + 3 * 2.0**-11 * w.abs().max() + 1e-7).all())
@@ -113,4 +116,4 @@ def test_q4_1_layout_is_ggufs():
     head = torch.tensor([0.5, -1.0], dtype=torch.float16).view(torch.uint8)
     block = torch.cat([head, nibbles]).view(1, 20)
     want = torch.tensor([0.5 * j - 1 for j in range(16)] + [0.5 * (15 - j) - 1 for j in range(16)])
-    assert torch.equal(dequantize("q4_1", block), want.view(1, 32))
+    assert torch.equal(dequantize(Q4_1, block), want.view(1, 32))

@@ -14,7 +14,7 @@ import torch
 
 from backend.engine import weight_file
 from backend.engine.config import EngineConfig
-from backend.engine.cpu_fast_path import Layout, Linear, c_layout
+from backend.engine.linear import Layout, Linear, c_layout
 from backend.engine.model import LlamaModel
 from backend.kernels import cpu_kernels
 
@@ -42,7 +42,7 @@ def test_the_shared_layout_reads_back_rows_and_the_whole_weight_exactly(shape):
 def test_every_kernel_reading_the_one_copy_equals_the_reference(num_rows, op):
     """Whatever :func:`route` sends these rows to (linear_small, linear_amx), from the one copy, equals the float32
     sum rounded once, as does the reference ``F.linear`` over the weight read back."""
-    from backend.engine.cpu_fast_path import Kernel, route
+    from backend.engine.linear import Kernel, route
     from tests.unit.test_cpu_kernel import fused_reference
 
     gen = torch.Generator().manual_seed(num_rows)

@@ -2,7 +2,7 @@
 
 /*
  * linear_amx: y = op(x W^T + b) for any number of rows T, on AMX tiles (Sapphire Rapids and later), for the steps
- * linear_small is slower at (backend/engine/cpu_fast_path.py decides which rows). It reads the weight as
+ * linear_small is slower at (backend/engine/linear.py decides which rows). It reads the weight as
  * pack_linear_weight lays it out for linear_small, the tiles' pair-interleaved layout, [N/16][K/32][16 pairs of k]
  * [16 n][2], so each 16 x 32 block of W is one contiguous 1 KB tile load. A thread takes 32 outputs (two panels of
  * W) at a time and runs every 32-row group of x past them: four 16 x 16 float32 accumulator tiles, so that each x
