@@ -45,7 +45,7 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 OPENAI_PORT ?= 9000
-# The model `make model` prepares and the targets below run by default: backend/engine/config.py's DEFAULT_MODEL
+# The model `make model` prepares and the targets below run by default: backend/contract/settings.py's DEFAULT_MODEL
 # (tests/unit/test_launcher.py holds the two equal).
 DEFAULT_MODEL := models/smollm2-135m-instruct
 MODEL ?= $(DEFAULT_MODEL)

@@ -171,7 +171,8 @@ def open_target(args: argparse.Namespace, log_path: Path, say=print):
         if getattr(args, "protocol", "grpc") != "openai":
             yield target
             return
-        from backend.triton.serve import DEFAULT_MODEL, free_ports
+        from backend.contract.settings import DEFAULT_MODEL
+        from backend.triton.serve import free_ports
         from frontend.openai.process import FrontendProcess
 
         model_dir = args.model or target.model_folder or DEFAULT_MODEL

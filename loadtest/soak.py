@@ -47,7 +47,8 @@ from backend.contract.names import (
     NUM_REQUESTS_WAITING,
     PENDING_REQUESTS,
 )
-from backend.triton.launch_options import DEFAULT_MODEL, free_ports
+from backend.contract.settings import DEFAULT_MODEL
+from backend.triton.launch_options import free_ports
 from backend.triton.processes import process_names, tree_rss
 from backend.triton.server import start_on_free_ports
 from backend.triton.shutdown import exit_status

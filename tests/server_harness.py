@@ -16,8 +16,9 @@ from typing import Iterable, Mapping
 
 from backend.contract import errors
 from backend.contract.errors import ErrorKind
+from backend.contract.settings import DEFAULT_MODEL
 from backend.triton import config_text
-from backend.triton.launch_options import DEFAULT_MODEL, LOOPBACK, copy_model_repository
+from backend.triton.launch_options import LOOPBACK, copy_model_repository
 from backend.triton.server import TritonServer, start_on_free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -36,10 +36,6 @@ WEIGHT_FORMATS = (WeightFormat.BF16, *QUANTIZATIONS)
 # The GGUF's quantized tensors beside a converted checkpoint (backend/tools/prepare_model.py writes them, q4_1 serves
 # them): uint8 [N, row bytes] under the checkpoint's names, each one's format (quantized_linear's) in the metadata.
 GGUF_BLOCKS = Path("quantized") / "gguf_blocks.safetensors"
-# The model folder the repository prepares (`make model`) and serves when none is named, relative to the repository
-# root. NOTE: not the engine's default (EngineConfig.model has none); held here as the lowest module every user may
-# import, prepare_model's Docker layer included (it copies this file, not the Triton glue).
-DEFAULT_MODEL = "models/smollm2-135m-instruct"
 
 # Default KV pool on a CPU when neither a block count nor a byte budget is given (vLLM's CPU backend uses 4 GiB).
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30

@@ -31,11 +31,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
+from backend.contract.settings import SHARED_CORES_ENV_VAR
+
 CoreSharing = Literal["divide", "step_lock", "off"]
 CORE_SHARING = ("divide", "step_lock", "off")
 
-# The registry file of the engines that share the cores; the launcher gives each server one (backend/triton/server.py).
-SHARED_CORES_ENV_VAR = "LLM_SHARED_CORES"
 
 # An engine counts as busy this long after a forward: it covers the Python, IPC and Triton queueing between two
 # steps of a loaded engine (a few ms), so a busy engine does not look idle between its steps.

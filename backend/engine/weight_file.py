@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from backend.contract.settings import WEIGHT_FILE_ENV_VAR
 from backend.engine.config import GGUF_BLOCKS
 from backend.engine.linear import Layout, Linear, c_layout
 from backend.kernels import cpu_kernels, quantized_linear
@@ -63,7 +64,7 @@ def prepared_weights(model_dir: Path, dtype: torch.dtype, device: torch.device,
     """What ``prepare()`` returns, mapped from the file of prepared weights for this key (built first if there is
     none yet); ``prepare()`` itself where the weights cannot live in a file."""
     if (device.type != "cpu" or dtype != torch.bfloat16 or cpu_kernels.load() is None
-            or os.environ.get("LLM_WEIGHT_FILE", "1") == "0"):
+            or os.environ.get(WEIGHT_FILE_ENV_VAR, "1") == "0"):
         return prepare()  # weights the C kernels do not read: oneDNN's layout (float32), CUDA, no compiler
     path = weights_path(model_dir, dtype, quantization)
     if not path.exists():

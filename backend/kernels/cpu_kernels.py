@@ -38,13 +38,14 @@ from typing import NamedTuple
 
 import torch
 
+from backend.contract.settings import CPU_KERNELS_ENV_VAR, CPU_MARCH_ENV_VAR
 from backend.kernels.weight_format import WeightFormat
 
 log = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).with_name("cpu")
 # -ffast-math lets the compiler vectorise the float dot products (reassociation); inputs are finite by construction.
-_FLAGS = ("-O3", f"-march={os.environ.get('LLM_CPU_MARCH', 'native')}", "-mprefer-vector-width=512", "-Wno-psabi",
+_FLAGS = ("-O3", f"-march={os.environ.get(CPU_MARCH_ENV_VAR, 'native')}", "-mprefer-vector-width=512", "-Wno-psabi",
           "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -69,7 +70,7 @@ def load() -> ctypes.CDLL | None:
     with _lock:
         if not _loaded:
             _loaded = True
-            if os.environ.get("LLM_CPU_KERNELS", "1") == "0":
+            if os.environ.get(CPU_KERNELS_ENV_VAR, "1") == "0":
                 return None
             try:
                 _lib = _build_and_load()

@@ -92,14 +92,9 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 import torch  # noqa: E402
 
 from backend.contract.names import CONTINUOUS  # noqa: E402
+from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
 from backend.engine.block_manager import BlockManager  # noqa: E402
-from backend.engine.config import (  # noqa: E402
-    DEFAULT_MODEL,
-    WEIGHT_FORMATS,
-    EngineConfig,
-    ModelShape,
-    SamplingParams,
-)
+from backend.engine.config import WEIGHT_FORMATS, EngineConfig, ModelShape, SamplingParams  # noqa: E402
 from backend.engine.linear import Linear  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.request import Request, RequestStatus  # noqa: E402

@@ -25,7 +25,8 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 
 import torch  # noqa: E402
 
-from backend.engine.config import DEFAULT_MODEL, WEIGHT_FORMATS, EngineConfig, SamplingParams  # noqa: E402
+from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
+from backend.engine.config import WEIGHT_FORMATS, EngineConfig, SamplingParams  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
 from backend.tools.bench import _median_ms, _timed_generate, random_prompts  # noqa: E402

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from backend.engine.config import DEFAULT_MODEL
+from backend.contract.settings import DEFAULT_MODEL
 from backend.engine.shared_cores import remove_registry
 
 ARMS = ("divide", "step_lock", "off", "passive")

@@ -27,8 +27,9 @@ import time
 from pathlib import Path
 
 from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, STATIC
+from backend.contract.settings import DEFAULT_MODEL
 from backend.tools.bench_shared_cores import write_result
-from backend.triton.launch_options import DEFAULT_MODEL, copy_model_repository
+from backend.triton.launch_options import copy_model_repository
 from backend.triton.server import start_on_free_ports
 from client.grpc_stream import generate
 

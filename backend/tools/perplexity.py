@@ -26,7 +26,8 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 
 import torch  # noqa: E402
 
-from backend.engine.config import DEFAULT_MODEL, WEIGHT_FORMATS, EngineConfig  # noqa: E402
+from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
+from backend.engine.config import WEIGHT_FORMATS, EngineConfig  # noqa: E402
 from backend.engine.model_runner import ModelRunner  # noqa: E402
 from backend.engine.request import Request  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest  # noqa: E402

@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from backend.engine.config import DEFAULT_MODEL, GGUF_BLOCKS  # pure Python: no torch
+from backend.contract.settings import DEFAULT_MODEL
+from backend.engine.config import GGUF_BLOCKS  # pure Python: no torch
 from backend.kernels.weight_format import WeightFormat
 
 # NOTE: set before transformers / huggingface_hub are imported anywhere in this process.

@@ -8,10 +8,11 @@ import os
 import threading
 import time
 
+from backend.contract.settings import FAULTS_ENV_VAR
+
 log = logging.getLogger(__name__)
 
-# A model parameter that is read only when this environment variable is "1" (tests inject engine faults).
-FAULTS_ENV_VAR = "LLM_TEST_FAULTS"
+# A model parameter that is read only when FAULTS_ENV_VAR is "1" (tests inject engine faults).
 FAULTS_PARAMETER = "fault_injection"
 
 

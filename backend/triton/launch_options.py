@@ -16,14 +16,12 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from backend.engine.config import DEFAULT_MODEL  # the launcher's default --model, as `make model` prepares it
+from backend.contract.settings import DEFAULT_MODEL
 from backend.triton.shutdown import option_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL_ENV_VAR = "LLM_MODEL"
 LOOPBACK = "127.0.0.1"
 
-ADMIN_KEY_ENV_VAR = "TRITON_ADMIN_KEY"
 ADMIN_HEADER = "admin-key"
 # NOTE: Triton 2.51 prefixes a gRPC restriction's header with this; "admin-key" alone is refused over gRPC.
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from backend.contract.settings import MODEL_ENV_VAR
 from backend.engine.config import EngineConfig
 from backend.triton.faults import FAULTS_PARAMETER
 from backend.triton.stream_interval import STREAM_INTERVAL, STREAM_INTERVAL_MS, StreamInterval
@@ -19,7 +20,7 @@ def engine_config_from_triton(model_config: dict, model_dir: str) -> EngineConfi
     params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
     for name in (FAULTS_PARAMETER, STREAM_INTERVAL, STREAM_INTERVAL_MS):  # not engine settings: the server's
         params.pop(name, None)
-    model = os.environ.get("LLM_MODEL") or params.get("model", "")
+    model = os.environ.get(MODEL_ENV_VAR) or params.get("model", "")
     if not model:
         raise ValueError("no model folder: set the 'model' parameter in config.pbtxt or the LLM_MODEL variable")
     path = Path(model).expanduser()

@@ -22,13 +22,18 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping, Sequence
 
+from backend.contract.settings import (
+    ADMIN_KEY_ENV_VAR,
+    DEFAULT_MODEL,
+    MODEL_DIR_ENV_VAR,
+    MODEL_ENV_VAR,
+    OPENAI_PORT_ENV_VAR,
+    STALL_TIMEOUT_ENV_VAR,
+)
 from backend.triton import shutdown, watchdog
 from backend.triton.launch_options import (
     ADMIN_HEADER,
-    ADMIN_KEY_ENV_VAR,
-    DEFAULT_MODEL,
     GRPC_HEADER_PREFIX,
-    MODEL_ENV_VAR,
     REPO_ROOT,
     LauncherError,
     check_ports,
@@ -63,7 +68,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--model-repository", default="model_repository", help="default: %(default)s")
     parser.add_argument(
         "--model",
-        default=os.environ.get("MODEL") or os.environ.get(MODEL_ENV_VAR) or DEFAULT_MODEL,
+        default=os.environ.get(MODEL_DIR_ENV_VAR) or os.environ.get(MODEL_ENV_VAR) or DEFAULT_MODEL,
         help=f"HF model folder, exported to the models as {MODEL_ENV_VAR} "
         f"(default: $MODEL, else ${MODEL_ENV_VAR}, else %(default)s)",
     )
@@ -74,7 +79,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--openai-port",
         type=int,
-        default=_env_int("OPENAI_PORT", 9000),
+        default=_env_int(OPENAI_PORT_ENV_VAR, 9000),
         help="port of the OpenAI-compatible frontend (frontend/openai), started beside tritonserver and stopped "
         "after it (default: $OPENAI_PORT or %(default)s; 0: no frontend)",
     )
@@ -89,7 +94,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--stall-timeout",
         type=float,
-        default=float(os.environ.get("STALL_TIMEOUT") or watchdog.STALL_TIMEOUT_S),
+        default=float(os.environ.get(STALL_TIMEOUT_ENV_VAR) or watchdog.STALL_TIMEOUT_S),
         help="restart tritonserver when a model has requests pending in Triton's queue and nothing it executes "
         "moves for this many seconds; longer than the longest engine step (default: $STALL_TIMEOUT or "
         "%(default)s; 0: never)",

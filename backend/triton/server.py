@@ -31,14 +31,13 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from backend.engine.shared_cores import SHARED_CORES_ENV_VAR, remove_registry
+from backend.contract.settings import ADMIN_KEY_ENV_VAR, MODEL_ENV_VAR, SERVER_HOME_ENV_VAR, SHARED_CORES_ENV_VAR
+from backend.engine.shared_cores import remove_registry
 from backend.triton import shutdown
 from backend.triton.launch_options import (
     ADMIN_HEADER,
-    ADMIN_KEY_ENV_VAR,
     GRPC_HEADER_PREFIX,
     LOOPBACK,
-    MODEL_ENV_VAR,
     PortInUse,
     check_model_folder,
     check_model_repository,
@@ -47,7 +46,7 @@ from backend.triton.launch_options import (
     restricted_api_args,
 )
 from backend.triton.processes import kill_process_group, process_group_members
-from backend.triton.server_home import DEFAULT_LAYOUT_ROOT, SERVER_HOME_ENV_VAR, server_distribution, server_home
+from backend.triton.server_home import DEFAULT_LAYOUT_ROOT, server_distribution, server_home
 from backend.triton.shutdown import option_value
 
 # A stub notices within about a second that tritonserver is gone, then removes its shared memory and exits.

@@ -17,11 +17,11 @@ import sys
 import time
 from pathlib import Path
 
+from backend.contract.settings import SERVER_HOME_ENV_VAR
 from backend.triton.launch_options import REPO_ROOT, LauncherError
 from backend.triton.processes import STUB_NAME, is_alive
 
 DEFAULT_LAYOUT_ROOT = REPO_ROOT / ".triton"
-SERVER_HOME_ENV_VAR = "TRITONSERVER_HOME"
 LAYOUT_MARKER = ".complete"
 
 

@@ -15,11 +15,8 @@ import sys
 
 import uvicorn
 
-from backend.triton.launch_options import DEFAULT_MODEL, MODEL_ENV_VAR
+from backend.contract.settings import API_KEY_ENV_VAR, DEFAULT_MODEL, MODEL_ENV_VAR, OPENAI_PORT_ENV_VAR
 from frontend.openai.app import Settings, create_app
-
-PORT_ENV_VAR = "OPENAI_PORT"
-API_KEY_ENV_VAR = "LLM_API_KEY"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -28,8 +25,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--triton-grpc", default=f"127.0.0.1:{os.environ.get('GRPC_PORT') or 8001}",
                    help="host:port of Triton's gRPC frontend (default: %(default)s, $GRPC_PORT)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
-    p.add_argument("--port", type=int, default=int(os.environ.get(PORT_ENV_VAR) or 9000),
-                   help=f"port to listen on (default: %(default)s, ${PORT_ENV_VAR})")
+    p.add_argument("--port", type=int, default=int(os.environ.get(OPENAI_PORT_ENV_VAR) or 9000),
+                   help=f"port to listen on (default: %(default)s, ${OPENAI_PORT_ENV_VAR})")
     p.add_argument("--model-dir", default=os.environ.get("MODEL") or os.environ.get(MODEL_ENV_VAR) or DEFAULT_MODEL,
                    help="the model folder whose chat template renders messages (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV_VAR) or None,

@@ -28,7 +28,8 @@ from urllib.parse import urlsplit
 
 import tritonclient.grpc as grpcclient
 
-from backend.triton.launch_options import DEFAULT_MODEL, copy_model_repository, free_ports
+from backend.contract.settings import DEFAULT_MODEL
+from backend.triton.launch_options import copy_model_repository, free_ports
 from backend.triton.server import start_on_free_ports
 from client.grpc_stream import max_batch_size
 from client.schema import GenerationRequest, build_inputs

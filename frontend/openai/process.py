@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 from typing import Sequence
 
+from backend.contract.settings import API_KEY_ENV_VAR
 from backend.triton.launch_options import REPO_ROOT, frontend_command
 
 
@@ -42,9 +43,9 @@ class FrontendProcess:
 
     def start(self) -> "FrontendProcess":
         env = dict(os.environ)
-        env.pop("LLM_API_KEY", None)
+        env.pop(API_KEY_ENV_VAR, None)
         if self.api_key is not None:
-            env["LLM_API_KEY"] = self.api_key
+            env[API_KEY_ENV_VAR] = self.api_key
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         try:
             self.process = subprocess.Popen(self.command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

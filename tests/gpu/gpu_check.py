@@ -32,7 +32,7 @@ import time
 import traceback
 from pathlib import Path
 
-from backend.engine.config import DEFAULT_MODEL
+from backend.contract.settings import DEFAULT_MODEL
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 E2E_PROMPTS = [

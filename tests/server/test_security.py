@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import requests
 
-from backend.triton.serve import ADMIN_KEY_ENV_VAR, TritonServer
+from backend.contract.settings import ADMIN_KEY_ENV_VAR
+from backend.triton.serve import TritonServer
 from tests.server.test_launcher import write_echo_repository
 
 ADMIN_KEY = "test-admin-key-" + os.urandom(8).hex()

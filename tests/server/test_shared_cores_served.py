@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from backend.engine.shared_cores import SHARED_CORES_ENV_VAR
+from backend.contract.settings import SHARED_CORES_ENV_VAR
 from client.grpc_stream import generate
 from loadtest.metrics import parse_prometheus, scrape
 from tests.server_harness import make_repository

@@ -34,7 +34,8 @@ from packaging.requirements import Requirement
 from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
-from backend.engine.config import DEFAULT_MODEL, EngineConfig
+from backend.contract.settings import DEFAULT_MODEL
+from backend.engine.config import EngineConfig
 from backend.triton import shutdown
 
 ROOT = Path(__file__).resolve().parents[2]

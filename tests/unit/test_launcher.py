@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from backend.contract.settings import DEFAULT_MODEL
 from backend.tools import prepare_model
-from backend.triton.launch_options import DEFAULT_MODEL, LauncherError, free_ports
+from backend.triton.launch_options import LauncherError, free_ports
 from backend.triton.server_home import find_stub, prepare_server_home, server_distribution, stub_versions
 from tests.server_harness import LOCALHOST, REPO_ROOT
 

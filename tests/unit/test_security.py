@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from backend.contract.settings import ADMIN_KEY_ENV_VAR, SERVER_HOME_ENV_VAR
 from backend.triton.launch_options import free_ports
-from backend.triton.serve import ADMIN_KEY_ENV_VAR, TritonServer, restricted_api_args
-from backend.triton.server_home import SERVER_HOME_ENV_VAR
+from backend.triton.serve import TritonServer, restricted_api_args
 from tests.server_harness import REPO_ROOT
 
 

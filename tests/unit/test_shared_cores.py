@@ -17,16 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from backend.contract.settings import SHARED_CORES_ENV_VAR
 from backend.engine.config import EngineConfig
-from backend.engine.shared_cores import (
-    BUSY_WINDOW_S,
-    MAX_ENGINES,
-    MAX_FORWARD_S,
-    SHARED_CORES_ENV_VAR,
-    CoreRegistry,
-    SharedCores,
-    share_of,
-)
+from backend.engine.shared_cores import BUSY_WINDOW_S, MAX_ENGINES, MAX_FORWARD_S, CoreRegistry, SharedCores, share_of
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
