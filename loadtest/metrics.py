@@ -62,12 +62,15 @@ def models_under_load(first: dict[str, float], last: dict[str, float]) -> list[s
 def scrape_metrics(metrics_url: str) -> dict[str, float]:
     """The ``llm_*`` samples of Triton's metrics port, keyed by name with labels as printed (``requests`` errors
     propagate)."""
-    out = {}
-    for line in requests.get(metrics_url, timeout=10).text.splitlines():
-        if line.startswith(names.METRIC_PREFIX):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+    series = parse_prometheus(requests.get(metrics_url, timeout=10).text)
+    return {printed(s): s.value for s in series if s.name.startswith(names.METRIC_PREFIX)}
+
+
+def printed(series: Series) -> str:
+    """``name{label="value",...}`` as the metrics port prints it (labels in its order)."""
+    if not series.labels:
+        return series.name
+    return series.name + "{" + ",".join(f'{k}="{v}"' for k, v in series.labels.items()) + "}"
 
 
 def model_sample(samples: dict[str, float], name: str, model: str) -> float:
