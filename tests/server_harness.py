@@ -17,7 +17,6 @@ from typing import Iterable, Mapping
 from backend.contract import errors
 from backend.contract.errors import ErrorKind
 from backend.contract.settings import DEFAULT_MODEL
-from backend.triton import config_text
 from backend.triton.launch_options import LOOPBACK, copy_model_repository
 from backend.triton.server import TritonServer, start_on_free_ports
 
@@ -88,6 +87,9 @@ def make_repository(
     copy_model_repository(dst, models, {**TINY_SETTINGS, **(params or {})})
     path = dst / "llm_dynamic" / "config.pbtxt"
     if path.exists() and (max_batch_size is not None or dynamic_queue_size is not None):
+        # NOTE: imported here: conftest imports this module, also in .venv310, which has no protobuf.
+        from backend.triton import config_text
+
         with config_text.edit(path) as config:
             if max_batch_size is not None:
                 config_text.set_max_batch_size(config, max_batch_size)
