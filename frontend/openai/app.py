@@ -128,17 +128,19 @@ def add_health_routes(app: FastAPI) -> None:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        bridge = bridge_of(request)
-        if await bridge.is_live():
-            return Response(status_code=200)
-        raise APIError(503, f"Triton at {bridge.url} is not live", "server_error", None, "service_unavailable")
+        return await triton_health(bridge_of(request), ready=False)
 
     @app.get("/health/ready")
     async def ready(request: Request) -> Response:
-        bridge = bridge_of(request)
-        if await bridge.is_ready():
-            return Response(status_code=200)
-        raise APIError(503, f"Triton at {bridge.url} is not ready", "server_error", None, "service_unavailable")
+        return await triton_health(bridge_of(request), ready=True)
+
+
+async def triton_health(bridge: TritonBridge, ready: bool) -> Response:
+    """200 while Triton is live (``ready``: while it is ready, every model loaded), else 503."""
+    if await (bridge.is_ready() if ready else bridge.is_live()):
+        return Response(status_code=200)
+    state = "ready" if ready else "live"
+    raise APIError(503, f"Triton at {bridge.url} is not {state}", "server_error", None, "service_unavailable")
 
 
 def add_model_routes(app: FastAPI, dependencies: list, created: int) -> None:
