@@ -39,23 +39,7 @@ import time
 from pathlib import Path
 
 from backend.contract.names import DYNAMIC, MODELS
-from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, live, report
-from loadtest.runner import (
-    REPO_ROOT,
-    DynamicVariant,
-    LoadPoint,
-    Plan,
-    Target,
-    batcher_settings,
-    check_models,
-    command_parser,
-    engine_parameters,
-    max_num_seqs,
-    open_target,
-    run_load_point,
-    served_repository,
-    warm_up,
-)
+from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, live, report, runner
 from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, get_workload
 
@@ -69,14 +53,16 @@ BEST_DYNAMIC = "2x8@2000"
 # prompt and output lengths down together so that the long tail still fits in their shorter points. Each window is
 # long enough for the fewest users to finish well over stats.MIN_REQUESTS requests on a 2-core machine.
 MODES = {
-    "default": {"users": [1, 4, 8, 16], "plan": Plan(run_s=45, ramp_s=5, max_requests=2000, stop_timeout_s=60)},
-    "quick": {"users": [2, 8], "plan": Plan(length_scale=0.5, run_s=20, ramp_s=3, max_requests=600, stop_timeout_s=45)},
-    "smoke": {"users": [4], "plan": Plan(length_scale=0.125, run_s=15, ramp_s=1, max_requests=200, stop_timeout_s=20)},
+    "default": {"users": [1, 4, 8, 16], "plan": runner.Plan(run_s=45, ramp_s=5, max_requests=2000, stop_timeout_s=60)},
+    "quick": {"users": [2, 8],
+              "plan": runner.Plan(length_scale=0.5, run_s=20, ramp_s=3, max_requests=600, stop_timeout_s=45)},
+    "smoke": {"users": [4],
+              "plan": runner.Plan(length_scale=0.125, run_s=15, ramp_s=1, max_requests=200, stop_timeout_s=20)},
 }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = command_parser("python -m loadtest.compare", __doc__)
+    p = runner.command_parser("python -m loadtest.compare", __doc__)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_const", dest="mode", const="quick", help="~2-3 minutes")
     mode.add_argument("--smoke", action="store_const", dest="mode", const="smoke", help="~1 minute, for CI")
@@ -110,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS)
     p.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO_TPOT_MS)
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "reports", help="reports go in OUT/<timestamp>/")
+    p.add_argument("--out", type=Path, default=runner.REPO_ROOT / "reports", help="reports go in OUT/<timestamp>/")
     p.add_argument("--live-port", type=int, default=0, help="the live view's port on 127.0.0.1 (default: a free one)")
     p.add_argument(
         "--dynamic-variants",
@@ -124,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.dynamic_variants is None:
         args.dynamic_variants = "" if args.url else BEST_DYNAMIC
     try:
-        args.variants = [DynamicVariant.parse(spec) for spec in args.dynamic_variants.split(",") if spec.strip()]
+        args.variants = [runner.DynamicVariant.parse(spec) for spec in args.dynamic_variants.split(",") if spec.strip()]
     except ValueError as exc:
         p.error(str(exc))
     if args.variants and args.url:
@@ -138,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def with_variants(models: list[str], variants: list[DynamicVariant]) -> list[str]:
+def with_variants(models: list[str], variants: list[runner.DynamicVariant]) -> list[str]:
     """``models`` with the dynamic variants right after llm_dynamic (those not named already)."""
     if DYNAMIC not in models:
         return list(models)
@@ -146,7 +132,7 @@ def with_variants(models: list[str], variants: list[DynamicVariant]) -> list[str
     return models[:at] + [v.name for v in variants if v.name not in models] + models[at:]
 
 
-def make_plan(args) -> tuple[Plan, list[LoadPoint]]:
+def make_plan(args) -> tuple[runner.Plan, list[runner.LoadPoint]]:
     mode = MODES[args.mode]
     plan = dataclasses.replace(
         mode["plan"],
@@ -164,14 +150,14 @@ def make_plan(args) -> tuple[Plan, list[LoadPoint]]:
     if args.max_requests is not None:
         plan.max_requests = args.max_requests
     if args.rates:
-        points = [LoadPoint(args.max_users, float(r)) for r in args.rates.split(",")]
+        points = [runner.LoadPoint(args.max_users, float(r)) for r in args.rates.split(",")]
     else:
         users = [int(u) for u in args.users.split(",")] if args.users else mode["users"]
-        points = [LoadPoint(u) for u in users]
+        points = [runner.LoadPoint(u) for u in users]
     return plan, points
 
 
-def live_view(models: list[str], plan: Plan, out_dir: Path) -> live.LiveView:
+def live_view(models: list[str], plan: runner.Plan, out_dir: Path) -> live.LiveView:
     """The live page's data: the compared models from the metrics port, the clients' latencies from the records
     files of the Locust runs (``out_dir/locust/``)."""
     view = live.LiveView(live.LatencyBook(plan.slo_ttft_ms, plan.slo_tpot_ms), models=models)
@@ -189,13 +175,18 @@ def log(message: str) -> None:
 
 
 def sweep(
-    target: Target, models: list[str], points: list[LoadPoint], plan: Plan, out_dir: Path, meta: dict
+    target: runner.Target,
+    models: list[str],
+    points: list[runner.LoadPoint],
+    plan: runner.Plan,
+    out_dir: Path,
+    meta: dict,
 ) -> list[dict]:
-    configs = check_models(target, models)
-    meta["max_num_seqs"] = next((n for n in map(max_num_seqs, configs.values()) if n), None)
-    meta["configs"] = {model: batcher_settings(config) for model, config in configs.items()}
+    configs = runner.check_models(target, models)
+    meta["max_num_seqs"] = next((n for n in map(runner.max_num_seqs, configs.values()) if n), None)
+    meta["configs"] = {model: runner.batcher_settings(config) for model, config in configs.items()}
     for model in models:
-        log(f"warming up {model} ({warm_up(target, model, concurrency=meta['max_num_seqs'] or 8):.1f} s)")
+        log(f"warming up {model} ({runner.warm_up(target, model, concurrency=meta['max_num_seqs'] or 8):.1f} s)")
     runs, total = [], len(models) * len(points)
     # NOTE: models alternate at each load point (not one whole sweep after the other), so that anything else
     # happening on the machine meanwhile affects both about equally.
@@ -203,7 +194,7 @@ def sweep(
         for model in models:
             log(f"[{len(runs) + 1}/{total}] {model} at {point.label}: {plan.run_s:g} s of load, then the drain ...")
             t0 = time.perf_counter()
-            run = run_load_point(target, model, point, plan, out_dir)
+            run = runner.run_load_point(target, model, point, plan, out_dir)
             runs.append(run)
             row = summarize(run, plan.slo_ttft_ms, plan.slo_tpot_ms)
             if row["not_measured"]:
@@ -252,11 +243,8 @@ def main(argv=None) -> int:
     page = live.LivePage(live_view(models, plan, out_dir), args.live_port).start()
     log(f"watch every model's batch, queues and KV blocks live at {page.url}")
     try:
-        if args.variants or engine_parameters(args):
-            args.model_repository = served_repository(
-                args.model_repository, out_dir / "model_repository", models, args.variants, engine_parameters(args)
-            )
-        with open_target(args, out_dir / "tritonserver.log", say=log) as target:
+        args.model_repository = runner.repository_to_serve(args, out_dir, models)
+        with runner.open_target(args, out_dir / "tritonserver.log", say=log) as target:
             page.view.metrics_url = target.metrics_url
             meta["server"] = {
                 "url": target.http_url,

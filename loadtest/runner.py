@@ -247,6 +247,16 @@ def served_repository(
     return dst
 
 
+def repository_to_serve(args: argparse.Namespace, out_dir: Path, models: list[str]) -> Path:
+    """What a load command serves: ``--model-repository`` as it is, or, when the command line asks for llm_dynamic's
+    variants (``args.variants``) or engine parameters (``--quantization``), :func:`served_repository`'s copy of
+    ``models`` in ``out_dir/model_repository``."""
+    variants, parameters = getattr(args, "variants", []), engine_parameters(args)
+    if not variants and not parameters:
+        return args.model_repository
+    return served_repository(args.model_repository, out_dir / "model_repository", models, variants, parameters)
+
+
 # ---- talking to the server outside Locust ------------------------------------------------------------------
 
 

@@ -39,26 +39,8 @@ from pathlib import Path
 from backend.contract import prometheus
 from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOTAL
 from backend.triton import config_text
-from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
+from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, runner
 from loadtest.report import fmt
-from loadtest.runner import (
-    REPO_ROOT,
-    DynamicVariant,
-    LoadPoint,
-    Plan,
-    Target,
-    batcher_settings,
-    check_models,
-    command_parser,
-    engine_parameters,
-    http_json,
-    open_target,
-    run_load_point,
-    serve,
-    served_parameter,
-    served_repository,
-    warm_up,
-)
 from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, get_workload, make_request
 
@@ -83,11 +65,11 @@ def capacity_seats(kv_blocks: int, block_size: int, workload_name: str, length_s
     return {"seats": seats, "kv_blocks": int(kv_blocks), "block_size": block_size, "mean_blocks": mean_blocks}
 
 
-def served_kv_pool(target: Target, model: str) -> tuple[int, int]:
+def served_kv_pool(target: runner.Target, model: str) -> tuple[int, int]:
     """``model``'s KV pool as the server runs it: (blocks, tokens per block). The blocks are what its engine
     allocated (``llm_kv_blocks_total`` on the metrics port, published once the model has loaded), the block size
     the ``block_size`` parameter of the config the server serves."""
-    block_size = served_parameter(http_json(f"{target.http_url}/v2/models/{model}/config"), "block_size")
+    block_size = runner.served_parameter(runner.http_json(f"{target.http_url}/v2/models/{model}/config"), "block_size")
     if not (block_size or "").isdigit():
         raise RuntimeError(f"{model}'s config sets no block_size (got {block_size!r}); set the parameter to size "
                            "the KV pool in tokens")
@@ -106,21 +88,21 @@ def size_capacity(args: argparse.Namespace, out_dir: Path, say=print) -> dict:
     NOTE: a server of its own before the measured one: the seats go into the measured models' configs, which
     Triton reads only when it loads them."""
     sizing = out_dir / "sizing"
-    repository = served_repository(args.model_repository, sizing / "model_repository", [CONTINUOUS], [],
-                                   engine_parameters(args))
+    repository = runner.served_repository(args.model_repository, sizing / "model_repository", [CONTINUOUS], [],
+                                          runner.engine_parameters(args))
     say(f"capacity: serving {CONTINUOUS} alone to read its KV pool (log: {sizing / 'tritonserver.log'}) ...")
-    with serve(repository, args.model, sizing / "tritonserver.log") as target:
+    with runner.serve(repository, args.model, sizing / "tritonserver.log") as target:
         kv_blocks, block_size = served_kv_pool(target, CONTINUOUS)
     return capacity_seats(kv_blocks, block_size, args.workload, args.length_scale)
 
 
 def capacity_repository(
-    source: Path, dst: Path, seats: int, variants: list[DynamicVariant], parameters: dict[str, str] | None = None
+    source: Path, dst: Path, seats: int, variants: list[runner.DynamicVariant], parameters: dict[str, str] | None = None
 ) -> Path:
     """The capacity comparison's models: llm_dynamic's ``variants``, and llm_iterative and llm_continuous with
     ``seats`` sequences (and, for llm_iterative, as many seats in Triton's sequence batcher); every one with the
     engine ``parameters`` given."""
-    served_repository(source, dst, [ITERATIVE, CONTINUOUS, *(v.name for v in variants)], variants, parameters)
+    runner.served_repository(source, dst, [ITERATIVE, CONTINUOUS, *(v.name for v in variants)], variants, parameters)
     for model in (ITERATIVE, CONTINUOUS):
         with config_text.edit(dst / model / "config.pbtxt") as config:
             config_text.set_parameters(config, {"max_num_seqs": seats}, add_missing=False)
@@ -131,7 +113,7 @@ def capacity_repository(
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = command_parser("python -m loadtest.slo", __doc__)
+    p = runner.command_parser("python -m loadtest.slo", __doc__)
     p.add_argument(
         "--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, help="TTFT p99 limit (default: %(default)s)"
     )
@@ -166,7 +148,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--max-requests", type=int, default=1000, help="at most this many requests per point")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "reports")
+    p.add_argument("--out", type=Path, default=runner.REPO_ROOT / "reports")
     args = p.parse_args(argv)
     args.variants = []
     if args.quantization and args.url:
@@ -176,7 +158,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error("--capacity serves its own copy of the repository; it cannot use a running server (--url)")
         try:
             specs = args.dynamic_variants if args.dynamic_variants is not None else CAPACITY_DYNAMIC
-            args.variants = [DynamicVariant.parse(spec) for spec in specs.split(",") if spec.strip()]
+            args.variants = [runner.DynamicVariant.parse(spec) for spec in specs.split(",") if spec.strip()]
         except ValueError as exc:
             p.error(str(exc))
         args.rates = args.rates or CAPACITY_RATES
@@ -201,12 +183,12 @@ def verdict(row: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> str | None:
     return "; ".join(broken) or None
 
 
-def search(target, model: str, points: list[LoadPoint], plan: Plan, out_dir: Path, say=print) -> dict:
+def search(target, model: str, points: list[runner.LoadPoint], plan: runner.Plan, out_dir: Path, say=print) -> dict:
     """Step up through ``points`` until one breaks the SLO; return the best that held, the first that broke and
     those not measured."""
     best, broke, unmeasured, rows = None, None, [], []
     for point in points:
-        run = run_load_point(target, model, point, plan, out_dir)
+        run = runner.run_load_point(target, model, point, plan, out_dir)
         row = summarize(run, plan.slo_ttft_ms, plan.slo_tpot_ms)
         rows.append(row)
         if row["not_measured"]:
@@ -251,7 +233,7 @@ def outcome_line(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    plan = Plan(
+    plan = runner.Plan(
         workload=args.workload,
         length_scale=args.length_scale,
         run_s=args.duration,
@@ -279,33 +261,31 @@ def main(argv=None) -> int:
         )
         args.model_repository = capacity_repository(
             args.model_repository, out_dir / "model_repository", capacity["seats"], args.variants,
-            engine_parameters(args),
+            runner.engine_parameters(args),
         )
-    elif engine_parameters(args):
-        args.model_repository = served_repository(
-            args.model_repository, out_dir / "model_repository", models, [], engine_parameters(args)
-        )
+    else:
+        args.model_repository = runner.repository_to_serve(args, out_dir, models)
     max_users = args.max_users or (capacity["seats"] + 64 if capacity else 64)
     if args.rates:
-        points = [LoadPoint(max_users, float(r)) for r in args.rates.split(",")]
+        points = [runner.LoadPoint(max_users, float(r)) for r in args.rates.split(",")]
     else:
-        points = [LoadPoint(int(u)) for u in args.users.split(",")]
+        points = [runner.LoadPoint(int(u)) for u in args.users.split(",")]
     say(
         f"SLO: TTFT p99 <= {args.slo_ttft_ms:g} ms, TPOT p99 <= {args.slo_tpot_ms:g} ms; {', '.join(models)}; "
         f"ladder {', '.join(p.label for p in points)}; {args.workload} workload; {args.duration:g} s per point; "
         + (f"{args.quantization} weights" if args.quantization else "weights as configured")
     )
     try:
-        with open_target(args, out_dir / "tritonserver.log", say=say) as target:
-            configs = check_models(target, models)
+        with runner.open_target(args, out_dir / "tritonserver.log", say=say) as target:
+            configs = runner.check_models(target, models)
             for model in models:
-                warm_up(target, model)
+                runner.warm_up(target, model)
             results = [search(target, model, points, plan, out_dir, say) for model in models]
     except Exception as exc:
         print(f"slo: error: {exc}", file=sys.stderr)
         return 1
     for result in results:
-        result["config"] = batcher_settings(configs[result["model"]])
+        result["config"] = runner.batcher_settings(configs[result["model"]])
     summary = {"plan": dataclasses.asdict(plan), "capacity": capacity, "quantization": args.quantization,
                "results": results}
     (out_dir / "slo.json").write_text(json.dumps(summary, indent=1))

@@ -253,28 +253,40 @@ def fresh_stream_cancel_after_final(client: Client) -> None:
         client.account(*stream_outcome(stream, request, target.request_timeout))
 
 
-def unblocked(session: StreamSession, target: Target) -> StreamSession:
-    """``session``, or a new one if its last request is still open (lost): that one is cancelled with its stream."""
-    if session.idle:
-        return session
-    session.close(cancel=True)
-    return StreamSession(target.grpc_url)
+class ClientSession:
+    """A client's requests sent in turn on one gRPC stream (a :class:`StreamSession`), each waited for and accounted.
+    A request still open after the request timeout (lost) is cancelled with its stream, and a new stream carries the
+    next; ``with`` closes the last one."""
+
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.session = StreamSession(client.target.grpc_url)
+
+    def send(self, request: Request, expected=None, lost_context: str = "", **sequence) -> None:
+        """Send ``request`` (``sequence``: tritonclient's sequence keywords), wait for it, and account its outcome
+        (``expected``: the errors it may end with, as :func:`error_outcome` takes them; ``lost_context``: put in
+        front of the reason when it is lost)."""
+        client, timeout = self.client, self.client.target.request_timeout
+        stream = self.session.send(client.model, client.tensors(request), **sequence)
+        stream.wait(timeout)
+        outcome, reason = stream_outcome(stream, request, timeout, expected)
+        client.account(outcome, lost_context + reason if outcome == "lost" else reason)
+        if not self.session.idle:
+            self.session.close(cancel=True)
+            self.session = StreamSession(client.target.grpc_url)
+
+    def __enter__(self) -> "ClientSession":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.session.close(cancel=not self.session.idle)
 
 
 def long_lived_stream(client: Client) -> None:
     """One gRPC stream for all of the client's requests, sent in turn and never cancelled."""
-    target = client.target
-    session = StreamSession(target.grpc_url)
-    try:
+    with ClientSession(client) as session:
         for index in client.requests():
-            request = client.request(index)
-            stream = session.send(client.model, client.tensors(request))
-            stream.wait(target.request_timeout)
-            outcome = stream_outcome(stream, request, target.request_timeout)
-            client.account(*outcome)
-            session = unblocked(session, target)
-    finally:
-        session.close(cancel=not session.idle)
+            session.send(client.request(index))
 
 
 def cancel_mid_stream(client: Client) -> None:
@@ -298,18 +310,26 @@ def cancel_mid_stream(client: Client) -> None:
         client.account(*outcome)
 
 
+def post_generate(client: Client, body: dict, lost_context: str = "") -> requests.Response | None:
+    """The answer of the model's HTTP ``/generate`` to ``body``; None, the request accounted as lost (``lost_context``
+    in front of the reason), when none came within the request timeout."""
+    target = client.target
+    try:
+        return requests.post(f"{target.http_url}/v2/models/{client.model}/generate", json=body,
+                             timeout=target.request_timeout)
+    except requests.Timeout:
+        client.account("lost", f"{lost_context}no response within {target.request_timeout:g} s")
+        return None
+
+
 def http_generate(client: Client) -> None:
     """HTTP ``/v2/models/M/generate``, waited on to the end."""
-    target = client.target
     for index in client.requests():
         request = client.request(index)
         body = {"text_input": request.prompt, **request.values}
         del body["stream"]
-        try:
-            response = requests.post(f"{target.http_url}/v2/models/{client.model}/generate", json=body,
-                                     timeout=target.request_timeout)
-        except requests.Timeout:
-            client.account("lost", f"no response within {target.request_timeout:g} s")
+        response = post_generate(client, body)
+        if response is None:
             continue
         if response.status_code != 200:
             client.account(*error_outcome(http_error(response)))
@@ -403,40 +423,27 @@ def perf_analyzer_sequences(client: Client) -> None:
     """perf_analyzer's sequence requests on one gRPC stream per client: by turns a sequence of one request (START
     and END on it, ``--sequence-length 1``) and one of 2 to ``sequence_length`` requests (START on the first, END on
     the last, as its default ``--sequence-length 20`` sends), each request sent when the one before it has ended."""
-    target = client.target
-    session = StreamSession(target.grpc_url)
-    try:
+    with ClientSession(client) as session:
         for num_sequences in itertools.count():
             single = (client.index + num_sequences) % 2 == 0
-            length = 1 if single else client.rng.randint(2, max(2, target.sequence_length))
+            length = 1 if single else client.rng.randint(2, max(2, client.target.sequence_length))
             granted = client.take(length)
             if granted == 0:
                 return
             sequence_id = next(SEQUENCE_IDS)
             for position in range(granted):
                 request = client.request(client.index + client.num_sent - granted + position)
-                stream = session.send(client.model, client.tensors(request), sequence_id=sequence_id,
-                                      sequence_start=position == 0, sequence_end=position == granted - 1)
-                stream.wait(target.request_timeout)
-                outcome, reason = stream_outcome(stream, request, target.request_timeout, SEQUENCE_REFUSALS)
-                if outcome == "lost":
-                    reason = f"request {position + 1} of a sequence of {granted}: {reason}"
-                client.account(outcome, reason)
-                session = unblocked(session, target)
-    finally:
-        session.close(cancel=not session.idle)
+                session.send(request, SEQUENCE_REFUSALS, f"request {position + 1} of a sequence of {granted}: ",
+                             sequence_id=sequence_id, sequence_start=position == 0,
+                             sequence_end=position == granted - 1)
 
 
 def bad_requests(client: Client) -> None:
     """HTTP ``/generate`` requests the model must refuse with a 400 that names the problem, one kind after another."""
-    target = client.target
     for _ in client.requests():
         name, body, kind, param = client.rng.choice(BAD_REQUESTS)
-        try:
-            response = requests.post(f"{target.http_url}/v2/models/{client.model}/generate", json=body,
-                                     timeout=target.request_timeout)
-        except requests.Timeout:
-            client.account("lost", f"{name}: no response within {target.request_timeout:g} s")
+        response = post_generate(client, body, lost_context=f"{name}: ")
+        if response is None:
             continue
         error = errors.parse(http_error(response))
         if response.status_code == 400 and error is not None and (error.kind, error.param) == (kind, param):

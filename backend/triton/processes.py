@@ -1,5 +1,6 @@
 """tritonserver's processes as Linux shows them in /proc: its command line, its children (the Python-backend stubs and
-the models they serve), their CPU time, its process group, and the stubs' shared memory.
+the models they serve), their CPU time, its process group, and the stubs' shared memory; and ``ChildProcess``, the
+``with`` block shared by the launchers of tritonserver and of the frontend.
 
 Standard library only (``psutil`` is imported inside the two functions that need it): ``shutdown.py`` imports this
 module when it runs as a file in a container, and the launcher runs in the Python 3.10 test environment too.
@@ -13,10 +14,31 @@ import signal
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 STUB_NAME = "triton_python_backend_stub"
 _SHM_REGION = re.compile(r"triton_python_backend_shm_region_[0-9a-f-]+")
 _ENDED = ("Z", "X")  # zombie, dead
+_Child = TypeVar("_Child", bound="ChildProcess")
+
+
+class ChildProcess:
+    """``with child:`` starts it (unless it is started), waits until it is ready (and stops it if that fails or is
+    interrupted), and always stops it at the end. For a launcher with ``pid`` (None until started), ``start()``,
+    ``wait_ready()`` and ``stop()``."""
+
+    def __enter__(self: _Child) -> _Child:
+        if self.pid is None:
+            self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
 
 
 def _stats() -> Iterator[tuple[int, list[str]]]:

@@ -45,7 +45,7 @@ from backend.triton.launch_options import (
     free_ports,
     restricted_api_args,
 )
-from backend.triton.processes import kill_process_group, process_group_members
+from backend.triton.processes import ChildProcess, kill_process_group, process_group_members
 from backend.triton.server_home import DEFAULT_LAYOUT_ROOT, server_distribution, server_home
 from backend.triton.shutdown import option_value
 
@@ -69,7 +69,7 @@ def die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # 1 == PR_SET_PDEATHSIG
 
 
-class TritonServer:
+class TritonServer(ChildProcess):
     """One tritonserver process started the launcher's way.
 
     ``start()`` validates, lays out the binary and starts the process in its own session; ``wait_ready()`` polls
@@ -389,19 +389,6 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 self.kill()
         return self.wait()
-
-    def __enter__(self) -> "TritonServer":
-        if self._process is None:
-            self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         state = "running" if self.is_running else f"exited {self.returncode}" if self._process else "not started"

@@ -46,109 +46,152 @@ class Settings:
 
 
 def create_app(settings: Settings) -> FastAPI:
-    """The app; the Triton bridge opens with the app's event loop and closes with it."""
-    template = ChatTemplate(settings.model_dir)
-    started = int(time.time())
-    bridge: TritonBridge | None = None
+    """The app: a Triton bridge that opens with the app's event loop and closes with it, every error in OpenAI's body,
+    the health routes open to probes, and OpenAI's routes behind the API key (when one is set)."""
+    template = ChatTemplate(settings.model_dir)  # NOTE: here, so that a model folder without one stops the start
+    app = FastAPI(title="OpenAI-compatible frontend for the Triton LLM models",
+                  lifespan=bridge_lifespan(settings.triton_grpc_url))
+    add_error_handlers(app)
+    add_health_routes(app)
+    v1 = [Depends(api_key_check(settings.api_key))]
+    add_model_routes(app, v1, created=int(time.time()))
+    add_generation_routes(app, v1, template)
+    return app
+
+
+def bridge_lifespan(triton_grpc_url: str):
+    """The app's lifespan: a :class:`TritonBridge` in ``app.state.bridge`` while the app runs."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        nonlocal bridge
-        bridge = TritonBridge(settings.triton_grpc_url)
+        app.state.bridge = TritonBridge(triton_grpc_url)
         try:
             yield
         finally:
-            await bridge.close()
+            await app.state.bridge.close()
+
+    return lifespan
+
+
+def bridge_of(request: Request) -> TritonBridge:
+    return request.app.state.bridge
+
+
+def api_key_check(api_key: str | None):
+    """The dependency of the ``/v1`` routes: 401 unless the request sends ``Authorization: Bearer <api_key>``
+    (nothing to check without a key)."""
 
     # NOTE: async, so FastAPI runs it on the event loop: a plain def would go through its thread pool, a thread
     # hand-off for every request, which spread a burst of requests over milliseconds before they reached Triton.
     async def check_api_key(request: Request) -> None:
-        if settings.api_key is None:
+        if api_key is None:
             return
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), settings.api_key.encode()):
+        if scheme.lower() != "bearer" or not secrets.compare_digest(key.strip().encode(), api_key.encode()):
             raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                            "invalid_request_error", None, "invalid_api_key")
 
-    app = FastAPI(title="OpenAI-compatible frontend for the Triton LLM models", lifespan=lifespan)
-    v1 = [Depends(check_api_key)]
+    return check_api_key
 
-    # -- errors
 
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+# ---- errors: every one in OpenAI's body, for that request only ----------------------------------------------------
 
-    @app.exception_handler(HTTPException)
-    async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
-        return await on_api_error(request, error)
 
-    @app.exception_handler(Exception)
-    async def on_bug(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("%s %s failed", request.method, request.url.path)
-        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
-        return await on_api_error(request, error)
+def add_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(HTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_bug)
 
-    # -- health
+
+async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own errors (no such route, a method the route does not take)."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
+    return await on_api_error(request, error)
+
+
+async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("%s %s failed", request.method, request.url.path)
+    error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", "server_error", None, "internal_error")
+    return await on_api_error(request, error)
+
+
+# ---- the routes ---------------------------------------------------------------------------------------------------
+
+
+def add_health_routes(app: FastAPI) -> None:
+    """``/health``: Triton is live; ``/health/ready``: Triton is ready. 503 otherwise."""
 
     @app.get("/health")
-    async def health() -> Response:
-        if await bridge.is_live():
-            return Response(status_code=200)
-        raise APIError(503, f"Triton at {bridge.url} is not live", "server_error", None, "service_unavailable")
+    async def health(request: Request) -> Response:
+        return await triton_health(bridge_of(request), ready=False)
 
     @app.get("/health/ready")
-    async def ready() -> Response:
-        if await bridge.is_ready():
-            return Response(status_code=200)
-        raise APIError(503, f"Triton at {bridge.url} is not ready", "server_error", None, "service_unavailable")
+    async def ready(request: Request) -> Response:
+        return await triton_health(bridge_of(request), ready=True)
 
-    # -- models
 
-    @app.get("/v1/models", dependencies=v1)
-    async def list_models() -> JSONResponse:
-        cards = [model_card(name, started) for name, ready in await bridge.models() if ready]
+async def triton_health(bridge: TritonBridge, ready: bool) -> Response:
+    """200 while Triton is live (``ready``: while it is ready, every model loaded), else 503."""
+    if await (bridge.is_ready() if ready else bridge.is_live()):
+        return Response(status_code=200)
+    state = "ready" if ready else "live"
+    raise APIError(503, f"Triton at {bridge.url} is not {state}", "server_error", None, "service_unavailable")
+
+
+def add_model_routes(app: FastAPI, dependencies: list, created: int) -> None:
+    """The models Triton serves and has ready, by their Triton names (``created``: when the frontend started)."""
+
+    @app.get("/v1/models", dependencies=dependencies)
+    async def list_models(request: Request) -> JSONResponse:
+        cards = [model_card(name, created) for name, ready in await bridge_of(request).models() if ready]
         return JSONResponse({"object": "list", "data": cards})
 
-    @app.get("/v1/models/{model}", dependencies=v1)
-    async def get_model(model: str) -> JSONResponse:
-        await bridge.max_batch_size(model)  # 404 unless served
-        return JSONResponse(model_card(model, started))
+    @app.get("/v1/models/{model}", dependencies=dependencies)
+    async def get_model(model: str, request: Request) -> JSONResponse:
+        await bridge_of(request).max_batch_size(model)  # 404 unless served
+        return JSONResponse(model_card(model, created))
 
-    # -- generation
 
-    async def answer(raw: Request, kind: str, request: SamplingRequest, prompt: str) -> Response:
-        if request.stream:
-            # NOTE: once streaming, Starlette cancels the events when the client goes away; until the first token,
-            # the watch here does.
-            generation = await unless_disconnected(raw, Answer.start(bridge, kind, request.model, request, prompt))
-            if generation is None:
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
-            return StreamingResponse(generation.events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+def add_generation_routes(app: FastAPI, dependencies: list, template: ChatTemplate) -> None:
+    """``/v1/completions`` (a prompt, as text) and ``/v1/chat/completions`` (messages, rendered with ``template``)."""
 
-        async def whole():
-            generation = await Answer.start(bridge, kind, request.model, request, prompt)
-            return await generation.whole()
-
-        whole = await unless_disconnected(raw, whole())
-        if whole is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return Response(whole.model_dump_json(exclude_unset=True), media_type="application/json")
-
-    @app.post("/v1/completions", dependencies=v1)
+    @app.post("/v1/completions", dependencies=dependencies)
     async def completions(raw: Request) -> Response:
         request = parse_body(CompletionRequest, await raw.body())
         return await answer(raw, "completion", request, request.prompt_text())
 
-    @app.post("/v1/chat/completions", dependencies=v1)
+    @app.post("/v1/chat/completions", dependencies=dependencies)
     async def chat_completions(raw: Request) -> Response:
         request = parse_body(ChatCompletionRequest, await raw.body())
         return await answer(raw, "chat", request, template.render(request.messages))
 
-    return app
+
+async def answer(raw: Request, kind: str, request: SamplingRequest, prompt: str) -> Response:
+    """The generation's answer: a stream of server-sent events, or the whole answer as JSON; a client that went away
+    before either began gets nothing (``CLIENT_CLOSED_REQUEST``)."""
+    bridge = bridge_of(raw)
+    if request.stream:
+        # NOTE: once streaming, Starlette cancels the events when the client goes away; until the first token,
+        # the watch here does.
+        generation = await unless_disconnected(raw, Answer.start(bridge, kind, request.model, request, prompt))
+        if generation is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return StreamingResponse(generation.events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def whole():
+        generation = await Answer.start(bridge, kind, request.model, request, prompt)
+        return await generation.whole()
+
+    whole = await unless_disconnected(raw, whole())
+    if whole is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    return Response(whole.model_dump_json(exclude_unset=True), media_type="application/json")
 
 
 async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T | None:

@@ -21,9 +21,10 @@ from typing import Sequence
 
 from backend.contract.settings import API_KEY_ENV_VAR
 from backend.triton.launch_options import REPO_ROOT, frontend_command
+from backend.triton.processes import ChildProcess
 
 
-class FrontendProcess:
+class FrontendProcess(ChildProcess):
     def __init__(
         self,
         triton_grpc_url: str,
@@ -40,6 +41,10 @@ class FrontendProcess:
         self.api_key = api_key
         self.log_path = Path(log_path) if log_path else None
         self.process: subprocess.Popen | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
 
     def start(self) -> "FrontendProcess":
         env = dict(os.environ)
@@ -94,16 +99,3 @@ class FrontendProcess:
         if self.log_path is None or not self.log_path.exists():
             return "(no log)"
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
-
-    def __enter__(self) -> "FrontendProcess":
-        if self.process is None:
-            self.start()
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop()

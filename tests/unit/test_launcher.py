@@ -19,6 +19,7 @@ import pytest
 from backend.contract.settings import DEFAULT_MODEL
 from backend.tools import prepare_model
 from backend.triton.launch_options import LauncherError, free_ports
+from backend.triton.processes import ChildProcess
 from backend.triton.server_home import find_stub, prepare_server_home, server_distribution, stub_versions
 from tests.server_harness import LOCALHOST, REPO_ROOT
 
@@ -200,3 +201,34 @@ def test_cli_passes_unknown_options_and_everything_after_dashes_to_tritonserver(
     )
     assert (args.http_port, args.grpc_port, args.metrics_port, args.model) == (18080, 18081, 8002, "models/other")
     assert extra == ["--model-control-mode", "explicit", "--load-model=upper", "--log-verbose", "1"]
+
+
+class _Launched(ChildProcess):
+    def __init__(self, pid: int | None = None, ready: bool = True) -> None:
+        self.pid, self.ready, self.calls = pid, ready, []
+
+    def start(self) -> "_Launched":
+        self.calls.append("start")
+        self.pid = 1
+        return self
+
+    def wait_ready(self) -> None:
+        self.calls.append("wait_ready")
+        if not self.ready:
+            raise RuntimeError("not ready")
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+
+def test_a_child_process_block_starts_once_waits_and_always_stops():
+    with _Launched() as child:
+        assert child.calls == ["start", "wait_ready"]
+    assert child.calls == ["start", "wait_ready", "stop"]
+    with _Launched(pid=7) as started_before:
+        pass
+    assert started_before.calls == ["wait_ready", "stop"]
+    never_ready = _Launched(ready=False)
+    with pytest.raises(RuntimeError, match="not ready"), never_ready:
+        pass
+    assert never_ready.calls == ["start", "wait_ready", "stop"]

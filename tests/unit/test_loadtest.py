@@ -20,7 +20,7 @@ from backend.contract import errors
 from backend.contract.errors import ErrorKind
 from backend.triton import config_text
 from client.schema import Chunk
-from loadtest import compare, metrics, report, slo, soak, soak_patterns, stats
+from loadtest import compare, metrics, report, runner, slo, soak, soak_patterns, stats
 from loadtest.measure import Measurement, StreamError
 from loadtest.runner import REPO_ROOT, LoadPoint, Plan, Target, batcher_settings, measurement_window
 from loadtest.slo import verdict
@@ -266,7 +266,7 @@ def test_a_normal_window_is_measured_even_when_its_budget_ran_out():
 @pytest.mark.timeout(10)
 def test_slo_ladder_skips_a_sparse_point_and_stops_where_the_budget_ran_out(monkeypatch):
     runs = iter([steady_run(5, 30.0), steady_run(40, 20.0), steady_run(3, 0.48, "max_requests"), steady_run(40, 20.0)])
-    monkeypatch.setattr(slo, "run_load_point", lambda *args: next(runs))
+    monkeypatch.setattr(runner, "run_load_point", lambda *args: next(runs))
     said = []
     points = [LoadPoint(u) for u in (1, 4, 8, 12)]
     result = slo.search(None, "m", points, Plan(), Path("unused"), say=said.append)
@@ -368,7 +368,7 @@ def test_compare_serves_llm_dynamic_variants_beside_the_shipped_models(tmp_path)
     models = args.models.split(",")
     assert models == ["llm_static", "llm_dynamic", "llm_dynamic_3x4_50000us", "llm_dynamic_1x16_0us",
                       "llm_iterative", "llm_continuous"]
-    served = compare.served_repository(args.model_repository, tmp_path / "repo", models, args.variants)
+    served = runner.served_repository(args.model_repository, tmp_path / "repo", models, args.variants)
     assert sorted(p.name for p in served.iterdir()) == sorted(models)
     config = config_text.load(served / "llm_dynamic_3x4_50000us" / "config.pbtxt")
     assert config.name == "llm_dynamic_3x4_50000us" and config.max_batch_size == 4
@@ -387,7 +387,7 @@ def test_compare_serves_llm_dynamic_variants_beside_the_shipped_models(tmp_path)
     # The default: the four models and llm_dynamic at its best; a running server: the four as it serves them.
     default = compare.parse_args([])
     assert default.models.split(",") == ["llm_static", "llm_dynamic",
-                                         compare.DynamicVariant.parse(compare.BEST_DYNAMIC).name,
+                                         runner.DynamicVariant.parse(compare.BEST_DYNAMIC).name,
                                          "llm_iterative", "llm_continuous"]
     chosen = compare.parse_args(["--models", "llm_dynamic,llm_continuous", "--dynamic-variants", "2x4@2000"])
     assert chosen.models == "llm_dynamic,llm_dynamic_2x4_2000us,llm_continuous"
@@ -518,7 +518,7 @@ def test_capacity_reads_the_kv_pool_from_a_server_of_llm_continuous(tmp_path, mo
     target = Target("http://127.0.0.1:1", "127.0.0.1:2", "http://127.0.0.1:3/metrics")
     served = {"parameters": {"block_size": {"string_value": "16"}, "max_num_seqs": {"string_value": "8"}}}
     asked = []
-    monkeypatch.setattr(slo, "http_json", lambda url: asked.append(url) or served)
+    monkeypatch.setattr(runner, "http_json", lambda url: asked.append(url) or served)
     monkeypatch.setattr(slo.prometheus, "scrape", lambda url, timeout=2.0: SERVED_METRICS)
     assert slo.served_kv_pool(target, "llm_continuous") == (1456, 16)
     assert asked == ["http://127.0.0.1:1/v2/models/llm_continuous/config"]
@@ -535,7 +535,7 @@ def test_capacity_reads_the_kv_pool_from_a_server_of_llm_continuous(tmp_path, mo
         serving.append(repository)
         yield target
 
-    monkeypatch.setattr(slo, "serve", serve)
+    monkeypatch.setattr(runner, "serve", serve)
     monkeypatch.setattr(slo, "served_kv_pool", lambda target, model: (1456, 16))
     args = slo.parse_args(["--capacity", "--quantization", "q4_1"])
     assert slo.size_capacity(args, tmp_path, say=lambda _: None) == slo.capacity_seats(1456, 16, "long_tailed")

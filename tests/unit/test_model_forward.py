@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from backend.engine.config import EngineConfig
-from backend.engine.model_runner import ModelRunner
+from backend.engine.model_runner import ModelInput, ModelRunner
 from backend.engine.request import Request
 from backend.engine.scheduler import ScheduledRequest
 
@@ -68,6 +68,41 @@ def prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[list[int]]:
     return [[gen.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
+# ---- a decode step through the decode stack (here and in test_quantized_model) ----------------------------------
+
+
+def decode_runner(model_dir, quantization: str | None = None) -> ModelRunner:
+    """A bf16 runner of the tiny model (``quantization``: its projections' weights), room for 64 requests a step."""
+    config = EngineConfig(
+        model=str(model_dir), dtype="bfloat16", quantization=quantization, block_size=BLOCK_SIZE, num_kv_blocks=128,
+        max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=256, num_threads=2,
+    )
+    return ModelRunner(config.resolve())
+
+
+def decode_inputs(runner: ModelRunner, lengths: list[int]) -> ModelInput:
+    """The inputs of a decode-only step: requests whose prompts (``lengths`` tokens) were prefilled in a step before,
+    layer by layer, each with one token appended."""
+    pool = BlockPool(runner.num_kv_blocks)
+    requests = [Request(f"r{i}", p) for i, p in enumerate(prompts(runner.shape.vocab_size, lengths))]
+    run_step(runner, pool, [(r, len(r.prompt_token_ids)) for r in requests])
+    for r in requests:
+        r.append_token(7)
+        pool.cover(r, r.num_computed_tokens + 1)
+    return runner.prepare([ScheduledRequest.of(r, 1) for r in requests])
+
+
+class CountedStack:
+    """A decode stack that counts its calls."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.weight_format, self.num_calls = stack, stack.weight_format, 0
+
+    def __call__(self, *args):
+        self.num_calls += 1
+        return self.stack(*args)
+
+
 def test_prefill_then_batched_decode_match_hf(runner, hf_model):
     pool = BlockPool(runner.num_kv_blocks)
     lengths = [7, 13, 5, 16, 1]
@@ -121,30 +156,11 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
 
     if cpu_kernels.load() is None:
         pytest.skip("no C compiler: the torch path is used")
-    config = EngineConfig(
-        model=str(tiny_llama_dir), dtype="bfloat16", block_size=BLOCK_SIZE, num_kv_blocks=128,
-        max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=256, num_threads=2,
-    )
-    runner = ModelRunner(config.resolve())
+    runner = decode_runner(tiny_llama_dir)
     stack = runner.model.decode_stack
     assert stack is not None, "the tiny model's shapes fit the C kernels: the stack must be built"
-    pool = BlockPool(128)
-    lengths = ([5, 9, 14, 3, 7, 11, 2, 6] * 8)[:batch]
-    requests = [Request(f"r{i}", p) for i, p in enumerate(prompts(runner.shape.vocab_size, lengths))]
-    run_step(runner, pool, [(r, len(r.prompt_token_ids)) for r in requests])  # prefill: the layer-by-layer path
-    for r in requests:
-        r.append_token(7)
-        pool.cover(r, r.num_computed_tokens + 1)
-    inputs = runner.prepare([ScheduledRequest.of(r, 1) for r in requests])
-
-    calls = []
-
-    class Counted:  # the stack, counting its calls
-        weight_format = stack.weight_format
-
-        def __call__(self, *args):
-            calls.append(1)
-            return stack(*args)
+    inputs = decode_inputs(runner, ([5, 9, 14, 3, 7, 11, 2, 6] * 8)[:batch])
+    counted = CountedStack(stack)
 
     def decode(decode_stack, c_paths=True):
         monkeypatch.setattr(runner.model, "decode_stack", decode_stack)
@@ -152,11 +168,11 @@ def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_di
             monkeypatch.setattr(linear, limit, getattr(linear, limit) if c_paths else lambda layout: 0)
         return runner.run(inputs).clone()  # the step writes the same K/V again: runs are independent
 
-    stacked = decode(Counted())
+    stacked = decode(counted)
     if batch > linear.c_rows_limit(linear.c_layout()):  # F.linear's rows: layer by layer
-        assert not calls
+        assert counted.num_calls == 0
         return
-    assert calls, "the step did not take the decode stack"
+    assert counted.num_calls, "the step did not take the decode stack"
     by_layer = decode(None)
     torch.testing.assert_close(stacked, by_layer, atol=0, rtol=0)
     reference = decode(None, c_paths=False)

@@ -13,7 +13,7 @@ from backend.contract.names import CONTINUOUS, DYNAMIC, MODELS
 from backend.engine import config
 from backend.engine.config import EngineConfig
 from backend.triton import config_text
-from loadtest import compare, report, slo
+from loadtest import compare, report, runner, slo
 from loadtest.runner import (
     REPO_ROOT,
     WEIGHT_FORMATS,
@@ -80,9 +80,9 @@ class ServerStartsHere(Exception):
     pass
 
 
-def stop_where_the_server_starts(monkeypatch, module) -> dict:
-    """Replace ``module.open_target``: record the repository it would serve, then fail as a server that did not
-    start would (compare and slo catch it and return 1)."""
+def stop_where_the_server_starts(monkeypatch) -> dict:
+    """Replace ``runner.open_target`` (compare's and slo's): record the repository it would serve, then fail as a
+    server that did not start would (compare and slo catch it and return 1)."""
     seen = {}
 
     @contextlib.contextmanager
@@ -91,7 +91,7 @@ def stop_where_the_server_starts(monkeypatch, module) -> dict:
         raise ServerStartsHere("stopped before the server starts")
         yield  # pragma: no cover
 
-    monkeypatch.setattr(module, "open_target", open_target)
+    monkeypatch.setattr(runner, "open_target", open_target)
     return seen
 
 
@@ -108,7 +108,7 @@ class QuietPage:
 
 @pytest.mark.timeout(30)
 def test_compare_serves_a_copy_with_quantization_on_every_model(tmp_path, monkeypatch):
-    seen = stop_where_the_server_starts(monkeypatch, compare)
+    seen = stop_where_the_server_starts(monkeypatch)
     monkeypatch.setattr(compare.live, "LivePage", QuietPage)
     argv = ["--smoke", "--quantization", "q4_1", "--dynamic-variants", "", "--out", str(tmp_path)]
     assert compare.main(argv) == 1
@@ -120,7 +120,7 @@ def test_compare_serves_a_copy_with_quantization_on_every_model(tmp_path, monkey
 
 @pytest.mark.timeout(30)
 def test_compare_without_quantization_serves_the_shipped_repository(tmp_path, monkeypatch):
-    seen = stop_where_the_server_starts(monkeypatch, compare)
+    seen = stop_where_the_server_starts(monkeypatch)
     monkeypatch.setattr(compare.live, "LivePage", QuietPage)
     assert compare.main(["--smoke", "--dynamic-variants", "", "--out", str(tmp_path)]) == 1
     assert seen["model_repository"] == SHIPPED
@@ -128,7 +128,7 @@ def test_compare_without_quantization_serves_the_shipped_repository(tmp_path, mo
 
 @pytest.mark.timeout(30)
 def test_slo_serves_a_copy_with_quantization(tmp_path, monkeypatch):
-    seen = stop_where_the_server_starts(monkeypatch, slo)
+    seen = stop_where_the_server_starts(monkeypatch)
     assert slo.main(["--quantization", "int8", "--models", f"{DYNAMIC},{CONTINUOUS}", "--out", str(tmp_path)]) == 1
     served = seen["model_repository"]
     assert sorted(p.name for p in served.iterdir()) == [CONTINUOUS, DYNAMIC]

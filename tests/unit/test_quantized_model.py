@@ -15,14 +15,11 @@ from backend.engine import weight_file
 from backend.engine.config import GGUF_BLOCKS, EngineConfig, ModelShape
 from backend.engine.linear import QUANTIZED_ROWS, Kernel, Layout, Linear, make_linear, route
 from backend.engine.model import prepare_weights
-from backend.engine.model_runner import ModelRunner
-from backend.engine.request import Request
-from backend.engine.scheduler import ScheduledRequest
 from backend.kernels import cpu_kernels
 from backend.kernels.quantized_linear import dequantize, group_rows
 from backend.kernels.weight_format import WeightFormat
 from backend.triton.model_config import engine_config_from_triton
-from tests.unit.test_model_forward import BlockPool, prompts, run_step
+from tests.unit.test_model_forward import CountedStack, decode_inputs, decode_runner
 
 needs_c = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")
 
@@ -129,36 +126,19 @@ def test_quantized_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tin
     """With every projection quantized, a small decode step runs every layer in one C call with the quantized
     kernels; the same step layer by layer (the same kernels from Python) gives the same logits exactly, and the
     weights widened to bf16 through the bf16 matmuls give them within bf16 rounding."""
-    config = EngineConfig(
-        model=str(tiny_llama_dir), dtype="bfloat16", quantization=quantization, block_size=4, num_kv_blocks=128,
-        max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=256, num_threads=2,
-    )
-    runner = ModelRunner(config.resolve())
+    runner = decode_runner(tiny_llama_dir, quantization)
     stack = runner.model.decode_stack
     assert stack is not None and stack.weight_format == quantization
-    pool = BlockPool(128)
-    requests = [Request(f"r{i}", p) for i, p in enumerate(prompts(runner.shape.vocab_size, [5, 9, 3] * 3))][:batch]
-    run_step(runner, pool, [(r, len(r.prompt_token_ids)) for r in requests])
-    for r in requests:
-        r.append_token(7)
-        pool.cover(r, r.num_computed_tokens + 1)
-    inputs = runner.prepare([ScheduledRequest.of(r, 1) for r in requests])
-    calls = []
-
-    class Counted:
-        weight_format = stack.weight_format
-
-        def __call__(self, *args):
-            calls.append(1)
-            return stack(*args)
+    inputs = decode_inputs(runner, ([5, 9, 3] * 3)[:batch])
+    counted = CountedStack(stack)
 
     def decode(decode_stack, quantized_rows=QUANTIZED_ROWS):
         monkeypatch.setattr(runner.model, "decode_stack", decode_stack)
         monkeypatch.setattr("backend.engine.linear.QUANTIZED_ROWS", quantized_rows)
         return runner.run(inputs).clone()
 
-    stacked = decode(Counted())
-    assert calls, "the step did not take the decode stack"
+    stacked = decode(counted)
+    assert counted.num_calls, "the step did not take the decode stack"
     torch.testing.assert_close(stacked, decode(None), atol=0, rtol=0)
     widened = decode(None, quantized_rows=0)  # every projection through the weight widened to bf16
     torch.testing.assert_close(stacked.float(), widened.float(), atol=0.05, rtol=0.05)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
 
 from backend.engine.batching import SHUTTING_DOWN
@@ -17,6 +16,7 @@ from backend.engine.llm_engine import EngineSnapshot, RequestOutput
 from backend.triton import responses
 from backend.triton.metrics import TritonMetrics
 from backend.triton.responses import CancellationPoll, OpenRequest, OpenRequests
+from tests.fakes import FakeClock, FakeResponse, FakeResponsePb
 
 
 class FakeSender:
@@ -26,14 +26,6 @@ class FakeSender:
     def is_cancelled(self) -> bool:
         self.asked += 1
         return self.cancelled
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
@@ -169,27 +161,6 @@ def test_gauges_are_set_only_when_their_value_changes():
 
 
 # ---- what one engine output sends (send_output), without a server ---------------------------------------------
-
-
-class FakeError:
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-
-class FakeTensor:
-    def __init__(self, name: str, array: np.ndarray) -> None:
-        self.name, self.array = name, array
-
-
-class FakeResponse:
-    def __init__(self, output_tensors: list, error: FakeError | None = None) -> None:
-        self.tensors = {t.name: t.array for t in output_tensors}
-        self.error = error
-
-
-class FakeResponsePb:
-    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-    InferenceResponse, Tensor, TritonError = FakeResponse, FakeTensor, FakeError
 
 
 class RecordingSender:

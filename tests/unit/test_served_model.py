@@ -21,6 +21,7 @@ from backend.engine.config import EngineConfig
 from backend.triton.model_config import check_batcher, sequence_idle_seconds
 from backend.triton.parsing import RequestLimits
 from backend.triton.responses import OpenRequests
+from tests.fakes import FakeError, FakeResponse
 
 ITERATIVE_CONFIG = {"max_batch_size": 8, "sequence_batching": {"iterative_sequence": True,
                                                                "oldest": {"max_candidate_sequences": 8}}}
@@ -41,16 +42,6 @@ def test_each_batching_checks_what_it_needs_of_tritons_batcher_with_a_value_erro
 
 
 # ---- admit(), with fakes for the stub's objects ----------------------------------------------------------------
-
-
-class FakeError:
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-
-class FakeResponse:
-    def __init__(self, output_tensors: list, error: FakeError | None = None) -> None:
-        self.error = error
 
 
 class FakeTensor:

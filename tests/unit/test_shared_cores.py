@@ -20,16 +20,9 @@ import pytest
 from backend.contract.settings import SHARED_CORES_ENV_VAR
 from backend.engine.config import EngineConfig
 from backend.engine.shared_cores import BUSY_WINDOW_S, MAX_ENGINES, MAX_FORWARD_S, CoreRegistry, SharedCores, share_of
+from tests.fakes import FakeClock
 
 ROOT = str(Path(__file__).resolve().parents[2])
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_share_of_divides_threads_among_busy_engines():
@@ -38,7 +31,7 @@ def test_share_of_divides_threads_among_busy_engines():
 
 
 def test_an_engine_alone_keeps_every_thread_and_shares_them_while_another_is_busy(tmp_path):
-    clock = Clock()
+    clock = FakeClock()
     registry = CoreRegistry(tmp_path / "cores")
     a = SharedCores(2, "divide", registry, clock)
     b = SharedCores(2, "divide", CoreRegistry(tmp_path / "cores"), clock)  # another process's own mapping
@@ -58,7 +51,7 @@ def test_an_engine_alone_keeps_every_thread_and_shares_them_while_another_is_bus
 
 
 def test_off_and_no_registry_take_every_thread(tmp_path, monkeypatch):
-    clock = Clock()
+    clock = FakeClock()
     busy = SharedCores(2, "divide", CoreRegistry(tmp_path / "cores"), clock)
     off = SharedCores(2, "off", CoreRegistry(tmp_path / "cores"), clock)
     with busy.forward(), off.forward() as threads:
@@ -171,7 +164,7 @@ def test_an_engine_that_died_inside_a_forward_does_not_hold_the_others(tmp_path,
         os.close(fd)
     holder.send_signal(signal.SIGKILL)
     holder.wait(10)
-    clock = Clock()
+    clock = FakeClock()
     clock.now = time.monotonic() + MAX_FORWARD_S  # the dead holder's deadline has passed
     cores = SharedCores(2, sharing, registry, clock)
     assert cores._slot == 0  # the dead process's slot, taken again

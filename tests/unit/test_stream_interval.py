@@ -25,32 +25,9 @@ from backend.triton.stream_interval import (
     StreamPacer,
     adaptive_interval,
 )
+from tests.fakes import FakeClock, FakeResponse, FakeResponsePb
 
 # ---- fakes ---------------------------------------------------------------------------------------------------------
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class FakeTensor:
-    def __init__(self, name, array) -> None:
-        self.name, self.array = name, array
-
-
-class FakeResponse:
-    def __init__(self, output_tensors: list, error=None) -> None:
-        self.tensors = {t.name: t.array for t in output_tensors}
-        self.error = error
-
-
-class FakePb:
-    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-    InferenceResponse, Tensor, TritonError = FakeResponse, FakeTensor, str
 
 
 class Sent:
@@ -90,7 +67,7 @@ def replay(steps: list[list[RequestOutput]], config: StreamInterval, clock: Fake
     ``step_s`` of the fake clock."""
     clock = clock or FakeClock()
     current = [0]
-    open_requests = OpenRequests(FakePb, NoMetrics(), batched=False, pacer=StreamPacer(config, clock=clock))
+    open_requests = OpenRequests(FakeResponsePb, NoMetrics(), batched=False, pacer=StreamPacer(config, clock=clock))
     senders = {}
     for outputs in steps:
         for output in outputs:
@@ -216,7 +193,7 @@ def test_auto_switches_where_the_rule_says_from_what_it_measures(num_streams, ex
     both and sends each stream every ``expected`` steps; each step sends about 1/expected of the streams."""
     clock = FakeClock()
     pacer = StreamPacer(StreamInterval(steps=None, max_ms=1e6), clock=clock)
-    open_requests = OpenRequests(FakePb, NoMetrics(), batched=False, pacer=pacer)
+    open_requests = OpenRequests(FakeResponsePb, NoMetrics(), batched=False, pacer=pacer)
     current = [0]
     senders = [Sender(current, clock, cost=200e-6) for _ in range(num_streams)]
     for i, sender in enumerate(senders):
@@ -239,7 +216,7 @@ def test_auto_switches_where_the_rule_says_from_what_it_measures(num_streams, ex
 def test_a_fixed_interval_is_not_changed_by_what_is_measured():
     clock = FakeClock()
     pacer = StreamPacer(StreamInterval(steps=1), clock=clock)
-    open_requests = OpenRequests(FakePb, NoMetrics(), batched=False, pacer=pacer)
+    open_requests = OpenRequests(FakeResponsePb, NoMetrics(), batched=False, pacer=pacer)
     senders = [Sender([0], clock, cost=1e-3) for _ in range(64)]
     for i, sender in enumerate(senders):
         open_requests.add(f"r{i}", OpenRequest(sender, stream=True))
