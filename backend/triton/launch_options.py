@@ -16,8 +16,8 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from backend.contract.server_args import option_value
 from backend.contract.settings import DEFAULT_MODEL
-from backend.triton.shutdown import option_value
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"

@@ -31,6 +31,7 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from backend.contract.server_args import option_value
 from backend.contract.settings import ADMIN_KEY_ENV_VAR, MODEL_ENV_VAR, SERVER_HOME_ENV_VAR, SHARED_CORES_ENV_VAR
 from backend.engine.shared_cores import remove_registry
 from backend.triton import shutdown
@@ -47,7 +48,6 @@ from backend.triton.launch_options import (
 )
 from backend.triton.processes import kill_process_group, process_group_members
 from backend.triton.server_home import DEFAULT_LAYOUT_ROOT, server_distribution, server_home
-from backend.triton.shutdown import option_value
 
 # A stub notices within about a second that tritonserver is gone, then removes its shared memory and exits.
 STUB_EXIT_GRACE_S = 3.0

@@ -53,20 +53,16 @@ from pathlib import Path
 if not __package__:  # run as a file (python3 backend/triton/shutdown.py): put the project on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from backend.contract import names, prometheus  # noqa: E402
+from backend.contract.server_args import command_line, drain_grace, option_value  # noqa: E402
 from backend.triton import watchdog  # noqa: E402
 from backend.triton.processes import (  # noqa: E402
     children,
-    command_line,
     cpu_seconds,
     is_alive,
     kill_process_group,
     stub_models,
 )
 
-# tritonserver's default --exit-timeout-secs, and how long before it the models end what is still running: the
-# final responses, the connections closing and the models unloading must all fit in this margin.
-TRITON_EXIT_TIMEOUT_S = 30.0
-SHUTDOWN_MARGIN_S = 5.0
 # Gauges that count the requests our engines have accepted and not answered yet, and Triton's own queue in front of
 # execute() (a dynamic batcher holds a request there up to its max_queue_delay: 1 s for llm_static).
 ENGINE_GAUGES = (names.NUM_REQUESTS_RUNNING, names.NUM_REQUESTS_WAITING)
@@ -90,30 +86,6 @@ Log = Callable[[str], None]
 
 
 # ---- what tritonserver was started with -----------------------------------------------------------------------
-
-
-def option_value(args: Sequence[str], name: str) -> str | None:
-    """Last value of ``--name X`` or ``--name=X`` in a tritonserver argument list (the server keeps the last)."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
-def exit_timeout(args: Sequence[str]) -> float:
-    value = option_value(args, "--exit-timeout-secs")
-    try:
-        return float(value) if value is not None else TRITON_EXIT_TIMEOUT_S
-    except ValueError:
-        return TRITON_EXIT_TIMEOUT_S
-
-
-def drain_grace(args: Sequence[str]) -> float:
-    """Seconds the models keep serving what they accepted after the signal: the exit timeout less a margin."""
-    return max(0.0, exit_timeout(args) - SHUTDOWN_MARGIN_S)
 
 
 def _port(args: Sequence[str], name: str, default: int) -> int:

@@ -9,8 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from backend.triton.processes import command_line
-from backend.triton.shutdown import drain_grace
+from backend.contract.server_args import command_line, drain_grace
 
 log = logging.getLogger(__name__)
 
@@ -60,5 +59,5 @@ class ShutdownNotice:
 
 def shutdown_grace(parent_pid: int | None = None) -> float:
     """Seconds to keep serving after a shutdown signal: tritonserver's exit timeout (read from its command line,
-    as this process is its child) less a margin (``backend.triton.shutdown.drain_grace``)."""
+    as this process is its child) less a margin (``backend.contract.server_args.drain_grace``)."""
     return drain_grace(command_line(parent_pid or os.getppid()))

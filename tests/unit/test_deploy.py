@@ -34,9 +34,9 @@ from packaging.requirements import Requirement
 from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
+from backend.contract import server_args
 from backend.contract.settings import DEFAULT_MODEL
 from backend.engine.config import EngineConfig
-from backend.triton import shutdown
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -642,7 +642,7 @@ def test_stopping_fits_the_exit_timeout_in_compose_and_kubernetes():
     """The exit timeout is given explicitly, and Docker and Kubernetes wait longer than it before they kill."""
     cmd = json.loads(dict(dockerfile_instructions(DOCKERFILES["triton"]))["CMD"])
     assert cmd[:3] == ["python3", "-m", "backend.triton.serve"], "the image starts the server as `make serve` does"
-    exit_timeout = float(shutdown.option_value(cmd, "--exit-timeout-secs"))
+    exit_timeout = float(server_args.option_value(cmd, "--exit-timeout-secs"))
     triton_service = load_compose()["services"]["triton"]
     assert "command" not in triton_service  # the image's CMD, with its exit timeout
     grace = triton_service["stop_grace_period"]
@@ -655,7 +655,7 @@ def test_stopping_fits_the_exit_timeout_in_compose_and_kubernetes():
     pre_stop = triton["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + exit_timeout + 5
-    assert shutdown.drain_grace(cmd) < exit_timeout  # the models end their requests before Triton gives up
+    assert server_args.drain_grace(cmd) < exit_timeout  # the models end their requests before Triton gives up
 
 
 def test_kubernetes_locust_master_and_workers_reach_their_services():

@@ -20,19 +20,19 @@ from pathlib import Path
 
 import pytest
 
-from backend.contract import prometheus
+from backend.contract import prometheus, server_args
 from backend.triton import probe, processes, shutdown, watchdog
 from backend.triton.launch_options import free_ports
 from tests.server_harness import LOCALHOST, REPO_ROOT
 
 
 def test_the_drain_grace_is_read_from_tritonservers_command_line():
-    assert shutdown.exit_timeout(["tritonserver"]) == 30.0
+    assert server_args.exit_timeout(["tritonserver"]) == 30.0
     args = ["tritonserver", "--exit-timeout-secs", "20", "--http-port=9000", "--exit-timeout-secs=12"]
-    assert shutdown.exit_timeout(args) == 12.0  # the last one wins, as in tritonserver
-    assert shutdown.drain_grace(args) == 12.0 - shutdown.SHUTDOWN_MARGIN_S
-    assert shutdown.drain_grace(["tritonserver", "--exit-timeout-secs", "3"]) == 0.0
-    assert processes.command_line(os.getpid())[0].endswith(("python", "python3", Path(sys.executable).name))
+    assert server_args.exit_timeout(args) == 12.0  # the last one wins, as in tritonserver
+    assert server_args.drain_grace(args) == 12.0 - server_args.SHUTDOWN_MARGIN_S
+    assert server_args.drain_grace(["tritonserver", "--exit-timeout-secs", "3"]) == 0.0
+    assert server_args.command_line(os.getpid())[0].endswith(("python", "python3", Path(sys.executable).name))
 
 
 class _Pages(http.server.BaseHTTPRequestHandler):
