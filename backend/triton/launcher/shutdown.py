@@ -28,9 +28,9 @@ keeps tritonserver's own status. "No request open" is the models' own word (thei
 before its first step, so one whose step never returns too): Triton 2.51 counts no request of a decoupled Python
 model as in flight, and goes on to unload with one stuck in execute().
 
-``python -m backend.triton.shutdown run -- tritonserver ARGS...`` runs a server under this stop (and under the
-watchdog, ``backend/triton/watchdog.py``). Standard library only: it runs in the container's Python without the
-engine's dependencies.
+``python -m backend.triton.launcher.shutdown run -- tritonserver ARGS...`` runs a server under this stop (and under
+the watchdog, ``watchdog.py``). Standard library only: it runs in the container's Python without the engine's
+dependencies.
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-if not __package__:  # run as a file (python3 backend/triton/shutdown.py): put the project on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if not __package__:  # run as a file (python3 backend/triton/launcher/shutdown.py): put the project on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from backend.contract import names, prometheus  # noqa: E402
 from backend.contract.server_args import command_line, drain_grace, option_value  # noqa: E402
-from backend.triton import watchdog  # noqa: E402
-from backend.triton.processes import (  # noqa: E402
+from backend.triton.launcher import watchdog  # noqa: E402
+from backend.triton.launcher.processes import (  # noqa: E402
     children,
     cpu_seconds,
     is_alive,
@@ -400,7 +400,8 @@ def _echo(stream, recent: collections.deque[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backend.triton.shutdown", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m backend.triton.launcher.shutdown",
+                                     description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True)
     run_parser = sub.add_parser("run", help="run tritonserver (the command after --) and stop it gracefully")
     run_parser.add_argument("--stall-timeout", type=float, default=watchdog.STALL_TIMEOUT_S,
