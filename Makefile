@@ -154,7 +154,7 @@ model: $(STAMP)
 	$(PY) -m backend.tools.prepare_model --out $(DEFAULT_MODEL)
 
 serve: model
-	$(PY) -m backend.triton.serve --model-repository model_repository --model "$(MODEL)" \
+	$(PY) -m backend.triton.launcher.serve --model-repository model_repository --model "$(MODEL)" \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --openai-port $(OPENAI_PORT) $(ARGS)
 
 # pytest exits 5 when it collected nothing (a typo in PYTEST_ARGS): a failure, not a pass.

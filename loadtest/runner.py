@@ -1,8 +1,8 @@
 """Run one load point: a headless Locust subprocess against one model, with the metrics port sampled meanwhile.
 
 Shared by ``loadtest.compare`` (a sweep per model) and ``loadtest.slo`` (step up until an SLO breaks). The server
-is either started here through the launcher (``backend.triton.serve.TritonServer``, on free 127.0.0.1 ports) or an
-already-running one given by URL.
+is either started here through the launcher (``backend.triton.launcher.server.TritonServer``, on free 127.0.0.1
+ports) or an already-running one given by URL.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from urllib.parse import urlparse
 
 from backend.contract.names import DYNAMIC
 from backend.kernels.weight_format import WeightFormat
-from backend.triton import config_text
+from backend.triton.launcher import config_text
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
 from loadtest.metrics import MetricsSampler
 
@@ -96,7 +96,7 @@ class Plan:
 @contextlib.contextmanager
 def serve(model_repository: Path, model_folder: str | None, log_path: Path, ready_timeout: float = 600.0):
     """Start tritonserver through the launcher on free 127.0.0.1 ports; stop it on exit."""
-    from backend.triton.server import start_on_free_ports
+    from backend.triton.launcher.server import start_on_free_ports
 
     with start_on_free_ports(
         model_repository,
@@ -172,7 +172,7 @@ def open_target(args: argparse.Namespace, log_path: Path, say=print):
             yield target
             return
         from backend.contract.settings import DEFAULT_MODEL
-        from backend.triton.serve import free_ports
+        from backend.triton.launcher.serve import free_ports
         from frontend.openai.process import FrontendProcess
 
         model_dir = args.model or target.model_folder or DEFAULT_MODEL
@@ -211,7 +211,7 @@ class DynamicVariant:
     def write(self, source: Path, dst: Path, parameters: Mapping[str, str] | None = None) -> None:
         """The model folder ``dst/<name>``: a copy of ``source/llm_dynamic`` with these settings (and the engine
         ``parameters`` given)."""
-        from backend.triton.launch_options import copy_model_repository
+        from backend.triton.launcher.launch_options import copy_model_repository
 
         threads = max(1, (os.cpu_count() or 1) // self.instances)
         parameters = {**(parameters or {}), "max_num_seqs": str(self.max_batch_size)}
@@ -237,7 +237,7 @@ def served_repository(
 ) -> Path:
     """``dst`` holding the compared models: copies of ``source``'s and the variants of llm_dynamic, every one with
     the engine ``parameters`` given (e.g. :func:`engine_parameters`)."""
-    from backend.triton.launch_options import copy_model_repository
+    from backend.triton.launcher.launch_options import copy_model_repository
 
     names = {v.name for v in variants}
     copy_model_repository(dst, [m for m in models if m not in names], parameters, source=source)

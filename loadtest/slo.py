@@ -38,7 +38,7 @@ from pathlib import Path
 
 from backend.contract import prometheus
 from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOTAL
-from backend.triton import config_text
+from backend.triton.launcher import config_text
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, runner
 from loadtest.report import fmt
 from loadtest.stats import summarize

@@ -48,10 +48,10 @@ from backend.contract.names import (
     PENDING_REQUESTS,
 )
 from backend.contract.settings import DEFAULT_MODEL
-from backend.triton.launch_options import free_ports
-from backend.triton.processes import process_names, tree_rss
-from backend.triton.server import start_on_free_ports
-from backend.triton.shutdown import exit_status
+from backend.triton.launcher.launch_options import free_ports
+from backend.triton.launcher.processes import process_names, tree_rss
+from backend.triton.launcher.server import start_on_free_ports
+from backend.triton.launcher.shutdown import exit_status
 from frontend.openai.process import FrontendProcess
 from loadtest.metrics import parse_prometheus, scrape, select
 from loadtest.soak_patterns import PATTERNS, Accounts, Budget, Client, Target, full_batch, play

@@ -17,8 +17,8 @@ from typing import Iterable, Mapping
 from backend.contract import errors
 from backend.contract.errors import ErrorKind
 from backend.contract.settings import DEFAULT_MODEL
-from backend.triton.launch_options import LOOPBACK, copy_model_repository
-from backend.triton.server import TritonServer, start_on_free_ports
+from backend.triton.launcher.launch_options import LOOPBACK, copy_model_repository
+from backend.triton.launcher.server import TritonServer, start_on_free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_DIR = REPO_ROOT / DEFAULT_MODEL
@@ -88,7 +88,7 @@ def make_repository(
     path = dst / "llm_dynamic" / "config.pbtxt"
     if path.exists() and (max_batch_size is not None or dynamic_queue_size is not None):
         # NOTE: imported here: conftest imports this module, also in .venv310, which has no protobuf.
-        from backend.triton import config_text
+        from backend.triton.launcher import config_text
 
         with config_text.edit(path) as config:
             if max_batch_size is not None:

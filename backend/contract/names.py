@@ -1,5 +1,5 @@
 """The names the server and its readers share: the shipped models, in the order every report shows them, and the
-metrics the models publish on Triton's metrics port (``backend/triton/metrics.py`` creates them; the stop, the
+metrics the models publish on Triton's metrics port (``backend/triton/stub/metrics.py`` creates them; the stop, the
 health probe and the load tests read them).
 
 NOTE: nothing imported at all (the package's rule, ``backend/contract/__init__.py``).

@@ -10,7 +10,7 @@
 They live in ``backend/engine``, free of Triton, because what differs between them is engine logic (when to step,
 when requests may join, how open requests end), and their tests need no server. The server's part comes in as
 callables: a ``sink`` that receives every output, a cancellation check, the shutdown deadline, a metrics hook;
-``backend/triton`` and the ``model.py`` files supply them. All follow one rule: every request handed over gets
+``backend/triton/stub`` and the ``model.py`` files supply them. All follow one rule: every request handed over gets
 exactly one final output, whatever happens: it finishes, it is aborted, the engine refuses it
 (``FinishReason.REFUSED``), a step fails (``ERROR``), the server shuts down (``ABORT`` with :data:`SHUTTING_DOWN`),
 or the engine breaks (``ERROR`` with :func:`engine_failed`); :func:`end_all` is the one way to end open requests.

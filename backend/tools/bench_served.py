@@ -30,9 +30,9 @@ from pathlib import Path
 import tritonclient.grpc as grpcclient
 
 from backend.contract.names import CONTINUOUS, DYNAMIC
-from backend.triton import config_text
-from backend.triton.processes import process_group_members
-from backend.triton.server import TritonServer, start_on_free_ports
+from backend.triton.launcher import config_text
+from backend.triton.launcher.processes import process_group_members
+from backend.triton.launcher.server import TritonServer, start_on_free_ports
 from client.schema import GenerationRequest, build_inputs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -29,8 +29,8 @@ from pathlib import Path
 from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, STATIC
 from backend.contract.settings import DEFAULT_MODEL
 from backend.tools.bench_shared_cores import write_result
-from backend.triton.launch_options import copy_model_repository
-from backend.triton.server import start_on_free_ports
+from backend.triton.launcher.launch_options import copy_model_repository
+from backend.triton.launcher.server import start_on_free_ports
 from client.grpc_stream import generate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

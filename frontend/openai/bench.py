@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 import tritonclient.grpc as grpcclient
 
 from backend.contract.settings import DEFAULT_MODEL
-from backend.triton.launch_options import copy_model_repository, free_ports
-from backend.triton.server import start_on_free_ports
+from backend.triton.launcher.launch_options import copy_model_repository, free_ports
+from backend.triton.launcher.server import start_on_free_ports
 from client.grpc_stream import max_batch_size
 from client.schema import GenerationRequest, build_inputs
 from frontend.openai.chat_template import ChatTemplate

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Sequence
 
 from backend.contract.settings import API_KEY_ENV_VAR
-from backend.triton.launch_options import REPO_ROOT, frontend_command
-from backend.triton.processes import ChildProcess
+from backend.triton.launcher.launch_options import REPO_ROOT, frontend_command
+from backend.triton.launcher.processes import ChildProcess
 
 
 class FrontendProcess(ChildProcess):

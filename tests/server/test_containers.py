@@ -27,7 +27,7 @@ import pytest
 import requests
 import yaml
 
-from backend.triton.launch_options import free_ports
+from backend.triton.launcher.launch_options import free_ports
 from tests.server.test_shutdown import SHUTTING_DOWN, MetricsTrail, requests_of, start_locust, unload_times
 from tests.server_harness import LOCALHOST, REPO_ROOT
 
@@ -266,7 +266,8 @@ def compose_override(tmp_path: Path, env: dict, locust_run_s: int) -> tuple[Path
     services = {
         "triton": {**host,
                    "environment": {"HTTP_PORT": str(http), "GRPC_PORT": str(grpc), "METRICS_PORT": str(metrics)},
-                   "command": ["python3", "-m", "backend.triton.serve", "--model-repository=/opt/llm/model_repository",
+                   "command": ["python3", "-m", "backend.triton.launcher.serve",
+                               "--model-repository=/opt/llm/model_repository",
                                "--address", LOCALHOST, "--openai-port", str(openai), "--",
                                "--exit-timeout-secs=30"]},
         "locust-master": {**host, "command": [

@@ -1,4 +1,4 @@
-"""The launcher (backend.triton.serve) and model preparation (backend.tools.prepare_model).
+"""The launcher (backend.triton.launcher.serve) and model preparation (backend.tools.prepare_model).
 
 Server tests start a real tritonserver on a small Python-backend repository written here: ``upper`` (one
 response per request) and ``words`` (decoupled: one response per word, then an empty final response).
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import requests
 
-from backend.triton.launch_options import free_ports
-from backend.triton.server import ServerError, TritonServer
+from backend.triton.launcher.launch_options import free_ports
+from backend.triton.launcher.server import ServerError, TritonServer
 from tests.server_harness import LOCALHOST, REPO_ROOT
 from tests.unit.test_deploy import expected_server_version, gpu_base_release
 from tests.unit.test_launcher import fake_model_folder, launcher_args, run_launcher
@@ -211,7 +211,7 @@ def test_cli_serves_empty_repository_and_stops_on_sigterm(tmp_path, signum):
     repository.mkdir()
     admin_key = "cli-test-key-" + os.urandom(8).hex()
     process = subprocess.Popen(
-        [sys.executable, "-m", "backend.triton.serve",
+        [sys.executable, "-m", "backend.triton.launcher.serve",
          *launcher_args(repository, fake_model_folder(tmp_path / "model"))],
         cwd=REPO_ROOT,
         env={**os.environ, "TRITON_ADMIN_KEY": admin_key},
@@ -295,7 +295,7 @@ def test_cli_second_signal_kills_the_whole_process_group(tmp_path):
     write_model(repository, "stuck", _STUCK)
     args = [*launcher_args(repository, fake_model_folder(tmp_path / "model")), "--exit-timeout-secs", "60"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "backend.triton.serve", *args],
+        [sys.executable, "-m", "backend.triton.launcher.serve", *args],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -326,7 +326,7 @@ def test_cli_starts_a_crashed_server_again_on_the_same_ports(tmp_path):
     ports = free_ports(3)
     args = launcher_args(write_echo_repository(tmp_path / "repository"), fake_model_folder(tmp_path / "model"), ports)
     process = subprocess.Popen(
-        [sys.executable, "-m", "backend.triton.serve", *args, "--max-restarts", "1"],
+        [sys.executable, "-m", "backend.triton.launcher.serve", *args, "--max-restarts", "1"],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.triton.launch_options import free_ports
+from backend.triton.launcher.launch_options import free_ports
 from loadtest import live
 from loadtest.metrics import parse_prometheus, scrape, select
 from loadtest.runner import LOCUSTFILE, REPO_ROOT

@@ -14,7 +14,7 @@ import pytest
 import requests
 from tritonclient.grpc import InferenceServerClient
 
-from backend.triton.launch_options import copy_model_repository
+from backend.triton.launcher.launch_options import copy_model_repository
 from client import grpc_stream
 from client.grpc_stream import GrpcStream, start_stream
 from client.schema import input_tensors, raw_input_values

@@ -16,7 +16,7 @@ import openai
 import pytest
 import requests
 
-from backend.triton.launch_options import copy_model_repository, free_ports
+from backend.triton.launcher.launch_options import copy_model_repository, free_ports
 from client import grpc_stream
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.process import FrontendProcess
@@ -471,7 +471,7 @@ def test_make_serve_starts_the_frontend_and_stops_it_with_the_server(tiny_llama_
                            models=("llm_continuous",))
     http, grpc, metrics, openai_port = free_ports(4)
     log = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(repo), "--model",
+    command = [sys.executable, "-m", "backend.triton.launcher.serve", "--model-repository", str(repo), "--model",
                str(tiny_llama_dir), "--address", LOCALHOST, "--http-port", str(http), "--grpc-port", str(grpc),
                "--metrics-port", str(metrics), "--openai-port", str(openai_port), "--max-restarts", "0"]
     serve = subprocess.Popen(command, cwd=REPO_ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT)

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from backend.triton.launch_options import free_ports
+from backend.triton.launcher.launch_options import free_ports
 from frontend.openai.process import FrontendProcess
 from loadtest.metrics import model_sample, scrape_metrics
 from tests.server_harness import REPO_ROOT, make_repository

@@ -27,8 +27,8 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from backend.contract.errors import TRITON_QUEUE_FULL, ErrorKind
-from backend.triton import config_text, probe
-from backend.triton.processes import process_names, tree_rss
+from backend.triton.launcher import config_text, probe
+from backend.triton.launcher.processes import process_names, tree_rss
 from client.grpc_stream import generate, start_stream
 from client.schema import input_tensors, raw_input_values
 from loadtest.metrics import model_sample, scrape_metrics
@@ -584,7 +584,7 @@ def test_a_failing_step_fails_its_requests_and_a_broken_engine_fails_every_reque
     if metric(server, "llm_engine_healthy", other) == 1:  # the other model is untouched
         assert len(generate(server.grpc_url, other, "Hello", max_tokens=4, **GREEDY).token_ids) == 4
     assert is_ready(server)  # Triton 2.51 gives a Python model no way to report itself not-ready; see README
-    # The probes Docker and Kubernetes run (backend/triton/probe.py) read the engine's health too.
+    # The probes Docker and Kubernetes run (backend/triton/launcher/probe.py) read the engine's health too.
     assert model in probe.check("ready", server.http_url, server.metrics_url)
     assert model in probe.check("live", server.http_url, server.metrics_url)
 
@@ -640,9 +640,9 @@ def test_unload_and_reload_leave_no_process_or_memory_behind(tiny_llama_dir, tmp
 def sigterm_with_streams(server, max_tokens: int, streams_of: dict[str, int] | None = None,
                          started: int = 5) -> tuple[list, list, float, int]:
     """Streams per model (by default four continuous and two dynamic ones), then SIGTERM to tritonserver's process
-    group (as backend.triton.shutdown sends it: the stubs must hear it too) once the first ``started`` have a token.
-    A request sent after the signal to the first model must be refused. Each client closes its stream once it has
-    its final response.
+    group (as backend.triton.launcher.shutdown sends it: the stubs must hear it too) once the first ``started`` have a
+    token. A request sent after the signal to the first model must be refused. Each client closes its stream once it
+    has its final response.
 
     Returns (streams running at the signal, streams not started yet, seconds to exit, exit status). The second
     dynamic request may still wait in Triton's queue behind the first batch: a batcher model starts no batch after

@@ -1,8 +1,9 @@
 """The admin APIs that can make the server open a name or a path, or load a model, need the admin key.
 
 The launcher passes Triton's own ``--http-restricted-api`` / ``--grpc-restricted-protocol`` flags
-(backend.triton.serve). The restriction is in Triton's HTTP and gRPC front ends, before any model runs, so the small
-echo repository of tests/server/test_launcher.py stands in for the LLM models here (its stubs do not import torch).
+(backend.triton.launcher.serve). The restriction is in Triton's HTTP and gRPC front ends, before any model runs, so
+the small echo repository of tests/server/test_launcher.py stands in for the LLM models here (its stubs do not import
+torch).
 tests/unit/test_security.py checks the flags and the key without a server.
 """
 
@@ -15,7 +16,7 @@ import pytest
 import requests
 
 from backend.contract.settings import ADMIN_KEY_ENV_VAR
-from backend.triton.serve import TritonServer
+from backend.triton.launcher.serve import TritonServer
 from tests.server.test_launcher import write_echo_repository
 
 ADMIN_KEY = "test-admin-key-" + os.urandom(8).hex()

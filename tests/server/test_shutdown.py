@@ -1,16 +1,16 @@
 """Stopping the server: `make serve`'s launcher under a real Locust load, after clients cancelled finished requests,
 and with a request that never ends; and the watchdog that restarts a server whose model stopped executing.
 
-Each Locust case runs the launcher's CLI (``python -m backend.triton.serve``, what ``make serve`` runs) on the three
-models with the tiny Llama, Locust against llm_continuous (``--config loadtest/locust.conf``, gRPC and HTTP users, as a
-user would run it) and against llm_dynamic and llm_static, then signals. It checks what a user and a Kubernetes grace
-period rely on: exit status 0 well inside the exit timeout (30 s, Triton's default), every model unloaded, KV blocks
-and open requests back to 0 in every model, and every request a model accepted answered: the server's count of
-finished requests equals what the clients saw finish, none was cut off, and every request that had streamed a token
-ended with its last token or with "the server is shutting down".
+Each Locust case runs the launcher's CLI (``python -m backend.triton.launcher.serve``, what ``make serve`` runs) on
+the three models with the tiny Llama, Locust against llm_continuous (``--config loadtest/locust.conf``, gRPC and HTTP
+users, as a user would run it) and against llm_dynamic and llm_static, then signals. It checks what a user and a
+Kubernetes grace period rely on: exit status 0 well inside the exit timeout (30 s, Triton's default), every model
+unloaded, KV blocks and open requests back to 0 in every model, and every request a model accepted answered: the
+server's count of finished requests equals what the clients saw finish, none was cut off, and every request that had
+streamed a token ended with its last token or with "the server is shutting down".
 
-What tritonserver 2.51 does by itself on SIGTERM, and what backend/triton/shutdown.py adds, is written at the top of
-that module; tests/unit/test_shutdown.py checks its parts (and the watchdog's) without a server.
+What tritonserver 2.51 does by itself on SIGTERM, and what backend/triton/launcher/shutdown.py adds, is written at the
+top of that module; tests/unit/test_shutdown.py checks its parts (and the watchdog's) without a server.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import requests
 
 from backend.contract import errors
 from backend.contract.errors import ErrorKind
-from backend.triton import probe, processes, watchdog
-from backend.triton.launch_options import free_ports
-from backend.triton.server import TritonServer
-from backend.triton.server_home import server_home
+from backend.triton.launcher import probe, processes, watchdog
+from backend.triton.launcher.launch_options import free_ports
+from backend.triton.launcher.server import TritonServer
+from backend.triton.launcher.server_home import server_home
 from client.grpc_stream import GrpcStream, start_stream
 from tests.server_harness import LOCALHOST, REPO_ROOT, make_repository
 
@@ -94,7 +94,7 @@ def start_serve(repo: Path, model_dir: Path, log_path: Path, *args: str, env: di
     """`make serve`'s command (no restarts unless ``args`` say so, no OpenAI frontend) on free loopback ports, its
     output in ``log_path``; returns once it printed "[serve] ready", with the HTTP, gRPC and metrics ports."""
     ports = free_ports(3)
-    command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(repo),
+    command = [sys.executable, "-m", "backend.triton.launcher.serve", "--model-repository", str(repo),
                "--model", str(model_dir), "--address", LOCALHOST, "--http-port", str(ports[0]),
                "--grpc-port", str(ports[1]), "--metrics-port", str(ports[2]), "--max-restarts", "0",
                "--openai-port", "0", *args]
@@ -298,12 +298,12 @@ def stall_repository(path: Path) -> Path:
 
 def start_container_entry(repo: Path, model_dir: Path, log_path: Path, *args: str, run_args: tuple[str, ...] = (),
                           env: dict | None = None) -> tuple[subprocess.Popen, tuple[int, int, int]]:
-    """``python -m backend.triton.shutdown run RUN_ARGS -- tritonserver ARGS`` (the container's other entry) on free
-    loopback ports, the launcher's tritonserver command and environment; returns once the server is ready."""
+    """``python -m backend.triton.launcher.shutdown run RUN_ARGS -- tritonserver ARGS`` (the container's other entry)
+    on free loopback ports, the launcher's tritonserver command and environment; returns once the server is ready."""
     ports = free_ports(3)
     server = TritonServer(repo, http_port=ports[0], grpc_port=ports[1], metrics_port=ports[2], address=LOCALHOST,
                           model=model_dir, extra_args=args)
-    command = [sys.executable, "-m", "backend.triton.shutdown", "run", *run_args, "--",
+    command = [sys.executable, "-m", "backend.triton.launcher.shutdown", "run", *run_args, "--",
                *server.command(server_home())]
     entry = subprocess.Popen(command, cwd=REPO_ROOT, stdout=open(log_path, "w"), stderr=subprocess.STDOUT,
                              env={**server.environment(), **(env or {})})

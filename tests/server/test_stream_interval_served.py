@@ -15,7 +15,7 @@ import shutil
 import pytest
 import requests
 
-from backend.triton import config_text
+from backend.triton.launcher import config_text
 from client import grpc_stream
 from tests.server_harness import make_repository
 

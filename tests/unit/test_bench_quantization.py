@@ -12,7 +12,7 @@ from backend.kernels.weight_format import WeightFormat
 from backend.tools import bench
 from backend.tools.bench_llamacpp import default_gguf, llamacpp_column
 from backend.tools.bench_served import served_repository
-from backend.triton import config_text
+from backend.triton.launcher import config_text
 from tests.unit.test_bench_llamacpp import fake_result
 
 SERVER = "/a/.llamacpp/bin/llama-server"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.triton.responses import CancellationPoll, OpenRequest, OpenRequests
+from backend.triton.stub.responses import CancellationPoll, OpenRequest, OpenRequests
 
 ASK_S = 35e-6  # one is_cancelled() round trip, as measured on the development machine
 STEP_S = 0.025  # one engine step of SmolLM2 at a few sequences

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from backend.triton.launch_options import free_ports
+from backend.triton.launcher.launch_options import free_ports
 from client import (
     Chunk,
     GenerationRequest,

@@ -1,6 +1,6 @@
-"""``backend.triton.config_text``: every shipped config.pbtxt reads as Triton's ModelConfig and survives a write; the
-edits set fields and refuse the ones a config does not have; ``copy_model_repository`` writes through it. No server
-(tests/server/test_loadtest.py serves a written copy)."""
+"""``backend.triton.launcher.config_text``: every shipped config.pbtxt reads as Triton's ModelConfig and survives a
+write; the edits set fields and refuse the ones a config does not have; ``copy_model_repository`` writes through it.
+No server (tests/server/test_loadtest.py serves a written copy)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, MODELS, STATIC
-from backend.triton import config_text
-from backend.triton.launch_options import copy_model_repository
+from backend.triton.launcher import config_text
+from backend.triton.launcher.launch_options import copy_model_repository
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "model_repository"

@@ -34,9 +34,9 @@ from packaging.requirements import Requirement
 from packaging.utils import parse_wheel_filename
 from packaging.version import Version
 
+from backend.contract import server_args
 from backend.contract.settings import DEFAULT_MODEL
 from backend.engine.config import EngineConfig
-from backend.triton import shutdown
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -205,7 +205,7 @@ def test_triton_image_layers_serving_setup_and_order():
     assert f"PYTHONPATH={workdir}" in env, "the models' model.py imports backend/ from PYTHONPATH"
 
     assert set(args["EXPOSE"].split()) == {"8000", "8001", "8002", "9000"}
-    probe = ["python3", f"{workdir}/backend/triton/probe.py", "ready"]
+    probe = ["python3", f"{workdir}/backend/triton/launcher/probe.py", "ready"]
     assert json.loads(args["HEALTHCHECK"].split("CMD", 1)[1]) == probe
     user = [a for k, a in instructions if k == "USER"][-1]
     assert user.split(":")[0] not in ("root", "0")
@@ -620,9 +620,9 @@ def test_kubernetes_triton_replicas_probes_gpu_and_shm():
 
     get = triton["startupProbe"]["httpGet"]
     assert get["path"] == "/v2/health/ready" and named_ports[get["port"]] == 8000
-    # Ready and live also see a dead engine (backend/triton/probe.py reads llm_engine_healthy).
+    # Ready and live also see a dead engine (backend/triton/launcher/probe.py reads llm_engine_healthy).
     for probe, kind in (("readinessProbe", "ready"), ("livenessProbe", "live")):
-        assert triton[probe]["exec"]["command"] == ["python3", "/opt/llm/backend/triton/probe.py", kind], probe
+        assert triton[probe]["exec"]["command"] == ["python3", "/opt/llm/backend/triton/launcher/probe.py", kind], probe
         assert triton[probe]["timeoutSeconds"] >= 3, probe
 
     assert str(triton["resources"]["limits"]["nvidia.com/gpu"]) == "1"
@@ -641,8 +641,8 @@ def test_kubernetes_triton_replicas_probes_gpu_and_shm():
 def test_stopping_fits_the_exit_timeout_in_compose_and_kubernetes():
     """The exit timeout is given explicitly, and Docker and Kubernetes wait longer than it before they kill."""
     cmd = json.loads(dict(dockerfile_instructions(DOCKERFILES["triton"]))["CMD"])
-    assert cmd[:3] == ["python3", "-m", "backend.triton.serve"], "the image starts the server as `make serve` does"
-    exit_timeout = float(shutdown.option_value(cmd, "--exit-timeout-secs"))
+    assert cmd[:3] == ["python3", "-m", "backend.triton.launcher.serve"], "the image starts it as `make serve` does"
+    exit_timeout = float(server_args.option_value(cmd, "--exit-timeout-secs"))
     triton_service = load_compose()["services"]["triton"]
     assert "command" not in triton_service  # the image's CMD, with its exit timeout
     grace = triton_service["stop_grace_period"]
@@ -655,7 +655,7 @@ def test_stopping_fits_the_exit_timeout_in_compose_and_kubernetes():
     pre_stop = triton["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + exit_timeout + 5
-    assert shutdown.drain_grace(cmd) < exit_timeout  # the models end their requests before Triton gives up
+    assert server_args.drain_grace(cmd) < exit_timeout  # the models end their requests before Triton gives up
 
 
 def test_kubernetes_locust_master_and_workers_reach_their_services():
@@ -702,7 +702,7 @@ MODEL_BATCHING = {"llm_continuous": "continuous", "llm_dynamic": "run_to_complet
 
 
 def test_each_model_config_sets_the_batching_its_model_checks_and_the_check_refuses_the_other():
-    from backend.triton.model_config import check_model
+    from backend.triton.stub.model_config import check_model
 
     assert sorted(MODEL_BATCHING) == MODELS
     decoupled = {"model_transaction_policy": {"decoupled": True}}

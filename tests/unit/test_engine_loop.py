@@ -77,7 +77,7 @@ def test_the_loop_bounds_its_queue_and_every_request_gets_exactly_one_final_outp
 def test_a_fatal_engine_error_gives_every_open_request_a_final_error(tiny_engine_config):
     from backend.engine.batching import EngineUnavailable
     from backend.engine.config import SamplingParams
-    from backend.triton.faults import FaultInjector
+    from backend.triton.stub.faults import FaultInjector
 
     faults = FaultInjector({"fatal_error": "<<boom>>"})
     engine, loop, finals = run_loop(tiny_engine_config, fault_hook=faults)

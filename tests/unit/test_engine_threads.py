@@ -81,7 +81,8 @@ def test_same_tokens_on_every_thread_spinning_or_sleeping(smollm2_dir):
 def test_importing_backend_sets_no_openmp_variable():
     """Only a process that builds an engine sets the wait policy: importing the packages (the glue and the launcher
     among them) leaves the environment as it was."""
-    script = ("import json, os, backend, backend.engine.llm_engine, backend.triton.serve, backend.triton.responses; "
+    script = ("import json, os, backend, backend.engine.llm_engine, backend.triton.launcher.serve, "
+              "backend.triton.stub.responses; "
               "print(json.dumps([os.environ.get(name) for name in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')]))")
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)

@@ -21,8 +21,8 @@ from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.llm_engine import LLMEngine, RequestOutput
 from backend.engine.request import Request
 from backend.engine.scheduler import Scheduler
-from backend.triton import sequence_relay
-from backend.triton.parsing import MAX_PROMPT_BYTES_PER_TOKEN, RequestLimits, parse_request
+from backend.triton.stub import sequence_relay
+from backend.triton.stub.parsing import MAX_PROMPT_BYTES_PER_TOKEN, RequestLimits, parse_request
 from frontend.openai.triton_bridge import api_error
 from loadtest import soak_patterns
 

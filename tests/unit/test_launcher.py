@@ -1,4 +1,4 @@
-"""The launcher (backend.triton.serve) and model preparation (backend.tools.prepare_model), without a server:
+"""The launcher (backend.triton.launcher.serve) and model preparation (backend.tools.prepare_model), without a server:
 the errors a user gets before tritonserver starts, the wheel's layout, the fixtures' models.
 
 tests/server/test_launcher.py starts real tritonservers.
@@ -18,9 +18,9 @@ import pytest
 
 from backend.contract.settings import DEFAULT_MODEL
 from backend.tools import prepare_model
-from backend.triton.launch_options import LauncherError, free_ports
-from backend.triton.processes import ChildProcess
-from backend.triton.server_home import find_stub, prepare_server_home, server_distribution, stub_versions
+from backend.triton.launcher.launch_options import LauncherError, free_ports
+from backend.triton.launcher.processes import ChildProcess
+from backend.triton.launcher.server_home import find_stub, prepare_server_home, server_distribution, stub_versions
 from tests.server_harness import LOCALHOST, REPO_ROOT
 
 
@@ -32,7 +32,7 @@ def fake_model_folder(path: Path) -> Path:
 
 def run_launcher(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "backend.triton.serve", *args],
+        [sys.executable, "-m", "backend.triton.launcher.serve", *args],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
@@ -192,7 +192,7 @@ def test_model_fixtures(smollm2_dir, tiny_llama_dir):
 
 
 def test_cli_passes_unknown_options_and_everything_after_dashes_to_tritonserver(monkeypatch):
-    from backend.triton.serve import parse_args
+    from backend.triton.launcher.serve import parse_args
 
     monkeypatch.setenv("HTTP_PORT", "18080")
     monkeypatch.setenv("MODEL", "models/other")

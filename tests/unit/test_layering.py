@@ -1,6 +1,6 @@
-"""Imports point down the layers only: contract <- kernels <- engine <- Triton glue <- tools, the frontend and the load
-tests (the README's layout). Read from the source with ``ast`` (every import, function-level ones included), so nothing
-is imported."""
+"""Imports point down the layers only: contract <- kernels <- engine <- Triton stub <- launcher <- tools, the frontend
+and the load tests (the README's layout). Read from the source with ``ast`` (every import, function-level ones
+included), so nothing is imported."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ LAYERS = [
     ("contract", ("backend/contract",), ("backend.contract",)),
     ("kernels", ("backend/kernels",), ("backend.kernels",)),
     ("engine", ("backend/engine",), ("backend.engine",)),
-    ("Triton glue", ("backend/triton", "model_repository"), ("backend.triton", "model_repository")),
+    # What runs inside Triton's Python-backend stub (the models and what they import), and what runs tritonserver.
+    ("Triton stub", ("backend/triton/stub", "model_repository"), ("backend.triton.stub", "model_repository")),
+    ("launcher", ("backend/triton/launcher",), ("backend.triton.launcher",)),
     ("tools, frontends and load tests", ("backend/tools", "frontend", "loadtest", "client"),
      ("backend.tools", "frontend", "loadtest", "client")),
 ]
@@ -89,10 +91,10 @@ def test_the_check_sees_an_upward_import(tmp_path):
     """The reader resolves absolute, ``from package import module`` and relative imports."""
     kernel = tmp_path / "backend" / "kernels" / "probe.py"
     kernel.parent.mkdir(parents=True)
-    kernel.write_text("from backend import engine\nfrom ..engine import model\nimport backend.triton.serve\n")
+    kernel.write_text("from backend import engine\nfrom ..engine import model\nimport backend.triton.launcher.serve\n")
     modules = [m for _, m in imported_modules(kernel, root=tmp_path)]
-    assert modules == ["backend.engine", "backend.engine.model", "backend.triton.serve"]
-    assert [layer_of_module(m) for m in modules] == [2, 2, 3]
+    assert modules == ["backend.engine", "backend.engine.model", "backend.triton.launcher.serve"]
+    assert [layer_of_module(m) for m in modules] == [2, 2, 4]
 
 
 def test_the_load_tests_import_nothing_of_the_engine():
@@ -128,5 +130,17 @@ def test_the_models_never_load_the_config_text_writer():
     the launcher and the tools that write copies, never imported by what runs inside the stub."""
     models = sorted((ROOT / "model_repository").glob("*/1/model.py"))
     closure = imported_closure(models)
-    assert "backend.triton.served_model" in closure and "backend.engine.llm_engine" in closure  # the check sees
-    assert "backend.triton.config_text" not in closure
+    assert "backend.triton.stub.served_model" in closure and "backend.engine.llm_engine" in closure  # the check sees
+    assert "backend.triton.launcher.config_text" not in closure
+
+
+def test_the_stub_never_loads_the_launcher():
+    """What runs inside Triton's Python stub (the models' ``model.py`` and ``backend/triton/stub``) imports nothing of
+    the launcher, directly or through another module: a fact both need has its owner below them (the stub, or the
+    contract)."""
+    stub = sorted((ROOT / "model_repository").glob("*/1/model.py"))
+    stub += sorted(p for p in (ROOT / "backend" / "triton" / "stub").rglob("*.py") if "__pycache__" not in p.parts)
+    closure = imported_closure(stub)
+    assert "backend.triton.stub.shutdown_notice" in closure  # the check sees the stub's own modules
+    found = sorted(m for m in closure if m == "backend.triton.launcher" or m.startswith("backend.triton.launcher."))
+    assert not found, "the stub loads the launcher: " + ", ".join(found)

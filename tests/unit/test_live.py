@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from backend.triton.launch_options import free_ports
+from backend.triton.launcher.launch_options import free_ports
 from loadtest import live
 
 MODELS = ("llm_dynamic", "llm_continuous")

@@ -18,7 +18,7 @@ import pytest
 
 from backend.contract import errors
 from backend.contract.errors import ErrorKind
-from backend.triton import config_text
+from backend.triton.launcher import config_text
 from client.schema import Chunk
 from loadtest import compare, metrics, report, runner, slo, soak, soak_patterns, stats
 from loadtest.measure import Measurement, StreamError
@@ -115,7 +115,7 @@ def test_prometheus_text_is_selected_by_model_and_prefix():
 
 @pytest.mark.timeout(10)
 def test_a_model_with_several_instances_is_read_as_the_sum_of_its_instances():
-    from backend.triton.metrics import instance_label
+    from backend.triton.stub.metrics import instance_label
 
     text = """
 llm_kv_blocks_used{instance="llm_dynamic_0_0",model="llm_dynamic"} 30
@@ -574,7 +574,7 @@ def test_soak_shows_the_crash_when_the_server_dies(tmp_path):
 
 
 def test_soak_names_the_function_a_tritonserver_crash_happened_in():
-    from backend.triton.server_home import server_distribution
+    from backend.triton.launcher.server_home import server_distribution
 
     binary = server_distribution()[0] / "bin" / "tritonserver"
     symbols = subprocess.run(["nm", "-C", str(binary)], capture_output=True, text=True, check=True).stdout

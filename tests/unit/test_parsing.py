@@ -15,7 +15,7 @@ import pytest
 
 from backend.contract.errors import InvalidRequest
 from backend.engine.config import MAX_STOP_STRINGS, SamplingParams
-from backend.triton.parsing import (
+from backend.triton.stub.parsing import (
     MAX_PARAMETERS_BYTES,
     MAX_PROMPT_BYTES_PER_TOKEN,
     RequestLimits,

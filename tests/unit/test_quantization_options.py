@@ -12,7 +12,7 @@ import pytest
 from backend.contract.names import CONTINUOUS, DYNAMIC, MODELS
 from backend.engine import config
 from backend.engine.config import EngineConfig
-from backend.triton import config_text
+from backend.triton.launcher import config_text
 from loadtest import compare, report, runner, slo
 from loadtest.runner import (
     REPO_ROOT,

@@ -18,7 +18,7 @@ from backend.engine.model import prepare_weights
 from backend.kernels import cpu_kernels
 from backend.kernels.quantized_linear import dequantize, group_rows
 from backend.kernels.weight_format import WeightFormat
-from backend.triton.model_config import engine_config_from_triton
+from backend.triton.stub.model_config import engine_config_from_triton
 from tests.unit.test_model_forward import CountedStack, decode_inputs, decode_runner
 
 needs_c = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C compiler: the torch path is used")

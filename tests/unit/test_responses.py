@@ -13,9 +13,9 @@ import pytest
 
 from backend.engine.batching import SHUTTING_DOWN
 from backend.engine.llm_engine import EngineSnapshot, RequestOutput
-from backend.triton import responses
-from backend.triton.metrics import TritonMetrics
-from backend.triton.responses import CancellationPoll, OpenRequest, OpenRequests
+from backend.triton.stub import responses
+from backend.triton.stub.metrics import TritonMetrics
+from backend.triton.stub.responses import CancellationPoll, OpenRequest, OpenRequests
 from tests.fakes import FakeClock, FakeResponse, FakeResponsePb
 
 

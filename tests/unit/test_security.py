@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from backend.contract.settings import ADMIN_KEY_ENV_VAR, SERVER_HOME_ENV_VAR
-from backend.triton.launch_options import free_ports
-from backend.triton.serve import TritonServer, restricted_api_args
+from backend.triton.launcher.launch_options import free_ports
+from backend.triton.launcher.serve import TritonServer, restricted_api_args
 from tests.server_harness import REPO_ROOT
 
 
@@ -64,9 +64,9 @@ def run_launcher(tmp_path: Path, env: dict[str, str], *extra: str) -> subprocess
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
     ports = [str(p) for p in free_ports(3)]
-    command = [sys.executable, "-m", "backend.triton.serve", "--model-repository", str(tmp_path), "--model", str(model),
-               "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2], "--address", "127.0.0.1",
-               "--max-restarts", "0", "--ready-timeout", "20", "--openai-port", "0", *extra]
+    command = [sys.executable, "-m", "backend.triton.launcher.serve", "--model-repository", str(tmp_path),
+               "--model", str(model), "--http-port", ports[0], "--grpc-port", ports[1], "--metrics-port", ports[2],
+               "--address", "127.0.0.1", "--max-restarts", "0", "--ready-timeout", "20", "--openai-port", "0", *extra]
     return subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from backend.triton.sequence_relay import CANCELLED, SequenceRelay
+from backend.triton.stub.sequence_relay import CANCELLED, SequenceRelay
 
 FINAL = 1
 

@@ -1,8 +1,8 @@
 """The models' shared base without a server: the config checks every model makes, and how one new request is taken.
 
-``backend/triton/served_model.py`` imports ``triton_python_backend_utils``, which exists only inside a Triton stub: a
-fake module stands in for it. Whatever happens to a new request (refused, not valid, refused by the driver, taken),
-it gets exactly one final response or is open for the driver, never both and never neither.
+``backend/triton/stub/served_model.py`` imports ``triton_python_backend_utils``, which exists only inside a Triton
+stub: a fake module stands in for it. Whatever happens to a new request (refused, not valid, refused by the driver,
+taken), it gets exactly one final response or is open for the driver, never both and never neither.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from backend.contract import errors
 from backend.contract.errors import ErrorKind
 from backend.engine.batching import EngineOverloaded, engine_failed
 from backend.engine.config import EngineConfig
-from backend.triton.model_config import check_batcher, sequence_idle_seconds
-from backend.triton.parsing import RequestLimits
-from backend.triton.responses import OpenRequests
+from backend.triton.stub.model_config import check_batcher, sequence_idle_seconds
+from backend.triton.stub.parsing import RequestLimits
+from backend.triton.stub.responses import OpenRequests
 from tests.fakes import FakeError, FakeResponse
 
 ITERATIVE_CONFIG = {"max_batch_size": 8, "sequence_batching": {"iterative_sequence": True,
@@ -97,7 +97,7 @@ def model(monkeypatch):
     """A served model as ``initialize()`` leaves it, without an engine (the driver is the test's ``hand_over``)."""
     pb = fake_pb_utils()
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", pb)
-    served_model = importlib.reload(importlib.import_module("backend.triton.served_model"))
+    served_model = importlib.reload(importlib.import_module("backend.triton.stub.served_model"))
 
     class Model(served_model.ServedModel, batching="continuous"):
         pass
@@ -107,7 +107,7 @@ def model(monkeypatch):
     model.shutdown, model.limits = FakeNotice(), RequestLimits(max_model_len=64)
     model.open = OpenRequests(pb, metrics=None, batched=False)
     yield model
-    sys.modules.pop("backend.triton.served_model", None)  # the fake must not outlive this test
+    sys.modules.pop("backend.triton.stub.served_model", None)  # the fake must not outlive this test
 
 
 def prompt(value: bytes = b"Hello", **inputs: np.ndarray) -> FakeRequest:

@@ -1,6 +1,6 @@
-"""The parts of backend/triton/shutdown.py, watchdog.py and probe.py without a server: the drain grace, what the
-metrics say is open, a child's client connections, when a model that cannot unload may be ended, when a model's queue
-counts as stalled, and the probe and stop scripts on the standard library alone.
+"""The parts of backend/triton/launcher/shutdown.py, watchdog.py and probe.py without a server: the drain grace, what
+the metrics say is open, a child's client connections, when a model that cannot unload may be ended, when a model's
+queue counts as stalled, and the probe and stop scripts on the standard library alone.
 
 tests/server/test_shutdown.py stops `make serve` under a real Locust load, after cancels of finished requests and
 with a request that never ends, and has the watchdog restart a server whose model stopped executing.
@@ -20,19 +20,19 @@ from pathlib import Path
 
 import pytest
 
-from backend.contract import prometheus
-from backend.triton import probe, processes, shutdown, watchdog
-from backend.triton.launch_options import free_ports
+from backend.contract import prometheus, server_args
+from backend.triton.launcher import probe, processes, shutdown, watchdog
+from backend.triton.launcher.launch_options import free_ports
 from tests.server_harness import LOCALHOST, REPO_ROOT
 
 
 def test_the_drain_grace_is_read_from_tritonservers_command_line():
-    assert shutdown.exit_timeout(["tritonserver"]) == 30.0
+    assert server_args.exit_timeout(["tritonserver"]) == 30.0
     args = ["tritonserver", "--exit-timeout-secs", "20", "--http-port=9000", "--exit-timeout-secs=12"]
-    assert shutdown.exit_timeout(args) == 12.0  # the last one wins, as in tritonserver
-    assert shutdown.drain_grace(args) == 12.0 - shutdown.SHUTDOWN_MARGIN_S
-    assert shutdown.drain_grace(["tritonserver", "--exit-timeout-secs", "3"]) == 0.0
-    assert processes.command_line(os.getpid())[0].endswith(("python", "python3", Path(sys.executable).name))
+    assert server_args.exit_timeout(args) == 12.0  # the last one wins, as in tritonserver
+    assert server_args.drain_grace(args) == 12.0 - server_args.SHUTDOWN_MARGIN_S
+    assert server_args.drain_grace(["tritonserver", "--exit-timeout-secs", "3"]) == 0.0
+    assert server_args.command_line(os.getpid())[0].endswith(("python", "python3", Path(sys.executable).name))
 
 
 class _Pages(http.server.BaseHTTPRequestHandler):
@@ -119,15 +119,16 @@ def test_a_childs_client_connections_are_found_and_shut_down():
 
 @pytest.mark.timeout(60)
 def test_probe_and_stop_run_as_files_on_the_standard_library_alone():
-    """The containers run backend/triton/probe.py and shutdown.py as files, with no site-packages to rely on."""
+    """The containers run the launcher's probe.py and shutdown.py as files, with no site-packages to rely on."""
     python = [sys.executable, "-I", "-S"]  # isolated, and no site-packages: the standard library alone
     nobody = f"http://{LOCALHOST}:{free_ports(1)[0]}"
-    probe_run = subprocess.run([*python, str(REPO_ROOT / "backend" / "triton" / "probe.py"), "live", "--url", nobody,
+    launcher = REPO_ROOT / "backend" / "triton" / "launcher"
+    probe_run = subprocess.run([*python, str(launcher / "probe.py"), "live", "--url", nobody,
                                 "--metrics-url", f"{nobody}/metrics"], capture_output=True, text=True, timeout=30)
     assert (probe_run.returncode, probe_run.stdout.strip()) == (1, "/v2/health/live answered nothing"), probe_run.stderr
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    stop_run = subprocess.run([*python, str(REPO_ROOT / "backend" / "triton" / "shutdown.py"), "stop", "--pid",
+    stop_run = subprocess.run([*python, str(launcher / "shutdown.py"), "stop", "--pid",
                                str(gone.pid)], capture_output=True, text=True, timeout=30)
     assert (stop_run.returncode, stop_run.stderr) == (0, "")
 

@@ -15,9 +15,9 @@ import pytest
 
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.llm_engine import LLMEngine, RequestOutput
-from backend.triton.model_config import engine_config_from_triton, stream_interval_from_triton
-from backend.triton.responses import OpenRequest, OpenRequests
-from backend.triton.stream_interval import (
+from backend.triton.stub.model_config import engine_config_from_triton, stream_interval_from_triton
+from backend.triton.stub.responses import OpenRequest, OpenRequests
+from backend.triton.stub.stream_interval import (
     MIN_STREAMS_TO_GROUP,
     SEND_BUDGET,
     SENDING_BOUND,

@@ -16,8 +16,8 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backend.engine.batching import EngineLoop  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
-from backend.triton.responses import CancellationPoll  # noqa: E402
-from backend.triton.served_model import ServedModel  # noqa: E402
+from backend.triton.stub.responses import CancellationPoll  # noqa: E402
+from backend.triton.stub.served_model import ServedModel  # noqa: E402
 
 
 class TritonPythonModel(ServedModel, batching="continuous"):

@@ -18,8 +18,8 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 
 from backend.engine.batching import run_to_completion  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
-from backend.triton.responses import CancellationPoll  # noqa: E402
-from backend.triton.served_model import ServedModel  # noqa: E402
+from backend.triton.stub.responses import CancellationPoll  # noqa: E402
+from backend.triton.stub.served_model import ServedModel  # noqa: E402
 
 
 class TritonPythonModel(ServedModel, batching="run_to_completion"):

@@ -45,10 +45,10 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backend.engine.batching import IterationDriver  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
-from backend.triton.model_config import sequence_idle_seconds  # noqa: E402
-from backend.triton.responses import send_error  # noqa: E402
-from backend.triton.sequence_relay import CANCELLED, MULTI_REQUEST_SEQUENCE, SequenceRelay  # noqa: E402
-from backend.triton.served_model import ServedModel  # noqa: E402
+from backend.triton.stub.model_config import sequence_idle_seconds  # noqa: E402
+from backend.triton.stub.responses import send_error  # noqa: E402
+from backend.triton.stub.sequence_relay import CANCELLED, MULTI_REQUEST_SEQUENCE, SequenceRelay  # noqa: E402
+from backend.triton.stub.served_model import ServedModel  # noqa: E402
 
 # Time from execute()'s return to sending what it made, when no execute() comes sooner (the module's docstring).
 SEND_AFTER_RELEASE_S = 0.005
@@ -71,7 +71,7 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         self.released_at = None  # when the last execute() that handed requests back returned
         self.stopping = threading.Event()
         # The reaper answers requests Triton dropped; execute() sends too. NOTE: responses sent from two threads at
-        # once crashed tritonserver 2.51 (backend/triton/responses.py), so they take turns.
+        # once crashed tritonserver 2.51 (backend/triton/stub/responses.py), so they take turns.
         self.sending = threading.Lock()
         self.relay = SequenceRelay(pb_utils, self.name)
         # What an execute() made, sent once Triton holds those requests again or has released them (the module's

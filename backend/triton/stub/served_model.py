@@ -23,18 +23,18 @@ from backend.contract import errors
 from backend.engine.batching import SHUTTING_DOWN, EngineOverloaded, EngineUnavailable, engine_failed
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.llm_engine import LLMEngine
-from backend.triton.faults import FaultInjector
-from backend.triton.metrics import TritonMetrics, instance_label
-from backend.triton.model_config import (
+from backend.triton.stub.faults import FaultInjector
+from backend.triton.stub.metrics import TritonMetrics, instance_label
+from backend.triton.stub.model_config import (
     check_batcher,
     check_model,
     engine_config_from_triton,
     stream_interval_from_triton,
 )
-from backend.triton.parsing import RequestLimits, parse_request, read_inputs, read_parameters
-from backend.triton.responses import OpenRequest, OpenRequests, send_error
-from backend.triton.shutdown_notice import ShutdownNotice
-from backend.triton.stream_interval import StreamPacer
+from backend.triton.stub.parsing import RequestLimits, parse_request, read_inputs, read_parameters
+from backend.triton.stub.responses import OpenRequest, OpenRequests, send_error
+from backend.triton.stub.shutdown_notice import ShutdownNotice
+from backend.triton.stub.stream_interval import StreamPacer
 
 # Who takes a new request: the engine itself, the engine loop or the iteration driver. It refuses one by raising, or
 # by giving it its final output itself (IterationDriver.add).
@@ -112,7 +112,8 @@ class ServedModel:
     def count_joined(self) -> None:
         """Before a step, on the thread that steps the engine: publish the engine's gauges with the requests that
         joined it since the last step. A step that never returns then still counts its requests: the stop reads
-        these gauges (``backend.triton.shutdown``), and must never take a server with a request open for drained."""
+        these gauges (``backend.triton.launcher.shutdown``), and must never take a server with a request open for
+        drained."""
         self.metrics.on_steps(self.engine)
 
     def observe_steps(self) -> None:

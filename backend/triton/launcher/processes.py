@@ -16,6 +16,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+from backend.contract.server_args import command_line
+
 STUB_NAME = "triton_python_backend_stub"
 _SHM_REGION = re.compile(r"triton_python_backend_shm_region_[0-9a-f-]+")
 _ENDED = ("Z", "X")  # zombie, dead
@@ -89,14 +91,6 @@ def stub_models(pid: int) -> dict[int, str]:
         if argv and argv[0].endswith(STUB_NAME) and script is not None:
             models[child] = Path(script).parent.parent.name
     return models
-
-
-def command_line(pid: int) -> list[str]:
-    """The command line of process ``pid`` ([] once it is gone)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
-    except OSError:
-        return []
 
 
 def _stub_shm_regions(pids: Iterable[int]) -> list[str]:

@@ -1,7 +1,7 @@
 """Health probes for Kubernetes and Docker that also see a dead engine and a stalled model.
 
-    python3 backend/triton/probe.py ready   # no model stalled, /v2/health/ready answers 200, no engine has failed
-    python3 backend/triton/probe.py live    # /v2/health/live answers 200 and no model's engine has failed
+    python3 backend/triton/launcher/probe.py ready  # no model stalled, /v2/health/ready answers 200, no engine failed
+    python3 backend/triton/launcher/probe.py live   # /v2/health/live answers 200 and no model's engine has failed
 
 Triton 2.51 keeps a Python model READY after its engine failed: the model then refuses every request with "the
 engine failed ...; restart the server" and sets ``llm_engine_healthy`` to 0 on the metrics port, but it cannot mark
@@ -23,11 +23,11 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-if not __package__:  # run as a file (python3 backend/triton/probe.py, the containers' probe): the project on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if not __package__:  # run as a file (backend/triton/launcher/probe.py, the containers' probe): the project on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from backend.contract.names import ENGINE_HEALTHY  # noqa: E402
 from backend.contract.prometheus import parse_prometheus  # noqa: E402
-from backend.triton.watchdog import stalled  # noqa: E402
+from backend.triton.launcher.watchdog import stalled  # noqa: E402
 
 
 def get(url: str, timeout: float) -> tuple[int, str]:
@@ -68,7 +68,7 @@ def check(kind: str, url: str, metrics_url: str, timeout: float = 3.0) -> str | 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="probe.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=("ready", "live"))
-    # The ports the server was given (backend/triton/serve.py reads the same variables).
+    # The ports the server was given (backend/triton/launcher/serve.py reads the same variables).
     http_port, metrics_port = os.environ.get("HTTP_PORT") or "8000", os.environ.get("METRICS_PORT") or "8002"
     parser.add_argument("--url", default=f"http://127.0.0.1:{http_port}",
                         help="Triton's HTTP endpoint (default: %(default)s, from $HTTP_PORT)")

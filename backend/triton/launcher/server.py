@@ -5,7 +5,7 @@ ports, on a copy from ``copy_model_repository`` if they change settings)::
     with start_on_free_ports("model_repository", model="models/smollm2-135m-instruct") as server:
         requests.get(f"{server.http_url}/v2/health/ready")
 
-The server runs in its own session: ``stop()`` stops it gracefully with ``backend.triton.shutdown.stop``
+The server runs in its own session: ``stop()`` stops it gracefully with ``backend.triton.launcher.shutdown.stop``
 (tritonserver and its stubs get the signal, the models drain, idle client connections are closed so the models can
 unload at once, and a model that still cannot unload with nothing open is ended: ``stop_result.forced``) and, if it
 has to escalate, SIGKILLs the whole process group, so no stub outlives it. The model
@@ -31,10 +31,11 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from backend.contract.server_args import option_value
 from backend.contract.settings import ADMIN_KEY_ENV_VAR, MODEL_ENV_VAR, SERVER_HOME_ENV_VAR, SHARED_CORES_ENV_VAR
 from backend.engine.shared_cores import remove_registry
-from backend.triton import shutdown
-from backend.triton.launch_options import (
+from backend.triton.launcher import shutdown
+from backend.triton.launcher.launch_options import (
     ADMIN_HEADER,
     GRPC_HEADER_PREFIX,
     LOOPBACK,
@@ -45,9 +46,8 @@ from backend.triton.launch_options import (
     free_ports,
     restricted_api_args,
 )
-from backend.triton.processes import ChildProcess, kill_process_group, process_group_members
-from backend.triton.server_home import DEFAULT_LAYOUT_ROOT, server_distribution, server_home
-from backend.triton.shutdown import option_value
+from backend.triton.launcher.processes import ChildProcess, kill_process_group, process_group_members
+from backend.triton.launcher.server_home import DEFAULT_LAYOUT_ROOT, server_distribution, server_home
 
 # A stub notices within about a second that tritonserver is gone, then removes its shared memory and exits.
 STUB_EXIT_GRACE_S = 3.0
@@ -321,9 +321,9 @@ class TritonServer(ChildProcess):
             self._process.send_signal(sig)
 
     def begin_stop(self, sig: int = signal.SIGTERM) -> None:
-        """Start a graceful stop (``backend.triton.shutdown.stop``) on a thread and return: tritonserver and its stubs
-        get ``sig``, the models drain, and the client connections left open are closed once nothing is open. Once
-        only."""
+        """Start a graceful stop (``backend.triton.launcher.shutdown.stop``) on a thread and return: tritonserver and
+        its stubs get ``sig``, the models drain, and the client connections left open are closed once nothing is
+        open. Once only."""
         if not self.is_running or self._stopper is not None:
             return
         self._stopper = threading.Thread(target=self._stop_and_keep_result, args=(self._process.pid, sig),

@@ -28,9 +28,9 @@ keeps tritonserver's own status. "No request open" is the models' own word (thei
 before its first step, so one whose step never returns too): Triton 2.51 counts no request of a decoupled Python
 model as in flight, and goes on to unload with one stuck in execute().
 
-``python -m backend.triton.shutdown run -- tritonserver ARGS...`` runs a server under this stop (and under the
-watchdog, ``backend/triton/watchdog.py``). Standard library only: it runs in the container's Python without the
-engine's dependencies.
+``python -m backend.triton.launcher.shutdown run -- tritonserver ARGS...`` runs a server under this stop (and under
+the watchdog, ``watchdog.py``). Standard library only: it runs in the container's Python without the engine's
+dependencies.
 """
 
 from __future__ import annotations
@@ -50,23 +50,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-if not __package__:  # run as a file (python3 backend/triton/shutdown.py): put the project on the path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if not __package__:  # run as a file (python3 backend/triton/launcher/shutdown.py): put the project on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from backend.contract import names, prometheus  # noqa: E402
-from backend.triton import watchdog  # noqa: E402
-from backend.triton.processes import (  # noqa: E402
+from backend.contract.server_args import command_line, drain_grace, option_value  # noqa: E402
+from backend.triton.launcher import watchdog  # noqa: E402
+from backend.triton.launcher.processes import (  # noqa: E402
     children,
-    command_line,
     cpu_seconds,
     is_alive,
     kill_process_group,
     stub_models,
 )
 
-# tritonserver's default --exit-timeout-secs, and how long before it the models end what is still running: the
-# final responses, the connections closing and the models unloading must all fit in this margin.
-TRITON_EXIT_TIMEOUT_S = 30.0
-SHUTDOWN_MARGIN_S = 5.0
 # Gauges that count the requests our engines have accepted and not answered yet, and Triton's own queue in front of
 # execute() (a dynamic batcher holds a request there up to its max_queue_delay: 1 s for llm_static).
 ENGINE_GAUGES = (names.NUM_REQUESTS_RUNNING, names.NUM_REQUESTS_WAITING)
@@ -90,30 +86,6 @@ Log = Callable[[str], None]
 
 
 # ---- what tritonserver was started with -----------------------------------------------------------------------
-
-
-def option_value(args: Sequence[str], name: str) -> str | None:
-    """Last value of ``--name X`` or ``--name=X`` in a tritonserver argument list (the server keeps the last)."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == name and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
-def exit_timeout(args: Sequence[str]) -> float:
-    value = option_value(args, "--exit-timeout-secs")
-    try:
-        return float(value) if value is not None else TRITON_EXIT_TIMEOUT_S
-    except ValueError:
-        return TRITON_EXIT_TIMEOUT_S
-
-
-def drain_grace(args: Sequence[str]) -> float:
-    """Seconds the models keep serving what they accepted after the signal: the exit timeout less a margin."""
-    return max(0.0, exit_timeout(args) - SHUTDOWN_MARGIN_S)
 
 
 def _port(args: Sequence[str], name: str, default: int) -> int:
@@ -428,7 +400,8 @@ def _echo(stream, recent: collections.deque[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backend.triton.shutdown", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m backend.triton.launcher.shutdown",
+                                     description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="verb", required=True)
     run_parser = sub.add_parser("run", help="run tritonserver (the command after --) and stop it gracefully")
     run_parser.add_argument("--stall-timeout", type=float, default=watchdog.STALL_TIMEOUT_S,

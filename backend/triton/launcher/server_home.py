@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from backend.contract.settings import SERVER_HOME_ENV_VAR
-from backend.triton.launch_options import REPO_ROOT, LauncherError
-from backend.triton.processes import STUB_NAME, is_alive
+from backend.triton.launcher.launch_options import REPO_ROOT, LauncherError
+from backend.triton.launcher.processes import STUB_NAME, is_alive
 
 DEFAULT_LAYOUT_ROOT = REPO_ROOT / ".triton"
 LAYOUT_MARKER = ".complete"

@@ -2,7 +2,7 @@
 and error responses. Every request gets exactly one response flagged final.
 
 A stream's tokens may be held for a few steps and sent together (``stream_interval``, in
-backend/triton/stream_interval.py); its first token and its final response always go out at once. An intermediate
+backend/triton/stub/stream_interval.py); its first token and its final response always go out at once. An intermediate
 response carries only the new text and token ids (``INTERMEDIATE_OUTPUTS``); the counts and the finish reason come
 in the final one, or in every response when the request asks for them (``return_*: true``)."""
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from backend.engine.llm_engine import RequestOutput
 from backend.engine.request import FinishReason
-from backend.triton.stream_interval import StreamPacer, StreamState
+from backend.triton.stub.stream_interval import StreamPacer, StreamState
 
 ALL_OUTPUTS = frozenset({"text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"})
 # What every intermediate response of a stream carries; the other outputs only when asked for (``return_*: true``).

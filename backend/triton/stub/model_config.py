@@ -7,8 +7,8 @@ from pathlib import Path
 
 from backend.contract.settings import MODEL_ENV_VAR
 from backend.engine.config import EngineConfig
-from backend.triton.faults import FAULTS_PARAMETER
-from backend.triton.stream_interval import STREAM_INTERVAL, STREAM_INTERVAL_MS, StreamInterval
+from backend.triton.stub.faults import FAULTS_PARAMETER
+from backend.triton.stub.stream_interval import STREAM_INTERVAL, STREAM_INTERVAL_MS, StreamInterval
 
 
 def engine_config_from_triton(model_config: dict, model_dir: str) -> EngineConfig:
@@ -33,7 +33,7 @@ def engine_config_from_triton(model_config: dict, model_dir: str) -> EngineConfi
 
 
 def stream_interval_from_triton(model_config: dict) -> StreamInterval:
-    """How often streams are sent (``stream_interval``, ``stream_interval_ms``: backend/triton/stream_interval.py)."""
+    """How often streams are sent (``stream_interval``, ``stream_interval_ms``: ``stream_interval.py``)."""
     params = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
     return StreamInterval.from_parameters(params)
 

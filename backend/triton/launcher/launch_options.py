@@ -16,10 +16,10 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
+from backend.contract.server_args import option_value
 from backend.contract.settings import DEFAULT_MODEL
-from backend.triton.shutdown import option_value
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 LOOPBACK = "127.0.0.1"
 
 ADMIN_HEADER = "admin-key"
@@ -69,7 +69,7 @@ def copy_model_repository(
     (replaced where the config has the key, added where it does not); without ``parameters``, the files as they
     are. For servers that need other settings than the shipped ones."""
     # NOTE: imported here: protobuf and tritonclient load only for a copy, not for every launch.
-    from backend.triton import config_text
+    from backend.triton.launcher import config_text
 
     dst = Path(dst)
     for model in models:

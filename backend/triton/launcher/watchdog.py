@@ -9,9 +9,10 @@ execute() that never returns keeps every later request there, and /v2/health/rea
 batcher's queue delay (1 s for llm_static) and the longest engine step (a prefill chunk of
 ``max_num_batched_tokens``; seconds on a CPU).
 
-The launcher (``serve.py``, and ``python -m backend.triton.shutdown run``) runs :func:`supervise`: every second it
-reads the metrics port; on a stall it writes a marker file, logs why, and kills tritonserver with its stubs, so every
-call the server held ends with an error at once; ``serve.py``'s restart loop then starts it again on the same ports.
+The launcher (``serve.py``, and ``python -m backend.triton.launcher.shutdown run``) runs :func:`supervise`: every
+second it reads the metrics port; on a stall it writes a marker file, logs why, and kills tritonserver with its stubs,
+so every call the server held ends with an error at once; ``serve.py``'s restart loop then starts it again on the
+same ports.
 The health probe (``probe.py``) reads the marker: the server reads not ready, with the reason, from the stall until
 the restarted server is ready. A marker, because the probe is one short call with one reading of the metrics: it
 cannot see that nothing moved for 30 s, and the one place that watches the metrics all along is the launcher.
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.contract import names, prometheus
-from backend.triton.processes import is_alive, kill_process_group
+from backend.triton.launcher.processes import is_alive, kill_process_group
 
 STALL_TIMEOUT_S = 30.0
 INTERVAL_S = 1.0

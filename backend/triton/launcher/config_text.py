@@ -8,7 +8,7 @@ make an edit miss, and a batcher the config does not have is refused, not silent
 comments; the repository's own files are only ever read.
 
 NOTE: not for code that runs inside Triton's Python stub (a ``model.py`` and what it imports): the server hands a
-model its config as JSON (``args["model_config"]``, read by ``model_config.py``), and the stub's environment need
+model its config as JSON (``args["model_config"]``, read by ``stub/model_config.py``), and the stub's environment need
 not have tritonclient.
 """
 

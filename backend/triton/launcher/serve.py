@@ -1,13 +1,13 @@
 """Serve a model repository on a real Triton Inference Server, without Docker: the launcher's command line.
 
-    python -m backend.triton.serve --model-repository model_repository --model models/smollm2-135m-instruct \\
+    python -m backend.triton.launcher.serve --model-repository model_repository --model models/smollm2-135m-instruct \\
         --http-port 8000 --grpc-port 8001 --metrics-port 8002 [-- extra tritonserver args]
 
-It starts one :class:`~backend.triton.server.TritonServer` (the binary from ``backend.triton.server_home``, the checks
-and admin flags of ``backend.triton.launch_options``), echoes its output, and starts it again on the same ports when
-it dies by a signal nobody sent it, or when the watchdog ended it because a model's queue stopped moving
-(``backend.triton.watchdog``; ``--stall-timeout``); both count toward ``--max-restarts``. Ctrl-C or SIGTERM stops it
-gracefully; a second one kills it with its stubs.
+It starts one :class:`~backend.triton.launcher.server.TritonServer` (the binary from
+``backend.triton.launcher.server_home``, the checks and admin flags of ``backend.triton.launcher.launch_options``),
+echoes its output, and starts it again on the same ports when it dies by a signal nobody sent it, or when the
+watchdog ended it because a model's queue stopped moving (``backend.triton.launcher.watchdog``; ``--stall-timeout``);
+both count toward ``--max-restarts``. Ctrl-C or SIGTERM stops it gracefully; a second one kills it with its stubs.
 
 The launcher's parts are also importable from here, as they were before it was split by job: ``server_home`` (the
 Docker image calls it), ``TritonServer``, ``start_on_free_ports`` and ``copy_model_repository``.
@@ -30,8 +30,8 @@ from backend.contract.settings import (
     OPENAI_PORT_ENV_VAR,
     STALL_TIMEOUT_ENV_VAR,
 )
-from backend.triton import shutdown, watchdog
-from backend.triton.launch_options import (
+from backend.triton.launcher import shutdown, watchdog
+from backend.triton.launcher.launch_options import (
     ADMIN_HEADER,
     GRPC_HEADER_PREFIX,
     REPO_ROOT,
@@ -41,8 +41,8 @@ from backend.triton.launch_options import (
     frontend_command,
     restricted_api_args,
 )
-from backend.triton.server import ServerError, TritonServer, die_with_parent, start_on_free_ports
-from backend.triton.server_home import server_home
+from backend.triton.launcher.server import ServerError, TritonServer, die_with_parent, start_on_free_ports
+from backend.triton.launcher.server_home import server_home
 
 __all__ = ["copy_model_repository", "main", "parse_args", "server_home", "start_on_free_ports", "TritonServer"]
 
@@ -60,7 +60,7 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         split = argv.index("--")
         argv, after_dashes = argv[:split], argv[split + 1 :]
     parser = argparse.ArgumentParser(
-        prog="python -m backend.triton.serve",
+        prog="python -m backend.triton.launcher.serve",
         description="Serve a model repository on a real Triton Inference Server. "
         "Options it does not know (and anything after --) go to tritonserver unchanged.",
         allow_abbrev=False,

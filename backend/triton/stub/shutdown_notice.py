@@ -9,8 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from backend.triton.processes import command_line
-from backend.triton.shutdown import drain_grace
+from backend.contract.server_args import command_line, drain_grace
 
 log = logging.getLogger(__name__)
 
@@ -20,9 +19,9 @@ class ShutdownNotice:
 
     Triton 2.51 tells a Python model nothing until it finalizes it, and by then the model can no longer respond
     (and it finalizes a model only once every client stream that used it is closed). So whoever stops the server
-    signals the stubs too (``backend.triton.shutdown.stop``: the launcher, the container's entry, the tests), and the
-    model drains: it refuses new requests, lets the ones it has run for ``grace`` seconds, and then ends the rest
-    with "the server is shutting down" — before tritonserver's own ``--exit-timeout-secs`` runs out.
+    signals the stubs too (``backend.triton.launcher.shutdown.stop``: the launcher, the container's entry, the
+    tests), and the model drains: it refuses new requests, lets the ones it has run for ``grace`` seconds, and then
+    ends the rest with "the server is shutting down" — before tritonserver's own ``--exit-timeout-secs`` runs out.
     ``on_notice(grace)`` runs on a watcher thread.
 
     NOTE: the stub's own C handler ignores these signals. Python's replaces it; its C-level part writes the signal
@@ -60,5 +59,5 @@ class ShutdownNotice:
 
 def shutdown_grace(parent_pid: int | None = None) -> float:
     """Seconds to keep serving after a shutdown signal: tritonserver's exit timeout (read from its command line,
-    as this process is its child) less a margin (``backend.triton.shutdown.drain_grace``)."""
+    as this process is its child) less a margin (``backend.contract.server_args.drain_grace``)."""
     return drain_grace(command_line(parent_pid or os.getppid()))
