@@ -16,8 +16,8 @@ LAYERS = [
     ("kernels", ("backend/kernels",), ("backend.kernels",)),
     ("engine", ("backend/engine",), ("backend.engine",)),
     ("Triton glue", ("backend/triton", "model_repository"), ("backend.triton", "model_repository")),
-    ("tools, frontends and load tests", ("backend/tools", "frontend", "loadtest", "client"),
-     ("backend.tools", "frontend", "loadtest", "client")),
+    ("tools, frontends and load tests", ("bench", "tools", "frontend", "loadtest", "client"),
+     ("bench", "tools", "frontend", "loadtest", "client")),
 ]
 
 

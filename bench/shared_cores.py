@@ -1,7 +1,7 @@
 """Engines that share the cores: N engines (1, 2, 4), each in its own process, stepping decode batches at once,
 per-engine step time against the same engine alone, for each way of sharing, in one run.
 
-    python -m backend.tools.bench_shared_cores --model models/smollm2-135m-instruct [--engines 1,2,4]
+    python -m bench.shared_cores --model models/smollm2-135m-instruct [--engines 1,2,4]
         [--batch 4] [--seconds 5] [--rounds 3] [--arms divide,step_lock,off,passive] [--out reports/shared_cores.json]
 
 Each process is what a Triton model instance is: its own engine and OpenMP team, its threads spinning between a

@@ -1,7 +1,7 @@
 """Engine benchmark: the engine beside HF ``generate`` and beside its memory floor, served through a real
 tritonserver beside offline, continuous beside static batching, scheduler cost, and the speed targets judged.
 
-    python -m backend.tools.bench --model models/smollm2-135m-instruct [--quick] [--hf-batches 1,8,32]
+    python -m bench.engine --model models/smollm2-135m-instruct [--quick] [--hf-batches 1,8,32]
         [--served-models llm_continuous,llm_dynamic] [--llamacpp .llamacpp/bin/llama-server] [--out reports/bench.json]
         [--quantization q4_1] [--llamacpp-gguf .llamacpp/smollm2-135m-instruct-q4_1.gguf]
 
@@ -37,7 +37,7 @@ the same run beside it. Keys of the JSON file:
     ``itl_p90_ms``, ``tok_s``, ``ttft_ms`` (median over the streams), ``tokens_per_response`` (``stream_interval`` at
     work), ``client_cpu`` and ``server_cpu`` (cores used by this process as the client and by tritonserver with its
     stubs), ``offline_step_ms`` (the fixed batches' median decode step at that batch and sampling) and ``ratio``
-    (``itl_ms / offline_step_ms``). See ``backend/tools/bench_served.py``.
+    (``itl_ms / offline_step_ms``). See ``bench/served.py``.
 ``llamacpp`` (only with ``--llamacpp PATH``: llama.cpp's ``llama-server``, built by ``make llamacpp``)
     the same decode workloads (random prompts of ``prompt_len`` token ids) through ``llama-server`` on the GGUF of the
     same weights (BF16, or Q4_1 with ``--quantization q4_1``, or ``--llamacpp-gguf``), HTTP streaming
@@ -45,7 +45,7 @@ the same run beside it. Keys of the JSON file:
     ``new_tokens``; ``runs``, one per batch and ``temperature`` (0 or 1): ``itl_ms``, ``itl_p90_ms`` and ``tok_s``
     measured on the client as for ``served`` (best of ``config.repeats``), ``server_ms_per_token`` (llama.cpp's own
     ``predicted_per_token_ms``, median over the streams) and ``server_cpu``.
-    See ``backend/tools/bench_llamacpp.py``.
+    See ``bench/llamacpp.py``.
 ``targets``
     the speed targets: ``name``, ``value`` (``null`` if not measured), ``goal``, ``met`` (``null``: not judged),
     ``detail``.
@@ -66,7 +66,7 @@ the same run beside it. Keys of the JSON file:
     rows alone, each a real engine step, the arms alternating: ``num_decodes``, ``chunk``, ``context`` (the decodes'
     context), ``rounds``, ``decode_ms``, ``prefill_ms``, ``mixed_ms`` (median whole steps), ``parts_ms`` (decode +
     prefill), ``ratio`` (mixed / parts) and ``phases`` (arm -> prepare / forward / sample ms). See
-    ``backend/tools/bench_mixed.py``.
+    ``bench/mixed_steps.py``.
 ``scheduler``
     ``num_seqs`` running decode sequences; ``us_per_step`` (``schedule()`` + ``update()``, pure Python, no model);
     ``step_ms`` (one real forward + sampling at that batch, ``step_source`` says how it was measured) and
@@ -101,9 +101,9 @@ from backend.engine.request import Request, RequestStatus  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest, Scheduler  # noqa: E402
 from backend.engine.stats import StepRecord  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
-from backend.tools.bench_llamacpp import llamacpp_column  # noqa: E402
-from backend.tools.bench_mixed import format_breakdown, mixed_step_breakdown  # noqa: E402
-from backend.tools.bench_served import SERVED_MODELS, served_column  # noqa: E402
+from bench.llamacpp import llamacpp_column  # noqa: E402
+from bench.mixed_steps import format_breakdown, mixed_step_breakdown  # noqa: E402
+from bench.served import SERVED_MODELS, served_column  # noqa: E402
 
 
 @dataclass

@@ -13,7 +13,7 @@ Results go to a JSON file (written after every section, so a timeout keeps what 
 ``--dry-run`` runs every section on the CPU with ``TRITON_INTERPRET=1``, a tiny random Llama and tiny sizes: the
 figures mean nothing, but every line of the script runs (tests/unit/test_gpu_check.py calls it).
 
-    python -m tests.gpu.gpu_check [--model models/smollm2-135m-instruct] [--out reports/gpu_check.json]
+    python -m bench.gpu_check [--model models/smollm2-135m-instruct] [--out reports/gpu_check.json]
 """
 
 import argparse
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from backend.contract.settings import DEFAULT_MODEL
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 E2E_PROMPTS = [
     "The history of the printing press begins",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",

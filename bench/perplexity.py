@@ -1,6 +1,6 @@
 """Perplexity of each weight format on a fixed text, beside HF transformers in float32 on the same checkpoint.
 
-    python -m backend.tools.perplexity --model models/smollm2-135m-instruct [--formats bf16,q4_1,int8]
+    python -m bench.perplexity --model models/smollm2-135m-instruct [--formats bf16,q4_1,int8]
         [--ctx 512] [--text tests/data/perplexity_text.txt] [--out reports/perplexity.json]
 
 The text (``tests/data/perplexity_text.txt``, 2,880 tokens with SmolLM2's tokenizer) is three public-domain
@@ -34,7 +34,7 @@ from backend.engine.scheduler import ScheduledRequest  # noqa: E402
 from backend.engine.tokenizer import load_tokenizer  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity_text.txt"
+DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity_text.txt"
 
 
 def chunks(token_ids: list[int], ctx: int) -> list[list[int]]:

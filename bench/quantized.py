@@ -1,7 +1,7 @@
 """Quantized weights beside bf16, in one run: the decode step per format and batch, the weights' memory and the KV
 blocks it frees, and greedy agreement with bf16.
 
-    flock /tmp/llm-bench.lock python -m backend.tools.bench_quantized --model models/smollm2-135m-instruct \\
+    flock /tmp/llm-bench.lock python -m bench.quantized --model models/smollm2-135m-instruct \\
         [--formats bf16,q4_1,int8] [--batches 1,8,32,64] [--repeats 3] [--out reports/bench_quantized.json]
 
 One engine per format, all loaded in this process; at each batch size the formats take turns (their order rotated
@@ -29,8 +29,8 @@ from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
 from backend.engine.config import WEIGHT_FORMATS, EngineConfig, SamplingParams  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
-from backend.tools.bench import _median_ms, _timed_generate, random_prompts  # noqa: E402
-from backend.tools.bench import held_weight_bytes as weight_bytes  # noqa: E402
+from bench.engine import _median_ms, _timed_generate, random_prompts  # noqa: E402
+from bench.engine import held_weight_bytes as weight_bytes  # noqa: E402
 
 PROMPTS = (
     "What is the capital of France?",
