@@ -95,12 +95,20 @@ from backend.contract.names import CONTINUOUS  # noqa: E402
 from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
 from backend.engine.block_manager import BlockManager  # noqa: E402
 from backend.engine.config import WEIGHT_FORMATS, EngineConfig, ModelShape, SamplingParams  # noqa: E402
-from backend.engine.linear import Linear  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.request import Request, RequestStatus  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest, Scheduler  # noqa: E402
 from backend.engine.stats import StepRecord  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
+from bench.engines import (  # noqa: E402
+    blocks_for,
+    build_engine,
+    fixed_batch_engine,
+    held_weight_bytes,
+    median_ms,
+    random_prompts,
+    timed_generate,
+)
 from bench.llamacpp import llamacpp_column  # noqa: E402
 from bench.mixed_steps import format_breakdown, mixed_step_breakdown  # noqa: E402
 from bench.served import SERVED_MODELS, served_column  # noqa: E402
@@ -138,6 +146,10 @@ class BenchSettings:
     def weight_format(self) -> WeightFormat:
         return self.quantization or WeightFormat.BF16
 
+    def engine(self, **settings) -> LLMEngine:
+        """An engine on these settings' model, weights, dtype and threads, with the other ``settings`` as given."""
+        return build_engine(self.model, self.quantization, dtype=self.dtype, num_threads=self.threads, **settings)
+
     @classmethod
     def quick_settings(cls, model: str, **overrides) -> BenchSettings:
         """About a minute: small batches, fewer and shorter requests."""
@@ -152,11 +164,6 @@ class BenchSettings:
 # ---- 1. fixed batches: engine vs HF generate ----------------------------------------------------------------------
 
 
-def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab_size - 100) for _ in range(length)] for _ in range(num)]
-
-
 # Each fixed batch also runs sampled (one seed per request): temperature 1.0 (the served default), and with top-p.
 SAMPLED_RUNS = {"t1": {"temperature": 1.0}, "t1_top_p": {"temperature": 1.0, "top_p": 0.9}}
 
@@ -169,18 +176,12 @@ def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float, int]:
     background load on a shared machine.
     """
     biggest = max(s.batches)
-    engine = LLMEngine(EngineConfig(
-        model=s.model, dtype=s.dtype, num_threads=s.threads, max_num_seqs=biggest,
-        max_num_batched_tokens=max(2048, biggest * s.prompt_len), max_model_len=s.prompt_len + s.new_tokens + 16,
-        num_kv_blocks=biggest * -(-(s.prompt_len + s.new_tokens) // 16) + 16, seed=s.seed,
-        quantization=s.quantization,
-    ))
+    engine = fixed_batch_engine(s.model, s.quantization, biggest, s.prompt_len, s.new_tokens, dtype=s.dtype,
+                                num_threads=s.threads, seed=s.seed)
     vocab = engine.runner.shape.vocab_size
     hf_batches = set(s.batches if s.hf_batches is None else s.hf_batches)
     hf = HFGenerate(s) if hf_batches & set(s.batches) else None
     params = SamplingParams(max_tokens=s.new_tokens, temperature=0.0, ignore_eos=True)
-    warm_up = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    engine.generate(random_prompts(2, s.prompt_len, vocab, s.seed + 99), warm_up)
     rows, step_ms = [], 0.0
     for batch in s.batches:
         prompts = random_prompts(batch, s.prompt_len, vocab, s.seed + batch)
@@ -192,23 +193,23 @@ def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float, int]:
         engine_tok_s, hf_tok_s, greedy_steps = 0.0, None, []
         sampled_steps: dict[str, list[StepRecord]] = {}
         for _ in range(s.repeats):
-            tok_s, steps = _timed_generate(engine, prompts, params, batch)
+            tok_s, steps = timed_generate(engine, prompts, params, batch)
             if tok_s > engine_tok_s:
                 engine_tok_s, greedy_steps = tok_s, steps
             for name, run_params in sampled_params.items():
-                _, steps = _timed_generate(engine, prompts, run_params, batch)
-                if name not in sampled_steps or _median_ms(steps) < _median_ms(sampled_steps[name]):
+                _, steps = timed_generate(engine, prompts, run_params, batch)
+                if name not in sampled_steps or median_ms(steps) < median_ms(sampled_steps[name]):
                     sampled_steps[name] = steps
             if hf is not None and batch in hf_batches:
                 hf_tok_s = max(hf_tok_s or 0.0, hf.tok_s(prompts, s.new_tokens))
-        step = _median_ms(greedy_steps)
-        sample_ms = {"greedy": _median_ms(greedy_steps, "sample")}
-        sample_ms.update({name: _median_ms(steps, "sample") for name, steps in sampled_steps.items()})
+        step = median_ms(greedy_steps)
+        sample_ms = {"greedy": median_ms(greedy_steps, "sample")}
+        sample_ms.update({name: median_ms(steps, "sample") for name, steps in sampled_steps.items()})
         rows.append({
             "batch": batch, "engine_tok_s": engine_tok_s, "hf_tok_s": hf_tok_s,
             "ratio": engine_tok_s / hf_tok_s if hf_tok_s else None, "engine_decode_step_ms": step,
-            "decode_tok_s": batch * 1e3 / step, "sampled_decode_step_ms": _median_ms(sampled_steps["t1"]),
-            "top_p_decode_step_ms": _median_ms(sampled_steps["t1_top_p"]), "sample_ms": sample_ms,
+            "decode_tok_s": batch * 1e3 / step, "sampled_decode_step_ms": median_ms(sampled_steps["t1"]),
+            "top_p_decode_step_ms": median_ms(sampled_steps["t1_top_p"]), "sample_ms": sample_ms,
         })
         hf_text = f"HF {hf_tok_s:.1f} tok/s" if hf_tok_s else "HF skipped"
         log(f"      B={batch}: engine {engine_tok_s:.1f} tok/s (decode step {step:.1f} ms greedy, "
@@ -216,21 +217,6 @@ def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float, int]:
         if batch == biggest:
             step_ms = step
     return rows, step_ms, held_weight_bytes(engine)
-
-
-def _timed_generate(engine: LLMEngine, prompts: list[list[int]], params, batch: int) -> tuple[float, list[StepRecord]]:
-    """Output tok/s of one ``generate`` (prefill included) and its decode steps at the full batch."""
-    first_step = engine.stats.num_steps
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    steps = engine.stats.recent_steps()[-(engine.stats.num_steps - first_step):]
-    decode_steps = [r for r in steps if r.num_tokens == r.num_seqs == batch]
-    return sum(len(o.token_ids) for o in outputs) / elapsed, decode_steps
-
-
-def _median_ms(steps: list[StepRecord], phase: str = "total") -> float:
-    return statistics.median(getattr(r.times, phase) for r in steps) * 1e3 if steps else float("nan")
 
 
 # ---- the memory floor ---------------------------------------------------------------------------------------------
@@ -248,21 +234,11 @@ def read_bandwidth_gbs(threads: int, num_bytes: int = 1 << 30, repeats: int = 5)
     return num_bytes / best / 1e9
 
 
-def held_weight_bytes(engine: LLMEngine) -> int:
-    """Bytes of every weight the engine's forward reads (projections as held, norms, a separate embedding)."""
-    model = engine.runner.model
-    held = [model.lm_head, model.final_norm, model._embed]
-    for layer in model.layers:
-        held += [layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate, layer.up, layer.down]
-    tensors = [t for item in held for t in ((item.weight, item.bias) if isinstance(item, Linear) else (item,))]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 def memory_floor(s: BenchSettings, bandwidth_gbs: float, held_bytes: int | None = None) -> dict:
     """What one decode step must read (every weight once, each sequence's cached K and V once) at the measured
     bandwidth: no step can be faster. The context is the fixed batches' mean (prompt plus half the new tokens). The
     weights are counted from the model's shape in ``s.dtype``; quantized, as the engine holds them (``held_bytes``,
-    :func:`held_weight_bytes`)."""
+    :func:`bench.engines.held_weight_bytes`)."""
     shape = ModelShape.from_model_dir(s.model)
     dtype_bytes = EngineConfig(dtype=s.dtype).dtype_bytes
     d, qkv = shape.hidden_size, (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
@@ -322,10 +298,7 @@ def workload_requests(s: BenchSettings, vocab_size: int) -> list[tuple[list[int]
 
 def run_workload(s: BenchSettings, policy: str, requests: list[tuple[list[int], int]]) -> dict:
     longest = s.workload_prompt_range[1] + max(s.workload_long_range[1], s.workload_short_range[1])
-    engine = LLMEngine(EngineConfig(
-        model=s.model, dtype=s.dtype, num_threads=s.threads, max_num_seqs=s.workload_max_num_seqs,
-        max_model_len=longest + 16, batching=policy, seed=s.seed, quantization=s.quantization,
-    ))
+    engine = s.engine(max_num_seqs=s.workload_max_num_seqs, max_model_len=longest + 16, batching=policy, seed=s.seed)
     for i, (prompt, output_len) in enumerate(requests):
         engine.add_request(f"w{i}", prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
     block_size = engine.config.block_size
@@ -398,11 +371,8 @@ def real_step_ms(s: BenchSettings, num_seqs: int, context: int = 64, repeats: in
     The KV cache holds zeros rather than a real prefill (its contents do not change the cost), which avoids
     prefilling ``num_seqs * context`` tokens first.
     """
-    engine = LLMEngine(EngineConfig(
-        model=s.model, dtype=s.dtype, num_threads=s.threads, max_num_seqs=num_seqs,
-        max_num_batched_tokens=max(2048, num_seqs), max_model_len=context + 16,
-        num_kv_blocks=num_seqs * -(-(context + 1) // 16) + 1, quantization=s.quantization,
-    ))
+    engine = s.engine(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs), max_model_len=context + 16,
+                      num_kv_blocks=num_seqs * blocks_for(context + 1) + 1)
     bs = engine.config.block_size
     vocab = engine.runner.shape.vocab_size
     requests = []

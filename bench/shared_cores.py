@@ -45,12 +45,11 @@ def _worker(conn, model: str, batch: int, registry: str, passive: bool) -> None:
     from backend.engine.openmp import set_wait_policy
 
     set_wait_policy()  # NOTE: before torch is imported, as in every process that builds an engine
-    from backend.engine.config import EngineConfig, SamplingParams
-    from backend.engine.llm_engine import LLMEngine
+    from backend.engine.config import SamplingParams
     from backend.engine.shared_cores import CoreRegistry, SharedCores
+    from bench.engines import build_engine
 
-    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=batch, num_kv_blocks=64 * batch, max_model_len=1024,
-                                    core_sharing="off"))
+    engine = build_engine(model, max_num_seqs=batch, num_kv_blocks=64 * batch, max_model_len=1024, core_sharing="off")
     shared = CoreRegistry(registry)
     prompt = list(range(1000, 1032))
     params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
