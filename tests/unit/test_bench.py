@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from bench import engine
+from bench import engine, engine_table
 
 
 def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
@@ -65,7 +65,7 @@ def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
     assert {"us_per_step", "share_of_step", "step_ms", "step_source"} <= set(scheduler)
     assert scheduler["us_per_step"] > 0 and 0 < scheduler["share_of_step"] < 1
 
-    table = engine.format_table(result)
+    table = engine_table.format_table(result)
     assert "continuous / static" in table and "served / offline" in table and "x floor" in table
     assert "mixed / parts" in table
     assert "Speed targets, judged on this run's figures" in table

@@ -10,7 +10,7 @@ import pytest
 
 from backend.kernels.weight_format import WeightFormat
 from backend.triton import config_text
-from bench import engine
+from bench import engine, engine_table
 from bench.llamacpp import default_gguf, llamacpp_column
 from bench.served import served_repository
 from tests.unit.test_bench_llamacpp import fake_result
@@ -95,11 +95,11 @@ def test_served_copies_run_the_format(tmp_path):
 
 def test_the_table_says_the_format():
     result = fake_result({1: 17.0, 8: 30.0}, {1: 15.0, 8: 60.0})
-    table = engine.format_table(result)
+    table = engine_table.format_table(result)
     assert table.splitlines()[0].startswith("model m  weights bf16  dtype bfloat16")  # an older result: bf16
     result["config"]["quantization"] = "q4_1"
     result["llamacpp"]["gguf"] = "/a/m-q4_1.gguf"
-    lines = engine.format_table(result).splitlines()
+    lines = engine_table.format_table(result).splitlines()
     assert lines[0].startswith("model m  weights q4_1  dtype bfloat16")
     assert any(line.startswith("1. Fixed batches") and "the engine on q4_1 weights, HF generate on bf16" in line
                for line in lines)
