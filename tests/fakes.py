@@ -39,7 +39,7 @@ class FakeResponse:
 
 
 class FakeResponsePb:
-    """What of ``pb_utils`` the responses layer uses (``backend/triton/responses.py``'s ``pb``)."""
+    """What of ``pb_utils`` the responses layer uses (``backend/triton/stub/responses.py``'s ``pb``)."""
 
     TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     InferenceResponse, Tensor, TritonError = FakeResponse, FakeTensor, FakeError

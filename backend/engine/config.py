@@ -33,7 +33,7 @@ QUANTIZATIONS = (WeightFormat.Q4_1, WeightFormat.INT8)
 # The weights a model can run on, as the tools' --quantization and --formats name them: the checkpoint's in bf16
 # (quantization none), or a quantization.
 WEIGHT_FORMATS = (WeightFormat.BF16, *QUANTIZATIONS)
-# The GGUF's quantized tensors beside a converted checkpoint (backend/tools/prepare_model.py writes them, q4_1 serves
+# The GGUF's quantized tensors beside a converted checkpoint (tools/prepare_model.py writes them, q4_1 serves
 # them): uint8 [N, row bytes] under the checkpoint's names, each one's format (quantized_linear's) in the metadata.
 GGUF_BLOCKS = Path("quantized") / "gguf_blocks.safetensors"
 

@@ -1,4 +1,4 @@
-"""The launcher (backend.triton.launcher.serve) and model preparation (backend.tools.prepare_model).
+"""The launcher (backend.triton.launcher.serve) and model preparation (tools.prepare_model).
 
 Server tests start a real tritonserver on a small Python-backend repository written here: ``upper`` (one
 response per request) and ``words`` (decoupled: one response per word, then an empty final response).

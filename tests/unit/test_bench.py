@@ -1,21 +1,21 @@
-"""``backend.tools.bench`` end to end on the tiny random Llama with the smallest settings: it runs and writes every
+"""``bench.engine`` end to end on the tiny random Llama with the smallest settings: it runs and writes every
 key."""
 
 from __future__ import annotations
 
 import json
 
-from backend.tools import bench
+from bench import engine, engine_table
 
 
 def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
-    settings = bench.BenchSettings(
+    settings = engine.BenchSettings(
         model=str(tiny_llama_dir), dtype="float32", threads=2, batches=(1, 2), hf_batches=(1,), prompt_len=8,
         new_tokens=4, repeats=1, workload_requests=6, workload_prompt_range=(4, 24), workload_short_range=(2, 4),
         workload_long_range=(8, 10), workload_long_share=0.3, workload_max_num_seqs=2, scheduler_seqs=8, quick=True,
         served_models=("llm_continuous",), mixed_cases=((2, 8), (3, 40)), mixed_rounds=1,
     )
-    result = bench.run_bench(settings, log=lambda msg: None)
+    result = engine.run_bench(settings, log=lambda msg: None)
     out = tmp_path / "bench.json"
     out.write_text(json.dumps(result))
     result = json.loads(out.read_text())
@@ -65,7 +65,7 @@ def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
     assert {"us_per_step", "share_of_step", "step_ms", "step_source"} <= set(scheduler)
     assert scheduler["us_per_step"] > 0 and 0 < scheduler["share_of_step"] < 1
 
-    table = bench.format_table(result)
+    table = engine_table.format_table(result)
     assert "continuous / static" in table and "served / offline" in table and "x floor" in table
     assert "mixed / parts" in table
     assert "Speed targets, judged on this run's figures" in table

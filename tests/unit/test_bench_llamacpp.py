@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from backend.tools import bench
-from backend.tools.bench_llamacpp import (
+from bench import engine_table, engine_targets
+from bench.llamacpp import (
     LlamaCppWorkload,
     completion_body,
     default_gguf,
@@ -158,7 +158,7 @@ def test_column_says_how_to_make_a_missing_gguf(tmp_path):
         llamacpp_column(tmp_path / "bin" / "llama-server", "models/tiny", 2, (1,), [[1, 2]], 4, 1, 0)
 
 
-# ---- the target and the table in bench.py ---------------------------------------------------------------------------
+# ---- the target (bench/engine_targets.py) and the table (bench/engine_table.py) --------------------------------------
 
 
 def fake_result(served_itl: dict[int, float] | None, llamacpp_itl: dict[int, float] | None) -> dict:
@@ -195,7 +195,7 @@ def fake_result(served_itl: dict[int, float] | None, llamacpp_itl: dict[int, flo
                 for b, ms in llamacpp_itl.items() for t in (0.0, 1.0)]
         result["llamacpp"] = {"version": "1 (x)", "gguf": "/a/m-bf16.gguf", "threads": 2, "num_slots": 8,
                               "prompt_len": 64, "new_tokens": 32, "runs": runs}
-    result["targets"] = bench.judge_targets(result)
+    result["targets"] = engine_targets.judge_targets(result)
     return result
 
 
@@ -227,11 +227,11 @@ def test_target_not_judged_without_both_columns():
 
 
 def test_table_sets_llama_cpp_beside_the_served_itl():
-    table = bench.format_table(fake_result({1: 20.0, 8: 26.0}, {1: 17.5, 8: 55.0}))
+    table = engine_table.format_table(fake_result({1: 20.0, 8: 26.0}, {1: 17.5, 8: 55.0}))
     assert "2b. llama.cpp's llama-server (1 (x)) on m-bf16.gguf: 64-token prompts" in table
     row = next(line.split() for line in table.splitlines() if line.split()[:2] == ["8", "greedy"]
                and "55.0" in line)
     assert row[2] == "55.0" and row[-2] == "26.0" and row[-1] == f"{55 / 26:.2f}x"
-    table = bench.format_table(fake_result(None, {1: 17.5, 8: 55.0}))  # no served column: dashes, no crash
+    table = engine_table.format_table(fake_result(None, {1: 17.5, 8: 55.0}))  # no served column: dashes, no crash
     row = next(line.split() for line in table.splitlines() if line.split()[:2] == ["1", "greedy"])
     assert row[-2:] == ["-", "-"]

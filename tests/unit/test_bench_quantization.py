@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from backend.kernels.weight_format import WeightFormat
-from backend.tools import bench
-from backend.tools.bench_llamacpp import default_gguf, llamacpp_column
-from backend.tools.bench_served import served_repository
 from backend.triton.launcher import config_text
+from bench import engine, engine_table
+from bench.llamacpp import default_gguf, llamacpp_column
+from bench.served import served_repository
 from tests.unit.test_bench_llamacpp import fake_result
 
 SERVER = "/a/.llamacpp/bin/llama-server"
@@ -53,14 +53,14 @@ class Captured(Exception):
     pass
 
 
-def settings_of(argv: list[str], monkeypatch) -> bench.BenchSettings:
-    """The settings ``bench.main`` would run, without running them."""
+def settings_of(argv: list[str], monkeypatch) -> engine.BenchSettings:
+    """The settings ``engine.main`` would run, without running them."""
     def run_bench(settings, log=print):
         raise Captured(settings)
 
-    monkeypatch.setattr(bench, "run_bench", run_bench)
+    monkeypatch.setattr(engine, "run_bench", run_bench)
     with pytest.raises(Captured) as caught:
-        bench.main(argv)
+        engine.main(argv)
     return caught.value.args[0]
 
 
@@ -75,9 +75,9 @@ def test_bench_options_reach_the_settings(monkeypatch):
     assert quantized.llamacpp == SERVER and quantized.llamacpp_gguf == "/g/m-q4_1.gguf"
     assert settings_of(["--quantization", "int8"], monkeypatch).quantization is WeightFormat.INT8
     with pytest.raises(SystemExit):
-        bench.main(["--quantization", "q4_0"])
+        engine.main(["--quantization", "q4_0"])
     with pytest.raises(SystemExit):  # a GGUF without the server that would serve it
-        bench.main(["--llamacpp-gguf", "/g/m-q4_1.gguf"])
+        engine.main(["--llamacpp-gguf", "/g/m-q4_1.gguf"])
 
 
 def test_served_copies_run_the_format(tmp_path):
@@ -95,11 +95,11 @@ def test_served_copies_run_the_format(tmp_path):
 
 def test_the_table_says_the_format():
     result = fake_result({1: 17.0, 8: 30.0}, {1: 15.0, 8: 60.0})
-    table = bench.format_table(result)
+    table = engine_table.format_table(result)
     assert table.splitlines()[0].startswith("model m  weights bf16  dtype bfloat16")  # an older result: bf16
     result["config"]["quantization"] = "q4_1"
     result["llamacpp"]["gguf"] = "/a/m-q4_1.gguf"
-    lines = bench.format_table(result).splitlines()
+    lines = engine_table.format_table(result).splitlines()
     assert lines[0].startswith("model m  weights q4_1  dtype bfloat16")
     assert any(line.startswith("1. Fixed batches") and "the engine on q4_1 weights, HF generate on bf16" in line
                for line in lines)

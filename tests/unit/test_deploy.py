@@ -174,14 +174,14 @@ def test_triton_image_prepares_the_model_from_what_its_early_layer_copies(tmp_pa
     tail = max(i for i, (k, _) in enumerate(instructions) if k == "FROM")
     for keyword, arguments in instructions[tail:prepare]:
         words = [w for w in shlex.split(arguments) if not w.startswith("--")]
-        if keyword != "COPY" or not words[0].startswith("backend/"):
+        if keyword != "COPY" or not words[0].startswith(("backend/", "tools/")):
             continue
         for source in words[:-1]:
             target = tmp_path / words[-1]
             target.mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / source, target / Path(source).name)
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", "import backend.tools.prepare_model"], cwd=tmp_path,
+    result = subprocess.run([sys.executable, "-c", "import tools.prepare_model"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
 

@@ -1,4 +1,4 @@
-"""tests/gpu/gpu_check.py runs end to end on a CPU: ``--dry-run`` takes every section (kernel tests, engine vs HF,
+"""bench/gpu_check.py runs end to end on a CPU: ``--dry-run`` takes every section (kernel tests, engine vs HF,
 decode bandwidth, tokens/s) through TRITON_INTERPRET=1, a tiny random Llama and tiny sizes. Its figures mean nothing;
 what is checked is that the script a GPU machine will run works, and that its results file has the promised shape.
 """
@@ -15,7 +15,7 @@ from tests.server_harness import REPO_ROOT
 @pytest.mark.slow
 def test_gpu_check_dry_run_writes_its_results(tmp_path, smollm2_dir):
     out = tmp_path / "gpu_check.json"
-    cmd = [sys.executable, "-m", "tests.gpu.gpu_check", "--dry-run", "--model", str(smollm2_dir), "--out", str(out)]
+    cmd = [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--model", str(smollm2_dir), "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert f"results written to {out}" in proc.stdout

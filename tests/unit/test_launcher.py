@@ -1,4 +1,4 @@
-"""The launcher (backend.triton.launcher.serve) and model preparation (backend.tools.prepare_model), without a server:
+"""The launcher (backend.triton.launcher.serve) and model preparation (tools.prepare_model), without a server:
 the errors a user gets before tritonserver starts, the wheel's layout, the fixtures' models.
 
 tests/server/test_launcher.py starts real tritonservers.
@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from backend.contract.settings import DEFAULT_MODEL
-from backend.tools import prepare_model
 from backend.triton.launcher.launch_options import LauncherError, free_ports
 from backend.triton.launcher.processes import ChildProcess
 from backend.triton.launcher.server_home import find_stub, prepare_server_home, server_distribution, stub_versions
 from tests.server_harness import LOCALHOST, REPO_ROOT
+from tools import prepare_model
 
 
 def fake_model_folder(path: Path) -> Path:

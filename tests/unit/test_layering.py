@@ -18,8 +18,8 @@ LAYERS = [
     # What runs inside Triton's Python-backend stub (the models and what they import), and what runs tritonserver.
     ("Triton stub", ("backend/triton/stub", "model_repository"), ("backend.triton.stub", "model_repository")),
     ("launcher", ("backend/triton/launcher",), ("backend.triton.launcher",)),
-    ("tools, frontends and load tests", ("backend/tools", "frontend", "loadtest", "client"),
-     ("backend.tools", "frontend", "loadtest", "client")),
+    ("tools, frontends and load tests", ("bench", "tools", "frontend", "loadtest", "client"),
+     ("bench", "tools", "frontend", "loadtest", "client")),
 ]
 
 

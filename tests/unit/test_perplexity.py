@@ -1,4 +1,4 @@
-"""The perplexity tool (backend/tools/perplexity.py): llama-perplexity's chunking, and its two ways through the
+"""The perplexity tool (bench/perplexity.py): llama-perplexity's chunking, and its two ways through the
 engine, one prefill per chunk and one decode step per scored token, which must score the same numbers (the tiny
 random Llama in float32, where the two paths differ only by the order of float32 sums)."""
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from backend.tools import perplexity
+from bench import perplexity
 
 
 def test_chunks_are_cut_as_llama_perplexity_cuts_them():

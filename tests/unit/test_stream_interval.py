@@ -247,7 +247,7 @@ def test_the_settings_validate_themselves_and_are_not_engine_settings(smollm2_di
 
 
 def test_the_served_bench_counts_a_response_of_k_tokens_as_k_gaps_of_its_interval():
-    from backend.tools.bench_served import spread_tokens
+    from bench.served import spread_tokens
 
     assert spread_tokens(1.0, 1.3, 3) == pytest.approx([1.1, 1.2, 1.3])  # grouped: three gaps of 0.1 s
     assert spread_tokens(1.0, 1.1, 1) == [1.1]  # one token per response: its arrival, as before

@@ -54,7 +54,7 @@ def check_model_folder(path: str | os.PathLike) -> Path:
         what = "does not exist" if not path.exists() else "has no config.json"
         raise LauncherError(
             f"model folder {path} {what}; prepare it with `make model` "
-            f"(python -m backend.tools.prepare_model --out {DEFAULT_MODEL})"
+            f"(python -m tools.prepare_model --out {DEFAULT_MODEL})"
         )
     return path
 

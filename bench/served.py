@@ -35,7 +35,7 @@ from backend.triton.launcher.processes import process_group_members
 from backend.triton.launcher.server import TritonServer, start_on_free_ports
 from client.schema import GenerationRequest, build_inputs
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVED_MODELS = (CONTINUOUS, DYNAMIC)
 # The dynamic batcher waits this long for a whole workload's requests (they are sent back to back, within
 # milliseconds; the shipped 2 ms would split a batch of 64 and serialise it).

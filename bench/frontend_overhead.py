@@ -1,6 +1,6 @@
 """The OpenAI frontend's own cost, beside direct gRPC to the same Triton model, in one run (a benchmark, not a test).
 
-    python -m frontend.openai.bench [--model-dir models/smollm2-135m-instruct] [--rounds 8] [--tokens 128]
+    python -m bench.frontend_overhead [--model-dir models/smollm2-135m-instruct] [--rounds 8] [--tokens 128]
 
 Starts tritonserver (``llm_continuous`` only) and the frontend beside it, then at 1 and 8 concurrent streams sends
 rounds of requests (each exactly ``--tokens`` new tokens, ``ignore_eos``, greedy, the same prompt) straight to
@@ -130,7 +130,7 @@ def run_round(pool: ThreadPoolExecutor, send, concurrency: int) -> tuple[float, 
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m frontend.openai.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.frontend_overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-dir", default=DEFAULT_MODEL)
     p.add_argument("--tokens", type=int, default=128)

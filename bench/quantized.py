@@ -1,7 +1,7 @@
 """Quantized weights beside bf16, in one run: the decode step per format and batch, the weights' memory and the KV
 blocks it frees, and greedy agreement with bf16.
 
-    flock /tmp/llm-bench.lock python -m backend.tools.bench_quantized --model models/smollm2-135m-instruct \\
+    flock /tmp/llm-bench.lock python -m bench.quantized --model models/smollm2-135m-instruct \\
         [--formats bf16,q4_1,int8] [--batches 1,8,32,64] [--repeats 3] [--out reports/bench_quantized.json]
 
 One engine per format, all loaded in this process; at each batch size the formats take turns (their order rotated
@@ -26,11 +26,10 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 import torch  # noqa: E402
 
 from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
-from backend.engine.config import WEIGHT_FORMATS, EngineConfig, SamplingParams  # noqa: E402
+from backend.engine.config import WEIGHT_FORMATS, SamplingParams  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
-from backend.tools.bench import _median_ms, _timed_generate, random_prompts  # noqa: E402
-from backend.tools.bench import held_weight_bytes as weight_bytes  # noqa: E402
+from bench.engines import fixed_batch_engine, held_weight_bytes, median_ms, random_prompts, timed_generate  # noqa: E402
 
 PROMPTS = (
     "What is the capital of France?",
@@ -43,14 +42,6 @@ PROMPTS = (
 
 
 BF16 = WeightFormat.BF16  # the baseline every format is measured against
-
-
-def build(model: str, fmt: WeightFormat, threads: int, batch: int, prompt_len: int, new_tokens: int) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=model, quantization=fmt if fmt.quantized else None, num_threads=threads, max_num_seqs=batch,
-        max_num_batched_tokens=max(2048, batch * prompt_len), max_model_len=prompt_len + new_tokens + 16,
-        num_kv_blocks=batch * -(-(prompt_len + new_tokens + 16) // 16) + 16,
-    ))
 
 
 def greedy_agreement(engines: dict[WeightFormat, LLMEngine], max_tokens: int) -> dict:
@@ -73,25 +64,22 @@ def greedy_agreement(engines: dict[WeightFormat, LLMEngine], max_tokens: int) ->
 
 def run(args: argparse.Namespace, log=print) -> dict:
     formats, batches = args.formats, args.batches
-    engines = {fmt: build(args.model, fmt, args.threads, max(batches), args.prompt_len, args.new_tokens)
-               for fmt in formats}
+    engines = {fmt: fixed_batch_engine(args.model, fmt, max(batches), args.prompt_len, args.new_tokens,
+                                       num_threads=args.threads) for fmt in formats}
     bf16 = engines[BF16]
     block_bytes = bf16.config.block_bytes
-    memory = {fmt: {"weight_mib": weight_bytes(e) / 2**20,
-                    "kv_blocks_gained": (weight_bytes(bf16) - weight_bytes(e)) // block_bytes}
+    memory = {fmt: {"weight_mib": held_weight_bytes(e) / 2**20,
+                    "kv_blocks_gained": (held_weight_bytes(bf16) - held_weight_bytes(e)) // block_bytes}
               for fmt, e in engines.items()}
     vocab = bf16.runner.shape.vocab_size
-    warm_up = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    for engine in engines.values():
-        engine.generate(random_prompts(2, args.prompt_len, vocab, 99), warm_up)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     steps: dict[WeightFormat, dict[int, float]] = {fmt: {} for fmt in formats}
     for batch in batches:
         prompts = random_prompts(batch, args.prompt_len, vocab, batch)
         for repeat in range(args.repeats):
             for fmt in formats[repeat % len(formats):] + formats[: repeat % len(formats)]:
-                _, records = _timed_generate(engines[fmt], prompts, params, batch)
-                step = _median_ms(records)
+                _, records = timed_generate(engines[fmt], prompts, params, batch)
+                step = median_ms(records)
                 steps[fmt][batch] = min(steps[fmt].get(batch, float("inf")), step)
         log(f"B={batch}: " + ", ".join(f"{fmt} {steps[fmt][batch]:.2f} ms" for fmt in formats))
     agreement = greedy_agreement(engines, args.agreement_tokens)

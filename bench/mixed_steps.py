@@ -20,8 +20,9 @@ import random
 import statistics
 from collections.abc import Callable
 
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import SamplingParams
 from backend.engine.llm_engine import LLMEngine
+from bench.engines import build_engine
 
 ARMS = ("decode", "prefill", "mixed")
 PHASES = ("prepare", "forward", "sample")
@@ -37,11 +38,11 @@ def mixed_step_breakdown(
     max_decodes = max(n for n, _ in cases)
     max_chunk = max(c for _, c in cases)
     num_steps = (rounds + 1) * len(ARMS) * len(cases)  # every arm's step makes each decoding request one token longer
-    engine = LLMEngine(EngineConfig(
-        model=model, dtype=dtype, num_threads=threads, max_num_seqs=max_decodes + 1,
+    engine = build_engine(
+        model, quantization, dtype=dtype, num_threads=threads, max_num_seqs=max_decodes + 1,
         max_num_batched_tokens=max(2048, max_decodes * context, max_decodes + max_chunk),
-        max_model_len=context + num_steps + max_chunk + 16, seed=seed, quantization=quantization,
-    ))
+        max_model_len=context + num_steps + max_chunk + 16, seed=seed,
+    )
     vocab = engine.runner.shape.vocab_size
     rng = random.Random(seed)
     prompt = lambda n: [rng.randrange(100, vocab - 100) for _ in range(n)]  # noqa: E731

@@ -6,7 +6,7 @@ converts from the same Hugging Face folder; with ``quantization="q4_1"`` the Q4_
 ``new_tokens`` new tokens (``ignore_eos``), greedy or sampled. A workload is ``batch`` streaming ``/completion``
 requests released together (one thread and one HTTP connection each) into a server with one slot per stream of the
 largest batch and continuous batching on.
-The inter-token latency (ITL) is measured on the client as ``bench_served`` measures it: the median gap between two
+The inter-token latency (ITL) is measured on the client as ``bench.served`` measures it: the median gap between two
 consecutive tokens of a stream, over every stream once the first two tokens are out.
 
 Only the standard library speaks HTTP here, only to 127.0.0.1, and every read has a timeout.
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend.kernels.weight_format import WeightFormat
-from backend.tools.bench_served import _cpu_seconds
+from bench.served import _cpu_seconds
 
 HOST = "127.0.0.1"
 TEMPERATURES = (0.0, 1.0)  # greedy, and plain sampling (no top-k/top-p/min-p cut), as the served column runs

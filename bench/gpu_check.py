@@ -13,7 +13,7 @@ Results go to a JSON file (written after every section, so a timeout keeps what 
 ``--dry-run`` runs every section on the CPU with ``TRITON_INTERPRET=1``, a tiny random Llama and tiny sizes: the
 figures mean nothing, but every line of the script runs (tests/unit/test_gpu_check.py calls it).
 
-    python -m tests.gpu.gpu_check [--model models/smollm2-135m-instruct] [--out reports/gpu_check.json]
+    python -m bench.gpu_check [--model models/smollm2-135m-instruct] [--out reports/gpu_check.json]
 """
 
 import argparse
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from backend.contract.settings import DEFAULT_MODEL
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 E2E_PROMPTS = [
     "The history of the printing press begins",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -155,21 +155,21 @@ def engine_vs_hf(model: Path, device, dry_run: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from backend.engine.attention.triton_backend import TritonAttention
-    from backend.engine.config import EngineConfig, SamplingParams
-    from backend.engine.llm_engine import LLMEngine
+    from backend.engine.config import SamplingParams
     from backend.engine.tokenizer import load_tokenizer
+    from bench.engines import build_engine
 
     new_tokens = 6 if dry_run else 32
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     report = {}
     for dtype in ("float32", "bfloat16"):
-        base = dict(model=str(model), device=device.type, dtype=dtype, block_size=16, max_model_len=512, max_num_seqs=8)
+        base = dict(device=device.type, dtype=dtype, block_size=16, max_model_len=512, max_num_seqs=8)
         kv = dict(num_kv_blocks=64) if dry_run else dict(gpu_memory_utilization=0.3)  # sizing from free memory
         variants = {"as_wired": dict(max_num_batched_tokens=2048), "all_kernels": dict(max_num_batched_tokens=16)}
         engine = None
         ours = {}
         for name, overrides in variants.items():
-            engine = LLMEngine(EngineConfig(**base, **kv, **overrides))
+            engine = build_engine(model, **base, **kv, **overrides)
             backend = TritonAttention() if name == "all_kernels" else engine.runner.model.attention
             with attention_backend(engine, backend):
                 ours[name] = [c.token_ids for c in engine.generate(E2E_PROMPTS, params)]
@@ -302,17 +302,17 @@ def throughput(model: Path, device, dry_run: bool, deadline: float) -> dict:
 
     from backend.engine.attention import TorchAttention
     from backend.engine.attention.triton_backend import TritonAttention
-    from backend.engine.config import EngineConfig, SamplingParams
-    from backend.engine.llm_engine import LLMEngine
+    from backend.engine.config import SamplingParams
+    from bench.engines import blocks_for, build_engine
 
     batches = [1, 2] if dry_run else [1, 32, 128, 256]
     prompt_len, new_tokens = (8, 4) if dry_run else (64, 128)
     dtype = "float32" if dry_run else "bfloat16"
-    engine = LLMEngine(EngineConfig(
-        model=str(model), device=device.type, dtype=dtype, block_size=16, max_num_seqs=max(batches),
+    engine = build_engine(
+        model, device=device.type, dtype=dtype, block_size=16, max_num_seqs=max(batches),
         max_num_batched_tokens=8192, max_model_len=prompt_len + new_tokens + 16,
-        num_kv_blocks=max(batches) * triton_cdiv(prompt_len + new_tokens, 16) + 8,
-    ))
+        num_kv_blocks=max(batches) * blocks_for(prompt_len + new_tokens) + 8,
+    )
     hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype)).to(device).eval()
     vocab = engine.runner.shape.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -360,10 +360,6 @@ def throughput(model: Path, device, dry_run: bool, deadline: float) -> dict:
         "dtype": dtype, "prompt_len": prompt_len, "new_tokens": new_tokens,
         "attention": engine.runner.model.attention.name, "compared_with": other.name, "rows": rows,
     }
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Models of one server under load at once, through real tritonservers: each model's inter-token gap and tokens/s
 beside the same model alone, for each way of sharing the cores, in one run.
 
-    python -m backend.tools.bench_shared_served [--arms divide,off,passive] [--users 4] [--phase-s 20] [--rounds 2]
+    python -m bench.shared_served [--arms divide,off,passive] [--users 4] [--phase-s 20] [--rounds 2]
         [--out reports/shared_served.json]
 
 One server per arm, all started before the first phase (the models load once, then sleep while another arm is
@@ -28,12 +28,12 @@ from pathlib import Path
 
 from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, STATIC
 from backend.contract.settings import DEFAULT_MODEL
-from backend.tools.bench_shared_cores import write_result
 from backend.triton.launcher.launch_options import copy_model_repository
 from backend.triton.launcher.server import start_on_free_ports
+from bench.shared_cores import write_result
 from client.grpc_stream import generate
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 # arm -> (the engines' core_sharing, environment of the server)
 ARMS = {
     "divide": ("divide", {}),

@@ -1,7 +1,7 @@
 """Engines that share the cores: N engines (1, 2, 4), each in its own process, stepping decode batches at once,
 per-engine step time against the same engine alone, for each way of sharing, in one run.
 
-    python -m backend.tools.bench_shared_cores --model models/smollm2-135m-instruct [--engines 1,2,4]
+    python -m bench.shared_cores --model models/smollm2-135m-instruct [--engines 1,2,4]
         [--batch 4] [--seconds 5] [--rounds 3] [--arms divide,step_lock,off,passive] [--out reports/shared_cores.json]
 
 Each process is what a Triton model instance is: its own engine and OpenMP team, its threads spinning between a
@@ -45,12 +45,11 @@ def _worker(conn, model: str, batch: int, registry: str, passive: bool) -> None:
     from backend.engine.openmp import set_wait_policy
 
     set_wait_policy()  # NOTE: before torch is imported, as in every process that builds an engine
-    from backend.engine.config import EngineConfig, SamplingParams
-    from backend.engine.llm_engine import LLMEngine
+    from backend.engine.config import SamplingParams
     from backend.engine.shared_cores import CoreRegistry, SharedCores
+    from bench.engines import build_engine
 
-    engine = LLMEngine(EngineConfig(model=model, max_num_seqs=batch, num_kv_blocks=64 * batch, max_model_len=1024,
-                                    core_sharing="off"))
+    engine = build_engine(model, max_num_seqs=batch, num_kv_blocks=64 * batch, max_model_len=1024, core_sharing="off")
     shared = CoreRegistry(registry)
     prompt = list(range(1000, 1032))
     params = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
