@@ -102,15 +102,18 @@ def test_copy_model_repository_sets_parameters_and_leaves_an_unchanged_copy_as_i
     # A JSON value (fault injection) is written as the text format quotes it, and read back as it was.
     faults = json.dumps({"stall": "a \"quoted\" \\ prompt"})
     copy_model_repository(tmp_path / "set", [DYNAMIC, ITERATIVE], {"fault_injection": faults, "max_num_seqs": "2"})
-    for model in (DYNAMIC, ITERATIVE):
-        config = config_text.load(tmp_path / "set" / model / "config.pbtxt")
-        assert json.loads(config_text.parameter(config, "fault_injection")) == json.loads(faults)
-        assert config_text.parameter(config, "max_num_seqs") == "2"
-        del config.parameters["fault_injection"]
-        config.parameters["max_num_seqs"].string_value = "8"
-        assert config == shipped(model)  # nothing else changed
-        assert (tmp_path / "set" / model / "1" / "model.py").is_file()
     copy_model_repository(tmp_path / "as_is", [STATIC, CONTINUOUS])
-    for model in (STATIC, CONTINUOUS):
-        assert (tmp_path / "as_is" / model / "config.pbtxt").read_text() == (
-            SHIPPED / model / "config.pbtxt").read_text()
+    for folder, model in ((tmp_path / "set", DYNAMIC), (tmp_path / "set", ITERATIVE),
+                          (tmp_path / "as_is", STATIC), (tmp_path / "as_is", CONTINUOUS)):
+        config = config_text.load(folder / model / "config.pbtxt")
+        if folder.name == "set":
+            assert json.loads(config_text.parameter(config, "fault_injection")) == json.loads(faults)
+            assert config_text.parameter(config, "max_num_seqs") == "2"
+            del config.parameters["fault_injection"]
+            config.parameters["max_num_seqs"].string_value = "8"
+        # the shipped relative model folder, read against the repository it came from, wherever the copy lies
+        shipped_folder = config_text.parameter(shipped(model), "model")
+        assert config_text.parameter(config, "model") == str(SHIPPED.parent / shipped_folder)
+        config.parameters["model"].string_value = shipped_folder
+        assert config == shipped(model)  # nothing else changed
+        assert (folder / model / "1" / "model.py").is_file()

@@ -74,9 +74,13 @@ def copy_model_repository(
     dst = Path(dst)
     for model in models:
         shutil.copytree(Path(source) / model, dst / model, ignore=shutil.ignore_patterns("__pycache__"))
-        if parameters:
-            with config_text.edit(dst / model / "config.pbtxt") as config:
-                config_text.set_parameters(config, parameters)
+        with config_text.edit(dst / model / "config.pbtxt") as config:
+            # NOTE: a relative model folder is read against the folder holding the repository
+            # (stub/model_config.py): the copy names the source's folder, wherever the copy lies.
+            folder = config_text.parameter(config, "model")
+            if folder and not Path(folder).expanduser().is_absolute():
+                config_text.set_parameters(config, {"model": str(Path(source).resolve().parent / folder)})
+            config_text.set_parameters(config, parameters or {})
     return dst
 
 
