@@ -1,0 +1,159 @@
+"""The result tables of the README and ``docs/``, written from records.
+
+A table in a Markdown file stands between two markers that name its record(s) and the table inside each::
+
+    <!-- record-table: records/runs/compare-default-zen4.json#summary columns=model,output_tok_s -->
+    (generated: do not edit)
+    <!-- /record-table -->
+
+``columns=`` picks and orders columns by key (default: all). With more than one source the rows of each are put one
+after the other under a first column that names the CPU, so figures of two machines stand side by side. Under every
+table, one line per record says where its figures came from: command, commit, date and CPU.
+
+    python -m records.tables           # rewrite every marked table in README.md and docs/*.md
+    python -m records.tables --check   # exit 1 and show the difference if any table is not what its record gives
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from records.provenance import REPO_ROOT, cpu_label
+from records.record import Column, Record
+
+BEGIN = re.compile(r"^<!-- record-table: (?P<spec>.+?) -->\n", re.M)
+END = "<!-- /record-table -->"
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str  # relative to the repository
+    table: str
+
+
+@dataclass(frozen=True)
+class Spec:
+    sources: tuple[Source, ...]
+    columns: tuple[str, ...] | None
+
+    @classmethod
+    def parse(cls, text: str) -> "Spec":
+        sources, columns = [], None
+        for word in text.split():
+            if word.startswith("columns="):
+                columns = tuple(k for k in word.removeprefix("columns=").split(",") if k)
+            elif "#" in word:
+                path, _, table = word.partition("#")
+                sources.append(Source(path, table))
+            else:
+                raise ValueError(f"record-table marker: {word!r} is neither PATH#TABLE nor columns=...")
+        if not sources:
+            raise ValueError(f"record-table marker names no record: {text!r}")
+        return cls(tuple(sources), columns)
+
+
+def short_cpu(cpu_fields: dict) -> str:
+    core = cpu_fields.get("core")
+    amx = "AMX" if cpu_fields.get("isa", {}).get("amx_tile") else "no AMX"
+    return f"{cpu_fields.get('model', '?')} ({core + ', ' if core else ''}{amx})"
+
+
+def stamp(record: Record, source: Source, doc: Path, root: Path) -> str:
+    p = record.provenance
+    commit = (p.get("commit") or "unknown")[:7] + (" with uncommitted changes" if p.get("dirty") else "")
+    link = Path(*([".."] * len(doc.relative_to(root).parts[:-1])), source.path).as_posix()
+    return (f"<sub>`{record.command}` at commit {commit}, {p.get('date', '?')[:10]}, {cpu_label(p.get('cpu', {}))}: "
+            f"[{source.path}]({link})</sub>")
+
+
+def render(spec: Spec, doc: Path, root: Path = REPO_ROOT) -> str:
+    records = [(source, Record.read(root / source.path)) for source in spec.sources]
+    first = _table(records[0][1], records[0][0])
+    keys = spec.columns or tuple(c.key for c in first.columns)
+    columns = _columns(first.columns, keys, records[0][0])
+    several = len(records) > 1
+    header = (["CPU"] if several else []) + [c.header for c in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for source, record in records:
+        table = _table(record, source)
+        cells_of = _columns(table.columns, keys, source)
+        cpu = [short_cpu(record.provenance.get("cpu", {}))] if several else []
+        lines += ["| " + " | ".join(cpu + [c.cell(row) for c in cells_of]) + " |" for row in table.rows]
+    lines.append("")
+    lines += [stamp(record, source, doc, root) + ("<br>" if i < len(records) - 1 else "")
+              for i, (source, record) in enumerate(records)]
+    return "\n".join(lines) + "\n"
+
+
+def _table(record: Record, source: Source):
+    if source.table not in record.tables:
+        raise ValueError(f"{source.path} has no table {source.table!r} (it has {sorted(record.tables)})")
+    return record.tables[source.table]
+
+
+def _columns(columns: list[Column], keys: tuple[str, ...], source: Source) -> list[Column]:
+    by_key = {c.key: c for c in columns}
+    missing = [k for k in keys if k not in by_key]
+    if missing:
+        raise ValueError(f"{source.path}#{source.table} has no column {missing} (it has {list(by_key)})")
+    return [by_key[k] for k in keys]
+
+
+def regenerate(text: str, doc: Path, root: Path = REPO_ROOT) -> str:
+    """``text`` with every marked table written anew from its records."""
+    out, at = [], 0
+    for match in BEGIN.finditer(text):
+        if match.start() < at:
+            continue
+        end = text.find(END, match.end())
+        if end < 0:
+            raise ValueError(f"{doc}: a record-table marker has no {END}")
+        out += [text[at:match.end()], render(Spec.parse(match["spec"]), doc, root)]
+        at = end
+    out.append(text[at:])
+    return "".join(out)
+
+
+def documents(root: Path = REPO_ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def stale(root: Path = REPO_ROOT) -> dict[Path, str]:
+    """Each document whose tables differ from what their records give, with the difference."""
+    found = {}
+    for doc in documents(root):
+        text = doc.read_text()
+        new = regenerate(text, doc, root)
+        if new != text:
+            rel = doc.relative_to(root).as_posix()
+            found[doc] = "".join(difflib.unified_diff(text.splitlines(True), new.splitlines(True), rel,
+                                                      rel + " (from records)"))
+    return found
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m records.tables", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table differs from its record")
+    args = p.parse_args(argv)
+    differences = stale()
+    if args.check:
+        for diff in differences.values():
+            sys.stdout.write(diff)
+        if differences:
+            print(f"{len(differences)} document(s) hold tables that differ from their records: "
+                  "run `python -m records.tables`")
+        return 1 if differences else 0
+    for doc in differences:
+        doc.write_text(regenerate(doc.read_text(), doc))
+        print(f"wrote {doc.relative_to(REPO_ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
