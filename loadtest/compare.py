@@ -42,6 +42,7 @@ from backend.contract.names import DYNAMIC, MODELS
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, live, report, runner
 from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, get_workload
+from records.record import Record
 
 # llm_dynamic at its best on the development machine (2 cores): two instances of 8 seats, the shipped 2 ms delay. Of
 # 1x8@2000 (shipped), 2x4@2000, 2x8@2000, 1x8@50000 and 1x16@2000 at 8 and 16 users (`make compare ARGS="--models
@@ -210,6 +211,18 @@ def sweep(
     return runs
 
 
+def write_record(record: Record, built: dict, meta: dict, out_dir: Path) -> Path:
+    """``record.json``: the run's provenance, settings and every load point's figures, the baseline's rows beside
+    the others' (keep it in records/runs/ to put its table in the docs)."""
+    columns = report.record_columns()
+    keys = {c.key for c in columns}
+    record.settings.update({"workload": meta["workload"], "configs": meta.get("configs"), "slo": meta["slo"]})
+    record.add_table("load_points", columns, [{k: v for k, v in row.items() if k in keys} for row in built["rows"]],
+                     title="Every model at every load point")
+    record.notes.append(built["headline"])
+    return record.write(out_dir / "record.json")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     plan, points = make_plan(args)
@@ -217,6 +230,7 @@ def main(argv=None) -> int:
     out_dir = args.out / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out_dir.mkdir(parents=True, exist_ok=True)
     workload = get_workload(plan.workload, plan.length_scale)
+    record = Record.start(f"make compare{' --' + args.mode if args.mode != 'default' else ''}", vars(args))
     meta = {
         "started": dt.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv[1:] if argv is None else list(argv),
@@ -262,6 +276,7 @@ def main(argv=None) -> int:
     meta["duration_s"] = round(time.perf_counter() - started, 1)
     (out_dir / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}))
     built = report.build({"meta": meta, "runs": runs}, out_dir)
+    write_record(record, built, meta, out_dir)
     print()
     print(Path(built["md"]).read_text().split("## Every load point")[0].strip())
     print()

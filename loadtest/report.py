@@ -24,6 +24,7 @@ from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOT
 from loadtest import metrics, plots
 from loadtest.runner import BF16, weight_format
 from loadtest.stats import MIN_REQUESTS, MIN_WINDOW_S, headline, headline_point, is_measured, ratio, summarize
+from records.record import Column, format_value
 
 BASELINE, CANDIDATE = DYNAMIC, CONTINUOUS  # the headline: continuous batching against Triton's dynamic batcher
 # Iterative at this share of continuous's output tokens/s or more: the report says that iteration-level scheduling is
@@ -69,12 +70,12 @@ COLUMNS = [
 ]
 
 
-def fmt(value, spec: str) -> str:
-    if value is None:
-        return "–"
-    if spec == "ms":
-        return f"{value / 1000:.2f} s" if value >= 1000 else f"{value:.0f} ms"
-    return spec.format(value)
+fmt = format_value
+
+
+def record_columns() -> list[Column]:
+    """The per-load-point table's columns as a run's record keeps them."""
+    return [Column(key, heading, spec) for heading, key, spec in COLUMNS]
 
 
 def table_rows(rows: list[dict]) -> list[list[str]]:

@@ -17,22 +17,29 @@ from records.provenance import provenance
 SCHEMA = 1
 
 
+def format_value(value, spec: str = "{}") -> str:
+    """A figure as a table prints it: ``spec`` is a ``str.format`` spec, or ``"ms"`` for a duration in
+    milliseconds (printed in seconds from one second up); a missing figure is a dash."""
+    if value is None:
+        return "–"
+    if isinstance(value, str):
+        return value
+    if spec == "ms":
+        return f"{value / 1000:.2f} s" if value >= 1000 else f"{value:.0f} ms"
+    return spec.format(value)
+
+
 @dataclass(frozen=True)
 class Column:
-    """One column: ``key`` in each row, the header ``label``, and how a number is printed (a ``str.format`` spec;
-    a unit goes in the label)."""
+    """One column: ``key`` in each row, the header ``label``, and how a figure is printed (``format_value``'s
+    spec; a unit other than ms goes in the label)."""
 
     key: str
     label: str | None = None
     format: str = "{}"
 
     def cell(self, row: dict) -> str:
-        value = row.get(self.key)
-        if value is None:
-            return "–"
-        if isinstance(value, str):
-            return value
-        return self.format.format(value)
+        return format_value(row.get(self.key), self.format)
 
     @property
     def header(self) -> str:
