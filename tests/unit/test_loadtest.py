@@ -25,6 +25,7 @@ from loadtest.measure import Measurement, StreamError
 from loadtest.runner import REPO_ROOT, LoadPoint, Plan, Target, batcher_settings, measurement_window
 from loadtest.slo import verdict
 from loadtest.workloads import WORKLOADS, get_workload, make_request
+from records.record import Record
 
 FIXTURE = Path(__file__).parents[1] / "data" / "loadtest_results.json"
 
@@ -436,6 +437,23 @@ def test_report_builds_tables_and_plots_from_fixed_results(tmp_path):
     assert (
         dynamic4["num_failed"] == 0 and dynamic4["goodput_fraction"] == 0.0 and 2.5 < dynamic4["mean_batch_size"] < 3.5
     )
+
+
+@pytest.mark.timeout(60)
+def test_a_compare_run_records_what_its_report_prints(tmp_path):
+    """record.json holds every load point's figures with the report's own columns, and a table written from it
+    prints the cells the report prints."""
+    results = json.loads(FIXTURE.read_text())
+    built = report.build(results, tmp_path)
+    record = Record("make compare", {"mode": "quick"}, {"commit": "c" * 40, "date": "2026-12-03", "cpu": {}})
+    path = compare.write_record(record, built, results["meta"], tmp_path)
+    kept = Record.read(path)
+    table = kept.tables["load_points"]
+    assert [c.header for c in table.columns] == [heading for heading, _, _ in report.COLUMNS]
+    assert kept.settings["slo"] == results["meta"]["slo"] and kept.notes == [built["headline"]]
+    printed = [" | ".join(c.cell(row) for c in table.columns) for row in table.rows]
+    md = (tmp_path / "report.md").read_text()
+    assert len(printed) == 4 and all(f"| {line} |" in md for line in printed)
 
 
 @pytest.mark.timeout(10)
