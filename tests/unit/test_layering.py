@@ -15,6 +15,9 @@ LAYERS = [
     ("contract", ("backend/contract",), ("backend.contract",)),
     ("kernels", ("backend/kernels",), ("backend.kernels",)),
     ("engine", ("backend/engine",), ("backend.engine",)),
+    # What runs inside Triton's Python-backend stub (the models and what they import), and what runs tritonserver.
+    ("Triton stub", ("backend/triton/stub", "model_repository"), ("backend.triton.stub", "model_repository")),
+    ("launcher", ("backend/triton/launcher",), ("backend.triton.launcher",)),
     ("tools, frontends and load tests", ("bench", "tools", "frontend", "loadtest", "client", "records"),
      ("bench", "tools", "frontend", "loadtest", "client", "records")),
 ]
