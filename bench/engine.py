@@ -77,6 +77,7 @@ This module measures. Keys of the JSON file:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -100,6 +101,7 @@ from backend.engine.request import Request, RequestStatus  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest, Scheduler  # noqa: E402
 from backend.engine.stats import StepRecord  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
+from bench.engine_record import add_tables  # noqa: E402
 from bench.engine_table import format_table  # noqa: E402
 from bench.engine_targets import judge_targets  # noqa: E402
 from bench.engines import (  # noqa: E402
@@ -114,6 +116,8 @@ from bench.engines import (  # noqa: E402
 from bench.llamacpp import llamacpp_column  # noqa: E402
 from bench.mixed_steps import mixed_step_breakdown  # noqa: E402
 from bench.served import SERVED_MODELS, served_column  # noqa: E402
+from records.provenance import read_bandwidth_gbs  # noqa: E402
+from records.record import Record  # noqa: E402
 
 
 @dataclass
@@ -222,18 +226,6 @@ def fixed_batches(s: BenchSettings, log=print) -> tuple[list[dict], float, int]:
 
 
 # ---- the memory floor ---------------------------------------------------------------------------------------------
-
-
-def read_bandwidth_gbs(threads: int, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """The best read bandwidth of ``threads`` threads summing a buffer far larger than any cache (GB/s)."""
-    torch.set_num_threads(threads)
-    buffer = torch.ones(num_bytes // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return num_bytes / best / 1e9
 
 
 def memory_floor(s: BenchSettings, bandwidth_gbs: float, held_bytes: int | None = None) -> dict:
@@ -520,12 +512,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.hf_batches is not None:
         overrides["hf_batches"] = tuple(int(b) for b in args.hf_batches.split(",") if b)
     settings = (BenchSettings.quick_settings if args.quick else BenchSettings)(model=args.model, **overrides)
+    record = Record.start("make bench", {**vars(args), "settings": dataclasses.asdict(settings)})
     result = run_bench(settings, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_table(result))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwritten to {out}")
+    kept = add_tables(record, result).write(out.with_suffix(".record.json"))
+    print(f"\nwritten to {out}; the run's record to {kept}")
     return 0
 
 

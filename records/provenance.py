@@ -67,10 +67,6 @@ def cpu(text: str | None = None) -> dict:
     core = None
     if vendor == "AuthenticAMD" and family is not None and model is not None:
         core = next((name for f, models, name in _AMD_CORES if f == family and model in models), None)
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
     return {
         "model": info.get("model name", platform.processor() or platform.machine()),
         "vendor": vendor,
@@ -78,8 +74,15 @@ def cpu(text: str | None = None) -> dict:
         "model_number": model,
         "core": core,
         "isa": {flag: flag in flags for flag in ISA_FLAGS},
-        "cpus": usable,
+        "cpus": usable_cpus(),
     }
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def _int(value: str | None) -> int | None:
@@ -99,19 +102,25 @@ def memory_gib() -> float | None:
     return None
 
 
-def read_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
-    """One thread reading ``mib`` MiB (numpy's sum of float32), best of ``repeats``, in GB/s: decode is bound by
-    how fast the weights stream from memory, so this is the machine's ceiling for it at the time of the run."""
-    import numpy as np
+def read_bandwidth_gbs(threads: int | None = None, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """The best read bandwidth of ``threads`` threads (default: every usable CPU) summing a buffer far larger than
+    any cache, in GB/s: decode reads every weight once a step, so this is the machine's ceiling for it at the time
+    of the run (and ``make bench``'s memory floor)."""
+    import torch
 
-    data = np.ones(mib * 2**20 // 4, dtype=np.float32)
-    data.sum()  # touch every page before timing
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        data.sum()
-        best = min(best, time.perf_counter() - t0)
-    return round(data.nbytes / best / 1e9, 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or usable_cpus())
+    try:
+        buffer = torch.ones(num_bytes // 4, dtype=torch.float32)
+        buffer.sum()  # touch every page before timing
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            buffer.sum()
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return num_bytes / best / 1e9
 
 
 def versions() -> dict:
@@ -130,7 +139,7 @@ def provenance(measure_bandwidth: bool = True) -> dict:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu(),
         "memory_gib": memory_gib(),
-        "read_bandwidth_gbs": read_bandwidth_gbs() if measure_bandwidth else None,
+        "read_bandwidth_gbs": round(read_bandwidth_gbs(), 1) if measure_bandwidth else None,
         "os": f"{platform.system()} {platform.release()}",
         "versions": versions(),
     }

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from bench import engine, engine_table
+from bench import engine, engine_record, engine_table
+from records.record import Record
 
 
 def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
@@ -69,3 +70,14 @@ def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
     assert "continuous / static" in table and "served / offline" in table and "x floor" in table
     assert "mixed / parts" in table
     assert "Speed targets, judged on this run's figures" in table
+
+    record = engine_record.add_tables(Record("make bench", {}, {}), result)
+    assert set(record.tables) == {"fixed_batches", "served", "workload", "targets"}  # no llama.cpp column here
+    fixed = record.tables["fixed_batches"]
+    assert [fixed.columns[0].cell(r) for r in fixed.rows] == ["1", "2"]
+    assert [r["engine_decode_step_ms"] for r in fixed.rows] == [r["engine_decode_step_ms"] for r in rows]
+    assert fixed.columns[2].cell(fixed.rows[1]) == "–"  # HF was not run at batch 2
+    assert len(record.tables["served"].rows) == len(served)
+    assert [r["policy"] for r in record.tables["workload"].rows] == ["continuous", "static"]
+    assert [r["verdict"] for r in record.tables["targets"].rows] == [
+        {True: "met", False: "missed", None: "not judged"}[t["met"]] for t in result["targets"]]

@@ -44,7 +44,7 @@ def test_provenance_names_the_commit_and_the_software():
 
 
 def test_bandwidth_is_measured_in_gb_per_s():
-    assert 0.1 < provenance.read_bandwidth_gbs(mib=16, repeats=2) < 10_000
+    assert 0.1 < provenance.read_bandwidth_gbs(1, num_bytes=16 << 20, repeats=2) < 10_000
 
 
 def make_record(cpu_text: str, tok_s: float, commit: str = "a" * 40) -> Record:
