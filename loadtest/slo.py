@@ -43,6 +43,7 @@ from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, runner
 from loadtest.report import fmt
 from loadtest.stats import summarize
 from loadtest.workloads import WORKLOADS, get_workload, make_request
+from records.record import Column, Record
 
 # The run-to-completion batch sizes tried in the capacity comparison (Triton's shipped 2 ms delay): one instance of 8,
 # 16 or 32 seats (a bigger batch carries more requests at once, and makes each wait longer for the batch's longest
@@ -247,6 +248,7 @@ def main(argv=None) -> int:
     out_dir = args.out / ("slo-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
     say = lambda msg: print(f"[slo {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
+    record = Record.start("make slo" + (" --capacity" if args.capacity else ""), vars(args))
     capacity = None
     if args.capacity:
         try:
@@ -289,6 +291,11 @@ def main(argv=None) -> int:
     summary = {"plan": dataclasses.asdict(plan), "capacity": capacity, "quantization": args.quantization,
                "results": results}
     (out_dir / "slo.json").write_text(json.dumps(summary, indent=1))
+    record.settings.update({"capacity": capacity, "configs": {r["model"]: r["config"] for r in results}})
+    record.add_table("capacity", CAPACITY_COLUMNS, capacity_rows(results),
+                     title=f"within TTFT p99 <= {args.slo_ttft_ms:g} ms and TPOT p99 <= {args.slo_tpot_ms:g} ms")
+    record.notes.append(capacity_table(results, args.slo_ttft_ms, args.slo_tpot_ms).splitlines()[-1])
+    record.write(out_dir / "record.json")
     print()
     print(f"Highest load within TTFT p99 <= {args.slo_ttft_ms:g} ms and TPOT p99 <= {args.slo_tpot_ms:g} ms:")
     for result in results:
@@ -296,7 +303,7 @@ def main(argv=None) -> int:
     if capacity:
         print()
         print(capacity_table(results, args.slo_ttft_ms, args.slo_tpot_ms))
-    print(f"details: {out_dir / 'slo.json'}")
+    print(f"details: {out_dir / 'slo.json'}; the run's record: {out_dir / 'record.json'}")
     return 0
 
 
@@ -305,26 +312,38 @@ def seats_text(config: dict) -> str:
     return f"{instances} x {seats}" if instances > 1 else f"{seats}"
 
 
+CAPACITY_COLUMNS = [
+    Column("model"), Column("seats"), Column("sustained_req_per_s", "sustained req/s", "{:.2f}"),
+    Column("offered", "at offered load"), Column("output_tok_per_s", "output tok/s there", "{:.0f}"),
+    Column("ttft_p99_ms", "TTFT p99", "ms"), Column("tpot_p99_ms", "TPOT p99", "ms"),
+    Column("broke", "first load that broke"),
+]
+
+
+def capacity_rows(results: list[dict]) -> list[dict]:
+    """Per model: its seats and the highest load it sustained within the SLO (figures there), and the first that
+    broke it; the rows of the printed table and of the run's record."""
+    rows = []
+    for result in results:
+        best, broke = result["best"] or {}, result["first_violation"]
+        rows.append({
+            "model": result["model"], "seats": seats_text(result.get("config", {})),
+            "sustained_req_per_s": best.get("req_per_s"), "offered": best.get("load", "none of the ladder"),
+            "output_tok_per_s": best.get("output_tok_per_s"), "ttft_p99_ms": best.get("ttft_p99_ms"),
+            "tpot_p99_ms": best.get("tpot_p99_ms"), "broke": f"{broke['load']}: {broke['why']}" if broke else None,
+        })
+    return rows
+
+
 def capacity_table(results: list[dict], slo_ttft_ms: float, slo_tpot_ms: float) -> str:
     """The capacity comparison as a Markdown table: per model, its seats and the highest request rate it sustained
     within the SLO; then the continuous model beside the best dynamic configuration."""
-    lines = [
-        f"| model | seats | sustained req/s (TTFT p99 <= {slo_ttft_ms:g} ms, TPOT p99 <= {slo_tpot_ms:g} ms) | "
-        "output tok/s there | TTFT p99 | TPOT p99 | first rate that broke |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    sustained = {}
-    for result in results:
-        best, broke = result["best"], result["first_violation"]
-        sustained[result["model"]] = best["req_per_s"] if best else 0.0
-        lines.append(
-            f"| {result['model']} | {seats_text(result.get('config', {}))} | "
-            + (f"{best['req_per_s']:.2f} (offered {best['load']})" if best else "none of the ladder")
-            + f" | {fmt(best and best['output_tok_per_s'], '{:.0f}')} | {fmt(best and best['ttft_p99_ms'], 'ms')} | "
-            f"{fmt(best and best['tpot_p99_ms'], 'ms')} | "
-            + (f"{broke['load']}: {broke['why']}" if broke else "–")
-            + " |"
-        )
+    rows = capacity_rows(results)
+    headers = [c.header for c in CAPACITY_COLUMNS]
+    headers[2] += f" (TTFT p99 <= {slo_ttft_ms:g} ms, TPOT p99 <= {slo_tpot_ms:g} ms)"
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(c.cell(row) for c in CAPACITY_COLUMNS) + " |" for row in rows]
+    sustained = {row["model"]: row["sustained_req_per_s"] or 0.0 for row in rows}
     dynamic = {m: v for m, v in sustained.items() if m == DYNAMIC or m.startswith(DYNAMIC + "_")}
     if dynamic and CONTINUOUS in sustained:
         best_dynamic = max(dynamic, key=dynamic.get)

@@ -575,11 +575,11 @@ def test_capacity_table_sets_continuous_beside_the_best_dynamic_configuration():
     results = [result("llm_dynamic_1x8_2000us", 0.5, 8), result("llm_dynamic_2x16_2000us", 1.0, 16, 2),
                result("llm_continuous", 4.0, 151, broke="6 req/s")]
     table = slo.capacity_table(results, 2000, 100)
-    assert "| llm_dynamic_2x16_2000us | 2 x 16 | 1.00 (offered 1 req/s) | 100 | 900 ms | 60 ms | 3 req/s: TTFT" in table
+    assert "| llm_dynamic_2x16_2000us | 2 x 16 | 1.00 | 1 req/s | 100 | 900 ms | 60 ms | 3 req/s: TTFT" in table
     assert table.endswith("llm_continuous sustains 4.00 req/s within the SLO; the best dynamic configuration "
                           "(llm_dynamic_2x16_2000us) 1.00: 4.0x.")
     none_held = slo.capacity_table([result("llm_dynamic", None, 8), results[2]], 2000, 100)
-    assert "| llm_dynamic | 8 | none of the ladder |" in none_held
+    assert "| llm_dynamic | 8 | – | none of the ladder | – |" in none_held
     assert none_held.endswith("no dynamic configuration held even the ladder's lowest load (0.5 req/s).")
 
 
