@@ -4,9 +4,15 @@ A table in a Markdown file stands between two markers that name its record(s) an
 
     <!-- record-table: records/runs/compare-default-zen4.json#summary columns=model,output_tok_s -->
     (generated: do not edit)
-    <!-- /record-table -->
+    <!-- /record -->
 
-``columns=`` picks and orders columns by key (default: all). With more than one source the rows of each are put one
+A picture of a run stands the same way, stamped like a table::
+
+    <!-- record-figure: records/runs/compare-default-zen4.json image=records/runs/compare-default-zen4.png -->
+    <!-- /record -->
+
+``columns=`` picks and orders columns by key (default: all); ``where=KEY=VALUE`` keeps the rows whose KEY prints as
+VALUE (``+`` for a space: ``where=load=8+users``). With more than one source the rows of each are put one
 after the other under a first column that names the CPU, so figures of two machines stand side by side. Under every
 table, one line per record says where its figures came from: command, commit, date and CPU.
 
@@ -26,8 +32,8 @@ from pathlib import Path
 from records.provenance import REPO_ROOT, cpu_label
 from records.record import Column, Record
 
-BEGIN = re.compile(r"^<!-- record-table: (?P<spec>.+?) -->\n", re.M)
-END = "<!-- /record-table -->"
+BEGIN = re.compile(r"^<!-- record-(?P<kind>table|figure): (?P<spec>.+?) -->\n", re.M)
+END = "<!-- /record -->"
 
 
 @dataclass(frozen=True)
@@ -40,21 +46,30 @@ class Source:
 class Spec:
     sources: tuple[Source, ...]
     columns: tuple[str, ...] | None
+    where: tuple[str, str] | None = None
+    image: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> "Spec":
-        sources, columns = [], None
+        sources, columns, where, image = [], None, None, None
         for word in text.split():
             if word.startswith("columns="):
                 columns = tuple(k for k in word.removeprefix("columns=").split(",") if k)
+            elif word.startswith("where="):
+                key, sep, value = word.removeprefix("where=").partition("=")
+                if not sep:
+                    raise ValueError(f"record-table marker: {word!r} is not where=KEY=VALUE")
+                where = (key, value.replace("+", " "))
+            elif word.startswith("image="):
+                image = word.removeprefix("image=")
             elif "#" in word:
                 path, _, table = word.partition("#")
                 sources.append(Source(path, table))
             else:
-                raise ValueError(f"record-table marker: {word!r} is neither PATH#TABLE nor columns=...")
+                raise ValueError(f"record marker: {word!r} is neither PATH#NAME nor columns=, where=, image=")
         if not sources:
             raise ValueError(f"record-table marker names no record: {text!r}")
-        return cls(tuple(sources), columns)
+        return cls(tuple(sources), columns, where, image)
 
 
 def short_cpu(cpu_fields: dict) -> str:
@@ -83,11 +98,32 @@ def render(spec: Spec, doc: Path, root: Path = REPO_ROOT) -> str:
         table = _table(record, source)
         cells_of = _columns(table.columns, keys, source)
         cpu = [short_cpu(record.provenance.get("cpu", {}))] if several else []
-        lines += ["| " + " | ".join(cpu + [c.cell(row) for c in cells_of]) + " |" for row in table.rows]
+        lines += ["| " + " | ".join(cpu + [c.cell(row) for c in cells_of]) + " |" for row in _kept(table, spec)]
     lines.append("")
     lines += [stamp(record, source, doc, root) + ("<br>" if i < len(records) - 1 else "")
               for i, (source, record) in enumerate(records)]
     return "\n".join(lines) + "\n"
+
+
+def render_figure(spec: Spec, doc: Path, root: Path = REPO_ROOT) -> str:
+    if spec.image is None or len(spec.sources) != 1:
+        raise ValueError("record-figure marker: one record and image=PATH")
+    (source,) = spec.sources
+    if not (root / spec.image).is_file():
+        raise ValueError(f"record-figure marker: no image {spec.image}")
+    record = Record.read(root / source.path)
+    link = Path(*([".."] * len(doc.relative_to(root).parts[:-1])), spec.image).as_posix()
+    return f"![{source.table or Path(spec.image).stem}]({link})\n\n{stamp(record, source, doc, root)}\n"
+
+
+def _kept(table, spec: Spec) -> list[dict]:
+    if spec.where is None:
+        return table.rows
+    key, value = spec.where
+    column = next((c for c in table.columns if c.key == key), None)
+    if column is None:
+        raise ValueError(f"where={key}=...: the table has no column {key!r}")
+    return [row for row in table.rows if column.cell(row) == value]
 
 
 def _table(record: Record, source: Source):
@@ -113,7 +149,8 @@ def regenerate(text: str, doc: Path, root: Path = REPO_ROOT) -> str:
         end = text.find(END, match.end())
         if end < 0:
             raise ValueError(f"{doc}: a record-table marker has no {END}")
-        out += [text[at:match.end()], render(Spec.parse(match["spec"]), doc, root)]
+        draw = render if match["kind"] == "table" else render_figure
+        out += [text[at:match.end()], draw(Spec.parse(match["spec"]), doc, root)]
         at = end
     out.append(text[at:])
     return "".join(out)

@@ -94,6 +94,22 @@ def test_a_marked_table_is_written_from_its_record_and_stamped(tmp_path):
     assert "-| bf16 | 9.9 |" in tables.stale(tmp_path)[doc]
 
 
+def test_where_keeps_the_rows_that_print_a_value(tmp_path):
+    doc = doc_tree(tmp_path, "<!-- record-table: records/runs/amd.json#decode where=format=q4_1 columns=format,base"
+                             " -->")
+    text = tables.regenerate(doc.read_text(), doc, tmp_path)
+    assert "| format | llama.cpp ms |\n|---|---|\n| q4_1 | 8.1 |\n\n" in text
+
+
+def test_a_picture_of_a_run_is_stamped_like_a_table(tmp_path):
+    doc = doc_tree(tmp_path, "<!-- record-figure: records/runs/amd.json#batch_size image=records/runs/amd.png -->")
+    with pytest.raises(ValueError, match="no image"):
+        tables.regenerate(doc.read_text(), doc, tmp_path)
+    (tmp_path / "records/runs/amd.png").write_bytes(b"\x89PNG")
+    text = tables.regenerate(doc.read_text(), doc, tmp_path)
+    assert "![batch_size](../records/runs/amd.png)\n\n<sub>`make bench` at commit aaaaaaa, 2026-12-03, AMD EPYC" in text
+
+
 def test_two_records_stand_side_by_side_under_a_cpu_column(tmp_path):
     doc = doc_tree(tmp_path, "<!-- record-table: records/runs/amd.json#decode records/runs/intel.json#decode -->")
     text = tables.regenerate(doc.read_text(), doc, tmp_path)
