@@ -122,30 +122,3 @@ def paged_prefill_attention(
     )
     return out
 
-
-def cuda_prefill_attention(
-    query: torch.Tensor,  # [n, num_heads, head_dim] the chunk's queries
-    key: torch.Tensor,  # [n, num_kv_heads, head_dim] the chunk's own keys (already written to the cache)
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    context_slots: torch.Tensor | None,  # [num_cached + n] the slots of the chunk's whole context; None: nothing cached
-    scale: float,
-) -> torch.Tensor:  # [n, num_heads, head_dim]
-    """The kernel twin of the torch reference's ``prefill_attention``: one chunk, same inputs, same result."""
-    n = query.shape[0]
-    device = query.device
-    if context_slots is None:
-        # Nothing cached: the chunk's own K/V are its whole context, read as one "block" of n positions.
-        k_cache, v_cache = key.unsqueeze(0), value.unsqueeze(0)  # (1, n, kvh, hd)
-        block_tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
-    else:
-        block_tables = block_table_from_slots(context_slots, k_cache.shape[1])[None]
-    num_cached = 0 if context_slots is None else context_slots.shape[0] - n
-    starts, lens, cached = torch.tensor([[0], [n], [num_cached]], dtype=torch.int32, device=device)
-    return paged_prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, cached, scale, max_query_len=n)
-
-
-def block_table_from_slots(slots: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Block ids of a sequence from the flat slots of its positions 0, 1, 2, ... (block-aligned from position 0)."""
-    return (slots[::block_size] // block_size).to(torch.int32)
