@@ -115,7 +115,7 @@ static inline const uint8_t* q4_1_block(const uint8_t* w, int64_t N, int64_t K, 
 /* How many vectors of 16 weights quant_widen gives at a time: a block of 32, or INT8's 16 (its K is a multiple). */
 #define QUANT_VECTORS(format) ((format) == WEIGHT_INT8 ? 1 : 2)
 
-/* Row n's weights k .. k + 16 * QUANT_VECTORS(format) - 1 widened to float32 into wv, one vector a 16 (INT8's
+/* Row n's weights k .. k + 16 * QUANT_VECTORS(format) - 1 widened to float32 into wv, 16 weights a vector (INT8's
  * without its row scale); returns where they are held, for the prefetch. always_inline so that each caller gets the
  * format as a constant. */
 static inline __attribute__((always_inline)) const uint8_t* quant_widen(int format, const uint8_t* w, int64_t N,
