@@ -9,7 +9,7 @@ torch reference (``backend/engine``)                            kernel twin
 ==============================================================  ==============================================
 ``attention/torch_backend.py``: ``write_kv``                    ``cuda_write_kv``
 ``attention/torch_backend.py``: ``paged_decode_attention``      ``cuda_decode_attention``, ``cpu_kernels``
-``attention/torch_backend.py``: ``prefill_attention``           ``cuda_prefill_attention``
+``attention/torch_backend.py``: ``prefill_attention``           ``paged_prefill_attention`` (every chunk at once)
 rotation, ``write_kv`` and decode attention of one layer        ``cpu_kernels.cpu_rope_paged_attention``
 ``F.rms_norm``, ``F.linear`` with its epilogue                  ``cpu_kernels``
 ``sampler.py``: ``sample_rows``                                 ``cpu_kernels.cpu_sample_rows``
@@ -24,7 +24,6 @@ import importlib
 
 _TRITON_KERNELS = {
     "cuda_decode_attention": "decode_attention",
-    "cuda_prefill_attention": "prefill_attention",
     "paged_prefill_attention": "prefill_attention",
     "cuda_write_kv": "reshape_and_cache",
 }

@@ -1,4 +1,5 @@
-"""What every kernel wrapper needs: interpreter detection, the dot-product mode, small shape helpers."""
+"""What every kernel wrapper needs: interpreter detection, the dot-product mode, small shape helpers, and the
+online-softmax step over one tile of the paged KV cache that both attention kernels take."""
 
 import torch
 import triton
@@ -43,3 +44,54 @@ def mma(a, b, IEEE_FP32: tl.constexpr, UPCAST_DOT: tl.constexpr):
         return tl.dot(a, b, input_precision="ieee")
     else:
         return tl.dot(a, b)
+
+
+@triton.jit
+def attend_kv_tile(
+    q,  # (M, D) the program's query rows
+    q_pos,  # (M,) each row's position in its sequence (CAUSAL only)
+    m_i,  # (M,) fp32 running max (log2 domain)
+    l_i,  # (M,) fp32 running sum of exponentials
+    acc,  # (M, D) fp32 unnormalised output
+    table,  # the sequence's block table
+    tile_start,
+    end,  # positions from `end` on are not read
+    kv_head,
+    block_size,
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, kvh, D]
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    qk_scale,  # softmax scale * log2(e)
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    CAUSAL: tl.constexpr,  # row i sees positions <= q_pos[i] only
+    IEEE_FP32: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    """One flash-attention step: the queries meet the K/V of positions ``tile_start .. tile_start + TILE_N - 1``
+    (those below ``end``), each position finding its physical block through the block table, so a tile may span
+    several KV blocks. Returns the updated ``(m_i, l_i, acc)``."""
+    d = tl.arange(0, HEAD_DIM_PAD)
+    pos = tile_start + tl.arange(0, TILE_N)
+    valid = pos < end
+    # NOTE: int64 before multiplying by the block stride: a large pool overflows int32 offsets.
+    blocks = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+    offset = pos % block_size
+    kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]  # (N, D)
+    k_rows = blocks * stride_kb + offset * stride_ks + kv_head * stride_kh
+    k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (N, D)
+    s = mma(q, tl.trans(k), IEEE_FP32, UPCAST_DOT) * qk_scale  # (M, N)
+    visible = valid[None, :]
+    if CAUSAL:
+        # NOTE: position 0 is visible to every row, so each row's first tile holds a finite score.
+        visible = visible & (pos[None, :] <= q_pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_rows = blocks * stride_vb + offset * stride_vs + kv_head * stride_vh
+    v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (N, D)
+    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, IEEE_FP32, UPCAST_DOT)
+    return m_new, l_i, acc

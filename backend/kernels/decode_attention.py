@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels._common import check_device, dot_modes, mma, pow2
+from backend.kernels._common import attend_kv_tile, check_device, dot_modes, pow2
 
 TILE_N = 64  # context positions per inner-loop iteration
 MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it gains
@@ -68,24 +68,11 @@ def _decode_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile_start in range(start, end, TILE_N):
-        pos = tile_start + tl.arange(0, TILE_N)
-        valid = pos < end
-        # NOTE: int64 before multiplying by the block stride: a large pool overflows int32 offsets.
-        blocks = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]  # (N, D)
-        k_rows = blocks * stride_kb + offset * stride_ks + kv_head * stride_kh
-        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (N, D)
-        s = mma(q, tl.trans(k), IEEE_FP32, UPCAST_DOT) * qk_scale  # (GP, N)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = blocks * stride_vb + offset * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (N, D)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, IEEE_FP32, UPCAST_DOT)
-        m_i = m_new
+        m_i, l_i, acc = attend_kv_tile(
+            q, 0, m_i, l_i, acc, table, tile_start, end, kv_head, BLOCK_SIZE,
+            k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, TILE_N, False, IEEE_FP32, UPCAST_DOT,
+        )
 
     if SPLIT:
         num_heads = tl.num_programs(1) * GROUP

@@ -16,12 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
-from backend.kernels._common import check_device, dot_modes, mma, pow2
+from backend.kernels._common import attend_kv_tile, check_device, dot_modes, pow2
 
 BLOCK_M = 64  # query rows per program
 BLOCK_N = 64  # context positions per inner-loop iteration
 
 
+# NOTE: the paged pool's arguments are _decode_kernel's, in its order: both hand them to attend_kv_tile as they come.
 @triton.jit
 def _prefill_kernel(
     out_ptr,  # [T, H, D]
@@ -70,24 +71,11 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     table = block_tables_ptr + chunk.to(tl.int64) * stride_bt
     for tile_start in range(0, kv_end, BLOCK_N):
-        pos = tile_start + tl.arange(0, BLOCK_N)
-        valid = pos < kv_end
-        blocks = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-        offset = pos % block_size
-        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]  # (N, D)
-        k_rows = blocks * stride_kb + offset * stride_ks + kv_head * stride_kh
-        k = tl.load(k_cache_ptr + k_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (N, D)
-        s = mma(q, tl.trans(k), IEEE_FP32, UPCAST_DOT) * qk_scale  # (M, N)
-        # NOTE: position 0 is visible to every row, so each row's first tile holds a finite score.
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_rows = blocks * stride_vb + offset * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_rows[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (N, D)
-        acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, IEEE_FP32, UPCAST_DOT)
-        m_i = m_new
+        m_i, l_i, acc = attend_kv_tile(
+            q, q_pos, m_i, l_i, acc, table, tile_start, kv_end, kv_head, block_size,
+            k_cache_ptr, v_cache_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, True, IEEE_FP32, UPCAST_DOT,
+        )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only in a tile past the chunk's end (not stored)
     o_rows = (q_start + rows).to(tl.int64) * stride_ot + head * stride_oh
@@ -134,30 +122,3 @@ def paged_prefill_attention(
     )
     return out
 
-
-def cuda_prefill_attention(
-    query: torch.Tensor,  # [n, num_heads, head_dim] the chunk's queries
-    key: torch.Tensor,  # [n, num_kv_heads, head_dim] the chunk's own keys (already written to the cache)
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    context_slots: torch.Tensor | None,  # [num_cached + n] the slots of the chunk's whole context; None: nothing cached
-    scale: float,
-) -> torch.Tensor:  # [n, num_heads, head_dim]
-    """The kernel twin of the torch reference's ``prefill_attention``: one chunk, same inputs, same result."""
-    n = query.shape[0]
-    device = query.device
-    if context_slots is None:
-        # Nothing cached: the chunk's own K/V are its whole context, read as one "block" of n positions.
-        k_cache, v_cache = key.unsqueeze(0), value.unsqueeze(0)  # (1, n, kvh, hd)
-        block_tables = torch.zeros(1, 1, dtype=torch.int32, device=device)
-    else:
-        block_tables = block_table_from_slots(context_slots, k_cache.shape[1])[None]
-    num_cached = 0 if context_slots is None else context_slots.shape[0] - n
-    starts, lens, cached = torch.tensor([[0], [n], [num_cached]], dtype=torch.int32, device=device)
-    return paged_prefill_attention(query, k_cache, v_cache, block_tables, starts, lens, cached, scale, max_query_len=n)
-
-
-def block_table_from_slots(slots: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Block ids of a sequence from the flat slots of its positions 0, 1, 2, ... (block-aligned from position 0)."""
-    return (slots[::block_size] // block_size).to(torch.int32)

@@ -192,14 +192,19 @@ def test_prefill_chunk_matches_reference(ratio, head_dim, block_size, dtype, num
     num_heads, num_kv_heads = heads(ratio)
     pool = PagedPool(16, block_size, num_kv_heads, head_dim, dtype)
     context = num_cached + num_query
-    slots = pool.slots(pool.allocate(context), context)
+    table = pool.allocate(context)
+    slots = pool.slots(table, context)
     query = randn(num_query, num_heads, head_dim, dtype=dtype, seed=5)
     key = randn(num_query, num_kv_heads, head_dim, dtype=dtype, seed=6)
     value = randn(num_query, num_kv_heads, head_dim, dtype=dtype, seed=7)
     write_kv(pool.k_cache, pool.v_cache, key, value, slots[num_cached:])  # the step writes before it attends
-    context_slots = slots if num_cached else None
     scale = head_dim**-0.5
-    out = kernels.cuda_prefill_attention(query, key, value, pool.k_cache, pool.v_cache, context_slots, scale)
+    # the kernel reads the whole context, the chunk's own K/V included, through the block table (as the engine calls it)
+    block_tables = torch.tensor([table], dtype=torch.int32, device=DEVICE)
+    starts, lens, cached = torch.tensor([[0], [num_query], [num_cached]], dtype=torch.int32, device=DEVICE)
+    out = kernels.paged_prefill_attention(query, pool.k_cache, pool.v_cache, block_tables, starts, lens, cached, scale,
+                                          max_query_len=num_query)
+    context_slots = slots if num_cached else None
     ref = prefill_attention(query.float(), key.float(), value.float(), *pool.as_float(), context_slots, scale)
     assert out.shape == query.shape and out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])

@@ -45,52 +45,55 @@ static inline void exp_scores(float* scores, int64_t max_context, const float* m
     }
 }
 
+/* One pass of attend_one over the item's cached rows of `bytes` (the K pool, then the V pool), block by block (no
+ * division per token), each row of the block read next prefetched (`after`: the block read after the last): over K,
+ * scores[j][t] = q_j . k_t and each query's running maximum; over V, acc[j] += p[j][t] v_t. */
+static inline __attribute__((always_inline)) void attend_rows(
+    const int over_v, const char* bytes, const char* after, int64_t c_sb, int64_t c_ss, int64_t c_sh,
+    const int32_t* table, int64_t len, int64_t block_size, int64_t NK, int64_t G, const int64_t D, const int dtype,
+    float* scores, int64_t max_context, const float* q, float* acc, float* max_score) {
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
+    const int64_t num_blocks = (len + block_size - 1) / block_size;
+    const int64_t row_bytes = NK * c_sh * esize;  /* one token's K (or V) row over the item's heads */
+    float row[MAX_HEAD_DIM];
+    for (int64_t i = 0, t = 0; i < num_blocks; ++i) {
+        const char* block = bytes + table[i] * c_sb * esize;
+        const char* next = i + 1 < num_blocks ? bytes + table[i + 1] * c_sb * esize : after;
+        for (int64_t offset = 0; offset < block_size && t < len; ++offset, ++t) {
+            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + offset * c_ss * esize + b);
+            for (int64_t h = 0; h < NK; ++h) {
+                load_row(block + (offset * c_ss + h * c_sh) * esize, dtype, D, row);
+                for (int64_t g = 0; g < G; ++g) {
+                    const int64_t j = h * G + g;
+                    if (over_v) {
+                        const float p = scores[j * max_context + t];
+                        for (int64_t d = 0; d < D; ++d) acc[j * D + d] += p * row[d];
+                    } else {
+                        float dot = 0.f;
+                        for (int64_t d = 0; d < D; ++d) dot += q[j * D + d] * row[d];
+                        scores[j * max_context + t] = dot;
+                        max_score[j] = dot > max_score[j] ? dot : max_score[j];
+                    }
+                }
+            }
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_one(
     const char* q_rows, int64_t q_sh, const char* k_bytes, const char* v_bytes, int64_t c_sb, int64_t c_ss,
     int64_t c_sh, const int32_t* table, int64_t len, int64_t block_size, int64_t NK, int64_t G, const int64_t D,
     const int dtype, float scale, float* scores, int64_t max_context, float* q, float* acc, char* out_rows,
     int64_t o_sh) {
     const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
-    const int64_t num_blocks = (len + block_size - 1) / block_size, NQ = NK * G;
-    const int64_t row_bytes = NK * c_sh * esize;  /* one token's K (or V) row over the item's heads */
-    float row[MAX_HEAD_DIM], max_score[MAX_HEADS], sum[MAX_HEADS];
+    const int64_t last = table[(len - 1) / block_size], NQ = NK * G;
+    float max_score[MAX_HEADS], sum[MAX_HEADS];
     start_queries(q_rows, q_sh, dtype, D, NQ, scale, q, acc, max_score);
-    /* scores[j][t] = q_j . k_t, block by block (no division per token) */
-    for (int64_t i = 0, t = 0; i < num_blocks; ++i) {
-        const char* block = k_bytes + table[i] * c_sb * esize;
-        const char* next = i + 1 < num_blocks ? k_bytes + table[i + 1] * c_sb * esize
-                                              : v_bytes + table[0] * c_sb * esize;
-        for (int64_t offset = 0; offset < block_size && t < len; ++offset, ++t) {
-            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + offset * c_ss * esize + b);
-            for (int64_t h = 0; h < NK; ++h) {
-                load_row(block + (offset * c_ss + h * c_sh) * esize, dtype, D, row);
-                for (int64_t g = 0; g < G; ++g) {
-                    const int64_t j = h * G + g;
-                    float dot = 0.f;
-                    for (int64_t d = 0; d < D; ++d) dot += q[j * D + d] * row[d];
-                    scores[j * max_context + t] = dot;
-                    max_score[j] = dot > max_score[j] ? dot : max_score[j];
-                }
-            }
-        }
-    }
+    attend_rows(0, k_bytes, v_bytes + table[0] * c_sb * esize, c_sb, c_ss, c_sh, table, len, block_size, NK, G, D,
+                dtype, scores, max_context, q, acc, max_score);
     exp_scores(scores, max_context, max_score, NQ, len, sum);
-    /* acc[j] = sum_t p[j][t] v_t, normalised on the way out */
-    for (int64_t i = 0, t = 0; i < num_blocks; ++i) {
-        const char* block = v_bytes + table[i] * c_sb * esize;
-        const char* next = v_bytes + table[i + 1 < num_blocks ? i + 1 : i] * c_sb * esize;
-        for (int64_t offset = 0; offset < block_size && t < len; ++offset, ++t) {
-            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + offset * c_ss * esize + b);
-            for (int64_t h = 0; h < NK; ++h) {
-                load_row(block + (offset * c_ss + h * c_sh) * esize, dtype, D, row);
-                for (int64_t g = 0; g < G; ++g) {
-                    const int64_t j = h * G + g;
-                    const float p = scores[j * max_context + t];
-                    for (int64_t d = 0; d < D; ++d) acc[j * D + d] += p * row[d];
-                }
-            }
-        }
-    }
+    attend_rows(1, v_bytes, v_bytes + last * c_sb * esize, c_sb, c_ss, c_sh, table, len, block_size, NK, G, D, dtype,
+                scores, max_context, q, acc, max_score);
     for (int64_t j = 0; j < NQ; ++j) store_row(out_rows + j * o_sh * esize, dtype, D, acc + j * D, 1.f / sum[j]);
 }
 

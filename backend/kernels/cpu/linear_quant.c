@@ -44,51 +44,33 @@ enum { WEIGHT_Q4_1 = 1, WEIGHT_INT8 = 2, WEIGHT_Q8_0 = 3 };
 #define QUANT_PREFETCH 4096
 
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
-typedef int8_t v16i8 __attribute__((vector_size(16)));
 
-/* 16 bytes -> 16 floats, with the widest extension this build has: GCC 12 turns __builtin_convertvector of bytes
- * into one insert per lane. */
+/* 16 bytes -> 16 floats, the bytes read as uint8 or as int8, with the widest extension this build has: GCC 12 turns
+ * __builtin_convertvector of bytes into one insert per lane. */
+static inline v16f bytes_to_f32(v16u8 q, int is_signed) {
+    v16f r;
 #if defined(__AVX512F__)
-#define WIDEN_BYTES(q, ext) _mm512_cvtepi32_ps(_mm512_##ext##_epi32(q))
-static inline v16f bytes_to_f32(__m128i q, int is_signed) {
-    const __m512 f = is_signed ? WIDEN_BYTES(q, cvtepi8) : WIDEN_BYTES(q, cvtepu8);
-    v16f r;
+    __m128i v;
+    memcpy(&v, &q, sizeof v);
+    const __m512 f = _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
     memcpy(&r, &f, sizeof r);
-    return r;
-}
 #elif defined(__SSE4_1__)
-static inline v16f bytes_to_f32(__m128i q, int is_signed) {
-    v16f r;
-    for (int i = 0; i < 4; ++i, q = _mm_srli_si128(q, 4)) {
-        const __m128 f = _mm_cvtepi32_ps(is_signed ? _mm_cvtepi8_epi32(q) : _mm_cvtepu8_epi32(q));
+    __m128i v;
+    memcpy(&v, &q, sizeof v);
+    for (int i = 0; i < 4; ++i, v = _mm_srli_si128(v, 4)) {
+        const __m128 f = _mm_cvtepi32_ps(is_signed ? _mm_cvtepi8_epi32(v) : _mm_cvtepu8_epi32(v));
         memcpy((float*)&r + 4 * i, &f, sizeof f);
     }
+#else
+    for (int i = 0; i < 16; ++i) r[i] = is_signed ? (float)(int8_t)q[i] : (float)q[i];
+#endif
     return r;
 }
-#endif
 
-static inline v16f u8_to_f32(v16u8 q) {
-#if defined(__AVX512F__) || defined(__SSE4_1__)
-    __m128i v;
-    memcpy(&v, &q, sizeof v);
-    return bytes_to_f32(v, 0);
-#else
-    v16f r;
-    for (int i = 0; i < 16; ++i) r[i] = (float)q[i];
-    return r;
-#endif
-}
-
-static inline v16f i8_to_f32(v16i8 q) {
-#if defined(__AVX512F__) || defined(__SSE4_1__)
-    __m128i v;
-    memcpy(&v, &q, sizeof v);
-    return bytes_to_f32(v, 1);
-#else
-    v16f r;
-    for (int i = 0; i < 16; ++i) r[i] = (float)q[i];
-    return r;
-#endif
+static inline v16f load_i8_f32(const uint8_t* p) {  /* 16 int8 at p -> 16 floats */
+    v16u8 q;
+    memcpy(&q, p, sizeof q);
+    return bytes_to_f32(q, 1);
 }
 
 static inline float half_value(uint16_t h) {  /* IEEE fp16 -> float32, exact */
@@ -130,89 +112,71 @@ static inline const uint8_t* q4_1_block(const uint8_t* w, int64_t N, int64_t K, 
     return p;
 }
 
-/* R rows of W (row_bytes apart) against T rows of xf ([T, K] float32): sums[r][t] = row r's dot product with x row
- * t. Several weight rows at once give the FMAs independent chains (one row's sum alone waits on each FMA's latency)
- * and share each load of x. */
-static inline __attribute__((always_inline)) void q4_1_rows(const uint8_t* w, int64_t N, int64_t n, int64_t K,
-                                                             const float* xf, float sums[QUANT_R][QUANT_TILE_T],
-                                                             int R, int T) {
-    v16f acc[QUANT_R][QUANT_TILE_T];
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
-    for (int64_t b = 0; b < K / 32; ++b) {
-        v16f lo[QUANT_R], hi[QUANT_R];
-        for (int r = 0; r < R; ++r) {
-            v16u8 qs;
-            const uint8_t* dm = q4_1_block(w, N, K, n + r, b, &qs);
-            __builtin_prefetch(dm + QUANT_PREFETCH, 0, 3);
-            uint16_t dh, mh;
-            memcpy(&dh, dm, 2);
-            memcpy(&mh, dm + 2, 2);
-            const float d = half_value(dh), m = half_value(mh);
-            lo[r] = u8_to_f32(qs & 15) * d + m;  /* weights 32b .. 32b + 15 */
-            hi[r] = u8_to_f32(qs >> 4) * d + m;  /* weights 32b + 16 .. 32b + 31 */
-        }
-        for (int t = 0; t < T; ++t) {
-            const v16f x0 = load16(xf + t * K + 32 * b), x1 = load16(xf + t * K + 32 * b + 16);
-            for (int r = 0; r < R; ++r) acc[r][t] += lo[r] * x0 + hi[r] * x1;
-        }
+/* How many vectors of 16 weights quant_widen gives at a time: a block of 32, or INT8's 16 (its K is a multiple). */
+#define QUANT_VECTORS(format) ((format) == WEIGHT_INT8 ? 1 : 2)
+
+/* Row n's weights k .. k + 16 * QUANT_VECTORS(format) - 1 widened to float32 into wv, 16 weights a vector (INT8's
+ * without its row scale); returns where they are held, for the prefetch. always_inline so that each caller gets the
+ * format as a constant. */
+static inline __attribute__((always_inline)) const uint8_t* quant_widen(int format, const uint8_t* w, int64_t N,
+                                                                         int64_t K, int64_t n, int64_t k, v16f* wv) {
+    if (format == WEIGHT_Q4_1) {
+        v16u8 qs;
+        const uint8_t* dm = q4_1_block(w, N, K, n, k / 32, &qs);
+        uint16_t dh, mh;
+        memcpy(&dh, dm, 2);
+        memcpy(&mh, dm + 2, 2);
+        const float d = half_value(dh), m = half_value(mh);
+        wv[0] = bytes_to_f32(qs & 15, 0) * d + m;  /* weights k .. k + 15 */
+        wv[1] = bytes_to_f32(qs >> 4, 0) * d + m;  /* weights k + 16 .. k + 31 */
+        return dm;
     }
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) sums[r][t] = hsum16(acc[r][t]);
+    const uint8_t* row = w + n * quant_row_bytes(format, K);
+    if (format == WEIGHT_Q8_0) {
+        const uint8_t* blk = row + 34 * (k / 32);
+        uint16_t dh;
+        memcpy(&dh, blk, 2);
+        const float d = half_value(dh);
+        wv[0] = load_i8_f32(blk + 2) * d;
+        wv[1] = load_i8_f32(blk + 18) * d;
+        return blk;
+    }
+    wv[0] = load_i8_f32(row + k);
+    return row + k;
 }
 
-static inline __attribute__((always_inline)) void q8_0_rows(const uint8_t* w, int64_t row_bytes, int64_t K,
-                                                             const float* xf, float sums[QUANT_R][QUANT_TILE_T],
-                                                             int R, int T) {
-    v16f acc[QUANT_R][QUANT_TILE_T];
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
-    for (int64_t b = 0; b < K / 32; ++b) {
-        v16f w0[QUANT_R], w1[QUANT_R];
-        for (int r = 0; r < R; ++r) {
-            const uint8_t* blk = w + r * row_bytes + 34 * b;
-            __builtin_prefetch(blk + QUANT_PREFETCH, 0, 3);
-            uint16_t dh;
-            memcpy(&dh, blk, 2);
-            const float d = half_value(dh);
-            v16i8 q0, q1;
-            memcpy(&q0, blk + 2, sizeof q0);
-            memcpy(&q1, blk + 18, sizeof q1);
-            w0[r] = i8_to_f32(q0) * d;
-            w1[r] = i8_to_f32(q1) * d;
-        }
-        for (int t = 0; t < T; ++t) {
-            const v16f x0 = load16(xf + t * K + 32 * b), x1 = load16(xf + t * K + 32 * b + 16);
-            for (int r = 0; r < R; ++r) acc[r][t] += w0[r] * x0 + w1[r] * x1;
-        }
-    }
-    for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) sums[r][t] = hsum16(acc[r][t]);
+static inline float int8_row_scale(const uint8_t* w, int64_t K, int64_t n) {
+    float scale;
+    memcpy(&scale, w + n * quant_row_bytes(WEIGHT_INT8, K) + K, sizeof scale);
+    return scale;
 }
 
-/* INT8: the integer weights' dot products, times each row's scale. */
-static inline __attribute__((always_inline)) void int8_rows(const uint8_t* w, int64_t row_bytes, int64_t K,
-                                                             const float* xf, float sums[QUANT_R][QUANT_TILE_T],
-                                                             int R, int T) {
+/* R rows of W from row n against T rows of xf ([T, K] float32): sums[r][t] = row n + r's dot product with x row t
+ * (INT8: the integer weights' dot products, times each row's scale). Several weight rows at once give the FMAs
+ * independent chains (one row's sum alone waits on each FMA's latency) and share each load of x. */
+static inline __attribute__((always_inline)) void quant_rows(int format, const uint8_t* w, int64_t N, int64_t n,
+                                                              int64_t K, const float* xf,
+                                                              float sums[QUANT_R][QUANT_TILE_T], int R, int T) {
+    const int V = QUANT_VECTORS(format);
     v16f acc[QUANT_R][QUANT_TILE_T];
     for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) acc[r][t] = (v16f){0};
-    for (int64_t k = 0; k < K; k += 16) {
-        v16f wv[QUANT_R];
-        for (int r = 0; r < R; ++r) {
-            v16i8 q;
-            memcpy(&q, w + r * row_bytes + k, sizeof q);
-            __builtin_prefetch(w + r * row_bytes + k + QUANT_PREFETCH, 0, 3);
-            wv[r] = i8_to_f32(q);
-        }
+    for (int64_t k = 0; k < K; k += 16 * V) {
+        v16f wv[QUANT_R][2];
+        for (int r = 0; r < R; ++r)
+            __builtin_prefetch(quant_widen(format, w, N, K, n + r, k, wv[r]) + QUANT_PREFETCH, 0, 3);
         for (int t = 0; t < T; ++t) {
-            const v16f xv = load16(xf + t * K + k);
-            for (int r = 0; r < R; ++r) acc[r][t] += wv[r] * xv;
+            const v16f x0 = load16(xf + t * K + k);
+            if (V == 1) {
+                for (int r = 0; r < R; ++r) acc[r][t] += wv[r][0] * x0;
+            } else {
+                const v16f x1 = load16(xf + t * K + k + 16);
+                for (int r = 0; r < R; ++r) acc[r][t] += wv[r][0] * x0 + wv[r][1] * x1;
+            }
         }
     }
     for (int r = 0; r < R; ++r) {
-        float scale;
-        memcpy(&scale, w + r * row_bytes + K, sizeof scale);
+        const float scale = format == WEIGHT_INT8 ? int8_row_scale(w, K, n + r) : 1.f;
         for (int t = 0; t < T; ++t) sums[r][t] = hsum16(acc[r][t]) * scale;
     }
 }
@@ -614,7 +578,6 @@ static int linear_quant(int format, const void* x, int64_t x_st, const void* wei
     const uint16_t* b = (const uint16_t*)bias;
     const uint16_t* o = (const uint16_t*)other;
     uint16_t* out = (uint16_t*)y;
-    const int64_t row_bytes = quant_row_bytes(format, K);
     const int64_t num_panels = (N + QUANT_PANEL - 1) / QUANT_PANEL;
     /* Small projections are not worth waking the other threads for. */
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
@@ -625,14 +588,13 @@ static int linear_quant(int format, const void* x, int64_t x_st, const void* wei
             const float* xt = xf + t0 * K;
             for (int64_t n = n0; n < n1; n += QUANT_R) {
                 const int rn = n1 - n < QUANT_R ? (int)(n1 - n) : QUANT_R;
-                const uint8_t* rows = w + n * row_bytes;
                 float sums[QUANT_R][QUANT_TILE_T];
                 if (format == WEIGHT_Q4_1) {
-                    DISPATCH(q4_1_rows, rn, tn, w, N, n, K, xt, sums)
+                    DISPATCH(quant_rows, rn, tn, WEIGHT_Q4_1, w, N, n, K, xt, sums)
                 } else if (format == WEIGHT_Q8_0) {
-                    DISPATCH(q8_0_rows, rn, tn, rows, row_bytes, K, xt, sums)
+                    DISPATCH(quant_rows, rn, tn, WEIGHT_Q8_0, w, N, n, K, xt, sums)
                 } else {
-                    DISPATCH(int8_rows, rn, tn, rows, row_bytes, K, xt, sums)
+                    DISPATCH(quant_rows, rn, tn, WEIGHT_INT8, w, N, n, K, xt, sums)
                 }
                 for (int r = 0; r < rn; ++r) {
                     const float bn = b ? bf16_value(b[n + r]) : 0.f;
@@ -673,46 +635,27 @@ static inline void store16_bf16(uint16_t* p, v16f f) {  /* round to nearest even
     memcpy(p, &h, sizeof h);
 }
 
+/* Row n of W widened to bf16 into dst, each weight rounded once from its float32 value. */
+static inline __attribute__((always_inline)) void dequantize_row(int format, const uint8_t* w, int64_t N, int64_t K,
+                                                                  int64_t n, uint16_t* dst) {
+    const float scale = format == WEIGHT_INT8 ? int8_row_scale(w, K, n) : 1.f;
+    for (int64_t k = 0; k < K; k += 16 * QUANT_VECTORS(format)) {
+        v16f wv[2];
+        quant_widen(format, w, N, K, n, k, wv);
+        for (int v = 0; v < QUANT_VECTORS(format); ++v) store16_bf16(dst + k + 16 * v, wv[v] * scale);
+    }
+}
+
 /* W [N, row_bytes] (format 1 Q4_1, 2 INT8, 3 Q8_0) -> out [N, K] bf16 row-major, each weight rounded once from its float32
  * value. Returns 0, or -1 for a K the format does not take. */
 int dequantize_weight(int format, const void* weight, int64_t N, int64_t K, void* out, int num_threads) {
     if (K < 1 || format < WEIGHT_Q4_1 || format > WEIGHT_Q8_0 || K % quant_block(format) != 0) return -1;
-    const int64_t row_bytes = quant_row_bytes(format, K);
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
     for (int64_t n = 0; n < N; ++n) {
-        const uint8_t* row = (const uint8_t*)weight + n * row_bytes;
         uint16_t* dst = (uint16_t*)out + n * K;
-        if (format == WEIGHT_Q4_1) {
-            for (int64_t b = 0; b < K / 32; ++b) {
-                v16u8 qs;
-                const uint8_t* dm = q4_1_block((const uint8_t*)weight, N, K, n, b, &qs);
-                uint16_t dh, mh;
-                memcpy(&dh, dm, 2);
-                memcpy(&mh, dm + 2, 2);
-                const float d = half_value(dh), m = half_value(mh);
-                store16_bf16(dst + 32 * b, u8_to_f32(qs & 15) * d + m);
-                store16_bf16(dst + 32 * b + 16, u8_to_f32(qs >> 4) * d + m);
-            }
-        } else if (format == WEIGHT_Q8_0) {
-            for (int64_t b = 0; b < K / 32; ++b) {
-                uint16_t dh;
-                memcpy(&dh, row + 34 * b, 2);
-                const float d = half_value(dh);
-                v16i8 q0, q1;
-                memcpy(&q0, row + 34 * b + 2, sizeof q0);
-                memcpy(&q1, row + 34 * b + 18, sizeof q1);
-                store16_bf16(dst + 32 * b, i8_to_f32(q0) * d);
-                store16_bf16(dst + 32 * b + 16, i8_to_f32(q1) * d);
-            }
-        } else {
-            float scale;
-            memcpy(&scale, row + K, sizeof scale);
-            for (int64_t k = 0; k < K; k += 16) {
-                v16i8 q;
-                memcpy(&q, row + k, sizeof q);
-                store16_bf16(dst + k, i8_to_f32(q) * scale);
-            }
-        }
+        if (format == WEIGHT_Q4_1) dequantize_row(WEIGHT_Q4_1, weight, N, K, n, dst);
+        else if (format == WEIGHT_Q8_0) dequantize_row(WEIGHT_Q8_0, weight, N, K, n, dst);
+        else dequantize_row(WEIGHT_INT8, weight, N, K, n, dst);
     }
     return 0;
 }
