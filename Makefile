@@ -9,7 +9,8 @@
 #   make locust    Locust's web UI (:8089) against a running `make serve`, with the live batching tab
 #   make soak      clients that misbehave, every pattern on every model, 1 and 8 clients, 2,000 requests per pattern
 #                  and model; hours, never in CI (docs/server.md); report in reports/soak-<time>/
-#   make bench     offline engine benchmark (reports/bench.json)
+#   make bench     offline engine benchmark (reports/bench.json, and the run's record reports/bench.record.json)
+#   make tables    write the result tables of README.md and docs/ from the records kept in records/runs/
 #   make bench-shared  engines that share the cores: 1, 2, 4 engines stepping at once, each way of sharing beside
 #                  its baseline (reports/shared_cores.json); models of real servers under load together beside
 #                  alone: .venv/bin/python -m bench.shared_served (reports/shared_served.json)
@@ -86,7 +87,7 @@ LLAMACPP_ISA_FLAGS := $(foreach pair,$(LLAMACPP_ISA),-D$(word 2,$(subst :, ,$(pa
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL
 
 .PHONY: help docker docker-down venv venv310 aiperf-venv genai-perf-venv chromium model serve test test-unit compare slo locust \
-	bench bench-shared llamacpp soak gpu-check aiperf clean
+	bench bench-shared tables llamacpp soak gpu-check aiperf clean
 
 # `make` alone, or `make help`: the header above (targets and settings).
 help:
@@ -183,6 +184,10 @@ soak: model
 
 bench: model
 	$(PY) -m bench.engine --model "$(MODEL)" $(ARGS)
+
+# Each table between record markers is rewritten from its record: keep a run's record.json in records/runs/ first.
+tables: $(STAMP)
+	$(PY) -m records.tables
 
 bench-shared: model
 	$(PY) -m bench.shared_cores --model "$(MODEL)" $(ARGS)
