@@ -381,9 +381,13 @@ def test_compare_serves_llm_dynamic_variants_beside_the_shipped_models(tmp_path)
     single = config_text.load(served / "llm_dynamic_1x16_0us" / "config.pbtxt")
     assert single.HasField("dynamic_batching") and single.dynamic_batching.max_queue_delay_microseconds == 0
     assert config_text.parameter(single, "num_threads") is None
-    for model in ("llm_dynamic", "llm_continuous"):
-        shipped = (REPO_ROOT / "model_repository" / model / "config.pbtxt").read_text()
-        assert (served / model / "config.pbtxt").read_text() == shipped
+    for model in ("llm_dynamic", "llm_continuous"):  # as shipped, but for the model folder the source meant
+        shipped = config_text.load(REPO_ROOT / "model_repository" / model / "config.pbtxt")
+        copy = config_text.load(served / model / "config.pbtxt")
+        folder = config_text.parameter(shipped, "model")
+        assert config_text.parameter(copy, "model") == str((REPO_ROOT / folder).resolve())
+        copy.parameters["model"].string_value = folder
+        assert copy == shipped
 
     # The default: the four models and llm_dynamic at its best; a running server: the four as it serves them.
     default = compare.parse_args([])

@@ -64,8 +64,9 @@ def test_served_repository_sets_quantization_on_every_model_and_variant(tmp_path
         params = parameters_of(tmp_path / model / "config.pbtxt")
         assert params["quantization"] == "q4_1", model
         shipped = parameters_of(SHIPPED / (DYNAMIC if model == variant.name else model) / "config.pbtxt")
-        for key in ("model", "dtype", "kv_cache_memory_bytes", "batching"):  # the rest as shipped
+        for key in ("dtype", "kv_cache_memory_bytes", "batching"):  # the rest as shipped
             assert params[key] == shipped[key], (model, key)
+        assert params["model"] == str(SHIPPED.resolve().parent / shipped["model"])  # the folder the source meant
     assert parameters_of(tmp_path / variant.name / "config.pbtxt")["max_num_seqs"] == "4"  # the variant's own
 
 
@@ -73,7 +74,10 @@ def test_served_repository_sets_quantization_on_every_model_and_variant(tmp_path
 def test_served_repository_without_parameters_leaves_the_weights_as_shipped(tmp_path):
     served_repository(SHIPPED, tmp_path, list(MODELS), [])
     for model in MODELS:
-        assert parameters_of(tmp_path / model / "config.pbtxt") == parameters_of(SHIPPED / model / "config.pbtxt")
+        params = parameters_of(tmp_path / model / "config.pbtxt")
+        shipped = parameters_of(SHIPPED / model / "config.pbtxt")
+        assert params.pop("model") == str(SHIPPED.resolve().parent / shipped.pop("model"))
+        assert params == shipped
 
 
 class ServerStartsHere(Exception):
