@@ -7,7 +7,6 @@ README or ``docs/`` are kept in ``records/runs/`` and the tables are written fro
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -108,10 +107,6 @@ class Record:
         tables = {name: Table.from_json(t) for name, t in data["tables"].items()}
         return cls(data["command"], data["settings"], data["provenance"], tables, data.get("notes", []),
                    data.get("argv", []))
-
-    @property
-    def command_line(self) -> str:
-        return self.command if not self.argv else f"{self.command} ({shlex.join(self.argv)})"
 
 
 def _plain(value):
