@@ -4,6 +4,8 @@ per-engine step time against the same engine alone, for each way of sharing, in 
     python -m bench.shared_cores --model models/smollm2-135m-instruct [--engines 1,2,4]
         [--batch 4] [--seconds 5] [--rounds 3] [--arms divide,step_lock,off,passive] [--out reports/shared_cores.json]
 
+The run's record (``records/``) goes beside the JSON (``reports/shared_cores.record.json``), table ``shared_cores``.
+
 Each process is what a Triton model instance is: its own engine and OpenMP team, its threads spinning between a
 step's parallel regions (``backend/engine/openmp.py``), all of them registered in one file
 (``backend/engine/shared_cores.py``). The arms:
@@ -33,6 +35,7 @@ from pathlib import Path
 
 from backend.contract.settings import DEFAULT_MODEL
 from backend.engine.shared_cores import remove_registry
+from records.record import Column, Record
 
 ARMS = ("divide", "step_lock", "off", "passive")
 
@@ -134,13 +137,11 @@ def summarize(samples: dict, engines: list[int], arms: list[str], batch: int, se
     return {"config": {"batch": batch, "seconds": seconds, "rounds": rounds, "cores": os.cpu_count()}, "rows": rows}
 
 
-def table(result: dict) -> str:
-    lines = ["| arm | engines | step ms (median) | vs same arm alone | vs today's engine alone | tok/s, all engines "
-             "| vs today's engine alone |", "|---|---|---|---|---|---|---|"]
-    for row in result["rows"]:
-        lines.append(f"| {row['arm']} | {row['engines']} | {row['step_ms']:.1f} | {row['ratio']}x "
-                     f"| {row['ratio_vs_spin_alone']}x | {row['tok_s']:.0f} | {row['tok_s_vs_alone']}x |")
-    return "\n".join(lines)
+COLUMNS = [
+    Column("arm"), Column("engines"), Column("step_ms", "step ms (median)", "{:.1f}"),
+    Column("ratio", "vs the same arm alone", "{:.2f}x"), Column("ratio_vs_spin_alone", "vs `off` alone", "{:.2f}x"),
+    Column("tok_s", "tok/s, all engines", "{:.0f}"), Column("tok_s_vs_alone", "tok/s vs `off` alone", "{:.2f}x"),
+]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -159,16 +160,19 @@ def main(argv: list[str] | None = None) -> None:
     if unknown or not arms or min(engines) < 1 or 1 not in engines:
         p.error(f"--arms from {', '.join(ARMS)}; --engines positive and including 1 (the baseline); got "
                 f"{args.arms!r}, {args.engines!r}")
+    record = Record.start("make bench-shared", vars(args))
     result = run(args.model, engines, args.batch, args.seconds, args.rounds, arms)
-    write_result(result, table(result), args.out)
+    record.add_table("shared_cores", COLUMNS, result["rows"])
+    write_result(result, record, "shared_cores", args.out)
 
 
-def write_result(result: dict, text: str, out: str) -> None:
-    """Print the table, write the figures as JSON."""
-    print(text)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+def write_result(result: dict, record: Record, table: str, out: str) -> None:
+    """Print the record's table, write the figures as JSON and the record beside them."""
+    print(record.tables[table].markdown())
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path} and {record.write(path.with_suffix('.record.json'))}")
 
 
 if __name__ == "__main__":

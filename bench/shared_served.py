@@ -2,7 +2,7 @@
 beside the same model alone, for each way of sharing the cores, in one run.
 
     python -m bench.shared_served [--arms divide,off,passive] [--users 4] [--phase-s 20] [--rounds 2]
-        [--out reports/shared_served.json]
+        [--out reports/shared_served.json]    (its record beside it: shared_served.record.json)
 
 One server per arm, all started before the first phase (the models load once, then sleep while another arm is
 driven): ``divide`` and ``step_lock`` (the engine's ``core_sharing``), ``off`` (every engine on every thread: the
@@ -32,6 +32,7 @@ from backend.triton.launcher.launch_options import copy_model_repository
 from backend.triton.launcher.server import start_on_free_ports
 from bench.shared_cores import write_result
 from client.grpc_stream import generate
+from records.record import Column, Record
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # arm -> (the engines' core_sharing, environment of the server)
@@ -147,17 +148,14 @@ def summarize(samples: dict, arms: list[str], four: bool) -> dict:
     return {"rows": rows}
 
 
-def table(result: dict) -> str:
-    f = lambda v, d=1: "–" if v is None else f"{v:.{d}f}"  # noqa: E731
-    lines = ["| arm | phase | model | gap alone ms | gap together ms | ratio | TPOT alone ms | TPOT together ms | "
-             "ratio | off alone gap ms | tok/s alone | tok/s together | all models' tok/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        lines.append(f"| {r['arm']} | {r['phase']} | {r['model']} | {f(r['alone_itl_ms'])} | {f(r['itl_ms'])} | "
-                     f"{f(r['ratio'], 2)}x | {f(r['alone_tpot_ms'])} | {f(r['tpot_ms'])} | {f(r['tpot_ratio'], 2)}x | "
-                     f"{f(r['spin_alone_itl_ms'])} | {f(r['alone_tok_s'], 0)} | "
-                     f"{f(r['tok_s'], 0)} | {f(r['models_tok_s'], 0)} |")
-    return "\n".join(lines)
+COLUMNS = [
+    Column("arm"), Column("phase"), Column("model"), Column("alone_itl_ms", "gap alone ms", "{:.1f}"),
+    Column("itl_ms", "gap together ms", "{:.1f}"), Column("ratio", "gap ratio", "{:.2f}x"),
+    Column("alone_tpot_ms", "TPOT alone ms", "{:.1f}"), Column("tpot_ms", "TPOT together ms", "{:.1f}"),
+    Column("tpot_ratio", "TPOT ratio", "{:.2f}x"), Column("spin_alone_itl_ms", "`off` alone gap ms", "{:.1f}"),
+    Column("alone_tok_s", "tok/s alone", "{:.0f}"), Column("tok_s", "tok/s together", "{:.0f}"),
+    Column("models_tok_s", "all models' tok/s", "{:.0f}"),
+]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -173,8 +171,10 @@ def main(argv: list[str] | None = None) -> None:
     arms = [a for a in args.arms.split(",") if a]
     if not arms or set(arms) - set(ARMS):
         p.error(f"--arms from {', '.join(ARMS)}; got {args.arms!r}")
+    record = Record.start("python -m bench.shared_served", vars(args))
     result = run(arms, args.users, args.phase_s, args.rounds, args.max_tokens, args.four)
-    write_result(result, table(result), args.out)
+    record.add_table("shared_served", COLUMNS, result["rows"])
+    write_result(result, record, "shared_served", args.out)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,11 @@ class Table:
         if len(set(keys)) != len(keys):
             raise ValueError(f"a table's column keys must be unique: {keys}")
 
+    def markdown(self) -> str:
+        """The table as a Markdown table, as a command prints it at the end of its run."""
+        lines = ["| " + " | ".join(c.header for c in self.columns) + " |", "|" + "---|" * len(self.columns)]
+        return "\n".join(lines + ["| " + " | ".join(c.cell(row) for c in self.columns) + " |" for row in self.rows])
+
     @classmethod
     def from_json(cls, data: dict) -> "Table":
         return cls([Column(**c) for c in data["columns"]], list(data.get("rows", [])), data.get("title"))
