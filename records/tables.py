@@ -16,8 +16,15 @@ VALUE (``+`` for a space: ``where=load=8+users``). With more than one source the
 after the other under a first column that names the CPU, so figures of two machines stand side by side. Under every
 table, one line per record says where its figures came from: command, commit, date and CPU.
 
+A figure with no record is not printed: a Markdown table outside the markers (and outside code blocks) whose cells
+hold a measured figure fails ``--check`` with its file and line. A measured figure is a number with a unit of time
+(``ns``, ``µs``, ``us``, ``ms``, ``s``) or of rate (``tok/s``, ``req/s``, ``GB/s``, ...), a ratio written ``1.54x``,
+or any number in a column whose header names a latency or a rate (``TTFT p50``, ``step ms``, ``tok/s``). A table of
+settings passes: its limits and defaults are bare numbers under headers such as ``default``.
+
     python -m records.tables           # rewrite every marked table in README.md and docs/*.md
-    python -m records.tables --check   # exit 1 and show the difference if any table is not what its record gives
+    python -m records.tables --check   # exit 1 if a table is not what its record gives, or a table outside the
+                                       # markers holds a measured figure
 """
 
 from __future__ import annotations
@@ -34,6 +41,12 @@ from records.record import Column, Record
 
 BEGIN = re.compile(r"^<!-- record-(?P<kind>table|figure): (?P<spec>.+?) -->\n", re.M)
 END = "<!-- /record -->"
+# A measured figure in a table cell: a number (1,341.1) with a unit of time or rate after it, or a ratio (1.54x);
+# not part of a name (llm_dynamic_2x8_2000us), an option (--slo-ttft-ms) or a shape (2x8).
+MEASURED = re.compile(r"(?<![\w.,/-])\d+(?:,\d{3})*(?:\.\d+)?(?:"
+                      r"\s?(?:ns|µs|us|ms|s|(?:tok|tokens|req|requests|seq|G?FLOP|TFLOP|[KMG]i?B)/s)(?![\w/])"
+                      r"|x(?!\w))")
+MEASURED_HEADER = re.compile(r"\b(?:ns|µs|us|ms|TTFT|TPOT|ITL|E2E|latency|throughput|p\d\d)\b|/s\b", re.I)
 
 
 @dataclass(frozen=True)
@@ -173,22 +186,72 @@ def stale(root: Path = REPO_ROOT) -> dict[Path, str]:
     return found
 
 
-def main(argv=None) -> int:
+def unrecorded_figures(root: Path = REPO_ROOT) -> list[str]:
+    """``FILE:LINE: ROW`` for each row of a Markdown table outside the record markers that holds a measured figure."""
+    found = []
+    for doc in documents(root):
+        rel = doc.relative_to(root).as_posix()
+        for table in _free_tables(doc.read_text()):
+            found += [f"{rel}:{number}: {row}" for number, row in _measured(table)]
+    return found
+
+
+def _free_tables(text: str) -> list[list[tuple[int, str]]]:
+    """The Markdown tables outside record markers and code blocks, each as its (line number, row) pairs."""
+    tables, rows, in_record, in_code = [], [], False, False
+    for number, line in enumerate(text.splitlines() + [""], 1):
+        stripped = line.strip()
+        if stripped.startswith("|") and not (in_record or in_code):
+            rows.append((number, stripped))
+            continue
+        if rows:
+            tables.append(rows)
+            rows = []
+        if stripped.startswith("```"):
+            in_code = not in_code
+        elif BEGIN.match(stripped + "\n"):
+            in_record = True
+        elif stripped == END:
+            in_record = False
+    return tables
+
+
+def _measured(table: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The rows that hold a measured figure: a number with its unit, or a number under a header that names a
+    measured quantity (``TTFT p50``, ``step ms``, ``tok/s``)."""
+    header = _cells(table[0][1])
+    measured_columns = {i for i, cell in enumerate(header) if MEASURED_HEADER.search(cell)}
+    return [(number, row) for k, (number, row) in enumerate(table) if MEASURED.search(row) or k > 1 and any(
+        i in measured_columns and re.search(r"\d", cell) for i, cell in enumerate(_cells(row)))]
+
+
+def _cells(row: str) -> list[str]:
+    return [cell.strip() for cell in row.strip().strip("|").split("|")]
+
+
+def main(argv=None, root: Path = REPO_ROOT) -> int:
     p = argparse.ArgumentParser(prog="python -m records.tables", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table differs from its record")
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table differs from its record, "
+                   "or a table outside the markers holds a measured figure")
     args = p.parse_args(argv)
-    differences = stale()
+    differences = stale(root)
     if args.check:
         for diff in differences.values():
             sys.stdout.write(diff)
         if differences:
             print(f"{len(differences)} document(s) hold tables that differ from their records: "
                   "run `python -m records.tables`")
-        return 1 if differences else 0
+        unrecorded = unrecorded_figures(root)
+        for row in unrecorded:
+            print(row)
+        if unrecorded:
+            print(f"{len(unrecorded)} table row(s) outside the record markers hold measured figures: write the table "
+                  "from a record (<!-- record-table: ... -->) or remove the figures")
+        return 1 if differences or unrecorded else 0
     for doc in differences:
-        doc.write_text(regenerate(doc.read_text(), doc))
-        print(f"wrote {doc.relative_to(REPO_ROOT)}")
+        doc.write_text(regenerate(doc.read_text(), doc, root))
+        print(f"wrote {doc.relative_to(root)}")
     return 0
 
 

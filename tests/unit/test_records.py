@@ -134,3 +134,43 @@ def test_every_table_in_the_readme_and_docs_is_what_its_record_gives():
     differences = tables.stale()
     assert not differences, "tables differ from their records (run `python -m records.tables`):\n" + "\n".join(
         differences.values())
+
+
+SETTINGS = """| variable | default | meaning |
+|---|---|---|
+| `STALL_TIMEOUT` | 30 | seconds a model may hold requests before a restart |
+| `--dynamic-variants 2x8@2000` | `llm_dynamic_2x8_2000us` | `--slo-ttft-ms 2000`; `max_num_seqs` 8, ports 8000, 8001 |
+"""
+MEASUREMENTS = """| batch | engine tok/s | decode step |
+|---|---|---|
+| 1 | 92.6 | 10.4 ms |
+"""
+BARE = """| tool | TTFT p50 | ITL p50 |
+|---|---|---|
+| genai-perf | 116 / 118 | 53 / 56 |
+"""
+
+
+@pytest.mark.parametrize("table, rows", [
+    (SETTINGS, []),
+    (MEASUREMENTS, [3]),  # a number with its unit
+    (BARE, [3]),  # bare numbers under a header that names a latency
+    ("| | before | after |\n|---|---|---|\n| mixed / parts | 1.13x | 0.97x |\n", [3]),
+    ("| model | sustained |\n|---|---|\n| llm_continuous | 5.64 req/s |\n", [3]),
+    (f"```\n{MEASUREMENTS}```\n", []),  # a code block is not a table
+])
+def test_a_table_outside_the_markers_may_hold_settings_but_no_measured_figure(tmp_path, table, rows):
+    doc = doc_tree(tmp_path, "<!-- record-table: records/runs/amd.json#decode -->")
+    text = tables.regenerate(doc.read_text(), doc, tmp_path) + "\n"
+    doc.write_text(text + table)
+    assert tables.stale(tmp_path) == {}  # the record's own table, inside the markers, is not a finding
+    lines_before = text.count("\n")
+    assert tables.unrecorded_figures(tmp_path) == [
+        f"docs/perf.md:{lines_before + r}: {table.splitlines()[r - 1]}" for r in rows]
+    assert tables.main(["--check"], root=tmp_path) == (1 if rows else 0)
+
+
+def test_no_table_in_the_readme_and_docs_prints_a_figure_without_its_record():
+    found = tables.unrecorded_figures()
+    assert not found, "measured figures with no record (write them from a record, or remove them):\n" + "\n".join(
+        found)
