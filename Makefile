@@ -200,7 +200,7 @@ llamacpp: $(LLAMACPP_BIN) $(LLAMACPP_GGUF) $(LLAMACPP_Q4_GGUF)
 $(LLAMACPP_SRC)/CMakeLists.txt: | $(STAMP)
 	@mkdir -p $(LLAMACPP_DIR)/src
 	test -f $(LLAMACPP_DIR)/src/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz || $(PY) -m pip download -q \
-		--disable-pip-version-check --no-binary :all: --no-deps -d $(LLAMACPP_DIR)/src \
+		--disable-pip-version-check --no-binary llama-cpp-python --no-deps -d $(LLAMACPP_DIR)/src \
 		llama-cpp-python==$(LLAMACPP_VERSION)
 	tar -xzf $(LLAMACPP_DIR)/src/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz -C $(LLAMACPP_DIR)/src
 	@touch $@
