@@ -4,7 +4,7 @@ runs it for how many rows.
 Each weight is laid out once, at load, for the kernels this device and build run (:class:`Layout`), and held in that
 one copy; one routing function, :func:`route`, sends each projection to a kernel by its row count. On CUDA, in
 float32, or without the C kernels, every projection is the plain ``F.linear`` and its elementwise op (the reference
-path) or oneDNN. The figures behind the row limits are in ``docs/cpu-kernels.md``.
+path) or oneDNN. The reasons behind the row limits are in ``docs/cpu-kernels.md``.
 
 With ``quantization`` (q4_1, int8) each projection is held quantized instead (``backend/kernels/quantized_linear.py``):
 a decode step's rows run the quantized C kernel, a prefill's many rows widen the weight to bf16 and run the bf16

@@ -8,7 +8,7 @@ here): long enough to bridge the Python between two regions of a step, short eno
 Spinning pays only with one OpenMP team per process (libgomp cuts the spin short once it manages more threads than
 there are cores), hence ``EngineLoop.build``. Engines of one server that step at once divide the cores among them
 (``backend/engine/shared_cores.py``), so no two teams spin against each other. Where another CPU-bound process
-shares the cores, set ``OMP_WAIT_POLICY=PASSIVE``: a wait policy or spin count in the environment wins. The figures:
+shares the cores, set ``OMP_WAIT_POLICY=PASSIVE``: a wait policy or spin count in the environment wins. Why:
 ``docs/cpu-kernels.md``.
 
 libgomp reads these variables once, when it is loaded, which is when torch is first imported. So the processes that

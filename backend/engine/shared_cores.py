@@ -11,7 +11,8 @@ each other: on 2 cores a step beside another busy engine took 4.7x its time alon
 * ``step_lock``: one forward at a time; a forward runs on every thread while the other engines wait in the kernel.
 * ``off``: every engine takes every thread, whoever else steps (as before the registry).
 
-``docs/engine-performance.md`` ("Engines that share the cores") has the candidates measured side by side.
+``docs/engine-performance.md`` ("Engines that share the cores") has the candidates and why ``divide`` was kept;
+``make bench-shared`` measures them side by side.
 
 NOTE: a crashed engine must not hold the others back. Nothing here waits on another process's memory: a slot says
 "busy" only until its deadline (:data:`BUSY_WINDOW_S` after a forward; :data:`MAX_FORWARD_S` into one), and the

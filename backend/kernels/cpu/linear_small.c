@@ -4,7 +4,7 @@
  * linear_small: y = epilogue(x W^T + bias) for the few rows of a decode step; W, x, y and `other` bf16. At a
  * handful of rows a projection is one pass over its weight: each weight element is read once from memory and met
  * with every x row while it is in registers, panels of outputs shared out among the threads: it streams the weights
- * faster than oneDNN's matmul does at these row counts (docs/cpu-kernels.md has the figures).
+ * faster than oneDNN's matmul does at these row counts (docs/cpu-kernels.md says why).
  * W is [N, K] row-major, or, where vdpbf16ps exists (linear_weight_packed), packed by pack_linear_weight into the
  * layout linear_amx's tiles read, [N/16][K/32][16 pairs of k][16 n][2]: one copy of each weight serves both kernels.
  * Read with vdpbf16ps, a 64-byte line of it is one pair of k for 16 outputs, met by each x row's pair broadcast to
