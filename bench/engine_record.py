@@ -25,7 +25,14 @@ LLAMACPP = [
 ]
 WORKLOAD = [
     Column("policy"), Column("tok_s", "output tok/s", "{:.1f}"), Column("mean_batch", "mean batch", "{:.1f}"),
-    Column("steps"), Column("speedup", "continuous / static", "{:.2f}x"),
+    Column("steps"), Column("prefill_steps", "steps with prompt tokens"),
+    Column("prefill_s", "time in them s", "{:.1f}"), Column("decode_s", "time in decode-only steps s", "{:.1f}"),
+    Column("speedup", "continuous / static", "{:.2f}x"),
+]
+MIXED_STEPS = [
+    Column("num_decodes", "decodes"), Column("chunk", "chunk tokens"), Column("decode_ms", "decodes alone ms", "{:.1f}"),
+    Column("prefill_ms", "chunk alone ms", "{:.1f}"), Column("mixed_ms", "both in one step ms", "{:.1f}"),
+    Column("ratio", "mixed / parts", "{:.2f}x"),
 ]
 VERDICTS = {True: "met", False: "missed", None: "not judged"}
 TARGETS_COLUMNS = [Column("name", "target"), Column("value", "this run"), Column("goal"), Column("verdict")]
@@ -55,8 +62,13 @@ def add_tables(record: Record, result: dict) -> Record:
     w = result["workload"]
     record.add_table("workload", WORKLOAD, [
         {"policy": policy, "tok_s": w[f"{policy}_tok_s"], "mean_batch": w[f"{policy}_mean_batch"],
-         "steps": w[f"{policy}_steps"], "speedup": w["speedup"] if policy == "continuous" else None}
+         "steps": w[f"{policy}_steps"], "prefill_steps": w.get(f"{policy}_prefill_steps"),
+         "prefill_s": w.get(f"{policy}_prefill_s"), "decode_s": w.get(f"{policy}_decode_s"),
+         "speedup": w["speedup"] if policy == "continuous" else None}
         for policy in ("continuous", "static")])
+    if result.get("mixed_steps"):
+        record.add_table("mixed_steps", MIXED_STEPS, [{c.key: r[c.key] for c in MIXED_STEPS}
+                                                      for r in result["mixed_steps"]])
     record.add_table("targets", TARGETS_COLUMNS, [
         {"name": t["name"], "value": TARGETS[t["key"]].format_value(t["value"]), "goal": t["goal"],
          "verdict": VERDICTS[t["met"]]} for t in result["targets"]])
