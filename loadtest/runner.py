@@ -378,11 +378,7 @@ def run_load_point(target: Target, model: str, point: LoadPoint, plan: Plan, out
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
         sampler.watch("loadgen", process.pid)
-        try:
-            returncode = process.wait(timeout=plan.run_s + plan.stop_timeout_s + 60)
-        except subprocess.TimeoutExpired:
-            process.terminate()
-            returncode = process.wait(timeout=30)
+        returncode = _wait_bounded(process, plan.run_s + plan.stop_timeout_s + 60)
     samples = sampler.stop()
 
     requests, events = read_records(records_path)
@@ -405,6 +401,22 @@ def run_load_point(target: Target, model: str, point: LoadPoint, plan: Plan, out
         tail = log_path.read_text(errors="replace")[-2000:]
         raise RuntimeError(f"Locust did not run {name} (exit {returncode}); its log ends:\n{tail}")
     return run
+
+
+def _wait_bounded(process: subprocess.Popen, timeout_s: float, grace_s: float = 30.0) -> int:
+    """Locust's exit status, however it ends: past ``timeout_s`` it is asked to stop (SIGTERM), past ``grace_s``
+    more it is killed. NOTE: Locust has been seen to print its summary and then hang at interpreter exit, on a gRPC
+    channel of a user stopped mid-stream; every request it finished is in the records file already, so the load point
+    is read from there and the run goes on rather than leave a process behind."""
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.terminate()
+    try:
+        return process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
 
 
 def read_records(path: Path) -> tuple[list[dict], list[dict]]:

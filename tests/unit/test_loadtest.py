@@ -699,3 +699,23 @@ def test_the_soak_verdict_fails_on_each_target(cell, failed):
     assert [name for name, ok in checks.items() if not ok] == ([failed] if failed else [])
     report["shutdown"] = {"exit_status": 1, "exited_after_s": 10.4, "grace_s": 10.0}  # "Exit timeout expired"
     assert not soak.verdict(report, args)["sigterm_exit_0_within_grace"]
+
+
+def test_a_load_generator_that_will_not_exit_is_killed_and_the_run_goes_on():
+    """Locust has printed its summary and then hung at exit (a gRPC channel of a user stopped mid-stream): the
+    runner asks it to stop, then kills it, so no load point leaves a process behind or stops the whole run."""
+    import signal
+    import sys
+    import time
+
+    from loadtest.runner import _wait_bounded
+
+    ignores_sigterm = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); "
+                       "time.sleep(60)")
+    process = subprocess.Popen([sys.executable, "-c", ignores_sigterm], stdout=subprocess.PIPE)
+    process.stdout.readline()  # its handler is in place
+    started = time.monotonic()
+    assert _wait_bounded(process, timeout_s=0.2, grace_s=0.3) == -signal.SIGKILL
+    assert time.monotonic() - started < 10
+    finishes = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert _wait_bounded(finishes, timeout_s=30) == 3
