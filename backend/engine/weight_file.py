@@ -164,6 +164,10 @@ def _write(path: Path, prepared: Prepared, model_dir: Path) -> None:
             f.truncate(start + offset)
             f.flush()
             os.fsync(f.fileno())
+            # NOTE: the writes left the file in the page cache as small pages; dropped (clean after the fsync), it
+            # is read back by the first engine that maps it as read() asks, in 2 MiB pages (_map_huge).
+            if hasattr(os, "posix_fadvise"):  # not on macOS
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
             os.fchmod(f.fileno(), 0o644)  # readable by any engine, as the lock and the library are
         except BaseException:
             os.unlink(f.name)
@@ -175,6 +179,7 @@ def read(path: Path) -> Prepared:
     """The prepared weights as views into a read-only, shared mapping of ``path``."""
     with open(path, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # MAP_SHARED, PROT_READ: the page cache's pages
+    _map_huge(mapping)
     (length,) = struct.unpack("<Q", mapping[:8])
     meta = json.loads(mapping[8 : 8 + length])
     if meta["format"] != _FORMAT.decode():
@@ -200,6 +205,20 @@ def read(path: Path) -> Prepared:
         else:
             prepared[name] = view(entry)
     return prepared
+
+
+def _map_huge(mapping: mmap.mmap) -> None:
+    """Ask for the mapping in 2 MiB pages where the kernel reads files into them (Linux with transparent huge pages,
+    a filesystem with large folios: ext4, xfs): pages read from disk from now on come in 2 MiB folios, each mapped
+    by one TLB entry. A decode step streams every weight once: in 4 KiB pages that is a TLB miss every 4 KiB, and
+    the hardware prefetchers stop at each page's end (on Zen 4 the step's projections streamed 10-30 % faster from
+    2 MiB pages). Pages already cached in small folios stay small until evicted; elsewhere it does nothing."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            mapping.madvise(advice)
+        except OSError:  # e.g. a kernel without transparent huge pages
+            pass
 
 
 def _release_freed_heap() -> None:
