@@ -347,10 +347,11 @@ def capacity_table(results: list[dict], slo_ttft_ms: float, slo_tpot_ms: float) 
     dynamic = {m: v for m, v in sustained.items() if m == DYNAMIC or m.startswith(DYNAMIC + "_")}
     if dynamic and CONTINUOUS in sustained:
         best_dynamic = max(dynamic, key=dynamic.get)
-        ratio = sustained[CONTINUOUS] / dynamic[best_dynamic] if dynamic[best_dynamic] else None
         lines.append("")
-        if ratio:
-            said = f"the best dynamic configuration ({best_dynamic}) {dynamic[best_dynamic]:.2f}: {ratio:.1f}x."
+        if dynamic[best_dynamic]:
+            ratio = sustained[CONTINUOUS] / dynamic[best_dynamic]
+            said = f"the best dynamic configuration ({best_dynamic}) {dynamic[best_dynamic]:.2f}" + (
+                f": {ratio:.1f}x." if ratio else ".")
         else:
             lowest = next((r["rows"][0]["load"] for r in results if r["rows"]), "?")
             said = f"no dynamic configuration held even the ladder's lowest load ({lowest})."

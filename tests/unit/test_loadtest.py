@@ -585,6 +585,9 @@ def test_capacity_table_sets_continuous_beside_the_best_dynamic_configuration():
     none_held = slo.capacity_table([result("llm_dynamic", None, 8), results[2]], 2000, 100)
     assert "| llm_dynamic | 8 | – | none of the ladder | – |" in none_held
     assert none_held.endswith("no dynamic configuration held even the ladder's lowest load (0.5 req/s).")
+    continuous_none = slo.capacity_table([results[0], result("llm_continuous", None, 151)], 2000, 100)
+    assert continuous_none.endswith("llm_continuous sustains 0.00 req/s within the SLO; the best dynamic "
+                                    "configuration (llm_dynamic_1x8_2000us) 0.50.")
 
 
 def test_soak_shows_the_crash_when_the_server_dies(tmp_path):
