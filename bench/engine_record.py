@@ -30,8 +30,9 @@ WORKLOAD = [
     Column("speedup", "continuous / static", "{:.2f}x"),
 ]
 MIXED_STEPS = [
-    Column("num_decodes", "decodes"), Column("chunk", "chunk tokens"), Column("decode_ms", "decodes alone ms", "{:.1f}"),
-    Column("prefill_ms", "chunk alone ms", "{:.1f}"), Column("mixed_ms", "both in one step ms", "{:.1f}"),
+    Column("num_decodes", "decodes"), Column("chunk", "chunk tokens"),
+    Column("decode_ms", "decodes alone ms", "{:.1f}"), Column("prefill_ms", "chunk alone ms", "{:.1f}"),
+    Column("mixed_ms", "both in one step ms", "{:.1f}"),
     Column("ratio", "mixed / parts", "{:.2f}x"),
 ]
 VERDICTS = {True: "met", False: "missed", None: "not judged"}

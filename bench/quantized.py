@@ -4,6 +4,8 @@ blocks it frees, and greedy agreement with bf16.
     flock /tmp/llm-bench.lock python -m bench.quantized --model models/smollm2-135m-instruct \\
         [--formats bf16,q4_1,int8] [--batches 1,8,32,64] [--repeats 3] [--out reports/bench_quantized.json]
 
+The run's record (``records/``) goes beside the JSON (``bench_quantized.record.json``), table ``formats``.
+
 One engine per format, all loaded in this process; at each batch size the formats take turns (their order rotated
 each repeat), and each keeps its best median decode step of ``--repeats`` runs, so all see the same background load
 on a shared machine. The decode step is the median of a ``generate``'s steps at the full batch (random prompts of
@@ -30,6 +32,7 @@ from backend.engine.config import WEIGHT_FORMATS, SamplingParams  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
 from bench.engines import fixed_batch_engine, held_weight_bytes, median_ms, random_prompts, timed_generate  # noqa: E402
+from records.record import Column, Record  # noqa: E402
 
 PROMPTS = (
     "What is the capital of France?",
@@ -109,6 +112,27 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def record_table(record: Record, result: dict) -> Record:
+    """The table ``formats``: a row per format, its step at each batch beside bf16's from the same run."""
+    steps, batches = result["decode_step_ms"], list(result["decode_step_ms"][BF16])
+    columns = [Column("format")]
+    for b in batches:
+        columns += [Column(f"step_ms_b{b}", f"B={b} step ms", "{:.2f}"),
+                    Column(f"ratio_b{b}", f"B={b} x bf16", "{:.2f}x")]
+    columns += [Column("weight_mib", "weights MiB", "{:.1f}"), Column("kv_blocks_gained", "KV blocks gained"),
+                Column("prefix_share", "greedy prefix = bf16", "{:.0%}")]
+    rows = []
+    for fmt, by_batch in steps.items():
+        row = {"format": fmt, "weight_mib": result["memory"][fmt]["weight_mib"],
+               "kv_blocks_gained": result["memory"][fmt]["kv_blocks_gained"],
+               "prefix_share": result["greedy_agreement"][fmt]["prefix_share"]}
+        for b in batches:
+            row[f"step_ms_b{b}"], row[f"ratio_b{b}"] = by_batch[b], by_batch[b] / steps[BF16][b]
+        rows.append(row)
+    record.add_table("formats", columns, rows)
+    return record
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -119,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--agreement-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("reports/bench_quantized.json"))
     args = parser.parse_args(argv)
     try:
         args.formats = [WeightFormat.parse(name, WEIGHT_FORMATS, "--formats") for name in args.formats.split(",")]
@@ -127,13 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if BF16 not in args.formats:
         args.formats = [BF16, *args.formats]  # the baseline
+    record = Record.start("python -m bench.quantized", vars(args))
     result = run(args)
     print(format_table(result))
     for fmt, entry in result["greedy_agreement"].items():
         print(f"\n[{fmt}] " + " | ".join(text.replace("\n", " ")[:80] for text in entry["texts"]))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    kept = record_table(record, result).write(args.out.with_suffix(".record.json"))
+    print(f"\nwritten to {args.out}; the run's record to {kept}")
     return 0
 
 

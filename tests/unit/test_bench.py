@@ -72,7 +72,8 @@ def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
     assert "Speed targets, judged on this run's figures" in table
 
     record = engine_record.add_tables(Record("make bench", {}, {}), result)
-    assert set(record.tables) == {"fixed_batches", "served", "workload", "mixed_steps", "targets"}  # no llama.cpp column here
+    # no llama.cpp column here
+    assert set(record.tables) == {"fixed_batches", "served", "workload", "mixed_steps", "targets"}
     assert len(record.tables["mixed_steps"].rows) == len(result["mixed_steps"])
     fixed = record.tables["fixed_batches"]
     assert [fixed.columns[0].cell(r) for r in fixed.rows] == ["1", "2"]

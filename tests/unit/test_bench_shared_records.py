@@ -31,3 +31,19 @@ def test_shared_served_record_holds_every_figure(tmp_path):
     first = next(r for r in table.rows if r["model"] == shared_served.PAIR[0])
     assert first["ratio"] == 1.5 and first["models_tok_s"] == 160.0
     assert " 1.50x " in table.markdown()
+
+
+def test_quantized_record_sets_each_format_beside_bf16(tmp_path):
+    from backend.kernels.weight_format import WeightFormat
+    from bench import quantized
+
+    bf16, q4_1 = WeightFormat.BF16, WeightFormat.Q4_1
+    result = {"decode_step_ms": {bf16: {1: 10.0, 8: 16.0}, q4_1: {1: 5.0, 8: 16.0}},
+              "memory": {bf16: {"weight_mib": 256.6, "kv_blocks_gained": 0},
+                         q4_1: {"weight_mib": 92.0, "kv_blocks_gained": 468}},
+              "greedy_agreement": {bf16: {"prefix_share": 1.0}, q4_1: {"prefix_share": 0.57}}}
+    record = quantized.record_table(Record("test", {}, {}), result)
+    table = Record.read(record.write(tmp_path / "q.json")).tables["formats"]
+    q_row = next(r for r in table.rows if r["format"] == str(q4_1))
+    assert q_row["ratio_b1"] == 0.5 and q_row["ratio_b8"] == 1.0 and q_row["kv_blocks_gained"] == 468
+    assert "| q4_1 | 5.00 | 0.50x | 16.00 | 1.00x | 92.0 | 468 | 57% |" in table.markdown()
