@@ -19,8 +19,8 @@
  * Each weight is widened in registers to float32 (d * q is exact in float32, so d * q + m is one rounding whether
  * fused or not: the torch twin's dequantized weight to the bit) and met with x widened to float32, so the kernel and
  * its twin differ only in the order of the float32 sum. Two other paths, where the build has them
- * (quant_kernel_path says which runs): Q4_1 with x quantized to int8 for integer dot products (AVX512-VNNI, as
- * llama.cpp's Q4_1 x Q8_1), and from a few rows, every format widened to bf16 a panel at a time and met with x on
+ * (quant_kernel_path says which runs): Q4_1 (and Q8_0 without AMX) with x quantized to int8 for integer dot
+ * products (AVX512-VNNI, as llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0), and from a few rows, every format widened to bf16 a panel at a time and met with x on
  * AMX tiles, so the widening is paid once for all the rows.
  * Work: threads share out panels of QUANT_PANEL output rows (a group of 16 rows for Q4_1 with x quantized); each
  * panel meets QUANT_TILE_T rows of x at a time, the panel's few KB of weights re-read from L1/L2 for the next tile.
@@ -197,41 +197,70 @@ static inline __attribute__((always_inline)) void quant_rows(int format, const u
 
 /* How linear_quant computes T rows of x against an [N, K] weight of `format` in this build, so that the torch twin
  * computes the same: 0, each weight widened to float32 and met with x in float32; 1, x quantized to int8 per block
- * for integer dot products (Q4_1, the VNNI path below); 2, each weight widened to bf16 and met with x on AMX tiles
+ * for integer dot products (Q4_1, and Q8_0 where AMX is not: the VNNI paths below); 2, each weight widened to bf16 and met with x on AMX tiles
  * (the bf16 tiles path below). The bf16 tiles cost about the same at any row count up to 32 (widening the weights,
  * ~8 cycles a block of 32 here, is most of it), the other paths a pass of work per row: measured at the model's
  * shapes on two cores, the VNNI path is the faster to 4 rows (Q4_1), the float32 path to 3 (Q8_0, INT8). */
 #define QUANT_AMX_ROWS_Q4_1 5
 #define QUANT_AMX_ROWS 4
 int quant_kernel_path(int format, int64_t T, int64_t K, int64_t N) {
+    int amx = 0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    if (T >= (format == WEIGHT_Q4_1 ? QUANT_AMX_ROWS_Q4_1 : QUANT_AMX_ROWS) && K % 32 == 0 && N % 16 == 0 && linear_amx_available()) return 2;
+    amx = linear_amx_available();
+    if (T >= (format == WEIGHT_Q4_1 ? QUANT_AMX_ROWS_Q4_1 : QUANT_AMX_ROWS) && K % 32 == 0 && N % 16 == 0 && amx) return 2;
 #else
     (void)T; (void)N;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (format == WEIGHT_Q4_1) return 1;
+    /* NOTE: Q8_0 (q4_1's LM head) only where AMX is not: measured on AMD Zen 4 (2 cores) alone, where at the LM
+     * head's shape it took 1.45 ms against the float32 path's 1.80 at one row, 2.6 against 4.7 at 8, 9.5 against
+     * 35 at 64 (the float32 path widens every weight once per row) */
+    if (format == WEIGHT_Q8_0 && !amx) return 1;
 #endif
+    (void)amx;
     (void)K;
     (void)format;
     return 0;
 }
 
+#if (defined(__AVX512VNNI__) && defined(__AVX512BW__)) || \
+    (defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__))
+/* A thread's buffer `which` of at least `size` bytes, 64-byte aligned, kept for its next call. NOTE: a step makes
+ * ~180 of these calls on the same OpenMP threads; a fresh allocation each time was handed back to the system and
+ * paid its page faults again. */
+static void* scratch(int which, size_t size) {
+    static __thread void* buffers[2];
+    static __thread size_t sizes[2];
+    if (sizes[which] < size) {
+        free(buffers[which]);
+        size = (size + 65535) & ~(size_t)65535;
+        buffers[which] = aligned_alloc(64, size);
+        sizes[which] = buffers[which] == NULL ? 0 : size;
+    }
+    return buffers[which];
+}
+#endif
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /*
- * Q4_1 with integer dot products, as llama.cpp's Q4_1 x Q8_1: each block of 32 x is quantized to int8 (dx = amax / 127,
- * q = round-to-nearest-even(x / dx)) and its sum kept (sx = dx * sum(q)); a block's dot product is then
- * d dx sum(q_w q_x) + m sx, the integer sum from vpdpbusd (the nibbles unsigned, x signed). A group of 16 rows at a
- * time, one row a 32-bit lane: each 64-byte vector of the group's nibbles holds bytes 4v .. 4v + 3 of every row's
- * block, so its low nibbles meet x's 4 bytes 4v .. 4v + 3 broadcast to every lane, its high nibbles x's 16 + 4v ..,
- * and a block's scales and mins are one vector each. The integers are exact; what differs from the twin is the float
- * order of the per-block terms.
+ * The integer dot products (x_int8), as llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0: each block of 32 x is quantized to
+ * int8 (dx = amax / 127, q = round-to-nearest-even(x / dx)) and its sum kept (sx = dx * sum(q)); a block's dot
+ * product is then d dx sum(q_w q_x) (+ m sx for Q4_1), the integer sum from vpdpbusd (the weights unsigned, x
+ * signed). A group of 16 rows at a time, one row a 32-bit lane: each 64-byte vector of a block holds 4 bytes of
+ * every row's, met by x's 4 matching bytes broadcast to every lane, and a block's scales (and mins) are one vector
+ * each. The integers are exact; what differs from the twin is the float order of the per-block terms.
+ * NOTE: VNNI_TILE_T rows of x meet each block while it is in registers: at 4 (the earlier tile) the 8 to 64 rows
+ * of a batched decode step on AMD Zen 4 re-read and re-unpacked every block so often that Q4_1 ran slower than
+ * bf16's vdpbf16ps (linear_small); at 8 each row's sums are one register, 8 + 10 of the 32.
  */
+#define VNNI_TILE_T 8
+
+/* Q4_1: a group's block is a Q4_1 unit (its nibbles' low halves meet x's bytes 4v .., the high halves 16 + 4v ..). */
 static inline __attribute__((always_inline)) void q4_1_group_vnni(const uint8_t* u, int64_t nb, int64_t K,
                                                                    const int8_t* xq, const float* xd, const float* xs,
-                                                                   __m512 sums[QUANT_TILE_T], int T) {
-    __m512 acc_d[QUANT_TILE_T], acc_m[QUANT_TILE_T];  /* two chains: the scaled sums', the mins' */
-    for (int t = 0; t < T; ++t) acc_d[t] = acc_m[t] = _mm512_setzero_ps();
+                                                                   __m512 sums[VNNI_TILE_T], int T) {
+    for (int t = 0; t < T; ++t) sums[t] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(15);
     for (int64_t b = 0; b < nb; ++b, u += Q4_1_UNIT) {
         for (int line = 0; line < Q4_1_UNIT; line += 64) _mm_prefetch((const char*)u + QUANT_PREFETCH + line, _MM_HINT_T0);
@@ -255,87 +284,191 @@ static inline __attribute__((always_inline)) void q4_1_group_vnni(const uint8_t*
                 s_hi = _mm512_dpbusd_epi32(s_hi, hi[v], _mm512_set1_epi32(x_hi));
             }
             const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[t * nb + b]));
-            acc_d[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s_lo, s_hi)), scale, acc_d[t]);
-            acc_m[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * nb + b]), acc_m[t]);
+            sums[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s_lo, s_hi)), scale, sums[t]);
+            sums[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * nb + b]), sums[t]);
         }
     }
-    for (int t = 0; t < T; ++t) sums[t] = _mm512_add_ps(acc_d[t], acc_m[t]);
 }
 
-/* x [T, K] bf16 -> xq [T, K] int8, and per block dx (xd [T, K / 32]) and dx * sum(q) (xs). NOTE: without
- * -ffast-math, so that dx, 1 / dx and each q are the float operations the torch twin does (fast-math folds
- * 1 / (amax / 127) into 127 / amax). */
-__attribute__((optimize("no-fast-math"))) static void quantize_x_q8(const void* x, int64_t x_st, int64_t T, int64_t K,
-                                                                     int8_t* xq, float* xd, float* xs) {
-    const int64_t nb = K / 32;
-    float xf[32];
-    for (int64_t t = 0; t < T; ++t) {
-        for (int64_t b = 0; b < nb; ++b) {
-            load_row((const uint16_t*)x + t * x_st + 32 * b, DTYPE_BF16, 32, xf);
-            float amax = 0.f;
-            for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xf[i]));
-            const float d = amax * (1.f / 127.f);
-            const float id = d > 0.f ? 1.f / d : 0.f;
-            int sum = 0;
-            for (int i = 0; i < 32; ++i) {
-                const int q = _mm_cvtss_si32(_mm_set_ss(xf[i] * id));  /* nearest even, as torch.round */
-                sum += q;
-                xq[t * K + 32 * b + i] = (int8_t)q;
+/*
+ * Q8_0 is held a row at a time (GGUF's; the AMX path and the embedding's lookup read it so), so each group of 16
+ * rows is first transposed, block by block, into a thread's buffer of Q8_0_UNIT bytes a block: the rows' d as 16
+ * float32, then 8 vectors of 64 bytes, lane j of vector v row j's bytes 4v .. 4v + 3, each plus 128 (vpdpbusd takes
+ * the weights unsigned; the sum then holds 128 sum(q_x) too, which starts it negated). The buffer (K / 32 * 576
+ * bytes, in L1 at the LM head's K) then meets every tile of x rows, so that the transposition is paid once.
+ */
+#define Q8_0_UNIT 576
+static void q8_0_transpose_group(const uint8_t* w, int64_t row_bytes, int64_t nb, uint8_t* units) {
+    const __m512i rows_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32((int)row_bytes));
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; ++b, units += Q8_0_UNIT) {
+        const uint8_t* blk = w + 34 * b;
+        for (int line = 0; line < 16 * 34; line += 64)  /* the next group (contiguous), as far along */
+            _mm_prefetch((const char*)w + 16 * row_bytes + 16 * 34 * b + line, _MM_HINT_T0);
+        const __m512i dh = _mm512_i32gather_epi32(rows_at, blk, 1);  /* row j's fp16 d in the low half of lane j */
+        _mm512_storeu_ps(units, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh)));
+        /* z[i]: rows r and r + 4 (r = i, or i + 4 from i = 4), so that the 8 x 8 dword transposes of the two
+         * 256-bit halves, shuffled at the end, come out one row a lane in order */
+        __m512i z[8], t[8], u[8];
+        for (int i = 0; i < 8; ++i) {
+            const int64_t r = i < 4 ? i : i + 4;
+            z[i] = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + r * row_bytes + 2))),
+                _mm256_loadu_si256((const __m256i*)(blk + (r + 4) * row_bytes + 2)), 1);
+        }
+        for (int i = 0; i < 8; i += 2) {
+            t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+            t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4)
+            for (int h = 0; h < 2; ++h) {
+                u[i + h] = _mm512_unpacklo_epi64(t[i + h], t[i + h + 2]);
+                u[i + h + 2] = _mm512_unpackhi_epi64(t[i + h], t[i + h + 2]);
             }
-            xd[t * nb + b] = d;
-            xs[t * nb + b] = d * (float)sum;
+        /* u[0..3]: dwords 0, 2, 1, 3 (and + 4 in each chunk's other half) of rows from z[0..3]; u[4..7] of z[4..7] */
+        static const int dword_of[4] = {0, 2, 1, 3};
+        for (int i = 0; i < 4; ++i) {
+            const __m512i first = _mm512_shuffle_i64x2(u[i], u[i + 4], 0x88);   /* chunks 0, 2 of each */
+            const __m512i second = _mm512_shuffle_i64x2(u[i], u[i + 4], 0xDD);  /* chunks 1, 3 */
+            _mm512_storeu_si512(units + 64 + 64 * dword_of[i], _mm512_xor_si512(first, offset));
+            _mm512_storeu_si512(units + 64 + 64 * (dword_of[i] + 4), _mm512_xor_si512(second, offset));
         }
     }
 }
 
-/* Row t of x against a row past the last whole group of 16 (GGUF's row as it is). */
-static float q4_1_row_vnni(const uint8_t* row, int64_t K, const int8_t* xq, const float* xd, const float* xs) {
+static inline __attribute__((always_inline)) void q8_0_group_vnni(const uint8_t* u, int64_t nb, int64_t K,
+                                                                   const int8_t* xq, const float* xd,
+                                                                   const int32_t* xsum, __m512 sums[VNNI_TILE_T],
+                                                                   int T) {
+    for (int t = 0; t < T; ++t) sums[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b, u += Q8_0_UNIT) {
+        const __m512 d = _mm512_loadu_ps(u);
+        __m512i q[8];
+        for (int v = 0; v < 8; ++v) q[v] = _mm512_loadu_si512(u + 64 + 64 * v);
+        for (int t = 0; t < T; ++t) {
+            const int8_t* xb = xq + t * K + 32 * b;
+            __m512i s = _mm512_set1_epi32(-128 * xsum[t * nb + b]);
+            for (int v = 0; v < 8; ++v) {
+                int32_t xv;
+                memcpy(&xv, xb + 4 * v, 4);
+                s = _mm512_dpbusd_epi32(s, q[v], _mm512_set1_epi32(xv));
+            }
+            sums[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(xd[t * nb + b])),
+                                      sums[t]);
+        }
+    }
+}
+
+/* Row t of x [T, K] bf16 -> xq [T, K] int8, and per block dx (xd [T, K / 32]), dx * sum(q) (xs) and sum(q) (xsum).
+ * NOTE: without -ffast-math, so that dx, 1 / dx and each q are the float operations the torch twin does (fast-math
+ * folds 1 / (amax / 127) into 127 / amax); vectorised by hand (a 64-row step's x, quantized one value at a time,
+ * cost about as much as the matmuls). */
+__attribute__((optimize("no-fast-math"))) static void quantize_x_q8_row(const void* x, int64_t x_st, int64_t t,
+                                                                         int64_t K, int8_t* xq, float* xd, float* xs,
+                                                                         int32_t* xsum) {
+    const int64_t nb = K / 32;
+    const uint16_t* src = (const uint16_t*)x + t * x_st;
+    for (int64_t b = 0; b < nb; ++b) {
+        const __m256i raw0 = _mm256_loadu_si256((const __m256i*)(src + 32 * b));  /* bf16: a truncated float32 */
+        const __m256i raw1 = _mm256_loadu_si256((const __m256i*)(src + 32 * b + 16));
+        const __m512 x0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw0), 16));
+        const __m512 x1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw1), 16));
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float d = amax * (1.f / 127.f);
+        const __m512 id = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+        /* nearest even, as torch.round; |q| <= 127, so the narrowing to int8 is exact */
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+        _mm_storeu_si128((__m128i*)(xq + t * K + 32 * b), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(xq + t * K + 32 * b + 16), _mm512_cvtepi32_epi8(q1));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        xd[t * nb + b] = d;
+        xs[t * nb + b] = d * (float)sum;
+        xsum[t * nb + b] = sum;
+    }
+}
+
+/* Row t of x against a row past the last whole group of 16 (as it is held: GGUF's). NOTE: not vectorised: GCC 12
+ * turned Q8_0's int8 x int8 sum into vpdpbusd, which reads one side unsigned. */
+__attribute__((optimize("no-tree-vectorize"))) static float row_vnni(int format, const uint8_t* row, int64_t K, const int8_t* xq, const float* xd, const float* xs) {
     float acc = 0.f;
     for (int64_t b = 0; b < K / 32; ++b) {
-        const uint8_t* p = row + 20 * b;
+        const uint8_t* p = row + (format == WEIGHT_Q4_1 ? 20 : 34) * b;
         uint16_t dh, mh;
         memcpy(&dh, p, 2);
         memcpy(&mh, p + 2, 2);
         int32_t dot = 0;
-        for (int i = 0; i < 16; ++i) dot += (p[4 + i] & 15) * xq[32 * b + i] + (p[4 + i] >> 4) * xq[32 * b + 16 + i];
-        acc += half_value(dh) * xd[b] * (float)dot + half_value(mh) * xs[b];
+        if (format == WEIGHT_Q4_1) {
+            for (int i = 0; i < 16; ++i)
+                dot += (p[4 + i] & 15) * xq[32 * b + i] + (p[4 + i] >> 4) * xq[32 * b + 16 + i];
+            acc += half_value(dh) * xd[b] * (float)dot + half_value(mh) * xs[b];
+        } else {
+            for (int i = 0; i < 32; ++i) dot += (int8_t)p[2 + i] * xq[32 * b + i];
+            acc += half_value(dh) * xd[b] * (float)dot;
+        }
     }
     return acc;
 }
 
-static int linear_q4_1_vnni(const void* x, int64_t x_st, const uint8_t* w, const uint16_t* b, int64_t T, int64_t K,
-                            int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out, int num_threads) {
-    const int64_t nb = K / 32, num_groups = N / 16;
-    int8_t* xq = malloc(T * K + sizeof(float) * T * nb * 2 + 64);
+/* Q4_1 or Q8_0 with x quantized to int8: threads share out the groups of 16 rows (and the rows past the last). */
+static int linear_quant_vnni(int format, const void* x, int64_t x_st, const uint8_t* w, const uint16_t* b, int64_t T,
+                             int64_t K, int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out,
+                             int num_threads) {
+    const int64_t nb = K / 32, num_groups = N / 16, row_bytes = quant_row_bytes(format, K);
+    int8_t* xq = malloc(T * K + (sizeof(float) * 2 + sizeof(int32_t)) * T * nb + 64);
     if (xq == NULL) return -1;
     float* xd = (float*)(xq + ((T * K + 63) & ~(int64_t)63));
     float* xs = xd + T * nb;
-    quantize_x_q8(x, x_st, T, K, xq, xd, xs);
+    int32_t* xsum = (int32_t*)(xs + T * nb);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (N * K >= 65536)
+    {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) quantize_x_q8_row(x, x_st, t, K, xq, xd, xs, xsum);
     /* one item per group, and one for the rows past the last group */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
+#pragma omp for schedule(static)
     for (int64_t g = 0; g <= num_groups; ++g) {
         if (g == num_groups) {
             for (int64_t n = 16 * num_groups; n < N; ++n)
                 for (int64_t t = 0; t < T; ++t) {
-                    const float sum = q4_1_row_vnni(w + n * quant_row_bytes(WEIGHT_Q4_1, K), K, xq + t * K,
-                                                    xd + t * nb, xs + t * nb);
+                    const float sum = row_vnni(format, w + n * row_bytes, K, xq + t * K, xd + t * nb, xs + t * nb);
                     out[t * N + n] = to_bf16(apply_op(sum + (b ? bf16_value(b[n]) : 0.f), op, o, other_st, (int)t, n));
                 }
             continue;
         }
         const uint8_t* u = q4_1_unit(w, K, g, 0);
-        for (int64_t t0 = 0; t0 < T; t0 += QUANT_TILE_T) {
-            const int tn = T - t0 < QUANT_TILE_T ? (int)(T - t0) : QUANT_TILE_T;
+        if (format == WEIGHT_Q8_0) {
+            uint8_t* units = scratch(0, (size_t)(nb * Q8_0_UNIT));
+            if (units == NULL) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            q8_0_transpose_group(w + 16 * g * row_bytes, row_bytes, nb, units);
+            u = units;
+        }
+        for (int64_t t0 = 0; t0 < T; t0 += VNNI_TILE_T) {
+            const int tn = T - t0 < VNNI_TILE_T ? (int)(T - t0) : VNNI_TILE_T;
             const int8_t* xt = xq + t0 * K;
             const float *dt = xd + t0 * nb, *st = xs + t0 * nb;
-            __m512 sums[QUANT_TILE_T];
-            switch (tn) {  /* constant row counts keep every accumulator in a register */
-                case 1: q4_1_group_vnni(u, nb, K, xt, dt, st, sums, 1); break;
-                case 2: q4_1_group_vnni(u, nb, K, xt, dt, st, sums, 2); break;
-                case 3: q4_1_group_vnni(u, nb, K, xt, dt, st, sums, 3); break;
-                default: q4_1_group_vnni(u, nb, K, xt, dt, st, sums, QUANT_TILE_T); break;
+            __m512 sums[VNNI_TILE_T];
+            /* constant row counts keep every accumulator in a register */
+#define VNNI_GROUP(T_)                                                                                  \
+    if (format == WEIGHT_Q8_0) q8_0_group_vnni(u, nb, K, xt, dt, xsum + t0 * nb, sums, T_);             \
+    else q4_1_group_vnni(u, nb, K, xt, dt, st, sums, T_);                                               \
+    break;
+            switch (tn) {
+                case 1: VNNI_GROUP(1)
+                case 2: VNNI_GROUP(2)
+                case 3: VNNI_GROUP(3)
+                case 4: VNNI_GROUP(4)
+                case 5: VNNI_GROUP(5)
+                case 6: VNNI_GROUP(6)
+                case 7: VNNI_GROUP(7)
+                default: VNNI_GROUP(VNNI_TILE_T)
             }
-            float acc[16 * QUANT_TILE_T];
+#undef VNNI_GROUP
+            float acc[16 * VNNI_TILE_T];
             for (int t = 0; t < tn; ++t) _mm512_storeu_ps(acc + 16 * t, sums[t]);
 #if defined(__AVX512BF16__)
             linear_epilogue16(acc, t0, tn, 16 * g, N, b, op, o, other_st, out);
@@ -349,8 +482,9 @@ static int linear_q4_1_vnni(const void* x, int64_t x_st, const uint8_t* w, const
 #endif
         }
     }
+    }
     free(xq);
-    return 0;
+    return failed ? -1 : 0;
 }
 #endif
 
@@ -440,21 +574,6 @@ static inline void q4_1_unit_rows(const uint8_t* u, uint8_t* qs) {
     _mm512_storeu_si512(qs + 64, _mm512_permutex2var_epi32(a, rows_hi, c));
     _mm512_storeu_si512(qs + 128, _mm512_permutex2var_epi32(b, rows_lo, d));
     _mm512_storeu_si512(qs + 192, _mm512_permutex2var_epi32(b, rows_hi, d));
-}
-
-/* A thread's buffer `which` of at least `size` bytes, 64-byte aligned, kept for its next call. NOTE: a step makes
- * ~180 of these calls on the same OpenMP threads; a fresh allocation each time was handed back to the system and
- * paid its page faults again. */
-static void* scratch(int which, size_t size) {
-    static __thread void* buffers[2];
-    static __thread size_t sizes[2];
-    if (sizes[which] < size) {
-        free(buffers[which]);
-        size = (size + 65535) & ~(size_t)65535;
-        buffers[which] = aligned_alloc(64, size);
-        sizes[which] = buffers[which] == NULL ? 0 : size;
-    }
-    return buffers[which];
 }
 
 static int linear_quant_amx(int format, const void* x, int64_t x_st, const uint8_t* w, const uint16_t* b, int64_t T,
@@ -568,8 +687,8 @@ static int linear_quant(int format, const void* x, int64_t x_st, const void* wei
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (path == 1)
-        return linear_q4_1_vnni(x, x_st, (const uint8_t*)weight, (const uint16_t*)bias, T, K, N, op,
-                                (const uint16_t*)other, other_st, (uint16_t*)y, num_threads);
+        return linear_quant_vnni(format, x, x_st, (const uint8_t*)weight, (const uint16_t*)bias, T, K, N, op,
+                                 (const uint16_t*)other, other_st, (uint16_t*)y, num_threads);
 #endif
     float* xf = malloc(sizeof(float) * T * K);
     if (xf == NULL) return -1;
