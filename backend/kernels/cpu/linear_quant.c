@@ -291,61 +291,76 @@ static inline __attribute__((always_inline)) void q4_1_group_vnni(const uint8_t*
 }
 
 /*
- * Q8_0 is held a row at a time (GGUF's; the AMX path and the embedding's lookup read it so), so each group of 16
- * rows is first transposed, block by block, into a thread's buffer of Q8_0_UNIT bytes a block: the rows' d as 16
- * float32, then 8 vectors of 64 bytes, lane j of vector v row j's bytes 4v .. 4v + 3, each plus 128 (vpdpbusd takes
- * the weights unsigned; the sum then holds 128 sum(q_x) too, which starts it negated). The buffer (K / 32 * 576
- * bytes, in L1 at the LM head's K) then meets every tile of x rows, so that the transposition is paid once.
+ * Q8_0 is held a row at a time (GGUF's; the AMX path and the embedding's lookup read it so), so each block of a group
+ * of 16 rows is transposed into the lane layout: the rows' d as 16 float32, and 8 vectors of 64 bytes, lane j of
+ * vector v row j's bytes 4v .. 4v + 3, each plus 128 (vpdpbusd takes the weights unsigned; the sum then holds
+ * 128 sum(q_x) too, which starts it negated). Up to VNNI_TILE_T rows of x meet each block as it is transposed; more
+ * meet a thread's buffer of the group's blocks (Q8_0_UNIT bytes each, in L1 at the LM head's K), so that the
+ * transposition is paid once for every tile of rows.
  */
 #define Q8_0_UNIT 576
-static void q8_0_transpose_group(const uint8_t* w, int64_t row_bytes, int64_t nb, uint8_t* units) {
+static inline __attribute__((always_inline)) void q8_0_block_lanes(const uint8_t* w, int64_t row_bytes, int64_t b,
+                                                                    __m512* d, __m512i q[8]) {
     const __m512i rows_at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                _mm512_set1_epi32((int)row_bytes));
     const __m512i offset = _mm512_set1_epi8((char)0x80);
-    for (int64_t b = 0; b < nb; ++b, units += Q8_0_UNIT) {
-        const uint8_t* blk = w + 34 * b;
-        for (int line = 0; line < 16 * 34; line += 64)  /* the next group (contiguous), as far along */
-            _mm_prefetch((const char*)w + 16 * row_bytes + 16 * 34 * b + line, _MM_HINT_T0);
-        const __m512i dh = _mm512_i32gather_epi32(rows_at, blk, 1);  /* row j's fp16 d in the low half of lane j */
-        _mm512_storeu_ps(units, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh)));
-        /* z[i]: rows r and r + 4 (r = i, or i + 4 from i = 4), so that the 8 x 8 dword transposes of the two
-         * 256-bit halves, shuffled at the end, come out one row a lane in order */
-        __m512i z[8], t[8], u[8];
-        for (int i = 0; i < 8; ++i) {
-            const int64_t r = i < 4 ? i : i + 4;
-            z[i] = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + r * row_bytes + 2))),
-                _mm256_loadu_si256((const __m256i*)(blk + (r + 4) * row_bytes + 2)), 1);
+    const uint8_t* blk = w + 34 * b;
+    for (int line = 0; line < 16 * 34; line += 64)  /* the next group (contiguous), as far along */
+        _mm_prefetch((const char*)w + 16 * row_bytes + 16 * 34 * b + line, _MM_HINT_T0);
+    const __m512i dh = _mm512_i32gather_epi32(rows_at, blk, 1);  /* row j's fp16 d in the low half of lane j */
+    *d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dh));
+    /* z[i]: rows r and r + 4 (r = i, or i + 4 from i = 4), so that the 8 x 8 dword transposes of the two 256-bit
+     * halves, shuffled at the end, come out one row a lane in order */
+    __m512i z[8], t[8], u[8];
+    for (int i = 0; i < 8; ++i) {
+        const int64_t r = i < 4 ? i : i + 4;
+        z[i] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(blk + r * row_bytes + 2))),
+            _mm256_loadu_si256((const __m256i*)(blk + (r + 4) * row_bytes + 2)), 1);
+    }
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4)
+        for (int h = 0; h < 2; ++h) {
+            u[i + h] = _mm512_unpacklo_epi64(t[i + h], t[i + h + 2]);
+            u[i + h + 2] = _mm512_unpackhi_epi64(t[i + h], t[i + h + 2]);
         }
-        for (int i = 0; i < 8; i += 2) {
-            t[i] = _mm512_unpacklo_epi32(z[i], z[i + 1]);
-            t[i + 1] = _mm512_unpackhi_epi32(z[i], z[i + 1]);
-        }
-        for (int i = 0; i < 8; i += 4)
-            for (int h = 0; h < 2; ++h) {
-                u[i + h] = _mm512_unpacklo_epi64(t[i + h], t[i + h + 2]);
-                u[i + h + 2] = _mm512_unpackhi_epi64(t[i + h], t[i + h + 2]);
-            }
-        /* u[0..3]: dwords 0, 2, 1, 3 (and + 4 in each chunk's other half) of rows from z[0..3]; u[4..7] of z[4..7] */
-        static const int dword_of[4] = {0, 2, 1, 3};
-        for (int i = 0; i < 4; ++i) {
-            const __m512i first = _mm512_shuffle_i64x2(u[i], u[i + 4], 0x88);   /* chunks 0, 2 of each */
-            const __m512i second = _mm512_shuffle_i64x2(u[i], u[i + 4], 0xDD);  /* chunks 1, 3 */
-            _mm512_storeu_si512(units + 64 + 64 * dword_of[i], _mm512_xor_si512(first, offset));
-            _mm512_storeu_si512(units + 64 + 64 * (dword_of[i] + 4), _mm512_xor_si512(second, offset));
-        }
+    /* u[0..3]: dwords 0, 2, 1, 3 (and + 4 in each chunk's other half) of rows from z[0..3]; u[4..7] of z[4..7] */
+    static const int dword_of[4] = {0, 2, 1, 3};
+    for (int i = 0; i < 4; ++i) {
+        q[dword_of[i]] = _mm512_xor_si512(_mm512_shuffle_i64x2(u[i], u[i + 4], 0x88), offset);  /* chunks 0, 2 */
+        q[dword_of[i] + 4] = _mm512_xor_si512(_mm512_shuffle_i64x2(u[i], u[i + 4], 0xDD), offset);  /* 1, 3 */
     }
 }
 
-static inline __attribute__((always_inline)) void q8_0_group_vnni(const uint8_t* u, int64_t nb, int64_t K,
+static void q8_0_transpose_group(const uint8_t* w, int64_t row_bytes, int64_t nb, uint8_t* units) {
+    for (int64_t b = 0; b < nb; ++b, units += Q8_0_UNIT) {
+        __m512 d;
+        __m512i q[8];
+        q8_0_block_lanes(w, row_bytes, b, &d, q);
+        _mm512_storeu_ps(units, d);
+        for (int v = 0; v < 8; ++v) _mm512_storeu_si512(units + 64 + 64 * v, q[v]);
+    }
+}
+
+/* The group's blocks from `units` (q8_0_transpose_group's), or transposed here from its rows (w) where NULL. */
+static inline __attribute__((always_inline)) void q8_0_group_vnni(const uint8_t* units, const uint8_t* w,
+                                                                   int64_t row_bytes, int64_t nb, int64_t K,
                                                                    const int8_t* xq, const float* xd,
                                                                    const int32_t* xsum, __m512 sums[VNNI_TILE_T],
                                                                    int T) {
     for (int t = 0; t < T; ++t) sums[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b, u += Q8_0_UNIT) {
-        const __m512 d = _mm512_loadu_ps(u);
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 d;
         __m512i q[8];
-        for (int v = 0; v < 8; ++v) q[v] = _mm512_loadu_si512(u + 64 + 64 * v);
+        if (units == NULL) {
+            q8_0_block_lanes(w, row_bytes, b, &d, q);
+        } else {
+            d = _mm512_loadu_ps(units + b * Q8_0_UNIT);
+            for (int v = 0; v < 8; ++v) q[v] = _mm512_loadu_si512(units + b * Q8_0_UNIT + 64 + 64 * v);
+        }
         for (int t = 0; t < T; ++t) {
             const int8_t* xb = xq + t * K + 32 * b;
             __m512i s = _mm512_set1_epi32(-128 * xsum[t * nb + b]);
@@ -437,15 +452,16 @@ static int linear_quant_vnni(int format, const void* x, int64_t x_st, const uint
             continue;
         }
         const uint8_t* u = q4_1_unit(w, K, g, 0);
-        if (format == WEIGHT_Q8_0) {
-            uint8_t* units = scratch(0, (size_t)(nb * Q8_0_UNIT));
+        const uint8_t* rows = w + 16 * g * row_bytes;  /* Q8_0's */
+        uint8_t* units = NULL;
+        if (format == WEIGHT_Q8_0 && T > VNNI_TILE_T) {
+            units = scratch(0, (size_t)(nb * Q8_0_UNIT));
             if (units == NULL) {
 #pragma omp atomic write
                 failed = 1;
                 continue;
             }
-            q8_0_transpose_group(w + 16 * g * row_bytes, row_bytes, nb, units);
-            u = units;
+            q8_0_transpose_group(rows, row_bytes, nb, units);
         }
         for (int64_t t0 = 0; t0 < T; t0 += VNNI_TILE_T) {
             const int tn = T - t0 < VNNI_TILE_T ? (int)(T - t0) : VNNI_TILE_T;
@@ -454,7 +470,7 @@ static int linear_quant_vnni(int format, const void* x, int64_t x_st, const uint
             __m512 sums[VNNI_TILE_T];
             /* constant row counts keep every accumulator in a register */
 #define VNNI_GROUP(T_)                                                                                  \
-    if (format == WEIGHT_Q8_0) q8_0_group_vnni(u, nb, K, xt, dt, xsum + t0 * nb, sums, T_);             \
+    if (format == WEIGHT_Q8_0) q8_0_group_vnni(units, rows, row_bytes, nb, K, xt, dt, xsum + t0 * nb, sums, T_); \
     else q4_1_group_vnni(u, nb, K, xt, dt, st, sums, T_);                                               \
     break;
             switch (tn) {
