@@ -14,9 +14,10 @@ A quantized weight is one uint8 tensor ``[N, row_bytes]`` (``cpu/linear_quant.c`
 :func:`cpu_quantized_linear` (a decode step's rows) and :func:`quantized_linear_reference` take the same
 arguments and give the same result within the order of a float32 sum, the twin computing what this build's kernel
 computes for that many rows (:func:`kernel_path`): by default both widen each weight to float32 exactly and meet it
-with x widened to float32, then apply the op and round once. Where the build has AVX512-VNNI (``x_int8``), q4_1 meets
-x quantized to int8 per block of 32, as llama.cpp's Q4_1 x Q8_1 does, and sums the nibbles' products with x's in
-integers; the twin then quantizes x the same way (:func:`quantize_x_q8`). Where it has AMX (``bf16_tiles``, a few
+with x widened to float32, then apply the op and round once. Where the build has AVX512-VNNI (``x_int8``), q4_1 (and
+q8_0 where the CPU has no AMX) meets x quantized to int8 per block of 32, as llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0
+do, and sums the weights' products with x's in integers; the twin then quantizes x the same way
+(:func:`quantize_x_q8`). Where it has AMX (``bf16_tiles``, a few
 rows and more), each weight is widened to bf16 (rounded once, the prefill's widened weight) and met with x on AMX
 tiles, a panel of weights at a time, so the weights are widened once for all the rows.
 :func:`cpu_dequantize` (the prefill's many rows, which then run the bf16 matmuls) equals
@@ -160,17 +161,25 @@ def quantize_x_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, dx, dx * q.sum(dim=2, keepdim=True)
 
 
-def q4_1_terms(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The per-block terms of the VNNI kernel's sums, each [T, N, K/32] float32: (d dx) * sum(q_w q_x), and m sx."""
+def x_int8_terms(fmt: WeightFormat, x: torch.Tensor,
+                 weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The per-block terms of the VNNI kernel's sums, each [T, N, K/32] float32: (d dx) * sum(q_w q_x), and q4_1's
+    m sx (None for q8_0, which has no mins)."""
     q, dx, sx = quantize_x_q8(x)  # (T, nb, 32), (T, nb, 1) x2
     n = weight.shape[0]
-    blocks = ungroup_rows(Q4_1, weight).reshape(n, -1, 20)
+    blocks = ungroup_rows(fmt, weight).reshape(n, -1, 20 if fmt == Q4_1 else 34)
     d = blocks[:, :, 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, nb)
-    m = blocks[:, :, 2:4].contiguous().view(torch.float16).float()[..., 0]
-    qs = blocks[:, :, 4:]
-    qw = torch.cat([qs & 15, qs >> 4], dim=2).double()  # (N, nb, 32)
+    if fmt == Q4_1:
+        qs = blocks[:, :, 4:]
+        qw = torch.cat([qs & 15, qs >> 4], dim=2).double()  # (N, nb, 32)
+    else:
+        qw = blocks[:, :, 2:].contiguous().view(torch.int8).double()  # (N, nb, 32)
     dots = torch.einsum("tbk,nbk->tnb", q.double(), qw).float()  # exact integers
-    return (d[None] * dx[:, None, :, 0]) * dots, m[None] * sx[:, None, :, 0]
+    scaled = (d[None] * dx[:, None, :, 0]) * dots
+    if fmt != Q4_1:
+        return scaled, None
+    m = blocks[:, :, 2:4].contiguous().view(torch.float16).float()[..., 0]
+    return scaled, m[None] * sx[:, None, :, 0]
 
 
 def quantized_linear_reference(
@@ -184,8 +193,7 @@ def quantized_linear_reference(
     """The torch twin of :func:`cpu_quantized_linear`: float32 sums, the op on them, one rounding to bf16."""
     path = kernel_path(fmt, x.shape[0], x.shape[1], weight.shape[0])
     if path == "x_int8":
-        scaled, mins = q4_1_terms(x, weight)
-        y = (scaled.double().sum(dim=2) + mins.double().sum(dim=2)).float()  # (T, N)
+        y = sum(term.double().sum(dim=2) for term in x_int8_terms(fmt, x, weight) if term is not None).float()  # (T, N)
     elif path == "bf16_tiles":
         y = x.float() @ dequantize(fmt, weight).to(torch.bfloat16).float().T  # (T, N)
     else:

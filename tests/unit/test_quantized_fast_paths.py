@@ -38,8 +38,8 @@ def case(fmt, n, k, rows, seed):
 @needs_c
 @pytest.mark.parametrize("fmt", [Q4_1, Q8_0, INT8])
 @pytest.mark.parametrize("rows", [1, 3, 8, 17, 64])
-@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (48, 576), (32, 64)],
-                         ids=["qkv", "down", "half-panel", "tiny"])
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (48, 576), (32, 64), (40, 96), (8, 32)],
+                         ids=["qkv", "down", "half-panel", "tiny", "rows-past-a-group", "under-a-group"])
 def test_every_path_equals_its_twin(fmt, rows, n, k):
     weight, x, bias, other = case(fmt, n, k, rows, seed=rows * 7 + n)
     for op, b, o in (("none", bias, None), ("silu", None, None), ("mul", None, other), ("add", None, other)):
@@ -51,21 +51,24 @@ def test_every_path_equals_its_twin(fmt, rows, n, k):
 @needs_c
 def test_the_lm_heads_shape_on_every_thread():
     """The tied LM head's Q8_0 weight (49,152 x 576 in the model; a slice of its rows here) at a decode step's rows."""
-    for rows in (1, 8, 64):
+    for rows in (1, 8, 9, 33, 64):
         weight, x, _, _ = case(Q8_0, 4096, 576, rows, seed=rows)
         assert_within_fp32_order(Q8_0, cpu_quantized_linear(Q8_0, x, weight), x, weight, None, "none", None)
 
 
 @needs_c
 def test_paths_are_what_the_build_has():
-    """A path is taken only where the build has it: x_int8 for q4_1 alone, bf16 tiles where AMX runs, and every
-    path the same for a given row count whatever the weight's values."""
+    """A path is taken only where the build has it: x_int8 for q4_1, and for q8_0 only where AMX does not run (the
+    Intel paths stay as they were measured), bf16 tiles where AMX runs, and every path the same for a given row count
+    whatever the weight's values."""
     for fmt in (Q4_1, Q8_0, INT8):
         for rows in (1, 3, 8, 17, 64):
             path = kernel_path(fmt, rows, 576, 960)
             assert path in KERNEL_PATHS
-            assert path != "x_int8" or fmt == Q4_1
+            assert path != "x_int8" or fmt == Q4_1 or (fmt == Q8_0 and not cpu_kernels.has_amx())
             assert path != "bf16_tiles" or cpu_kernels.has_amx()
+    if cpu_kernels.has_amx():
+        assert kernel_path(Q8_0, 1, 576, 960) == "float32"
     if cpu_kernels.has_amx():
         assert kernel_path(Q4_1, 64, 576, 960) == "bf16_tiles"
         assert kernel_path(Q4_1, 64, 576, 40) != "bf16_tiles"  # whole tiles of 16 outputs only

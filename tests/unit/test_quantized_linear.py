@@ -17,10 +17,10 @@ from backend.kernels.quantized_linear import (
     dequantize,
     in_features,
     kernel_path,
-    q4_1_terms,
     quantize,
     quantized_linear_reference,
     row_bytes,
+    x_int8_terms,
 )
 from backend.kernels.weight_format import WeightFormat
 
@@ -42,7 +42,7 @@ def case(fmt, n, k, rows, seed=0, with_bias=False):
 def assert_within_fp32_order(fmt, got, x, weight, bias, op, other):
     want = quantized_linear_reference(fmt, x, weight, bias, op, other).float()
     if kernel_path(fmt, *x.shape, weight.shape[0]) == "x_int8":  # the per-block terms the kernel adds, each rounded
-        magnitude = sum(term.abs().sum(dim=2) for term in q4_1_terms(x, weight))
+        magnitude = sum(term.abs().sum(dim=2) for term in x_int8_terms(fmt, x, weight) if term is not None)
     else:
         magnitude = x.float().abs() @ dequantize(fmt, weight).abs().T  # (T, N): sum |x w|
     if op == "mul":

@@ -1,7 +1,5 @@
 #include "common.h"
-#if (defined(__F16C__) || defined(__SSE4_1__)) && !defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "quant_formats.h"
 
 /*
  * Weight-only quantized matmuls: y = epilogue(x W^T + bias) with W held quantized (x, y, bias and `other` bf16), for
@@ -19,14 +17,14 @@
  * Each weight is widened in registers to float32 (d * q is exact in float32, so d * q + m is one rounding whether
  * fused or not: the torch twin's dequantized weight to the bit) and met with x widened to float32, so the kernel and
  * its twin differ only in the order of the float32 sum. Two other paths, where the build has them
- * (quant_kernel_path says which runs): Q4_1 with x quantized to int8 for integer dot products (AVX512-VNNI, as
- * llama.cpp's Q4_1 x Q8_1), and from a few rows, every format widened to bf16 a panel at a time and met with x on
- * AMX tiles, so the widening is paid once for all the rows.
+ * (quant_kernel_path says which runs): Q4_1 (and Q8_0 without AMX) with x quantized to int8 for integer dot
+ * products (AVX512-VNNI, as llama.cpp's Q4_1 x Q8_1 and Q8_0 x Q8_0: linear_quant_vnni.c), and from a few rows,
+ * every format widened to bf16 a panel at a time and met with x on AMX tiles, so the widening is paid once for all
+ * the rows.
  * Work: threads share out panels of QUANT_PANEL output rows (a group of 16 rows for Q4_1 with x quantized); each
  * panel meets QUANT_TILE_T rows of x at a time, the panel's few KB of weights re-read from L1/L2 for the next tile.
  * Sums, op and rounding as in linear_small.
  */
-enum { WEIGHT_Q4_1 = 1, WEIGHT_INT8 = 2, WEIGHT_Q8_0 = 3 };
 
 /* QUANT_R rows of W meet QUANT_TILE_T rows of x at a time: their R x T sums stay in registers (with the R rows'
  * widened weights: 32 zmm registers with AVX-512, 16 ymm (two a sum) with AVX2). */
@@ -38,11 +36,6 @@ enum { WEIGHT_Q4_1 = 1, WEIGHT_INT8 = 2, WEIGHT_Q8_0 = 3 };
 #define QUANT_TILE_T 2
 #endif
 #define QUANT_PANEL 16
-/* NOTE: a decode step's quantized weights (~100 MB for SmolLM2-135M in Q4_1) outgrow the share of L3 a core gets here
- * (~50 MB), so each step streams them from memory; the hardware prefetchers alone left the kernels waiting on it (30
- * layers' projections at one row: 5.9 ms, 3.4 ms with each row's weights requested this many bytes ahead). */
-#define QUANT_PREFETCH 4096
-
 typedef uint8_t v16u8 __attribute__((vector_size(16)));
 
 /* 16 bytes -> 16 floats, the bytes read as uint8 or as int8, with the widest extension this build has: GCC 12 turns
@@ -71,32 +64,6 @@ static inline v16f load_i8_f32(const uint8_t* p) {  /* 16 int8 at p -> 16 floats
     v16u8 q;
     memcpy(&q, p, sizeof q);
     return bytes_to_f32(q, 1);
-}
-
-static inline float half_value(uint16_t h) {  /* IEEE fp16 -> float32, exact */
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
-    if (exp == 0) {  /* zero or subnormal: mant * 2^-24 */
-        const float f = (float)mant * 5.9604644775390625e-8f;
-        return sign ? -f : f;
-    }
-    union { uint32_t u; float f; } v = {.u = sign | (exp == 31 ? 0x7F800000u : (exp + 112) << 23) | (mant << 13)};
-    return v.f;
-#endif
-}
-
-static inline int64_t quant_row_bytes(int format, int64_t K) {
-    return format == WEIGHT_Q4_1 ? K / 32 * 20 : format == WEIGHT_Q8_0 ? K / 32 * 34 : K + 4;
-}
-
-static inline int64_t quant_block(int format) { return format == WEIGHT_INT8 ? 16 : 32; }  /* K is a multiple */
-
-/* Q4_1's block (g, b) of 16 rows: Q4_1_UNIT bytes, the rows' 16 (d, m) dwords, then 4 vectors of their nibbles. */
-#define Q4_1_UNIT 320
-static inline const uint8_t* q4_1_unit(const uint8_t* w, int64_t K, int64_t g, int64_t b) {
-    return w + (g * (K / 32) + b) * Q4_1_UNIT;
 }
 
 /* Row n's block b of a Q4_1 weight of N rows: its 16 bytes of nibbles (GGUF's order) into qs, and where its fp16 d
@@ -197,162 +164,33 @@ static inline __attribute__((always_inline)) void quant_rows(int format, const u
 
 /* How linear_quant computes T rows of x against an [N, K] weight of `format` in this build, so that the torch twin
  * computes the same: 0, each weight widened to float32 and met with x in float32; 1, x quantized to int8 per block
- * for integer dot products (Q4_1, the VNNI path below); 2, each weight widened to bf16 and met with x on AMX tiles
- * (the bf16 tiles path below). The bf16 tiles cost about the same at any row count up to 32 (widening the weights,
- * ~8 cycles a block of 32 here, is most of it), the other paths a pass of work per row: measured at the model's
- * shapes on two cores, the VNNI path is the faster to 4 rows (Q4_1), the float32 path to 3 (Q8_0, INT8). */
+ * for integer dot products (Q4_1, and Q8_0 where AMX is not: linear_quant_vnni.c); 2, each weight widened to bf16
+ * and met with x on AMX tiles (the bf16 tiles path below). The bf16 tiles cost about the same at any row count up
+ * to 32 (widening the weights, ~8 cycles a block of 32 here, is most of it), the other paths a pass of work per
+ * row: measured at the model's shapes on two cores of an Intel Xeon, the VNNI path is the faster to 4 rows (Q4_1),
+ * the float32 path to 3 (Q8_0, INT8). */
 #define QUANT_AMX_ROWS_Q4_1 5
 #define QUANT_AMX_ROWS 4
 int quant_kernel_path(int format, int64_t T, int64_t K, int64_t N) {
+    int amx = 0;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-    if (T >= (format == WEIGHT_Q4_1 ? QUANT_AMX_ROWS_Q4_1 : QUANT_AMX_ROWS) && K % 32 == 0 && N % 16 == 0 && linear_amx_available()) return 2;
+    amx = linear_amx_available();
+    if (T >= (format == WEIGHT_Q4_1 ? QUANT_AMX_ROWS_Q4_1 : QUANT_AMX_ROWS) && K % 32 == 0 && N % 16 == 0 && amx) return 2;
 #else
     (void)T; (void)N;
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (format == WEIGHT_Q4_1) return 1;
+    /* NOTE: Q8_0 (q4_1's LM head) only where AMX is not: measured on AMD Zen 4 (2 cores) alone, where at the LM
+     * head's shape it took 1.45 ms against the float32 path's 1.80 at one row, 2.6 against 4.7 at 8, 9.5 against
+     * 35 at 64 (the float32 path widens every weight once per row) */
+    if (format == WEIGHT_Q8_0 && !amx) return 1;
 #endif
+    (void)amx;
     (void)K;
     (void)format;
     return 0;
 }
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-/*
- * Q4_1 with integer dot products, as llama.cpp's Q4_1 x Q8_1: each block of 32 x is quantized to int8 (dx = amax / 127,
- * q = round-to-nearest-even(x / dx)) and its sum kept (sx = dx * sum(q)); a block's dot product is then
- * d dx sum(q_w q_x) + m sx, the integer sum from vpdpbusd (the nibbles unsigned, x signed). A group of 16 rows at a
- * time, one row a 32-bit lane: each 64-byte vector of the group's nibbles holds bytes 4v .. 4v + 3 of every row's
- * block, so its low nibbles meet x's 4 bytes 4v .. 4v + 3 broadcast to every lane, its high nibbles x's 16 + 4v ..,
- * and a block's scales and mins are one vector each. The integers are exact; what differs from the twin is the float
- * order of the per-block terms.
- */
-static inline __attribute__((always_inline)) void q4_1_group_vnni(const uint8_t* u, int64_t nb, int64_t K,
-                                                                   const int8_t* xq, const float* xd, const float* xs,
-                                                                   __m512 sums[QUANT_TILE_T], int T) {
-    __m512 acc_d[QUANT_TILE_T], acc_m[QUANT_TILE_T];  /* two chains: the scaled sums', the mins' */
-    for (int t = 0; t < T; ++t) acc_d[t] = acc_m[t] = _mm512_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi8(15);
-    for (int64_t b = 0; b < nb; ++b, u += Q4_1_UNIT) {
-        for (int line = 0; line < Q4_1_UNIT; line += 64) _mm_prefetch((const char*)u + QUANT_PREFETCH + line, _MM_HINT_T0);
-        const __m512i dm = _mm512_loadu_si512(u);  /* row j's fp16 d in the low half of lane j, its m in the high */
-        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
-        const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
-        __m512i lo[4], hi[4];
-        for (int v = 0; v < 4; ++v) {
-            const __m512i q = _mm512_loadu_si512(u + 64 + 64 * v);
-            lo[v] = _mm512_and_si512(q, low4);
-            hi[v] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low4);
-        }
-        for (int t = 0; t < T; ++t) {
-            const int8_t* xb = xq + t * K + 32 * b;
-            __m512i s_lo = _mm512_setzero_si512(), s_hi = _mm512_setzero_si512();
-            for (int v = 0; v < 4; ++v) {
-                int32_t x_lo, x_hi;
-                memcpy(&x_lo, xb + 4 * v, 4);
-                memcpy(&x_hi, xb + 16 + 4 * v, 4);
-                s_lo = _mm512_dpbusd_epi32(s_lo, lo[v], _mm512_set1_epi32(x_lo));
-                s_hi = _mm512_dpbusd_epi32(s_hi, hi[v], _mm512_set1_epi32(x_hi));
-            }
-            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xd[t * nb + b]));
-            acc_d[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s_lo, s_hi)), scale, acc_d[t]);
-            acc_m[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[t * nb + b]), acc_m[t]);
-        }
-    }
-    for (int t = 0; t < T; ++t) sums[t] = _mm512_add_ps(acc_d[t], acc_m[t]);
-}
-
-/* x [T, K] bf16 -> xq [T, K] int8, and per block dx (xd [T, K / 32]) and dx * sum(q) (xs). NOTE: without
- * -ffast-math, so that dx, 1 / dx and each q are the float operations the torch twin does (fast-math folds
- * 1 / (amax / 127) into 127 / amax). */
-__attribute__((optimize("no-fast-math"))) static void quantize_x_q8(const void* x, int64_t x_st, int64_t T, int64_t K,
-                                                                     int8_t* xq, float* xd, float* xs) {
-    const int64_t nb = K / 32;
-    float xf[32];
-    for (int64_t t = 0; t < T; ++t) {
-        for (int64_t b = 0; b < nb; ++b) {
-            load_row((const uint16_t*)x + t * x_st + 32 * b, DTYPE_BF16, 32, xf);
-            float amax = 0.f;
-            for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xf[i]));
-            const float d = amax * (1.f / 127.f);
-            const float id = d > 0.f ? 1.f / d : 0.f;
-            int sum = 0;
-            for (int i = 0; i < 32; ++i) {
-                const int q = _mm_cvtss_si32(_mm_set_ss(xf[i] * id));  /* nearest even, as torch.round */
-                sum += q;
-                xq[t * K + 32 * b + i] = (int8_t)q;
-            }
-            xd[t * nb + b] = d;
-            xs[t * nb + b] = d * (float)sum;
-        }
-    }
-}
-
-/* Row t of x against a row past the last whole group of 16 (GGUF's row as it is). */
-static float q4_1_row_vnni(const uint8_t* row, int64_t K, const int8_t* xq, const float* xd, const float* xs) {
-    float acc = 0.f;
-    for (int64_t b = 0; b < K / 32; ++b) {
-        const uint8_t* p = row + 20 * b;
-        uint16_t dh, mh;
-        memcpy(&dh, p, 2);
-        memcpy(&mh, p + 2, 2);
-        int32_t dot = 0;
-        for (int i = 0; i < 16; ++i) dot += (p[4 + i] & 15) * xq[32 * b + i] + (p[4 + i] >> 4) * xq[32 * b + 16 + i];
-        acc += half_value(dh) * xd[b] * (float)dot + half_value(mh) * xs[b];
-    }
-    return acc;
-}
-
-static int linear_q4_1_vnni(const void* x, int64_t x_st, const uint8_t* w, const uint16_t* b, int64_t T, int64_t K,
-                            int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out, int num_threads) {
-    const int64_t nb = K / 32, num_groups = N / 16;
-    int8_t* xq = malloc(T * K + sizeof(float) * T * nb * 2 + 64);
-    if (xq == NULL) return -1;
-    float* xd = (float*)(xq + ((T * K + 63) & ~(int64_t)63));
-    float* xs = xd + T * nb;
-    quantize_x_q8(x, x_st, T, K, xq, xd, xs);
-    /* one item per group, and one for the rows past the last group */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
-    for (int64_t g = 0; g <= num_groups; ++g) {
-        if (g == num_groups) {
-            for (int64_t n = 16 * num_groups; n < N; ++n)
-                for (int64_t t = 0; t < T; ++t) {
-                    const float sum = q4_1_row_vnni(w + n * quant_row_bytes(WEIGHT_Q4_1, K), K, xq + t * K,
-                                                    xd + t * nb, xs + t * nb);
-                    out[t * N + n] = to_bf16(apply_op(sum + (b ? bf16_value(b[n]) : 0.f), op, o, other_st, (int)t, n));
-                }
-            continue;
-        }
-        const uint8_t* u = q4_1_unit(w, K, g, 0);
-        for (int64_t t0 = 0; t0 < T; t0 += QUANT_TILE_T) {
-            const int tn = T - t0 < QUANT_TILE_T ? (int)(T - t0) : QUANT_TILE_T;
-            const int8_t* xt = xq + t0 * K;
-            const float *dt = xd + t0 * nb, *st = xs + t0 * nb;
-            __m512 sums[QUANT_TILE_T];
-            switch (tn) {  /* constant row counts keep every accumulator in a register */
-                case 1: q4_1_group_vnni(u, nb, K, xt, dt, st, sums, 1); break;
-                case 2: q4_1_group_vnni(u, nb, K, xt, dt, st, sums, 2); break;
-                case 3: q4_1_group_vnni(u, nb, K, xt, dt, st, sums, 3); break;
-                default: q4_1_group_vnni(u, nb, K, xt, dt, st, sums, QUANT_TILE_T); break;
-            }
-            float acc[16 * QUANT_TILE_T];
-            for (int t = 0; t < tn; ++t) _mm512_storeu_ps(acc + 16 * t, sums[t]);
-#if defined(__AVX512BF16__)
-            linear_epilogue16(acc, t0, tn, 16 * g, N, b, op, o, other_st, out);
-#else
-            for (int t = 0; t < tn; ++t)
-                for (int j = 0; j < 16; ++j) {
-                    const int64_t n = 16 * g + j;
-                    out[(t0 + t) * N + n] = to_bf16(apply_op(acc[16 * t + j] + (b ? bf16_value(b[n]) : 0.f), op, o,
-                                                             other_st, (int)(t0 + t), n));
-                }
-#endif
-        }
-    }
-    free(xq);
-    return 0;
-}
-#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 /*
@@ -440,21 +278,6 @@ static inline void q4_1_unit_rows(const uint8_t* u, uint8_t* qs) {
     _mm512_storeu_si512(qs + 64, _mm512_permutex2var_epi32(a, rows_hi, c));
     _mm512_storeu_si512(qs + 128, _mm512_permutex2var_epi32(b, rows_lo, d));
     _mm512_storeu_si512(qs + 192, _mm512_permutex2var_epi32(b, rows_hi, d));
-}
-
-/* A thread's buffer `which` of at least `size` bytes, 64-byte aligned, kept for its next call. NOTE: a step makes
- * ~180 of these calls on the same OpenMP threads; a fresh allocation each time was handed back to the system and
- * paid its page faults again. */
-static void* scratch(int which, size_t size) {
-    static __thread void* buffers[2];
-    static __thread size_t sizes[2];
-    if (sizes[which] < size) {
-        free(buffers[which]);
-        size = (size + 65535) & ~(size_t)65535;
-        buffers[which] = aligned_alloc(64, size);
-        sizes[which] = buffers[which] == NULL ? 0 : size;
-    }
-    return buffers[which];
 }
 
 static int linear_quant_amx(int format, const void* x, int64_t x_st, const uint8_t* w, const uint16_t* b, int64_t T,
@@ -568,8 +391,8 @@ static int linear_quant(int format, const void* x, int64_t x_st, const void* wei
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (path == 1)
-        return linear_q4_1_vnni(x, x_st, (const uint8_t*)weight, (const uint16_t*)bias, T, K, N, op,
-                                (const uint16_t*)other, other_st, (uint16_t*)y, num_threads);
+        return linear_quant_vnni(format, x, x_st, (const uint8_t*)weight, (const uint16_t*)bias, T, K, N, op,
+                                 (const uint16_t*)other, other_st, (uint16_t*)y, num_threads);
 #endif
     float* xf = malloc(sizeof(float) * T * K);
     if (xf == NULL) return -1;
