@@ -66,7 +66,7 @@ def capacity_seats(kv_blocks: int, block_size: int, workload_name: str, length_s
     return {"seats": seats, "kv_blocks": int(kv_blocks), "block_size": block_size, "mean_blocks": mean_blocks}
 
 
-def served_kv_pool(target: runner.Target, model: str) -> tuple[int, int]:
+def served_kv_pool(target: runner.Target, model: str, timeout_s: float = 30.0) -> tuple[int, int]:
     """``model``'s KV pool as the server runs it: (blocks, tokens per block). The blocks are what its engine
     allocated (``llm_kv_blocks_total`` on the metrics port, published once the model has loaded), the block size
     the ``block_size`` parameter of the config the server serves."""
@@ -74,12 +74,17 @@ def served_kv_pool(target: runner.Target, model: str) -> tuple[int, int]:
     if not (block_size or "").isdigit():
         raise RuntimeError(f"{model}'s config sets no block_size (got {block_size!r}); set the parameter to size "
                            "the KV pool in tokens")
-    # NOTE: one value per instance, each its own engine and pool; a sequence lives in one of them.
-    pools = [s.value for s in prometheus.read(target.metrics_url) or []
-             if s.name == KV_BLOCKS_TOTAL and s.labels.get("model") == model]
-    if not pools or min(pools) < 1:
-        raise RuntimeError(f"{target.metrics_url} shows no {KV_BLOCKS_TOTAL} for {model}")
-    return int(min(pools)), int(block_size)
+    # NOTE: one value per instance, each its own engine and pool; a sequence lives in one of them. A model is
+    # READY before its engine's loop has set its gauges (a moment later), so the metrics port is asked again.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pools = [s.value for s in prometheus.read(target.metrics_url) or []
+                 if s.name == KV_BLOCKS_TOTAL and s.labels.get("model") == model]
+        if pools and min(pools) >= 1:
+            return int(min(pools)), int(block_size)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{target.metrics_url} shows no {KV_BLOCKS_TOTAL} for {model} after {timeout_s:g} s")
+        time.sleep(0.5)
 
 
 def size_capacity(args: argparse.Namespace, out_dir: Path, say=print) -> dict:

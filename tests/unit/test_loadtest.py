@@ -545,7 +545,10 @@ def test_capacity_reads_the_kv_pool_from_a_server_of_llm_continuous(tmp_path, mo
     assert slo.served_kv_pool(target, "llm_continuous") == (1456, 16)
     assert asked == ["http://127.0.0.1:1/v2/models/llm_continuous/config"]
     with pytest.raises(RuntimeError, match="llm_kv_blocks_total"):
-        slo.served_kv_pool(target, "llm_iterative")
+        slo.served_kv_pool(target, "llm_iterative", timeout_s=0.6)
+    scrapes = iter(["", SERVED_METRICS])  # READY before the engine's loop set its gauges: asked again
+    monkeypatch.setattr(slo.prometheus, "scrape", lambda url, timeout=2.0: next(scrapes))
+    assert slo.served_kv_pool(target, "llm_continuous", timeout_s=5) == (1456, 16)
     served = {"parameters": {}}
     with pytest.raises(RuntimeError, match="block_size"):
         slo.served_kv_pool(target, "llm_continuous")
