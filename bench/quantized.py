@@ -96,22 +96,6 @@ def run(args: argparse.Namespace, log=print) -> dict:
     }
 
 
-def format_table(result: dict) -> str:
-    steps, memory = result["decode_step_ms"], result["memory"]
-    batches = list(steps[BF16])
-    lines = ["decode step, ms (x bf16 from the same run)",
-             "format  " + "".join(f"{'B=' + b:>16}" for b in batches) + f"{'weights MiB':>14}{'KV blocks +':>13}"
-             + f"{'greedy prefix':>15}"]
-    for fmt, by_batch in steps.items():
-        cells = "".join(f"{by_batch[b]:>8.2f} ({by_batch[b] / steps[BF16][b]:.2f}x)" for b in batches)
-        share = result["greedy_agreement"][fmt]["prefix_share"]
-        lines.append(f"{fmt:<8}{cells}{memory[fmt]['weight_mib']:>14.1f}{memory[fmt]['kv_blocks_gained']:>13}"
-                     f"{share:>15.0%}")
-    lines.append(f"(KV blocks +: the blocks of {result['config']['block_bytes']:,} bytes that the weights' saving "
-                 "against bf16 would hold at the same memory)")
-    return "\n".join(lines)
-
-
 def record_table(record: Record, result: dict) -> Record:
     """The table ``formats``: a row per format, its step at each batch beside bf16's from the same run."""
     steps, batches = result["decode_step_ms"], list(result["decode_step_ms"][BF16])
@@ -153,12 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         args.formats = [BF16, *args.formats]  # the baseline
     record = Record.start("python -m bench.quantized", vars(args))
     result = run(args)
-    print(format_table(result))
+    print(record_table(record, result).tables["formats"].markdown())
+    print(f"(KV blocks gained: the blocks of {result['config']['block_bytes']:,} bytes that the weights' saving "
+          "against bf16 would hold at the same memory)")
     for fmt, entry in result["greedy_agreement"].items():
         print(f"\n[{fmt}] " + " | ".join(text.replace("\n", " ")[:80] for text in entry["texts"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    kept = record_table(record, result).write(args.out.with_suffix(".record.json"))
+    kept = record.write(args.out.with_suffix(".record.json"))
     print(f"\nwritten to {args.out}; the run's record to {kept}")
     return 0
 
