@@ -10,6 +10,8 @@
 #   make soak      clients that misbehave, every pattern on every model, 1 and 8 clients, 2,000 requests per pattern
 #                  and model; hours, never in CI (docs/server.md); report in reports/soak-<time>/
 #   make bench     offline engine benchmark (reports/bench.json, and the run's record reports/bench.record.json)
+#   make perplexity  each weight format's perplexity on a fixed text beside HF float32, and beside llama.cpp's
+#                  llama-perplexity on each format's GGUF once `make llamacpp` built them (reports/perplexity.json)
 #   make tables    write the result tables of README.md and docs/ from the records kept in records/runs/
 #   make bench-shared  engines that share the cores: 1, 2, 4 engines stepping at once, each way of sharing beside
 #                  its baseline (reports/shared_cores.json); models of real servers under load together beside
@@ -86,7 +88,7 @@ LLAMACPP_ISA_FLAGS := $(foreach pair,$(LLAMACPP_ISA),-D$(word 2,$(subst :, ,$(pa
 # OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment (or on make's command line) override it.
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL
 
-.PHONY: help docker docker-down venv venv310 aiperf-venv genai-perf-venv chromium model serve test test-unit compare slo locust \
+.PHONY: help perplexity docker docker-down venv venv310 aiperf-venv genai-perf-venv chromium model serve test test-unit compare slo locust \
 	bench bench-shared tables llamacpp soak gpu-check aiperf clean
 
 # `make` alone, or `make help`: the header above (targets and settings).
@@ -191,6 +193,10 @@ tables: $(STAMP)
 
 bench-shared: model
 	$(PY) -m bench.shared_cores --model "$(MODEL)" $(ARGS)
+
+perplexity: model
+	$(PY) -m bench.perplexity --model "$(MODEL)" $(if $(wildcard $(LLAMACPP_PERPLEXITY)),--llamacpp \
+		$(LLAMACPP_PERPLEXITY) --gguf bf16=$(LLAMACPP_GGUF)$(comma)q4_1=$(LLAMACPP_Q4_GGUF)) $(ARGS)
 
 # llama.cpp's llama-server, the baseline of bench's --llamacpp column, from the only registry at hand: the sdist of
 # llama-cpp-python (PyPI) vendors llama.cpp. CPU only, tuned for this CPU, no HTTPS and no web UI (which the build

@@ -2,6 +2,7 @@
 
     python -m bench.perplexity --model models/smollm2-135m-instruct [--formats bf16,q4_1,int8]
         [--ctx 512] [--text tests/data/perplexity_text.txt] [--out reports/perplexity.json]
+        [--llamacpp .llamacpp/bin/llama-perplexity --gguf bf16=.llamacpp/...-bf16.gguf,q4_1=...-q4_1.gguf]
 
 The text (``tests/data/perplexity_text.txt``, 2,880 tokens with SmolLM2's tokenizer) is three public-domain
 American documents: the Declaration of Independence, the Gettysburg Address and Lincoln's second inaugural address.
@@ -10,6 +11,11 @@ cut into chunks of ``--ctx`` (the remainder dropped), each chunk run alone from 
 half of each chunk's positions scored (each of those predicted with at least ``ctx / 2`` tokens before it);
 perplexity is exp of the mean negative log-likelihood of the scored tokens. The engine runs each chunk as one
 prefill through its own forward (``LlamaModel.forward`` asked for the logits of every position).
+
+With ``--llamacpp``, llama.cpp's own ``llama-perplexity`` scores the same text with the same ``-c`` and threads on
+each format's GGUF (``--gguf``: format=path; ``make llamacpp`` builds both), so each format's figure stands beside
+llama.cpp's from the same run. The run's record (``records/``) goes beside ``--out`` (``<out>.record.json``), table
+``perplexity``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -34,6 +42,7 @@ from backend.engine.scheduler import ScheduledRequest  # noqa: E402
 from backend.engine.tokenizer import load_tokenizer  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
 from bench.engines import blocks_for, engine_config  # noqa: E402
+from records.record import Column, Record  # noqa: E402
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity_text.txt"
 
@@ -103,6 +112,52 @@ def hf_nll(model: str, parts: list[list[int]]) -> tuple[float, int]:
     return total, count
 
 
+# llama-perplexity's last line of results: "Final estimate: PPL = 23.0594 +/- 0.71512"
+FINAL_ESTIMATE = re.compile(r"Final estimate: PPL = ([0-9.]+)")
+
+
+def llamacpp_perplexity(binary: Path, gguf: Path, text: Path, ctx: int, threads: int, timeout_s: float = 900) -> float:
+    """llama-perplexity's figure for ``gguf`` on ``text`` (its own chunking and scoring, which :func:`chunks` and
+    :func:`_nll` copy)."""
+    done = subprocess.run([str(binary), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-t", str(threads),
+                           "-b", str(ctx)], capture_output=True, text=True, timeout=timeout_s)
+    found = FINAL_ESTIMATE.search(done.stdout + done.stderr)
+    if done.returncode != 0 or found is None:
+        tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
+        raise RuntimeError(f"{binary} on {gguf} exited {done.returncode} without a final estimate: {tail}")
+    return float(found.group(1))
+
+
+def parse_ggufs(raw: str) -> dict[str, Path]:
+    """``bf16=a.gguf,q4_1=b.gguf`` -> {format: path}."""
+    ggufs = {}
+    for item in filter(None, raw.split(",")):
+        name, sep, path = item.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--gguf takes format=path pairs, comma-separated; got {item!r}")
+        ggufs[name.strip()] = Path(path.strip())
+    return ggufs
+
+
+def record_table(record: Record, ppl: dict[str, float], llamacpp: dict[str, float], path: str) -> Record:
+    """The table ``perplexity``: a row per format, beside HF float32 and (where run) llama.cpp's from the same run."""
+    columns = [Column("format"), Column("path", "engine path"), Column("engine", "engine perplexity", "{:.3f}"),
+               Column("vs_hf", "vs HF float32", "{:+.2%}")]
+    if llamacpp:
+        columns += [Column("llamacpp", "llama.cpp perplexity", "{:.3f}"),
+                    Column("vs_llamacpp", "vs llama.cpp", "{:+.2%}")]
+    rows = [{"format": "HF float32", "path": "transformers", "engine": ppl["hf_fp32"], "vs_hf": 0.0}]
+    for name, value in ppl.items():
+        if name == "hf_fp32":
+            continue
+        row = {"format": name, "path": path, "engine": value, "vs_hf": value / ppl["hf_fp32"] - 1}
+        if name in llamacpp:
+            row["llamacpp"], row["vs_llamacpp"] = llamacpp[name], value / llamacpp[name] - 1
+        rows.append(row)
+    record.add_table("perplexity", columns, rows)
+    return record
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -112,12 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--path", choices=("prefill", "decode"), default="prefill",
                         help="score the engine's prefill (default) or its decode steps (the quantized kernels)")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("reports/perplexity.json"))
+    parser.add_argument("--llamacpp", type=Path, help="llama.cpp's llama-perplexity (make llamacpp builds it)")
+    parser.add_argument("--gguf", default="", help="with --llamacpp: format=path pairs, comma-separated")
     args = parser.parse_args(argv)
     try:
         formats = [WeightFormat.parse(name, WEIGHT_FORMATS, "--formats") for name in args.formats.split(",")]
+        ggufs = parse_ggufs(args.gguf)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.llamacpp and not ggufs:
+        parser.error("--llamacpp needs --gguf format=path (e.g. bf16=.llamacpp/smollm2-135m-instruct-bf16.gguf)")
+    record = Record.start("python -m bench.perplexity", vars(args))
     token_ids = load_tokenizer(args.model).encode(args.text.read_text())
     parts = chunks(token_ids, args.ctx)
     results = {"hf_fp32": hf_nll(args.model, parts)}
@@ -127,13 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     scored = next(iter(results.values()))[1]
     print(f"perplexity on {args.text.name}: {len(token_ids)} tokens, {len(parts)} chunks of {args.ctx}, "
           f"{scored} scored, the engine's {args.path} path")
-    for name, value in ppl.items():
-        print(f"  {name:<8} {value:8.4f}  ({value / ppl['hf_fp32'] - 1:+.2%} against HF float32)")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"text": args.text.name, "tokens": len(token_ids), "ctx": args.ctx,
-                                        "path": args.path,
-                                        "scored_tokens": scored, "perplexity": ppl}, indent=2) + "\n")
+    llamacpp = {name: llamacpp_perplexity(args.llamacpp, gguf, args.text, args.ctx, args.threads)
+                for name, gguf in ggufs.items()} if args.llamacpp else {}
+    print(record_table(record, ppl, llamacpp, args.path).tables["perplexity"].markdown())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"text": args.text.name, "tokens": len(token_ids), "ctx": args.ctx,
+                                    "path": args.path, "scored_tokens": scored, "perplexity": ppl,
+                                    "llamacpp": llamacpp}, indent=2) + "\n")
+    kept = record.write(args.out.with_suffix(".record.json"))
+    print(f"\nwritten to {args.out}; the run's record to {kept}")
     return 0
 
 
