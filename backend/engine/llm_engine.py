@@ -116,6 +116,7 @@ class LLMEngine:
         cannot be served."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         params = params or SamplingParams()
+        params.check_token_ids(self.config.model_shape.vocab_size)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise InvalidRequest(PROMPT, "the prompt is empty: it encodes to zero tokens")
@@ -176,7 +177,8 @@ class LLMEngine:
             sampled = inputs.sampled_requests
             token_ids = self.sampler(
                 logits, [r.request_id for r in sampled], [r.sampling_params for r in sampled],
-                [r.banned_token_ids for r in sampled],
+                [r.banned_token_ids for r in sampled], [r.token_ids for r in sampled],
+                [r.num_prompt_tokens for r in sampled],
             )
             t4 = time.perf_counter()
         except Exception as exc:  # the model or sampler failed: fail this step's requests only, keep serving

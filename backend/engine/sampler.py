@@ -5,6 +5,9 @@ which other requests share the batch; every per-row operation reads only that ro
 token is the inverse CDF of its number over the softmax weights, in vocabulary order, restricted to its top-k and
 top-p prefix: one uniform number per row instead of noise over the whole vocabulary, and no sort of the vocabulary.
 
+Before the draw, the rows that ask have their logits biased, penalised and ``min_p``-filtered
+(backend/engine/logits_processors.py); a batch where no row asks skips that entirely.
+
 ``sample_rows`` is the torch reference; the C twin in ``backend.kernels.cpu_kernels`` (same inputs, same tokens up to
 float rounding) runs wherever it builds, in one pass over each row.
 """
@@ -16,6 +19,7 @@ import random
 import torch
 
 from backend.engine.config import SamplingParams
+from backend.engine.logits_processors import LogitsAdjustments
 from backend.kernels import cpu_kernels
 
 
@@ -34,9 +38,17 @@ class Sampler:
         request_ids: list[str],
         params: list[SamplingParams],
         banned_token_ids: list[tuple[int, ...]] | None = None,
+        token_ids: list[list[int]] | None = None,
+        num_prompt_tokens: list[int] | None = None,
     ) -> list[int]:
-        """``logits`` ``[S, V]`` (any float dtype) → one token id per row; a row never picks its banned ids."""
+        """``logits`` ``[S, V]`` (any float dtype) → one token id per row; a row never picks its banned ids.
+        ``token_ids`` (each row's prompt and output so far, its first ``num_prompt_tokens`` the prompt) are read
+        only by the rows with penalties."""
         logits = logits.cpu()
+        adjustments = LogitsAdjustments.of(params, token_ids or [()] * len(params),
+                                           num_prompt_tokens or [0] * len(params))
+        if adjustments is not None:
+            logits = adjustments.apply(logits.float())
         for row, banned in enumerate(banned_token_ids or ()):
             if banned:  # min_tokens not reached yet: EOS and stop tokens are not candidates (vLLM's rule)
                 logits[row, list(banned)] = float("-inf")
