@@ -299,6 +299,7 @@ def _positive(name: str, value: Any) -> None:
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit, and vLLM's default max_logprobs
 
 
 @dataclass
@@ -327,6 +328,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # the sampled token's log-probability and this many likeliest tokens' (None: none)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -360,6 +362,10 @@ class SamplingParams:
                 raise InvalidRequest("stop",
                                      f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters; got {len(s)}")
         self._check_logits_settings()
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest("logprobs", f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the likeliest "
+                                             f"tokens to return beside the sampled one); got {self.logprobs!r}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
 
@@ -428,7 +434,7 @@ class SamplingParams:
 
 def _sampling_value(key: str, value: Any) -> Any:
     """One sampling setting as sent (numbers may be strings, as genai-perf sends them) -> its type."""
-    if key in ("max_tokens", "min_tokens", "top_k", "seed") and value is not None:
+    if key in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs") and value is not None:
         return _parse_int(key, value)
     if key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         try:

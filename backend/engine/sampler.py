@@ -15,12 +15,31 @@ float rounding) runs wherever it builds, in one pass over each row.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 
 from backend.engine.config import SamplingParams
 from backend.engine.logits_processors import LogitsAdjustments
 from backend.kernels import cpu_kernels
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and rank (1 = the likeliest), and the row's ``k`` likeliest tokens, in the
+    distribution the token was drawn from: the logits after bias, penalties, banned tokens and min_p, at the row's
+    temperature (1 for a greedy row), before top-k and top-p."""
+
+    logprob: float
+    rank: int
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # one per row; None where its request asked for none
 
 
 class Sampler:
@@ -31,8 +50,12 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._seeded.pop(request_id, None)
 
+    def __call__(self, *args, **kwargs) -> list[int]:
+        """:meth:`sample`'s token ids alone."""
+        return self.sample(*args, **kwargs).token_ids
+
     @torch.inference_mode()
-    def __call__(
+    def sample(
         self,
         logits: torch.Tensor,
         request_ids: list[str],
@@ -40,8 +63,9 @@ class Sampler:
         banned_token_ids: list[tuple[int, ...]] | None = None,
         token_ids: list[list[int]] | None = None,
         num_prompt_tokens: list[int] | None = None,
-    ) -> list[int]:
-        """``logits`` ``[S, V]`` (any float dtype) → one token id per row; a row never picks its banned ids.
+    ) -> SamplerOutput:
+        """``logits`` ``[S, V]`` (any float dtype) → one token id per row; a row never picks its banned ids; the
+        log-probabilities of the rows whose requests ask (``logprobs``).
         ``token_ids`` (each row's prompt and output so far, its first ``num_prompt_tokens`` the prompt) are read
         only by the rows with penalties."""
         logits = logits.cpu()
@@ -61,8 +85,10 @@ class Sampler:
             dtype=torch.float64,
         ).reshape(-1, len(SETTINGS))
         if cpu_kernels.supports_sampling(logits):
-            return cpu_kernels.cpu_sample_rows(logits, settings).tolist()
-        return sample_rows(logits, settings).tolist()
+            tokens = cpu_kernels.cpu_sample_rows(logits, settings)
+        else:
+            tokens = sample_rows(logits, settings)
+        return SamplerOutput(tokens.tolist(), token_logprobs(logits, tokens, params))
 
     def _rng_for(self, request_id: str, seed: int | None) -> random.Random:
         if seed is None:
@@ -104,6 +130,31 @@ def sample_rows(
     picked = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
     tokens[sampled] = picked
     return tokens
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [S, V] as drawn from (adjusted, banned at -inf)
+    tokens: torch.Tensor,  # [S] int64, the picks
+    params: list[SamplingParams],
+) -> list[TokenLogprobs | None]:
+    """The picks' log-probabilities and each asking row's top ``logprobs`` tokens; one batched pass over the rows that
+    ask, nothing when none does."""
+    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not asking:
+        return [None] * len(params)
+    rows = torch.tensor(asking)
+    temperature = torch.tensor([1.0 if params[i].greedy else params[i].temperature for i in asking])
+    logp = torch.log_softmax(logits[rows].float() / temperature[:, None], dim=-1)  # (r, V)
+    picked = logp.gather(1, tokens[rows, None])  # (r, 1)
+    ranks = (logp > picked).sum(dim=-1) + 1  # (r,)
+    k = max(params[i].logprobs for i in asking)
+    top_values, top_ids = logp.topk(k, dim=-1) if k else (torch.empty(len(asking), 0),) * 2  # (r, k), likeliest first
+    found: list[TokenLogprobs | None] = [None] * len(params)
+    for i, logprob, rank, ids, values in zip(asking, picked[:, 0].tolist(), ranks.tolist(), top_ids.tolist(),
+                                             top_values.tolist()):
+        n = params[i].logprobs
+        found[i] = TokenLogprobs(logprob, rank, tuple(ids[:n]), tuple(values[:n]))
+    return found
 
 
 def _keep_top_k_top_p(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

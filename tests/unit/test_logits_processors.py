@@ -98,3 +98,46 @@ def test_settings_parse_as_sent_and_token_ids_are_checked_against_the_vocabulary
     with pytest.raises(InvalidRequest) as err:
         SamplingParams(stop_token_ids=[99]).check_token_ids(50)
     assert err.value.param == "stop_token_ids"
+
+
+def test_logprobs_come_from_the_distribution_drawn_from():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, VOCAB, generator=gen) * 2
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(),
+              SamplingParams(temperature=0.5, presence_penalty=1.0, logprobs=0, seed=1)]
+    history = [[1, 2, 3], [1], [4, 5, 6, 7]]
+    out = Sampler().sample(logits.clone(), ["a", "b", "c"], params, None, history, [1, 1, 2])
+    assert out.logprobs[1] is None
+    greedy = out.logprobs[0]
+    expected = torch.log_softmax(logits[0], dim=-1)
+    assert greedy.rank == 1 and greedy.logprob == pytest.approx(expected.max().item(), abs=1e-5)
+    assert list(greedy.top_token_ids) == expected.topk(3).indices.tolist()
+    assert greedy.top_logprobs == pytest.approx(expected.topk(3).values.tolist(), abs=1e-5)
+    drawn = torch.log_softmax(reference(logits[2], params[2], [4, 5], [6, 7]) / 0.5, dim=-1)
+    token = out.token_ids[2]
+    assert out.logprobs[2].logprob == pytest.approx(drawn[token].item(), abs=1e-5)
+    assert out.logprobs[2].rank == int((drawn > drawn[token]).sum()) + 1 and out.logprobs[2].top_token_ids == ()
+
+
+def test_the_engine_returns_each_tokens_logprobs_and_refuses_unknown_token_ids(tiny_llama_dir):
+    from backend.engine.config import EngineConfig
+    from backend.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_threads=1, max_model_len=128,
+                                    num_kv_blocks=32))
+    engine.add_request("lp", "Hello there", SamplingParams(max_tokens=3, temperature=0.0, logprobs=2,
+                                                           repetition_penalty=1.3))
+    engine.add_request("plain", "Hello there", SamplingParams(max_tokens=3, temperature=0.0))
+    outputs = [out for _ in range(3) for out in engine.step()]
+    for out in outputs:
+        if out.request_id == "plain":
+            assert out.logprobs is None
+            continue
+        (ranked,) = out.logprobs
+        token_id, first = next(iter(ranked.items()))
+        assert token_id == out.new_token_ids[0] and first.rank == 1  # greedy: the likeliest
+        assert first.decoded_token == engine.tokenizer.hf.decode([token_id])
+        assert len(ranked) == 2 and all(lp.logprob <= 0 for lp in ranked.values())
+    vocab = engine.config.model_shape.vocab_size
+    with pytest.raises(InvalidRequest, match="logit_bias names token id"):
+        engine.add_request("bad", "Hi", SamplingParams(logit_bias={vocab: 1.0}))
