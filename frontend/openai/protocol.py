@@ -60,8 +60,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
     "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -128,9 +126,19 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """The likeliest tokens to return beside each sampled one's log-probability; None: no log-probabilities."""
+        return None
+
     def generation_request(self, prompt: str) -> GenerationRequest:
         """The models' inputs for ``prompt`` (model_repository/README.md's schema)."""
         max_tokens = self.requested_max_tokens
+        # NOTE: no max_tokens means "until the context is full" (as OpenAI's chat and vLLM), which the models'
+        # max_tokens input cannot say: its default is 16. A null in sampling_parameters can.
+        sampling = {"max_tokens": None} if max_tokens is None else {}
+        if self.num_logprobs is not None:
+            sampling["logprobs"] = self.num_logprobs
         return GenerationRequest(
             prompt,
             max_tokens=max_tokens,
@@ -142,9 +150,8 @@ class SamplingRequest(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
             ignore_eos=self.ignore_eos or None,
             stream=bool(self.stream),
-            # NOTE: no max_tokens means "until the context is full" (as OpenAI's chat and vLLM), which the models'
-            # max_tokens input cannot say: its default is 16. A null in sampling_parameters can.
-            sampling_parameters={"max_tokens": None} if max_tokens is None else None,
+            sampling_parameters=sampling or None,
+            return_logprobs=True if self.num_logprobs is not None else None,
         )
 
     @property
@@ -170,7 +177,11 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompt_text(self) -> str:
         prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
@@ -208,7 +219,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -225,6 +236,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
                 raise bad_request(
@@ -235,3 +248,7 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -22,6 +22,7 @@ from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
+from frontend.openai.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from frontend.openai.protocol import APIError, SamplingRequest
 from frontend.openai.triton_bridge import Piece, TritonBridge, TritonGeneration
 
@@ -50,6 +51,7 @@ class Answer:
     id: str
     created: int
     _content_parts: tuple[str, str] | None = field(default=None, init=False, repr=False)
+    _text_offset: int = field(default=0, init=False, repr=False)  # completions' logprobs: the text streamed so far
 
     @classmethod
     async def start(cls, bridge: TritonBridge, kind, model: str, request: SamplingRequest, prompt: str) -> "Answer":
@@ -76,12 +78,16 @@ class Answer:
             await self.generation.aclose()
         text, last = "".join(p.text for p in pieces), pieces[-1]
         usage = usage_of(last)
+        k = self.request.num_logprobs
+        logprobs = None if k is None else tuple(t for p in pieces for t in p.logprobs)
         if self.kind == "chat":
             message = ChatCompletionMessage(role="assistant", content=text)
-            choice = ChatChoice(index=0, message=message, finish_reason=last.finish_reason, logprobs=None)
+            choice = ChatChoice(index=0, message=message, finish_reason=last.finish_reason,
+                                logprobs=None if logprobs is None else chat_logprobs(logprobs, k))
             return ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model,
                                   choices=[choice], usage=usage)
-        choice = CompletionChoice(index=0, text=text, finish_reason=last.finish_reason, logprobs=None)
+        choice = CompletionChoice(index=0, text=text, finish_reason=last.finish_reason,
+                                  logprobs=None if logprobs is None else completion_logprobs(logprobs, k))
         return Completion(id=self.id, object="text_completion", created=self.created, model=self.model,
                           choices=[choice], usage=usage)
 
@@ -99,7 +105,7 @@ class Answer:
                     # NOTE: OpenAI's chunks carry no token ids, so clients (the Locust user, benchmark tools) count
                     # one token per chunk, as they would from OpenAI: a response of several tokens is its text and
                     # an empty chunk for each further token, in one write.
-                    yield role + self._content(piece.text) + self._content("") * (piece.num_tokens - 1)
+                    yield role + self._content_chunks(piece)
                     role = ""
                 if piece.finish_reason:
                     break
@@ -112,6 +118,14 @@ class Answer:
         finally:
             await self.generation.aclose()
         yield DONE
+
+    def _content_chunks(self, piece: Piece) -> str:
+        """One content chunk per token of ``piece``: its text in the first, each token's log-probabilities in its
+        own when the request asks for them."""
+        if self.request.num_logprobs is None:
+            return self._content(piece.text) + self._content("") * (piece.num_tokens - 1)
+        return "".join(self._event(text=piece.text if i == 0 else "", logprobs=piece.logprobs[i:i + 1])
+                       for i in range(piece.num_tokens))
 
     def _content(self, text: str) -> str:
         """The SSE line of a content chunk: the line :meth:`_event` renders for ``text``, byte for byte, from the
@@ -128,15 +142,21 @@ class Answer:
         return before + json.dumps(text, ensure_ascii=False) + after
 
     def _event(self, text: str = "", delta: ChoiceDelta | None = None, finish_reason: str | None = None,
-               usage: CompletionUsage | None = None) -> str:
+               usage: CompletionUsage | None = None, logprobs: tuple[TokenLogprob, ...] | None = None) -> str:
         extra = {"usage": usage} if self.request.include_usage else {}
+        k = self.request.num_logprobs
         if usage is not None:
             choices = []
         elif self.kind == "chat":
             delta = delta or (ChoiceDelta() if finish_reason else ChoiceDelta(content=text))
-            choices = [ChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=None)]
+            choices = [ChunkChoice(index=0, delta=delta, finish_reason=finish_reason,
+                                   logprobs=None if logprobs is None else chat_logprobs(logprobs, k, chunk=True))]
         else:
-            choices = [CompletionChunkChoice(index=0, text=text, finish_reason=finish_reason, logprobs=None)]
+            if logprobs is not None:
+                found = completion_logprobs(logprobs, k, self._text_offset)
+                self._text_offset += sum(len(t.token) for t in logprobs)
+            choices = [CompletionChunkChoice(index=0, text=text, finish_reason=finish_reason,
+                                             logprobs=None if logprobs is None else found)]
         if self.kind == "chat":
             chunk = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                         model=self.model, choices=choices, **extra)

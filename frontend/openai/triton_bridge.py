@@ -31,6 +31,7 @@ from tritonclient.utils import InferenceServerException
 
 from backend.contract import errors
 from client.schema import GenerationRequest, build_inputs
+from frontend.openai.logprobs import TokenLogprob, parse_logprobs
 from frontend.openai.protocol import APIError
 
 DRAIN_TIMEOUT_S = 5.0
@@ -61,6 +62,7 @@ class Piece:
     finish_reason: str | None  # "stop", "length" or "abort" on the final response
     num_input_tokens: int
     num_output_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
 
 
 class TritonGeneration:
@@ -103,12 +105,14 @@ class TritonGeneration:
         # ever carries half a character (or U+FFFD in its place).
         text = self._decoder.decode(_first(result.as_numpy("text_output")) or b"", final=self.finished)
         ids = result.as_numpy("output_ids")
+        logprobs = _first(result.as_numpy("logprobs"))
         return Piece(
             text=text,
             num_tokens=0 if ids is None else int(ids.size),
             finish_reason=reason,
             num_input_tokens=int(_first(result.as_numpy("num_input_tokens")) or 0),
             num_output_tokens=int(_first(result.as_numpy("num_output_tokens")) or 0),
+            logprobs=parse_logprobs(logprobs.decode()) if logprobs else (),
         )
 
     async def aclose(self) -> None:
