@@ -2,9 +2,10 @@
 (``repetition_penalty`` over prompt and output, ``frequency_penalty`` and ``presence_penalty`` over the output, as
 OpenAI defines them), then ``min_p`` on the temperature-scaled distribution.
 
-Each is one tensor operation over every row that uses it; :class:`LogitsAdjustments` gathers the rows' settings into
-per-row tensors once per step (a Python pass over the rows' settings and token ids, none over the vocabulary). The
-sampler builds it only when some row of the batch asks, so the default path costs one check per row.
+Each is one tensor operation over the whole batch; :class:`LogitsAdjustments` gathers the rows' settings into
+per-row tensors once per step (a Python pass over the rows' settings and token ids, none over the vocabulary), and
+the penalties touch only the tokens a row has seen. The sampler builds it only when some row of the batch asks, so
+the default path costs one check per row.
 """
 
 from __future__ import annotations
@@ -21,81 +22,73 @@ from backend.engine.config import SamplingParams
 
 @dataclass(frozen=True)
 class LogitsAdjustments:
-    """The adjusted rows' settings as tensors; ``rows`` indexes the step's logits."""
+    """The step's settings as tensors, one entry per row of the logits (neutral where a row does not ask); the
+    tokens to bias or penalise as flat indices into the logits, ``row * V + token``, so a penalty costs what the
+    row's tokens number, not what the vocabulary does."""
 
-    rows: torch.Tensor  # (R,) int64
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row in R, token, bias), each (n,)
-    prompt_ids: tuple[torch.Tensor, torch.Tensor] | None  # (row in R, token), each (p,): the prompts' tokens
-    output_ids: tuple[torch.Tensor, torch.Tensor] | None  # (row in R, token), each (o,): the generated tokens
-    presence: torch.Tensor  # (R,) float32
-    frequency: torch.Tensor  # (R,) float32
-    repetition: torch.Tensor  # (R,) float32
-    temperature: torch.Tensor  # (R,) float32, 0 = greedy
-    min_p: torch.Tensor  # (R,) float32
+    bias: tuple[torch.Tensor, torch.Tensor] | None  # flat indices (b,) int64, biases (b,) float32
+    prompt_ids: torch.Tensor | None  # (p,) int64 flat indices of the penalised rows' prompt tokens (repeats allowed)
+    output_ids: torch.Tensor | None  # (o,) int64 flat indices of their generated tokens (repeats allowed)
+    presence: torch.Tensor  # (S,) float32
+    frequency: torch.Tensor  # (S,) float32
+    repetition: torch.Tensor  # (S,) float32, 1 = off
+    temperature: torch.Tensor  # (S,) float32, 0 = greedy
+    min_p: torch.Tensor  # (S,) float32, 0 = off
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams], token_ids: Sequence[Sequence[int]],
-           num_prompt_tokens: Sequence[int]) -> LogitsAdjustments | None:
-        """The settings of the rows that adjust their logits; None when no row does."""
-        rows = [i for i, p in enumerate(params) if p.adjusts_logits]
-        if not rows:
+           num_prompt_tokens: Sequence[int], vocab_size: int) -> LogitsAdjustments | None:
+        """The step's settings; None when no row adjusts its logits."""
+        if not any(p.adjusts_logits for p in params):
             return None
-        chosen = [params[i] for i in rows]
-        biased = [(r, int(t), b) for r, p in enumerate(chosen) for t, b in p.logit_bias.items()]
-        penalized = [r for r, p in enumerate(chosen) if p.has_penalties]
+        biased = [(row * vocab_size + token, bias)
+                  for row, p in enumerate(params) for token, bias in p.logit_bias.items()]
+        penalized = [row for row, p in enumerate(params) if p.has_penalties]
         return cls(
-            rows=torch.tensor(rows),
-            bias=tuple(torch.tensor(c) for c in zip(*biased)) if biased else None,
-            prompt_ids=_flat_ids([(r, token_ids[rows[r]][:num_prompt_tokens[rows[r]]]) for r in penalized]),
-            output_ids=_flat_ids([(r, token_ids[rows[r]][num_prompt_tokens[rows[r]]:]) for r in penalized]),
-            presence=torch.tensor([p.presence_penalty for p in chosen], dtype=torch.float32),
-            frequency=torch.tensor([p.frequency_penalty for p in chosen], dtype=torch.float32),
-            repetition=torch.tensor([p.repetition_penalty for p in chosen], dtype=torch.float32),
-            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in chosen], dtype=torch.float32),
-            min_p=torch.tensor([p.min_p for p in chosen], dtype=torch.float32),
+            bias=(torch.tensor([i for i, _ in biased]), torch.tensor([b for _, b in biased])) if biased else None,
+            prompt_ids=_flat_ids([(r, token_ids[r][:num_prompt_tokens[r]]) for r in penalized], vocab_size),
+            output_ids=_flat_ids([(r, token_ids[r][num_prompt_tokens[r]:]) for r in penalized], vocab_size),
+            presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+            frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+            repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
         )
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits`` (S, V) float32 with the chosen rows adjusted (in place)."""
-        x = logits[self.rows]  # (R, V)
+        """``logits`` (S, V) float32, contiguous, adjusted in place: bias, penalties, then min_p."""
+        flat = logits.view(-1)  # (S * V,)
         if self.bias is not None:
-            x.index_put_((self.bias[0], self.bias[1]), self.bias[2].float(), accumulate=True)
-        if self.output_ids is not None or self.prompt_ids is not None:
-            x = apply_penalties(x, self.prompt_mask(x.shape), self.output_counts(x.shape),
-                                self.presence, self.frequency, self.repetition)
-        if bool((self.min_p > 0).any()):
-            x = apply_min_p(x, self.temperature, self.min_p)
-        logits[self.rows] = x
+            flat.index_add_(0, self.bias[0], self.bias[1])
+        if self.prompt_ids is not None or self.output_ids is not None:
+            apply_penalties(flat, logits.shape[1], self.prompt_ids, self.output_ids, self.presence, self.frequency,
+                            self.repetition)
+        rows = (self.min_p > 0).nonzero().flatten()
+        if rows.numel():
+            logits[rows] = apply_min_p(logits[rows], self.temperature[rows], self.min_p[rows])
         return logits
-
-    def prompt_mask(self, shape: torch.Size) -> torch.Tensor:  # (R, V) bool
-        mask = torch.zeros(shape, dtype=torch.bool)
-        if self.prompt_ids is not None:
-            mask[self.prompt_ids] = True
-        return mask
-
-    def output_counts(self, shape: torch.Size) -> torch.Tensor:  # (R, V) float32
-        counts = torch.zeros(shape, dtype=torch.float32)
-        if self.output_ids is not None:
-            counts.index_put_(self.output_ids, torch.ones(self.output_ids[0].numel()), accumulate=True)
-        return counts
 
 
 def apply_penalties(
-    logits: torch.Tensor,  # (R, V) float32
-    prompt_mask: torch.Tensor,  # (R, V) bool: the token is in the row's prompt
-    output_counts: torch.Tensor,  # (R, V) float32: how often the row generated the token
-    presence: torch.Tensor,  # (R,)
-    frequency: torch.Tensor,  # (R,)
-    repetition: torch.Tensor,  # (R,) 1 = off
-) -> torch.Tensor:  # (R, V)
+    flat: torch.Tensor,  # (S * V,) float32: the logits, adjusted in place
+    vocab_size: int,
+    prompt_ids: torch.Tensor | None,  # (p,) flat indices of prompt tokens
+    output_ids: torch.Tensor | None,  # (o,) flat indices of generated tokens, once per time generated
+    presence: torch.Tensor,  # (S,)
+    frequency: torch.Tensor,  # (S,)
+    repetition: torch.Tensor,  # (S,)
+) -> None:
     """vLLM's penalties: a token seen in the prompt or output has a positive logit divided by, a negative one
-    multiplied by, ``repetition``; then OpenAI's ``frequency * count + presence * (count > 0)`` is subtracted."""
-    output_mask = output_counts > 0
-    seen = prompt_mask | output_mask
-    scale = torch.where(seen, repetition[:, None], torch.ones_like(logits))  # (R, V)
-    logits = torch.where(logits > 0, logits / scale, logits * scale)
-    return logits - frequency[:, None] * output_counts - presence[:, None] * output_mask
+    multiplied by, its row's ``repetition``; then OpenAI's ``frequency * count + presence * (count > 0)`` is
+    subtracted. Only the seen tokens are read and written."""
+    seen = torch.cat([ids for ids in (prompt_ids, output_ids) if ids is not None]).unique()  # (n,)
+    scale = repetition[seen // vocab_size]
+    values = flat[seen]
+    flat[seen] = torch.where(values > 0, values / scale, values * scale)
+    if output_ids is not None:
+        generated, counts = output_ids.unique(return_counts=True)  # (m,)
+        rows = generated // vocab_size
+        flat.index_add_(0, generated, -(frequency[rows] * counts + presence[rows]))
 
 
 def apply_min_p(
@@ -111,10 +104,10 @@ def apply_min_p(
     return logits.masked_fill(drop, -math.inf)
 
 
-def _flat_ids(rows: list[tuple[int, Sequence[int]]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(row, token) index tensors of every token of every row; None when there are none."""
+def _flat_ids(rows: list[tuple[int, Sequence[int]]], vocab_size: int) -> torch.Tensor | None:
+    """``row * V + token`` of every token of every row; None when there are none."""
     counts = [len(ids) for _, ids in rows]
     if not sum(counts):
         return None
-    row_index = torch.repeat_interleave(torch.tensor([r for r, _ in rows]), torch.tensor(counts))
-    return row_index, torch.tensor(list(itertools.chain.from_iterable(ids for _, ids in rows)))
+    starts = torch.repeat_interleave(torch.tensor([r * vocab_size for r, _ in rows]), torch.tensor(counts))
+    return starts + torch.tensor(list(itertools.chain.from_iterable(ids for _, ids in rows)))

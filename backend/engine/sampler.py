@@ -70,9 +70,9 @@ class Sampler:
         only by the rows with penalties."""
         logits = logits.cpu()
         adjustments = LogitsAdjustments.of(params, token_ids or [()] * len(params),
-                                           num_prompt_tokens or [0] * len(params))
+                                           num_prompt_tokens or [0] * len(params), logits.shape[-1])
         if adjustments is not None:
-            logits = adjustments.apply(logits.float())
+            logits = adjustments.apply(logits.float().contiguous())
         for row, banned in enumerate(banned_token_ids or ()):
             if banned:  # min_tokens not reached yet: EOS and stop tokens are not candidates (vLLM's rule)
                 logits[row, list(banned)] = float("-inf")
@@ -144,11 +144,15 @@ def token_logprobs(
         return [None] * len(params)
     rows = torch.tensor(asking)
     temperature = torch.tensor([1.0 if params[i].greedy else params[i].temperature for i in asking])
-    logp = torch.log_softmax(logits[rows].float() / temperature[:, None], dim=-1)  # (r, V)
-    picked = logp.gather(1, tokens[rows, None])  # (r, 1)
-    ranks = (logp > picked).sum(dim=-1) + 1  # (r,)
+    x = logits if len(asking) == len(params) else logits.index_select(0, rows)  # (r, V)
+    x = x.float() / temperature[:, None] if bool((temperature != 1.0).any()) else x.float()
+    log_total = torch.logsumexp(x, dim=-1, keepdim=True)  # (r, 1): log-probability = x - log_total
+    picked = x.gather(1, tokens[rows, None])  # (r, 1)
+    ranks = (x > picked).sum(dim=-1) + 1  # (r,)
+    picked -= log_total
     k = max(params[i].logprobs for i in asking)
-    top_values, top_ids = logp.topk(k, dim=-1) if k else (torch.empty(len(asking), 0),) * 2  # (r, k), likeliest first
+    top_values, top_ids = x.topk(k, dim=-1) if k else (torch.empty(len(asking), 0),) * 2  # (r, k), likeliest first
+    top_values -= log_total
     found: list[TokenLogprobs | None] = [None] * len(params)
     for i, logprob, rank, ids, values in zip(asking, picked[:, 0].tolist(), ranks.tolist(), top_ids.tolist(),
                                              top_values.tolist()):

@@ -52,7 +52,7 @@ def test_batched_adjustments_match_the_per_row_reference():
     logits = torch.randn(len(CASES), VOCAB, generator=gen) * 3
     histories = [torch.randint(0, VOCAB, (12,), generator=gen).tolist() for _ in CASES]
     prompt_lens = [4 + i % 5 for i in range(len(CASES))]
-    adjusted = LogitsAdjustments.of(CASES, histories, prompt_lens).apply(logits.clone())
+    adjusted = LogitsAdjustments.of(CASES, histories, prompt_lens, VOCAB).apply(logits.clone())
     for row, params in enumerate(CASES):
         history, n = histories[row], prompt_lens[row]
         expected = reference(logits[row], params, history[:n], history[n:])
@@ -61,7 +61,7 @@ def test_batched_adjustments_match_the_per_row_reference():
 
 def test_nothing_is_built_when_no_row_asks():
     assert LogitsAdjustments.of([SamplingParams(), SamplingParams(temperature=0.0, min_p=0.5)], [[1], [2]],
-                                [1, 1]) is None
+                                [1, 1], VOCAB) is None
 
 
 def test_sampler_honours_bias_and_penalties_greedy_and_sampled():
