@@ -329,6 +329,8 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None  # the sampled token's log-probability and this many likeliest tokens' (None: none)
+    include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
+    skip_special_tokens: bool = True  # special tokens (EOS, chat markers) are left out of the text
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -441,7 +443,7 @@ def _sampling_value(key: str, value: Any) -> Any:
             return float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{key} must be a number; got {value!r}") from None
-    if key == "ignore_eos":
+    if key in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         return _parse_bool(value)
     if key == "stop":
         return [value] if isinstance(value, str) else list(value or [])

@@ -134,7 +134,8 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
         self.scheduler.add_request(request)  # refuses what can never fit: max_model_len, the KV pool
         self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer.hf, token_ids, params.stop, params.min_tokens
+            self.tokenizer.hf, token_ids, params.stop, params.min_tokens, params.include_stop_str_in_output,
+            params.skip_special_tokens,
         )
         return request
 

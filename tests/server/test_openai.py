@@ -212,6 +212,38 @@ def test_sampling_parameters_reach_the_model(sdk):
     assert short.usage.completion_tokens == 5
 
 
+@pytest.mark.server
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", MODELS)
+def test_logprobs_penalties_and_continuous_usage_through_every_model(sdk, model):
+    prompt, extra = "Count: one, two,", {"ignore_eos": True}
+    whole = sdk.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, logprobs=True,
+                                        top_logprobs=3, extra_body=extra, **GREEDY)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 4 and "".join(c.token for c in content) == whole.choices[0].message.content
+    for token in content:  # greedy: the sampled token is the likeliest
+        assert len(token.top_logprobs) == 3 and token.top_logprobs[0].token == token.token
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob) and token.logprob <= 0
+    streamed = sdk.completions.create(model=model, prompt=prompt, max_tokens=4, logprobs=2, stream=True,
+                                      stream_options={"include_usage": True},
+                                      extra_body={**extra, "stream_options": {"include_usage": True,
+                                                                              "continuous_usage_stats": True}},
+                                      **GREEDY)
+    chunks = list(streamed)
+    tokens = [c for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [len(c.choices[0].logprobs.tokens) for c in tokens] == [1, 1, 1, 1]
+    assert [c.usage.completion_tokens for c in tokens] == [1, 2, 3, 4]
+    plain = sdk.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=0, extra_body=extra, **GREEDY)
+    penalized = sdk.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=0, **GREEDY,
+                                       extra_body={**extra, "repetition_penalty": 1.5, "presence_penalty": 2.0})
+    # The prompt's tokens are penalised from the first step on: the distribution drawn from is another one.
+    assert penalized.choices[0].logprobs.token_logprobs != plain.choices[0].logprobs.token_logprobs
+    biased = sdk.completions.create(model=model, prompt=prompt, max_tokens=2, logprobs=0, **GREEDY,
+                                    logit_bias={"42": 100}, extra_body=extra)
+    assert biased.choices[0].logprobs.tokens == [biased.choices[0].logprobs.tokens[0]] * 2
+    assert biased.choices[0].logprobs.token_logprobs[0] > -0.01  # +100 leaves nothing else
+
+
 # ---- errors: OpenAI's body and status, for that request only ----------------------------------------------------
 
 
@@ -229,19 +261,21 @@ def assert_error(response: requests.Response, status: int, param: str | None = N
 BAD_REQUESTS = [
     # (endpoint, fields beyond model and prompt/messages, param, code, what the message says)
     ("chat", {"n": 2}, "n", "unsupported_parameter", "n=2"),
-    ("chat", {"logprobs": True}, "logprobs", "unsupported_parameter", "logprobs"),
-    ("chat", {"top_logprobs": 3}, "top_logprobs", "unsupported_parameter", ""),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter", ""),
     ("chat", {"tool_choice": "auto"}, "tool_choice", "unsupported_parameter", ""),
-    ("chat", {"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter", ""),
-    ("chat", {"frequency_penalty": -1}, "frequency_penalty", "unsupported_parameter", ""),
-    ("chat", {"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_parameter", ""),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter", ""),
+    ("chat", {"top_logprobs": 3}, "top_logprobs", None, "needs logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "logprobs", None, "from 0 to 20"),
+    ("chat", {"presence_penalty": 2.5}, "presence_penalty", None, "less than or equal to 2"),
+    ("chat", {"logit_bias": {"50256": -101}}, "logit_bias", None, "[-100, 100]"),
+    ("chat", {"logit_bias": {"999999": 1}}, "logit_bias", None, "token id 999999"),
+    ("chat", {"repetition_penalty": 0}, "repetition_penalty", None, "greater than 0"),
+    ("chat", {"use_beam_search": True}, "use_beam_search", "unsupported_parameter", ""),
+    ("chat", {"guided_choice": ["a", "b"]}, "guided_choice", "unsupported_parameter", ""),
+    ("chat", {"kv_transfer_params": {}}, "kv_transfer_params", "unsupported_parameter", "Unrecognized"),
     ("completion", {"best_of": 3}, "best_of", "unsupported_parameter", ""),
     ("completion", {"echo": True}, "echo", "unsupported_parameter", ""),
-    ("completion", {"logprobs": 2}, "logprobs", "unsupported_parameter", ""),
     ("completion", {"suffix": "end"}, "suffix", "unsupported_parameter", ""),
-    ("chat", {"repetition_penalty": 1.2}, "repetition_penalty", "unsupported_parameter", "Unrecognized"),
     ("chat", {"temperature": 2.5}, "temperature", None, "less than or equal to 2"),
     ("chat", {"top_p": 0}, "top_p", None, "greater than 0"),
     ("chat", {"max_tokens": 0}, "max_tokens", None, "greater than or equal to 1"),

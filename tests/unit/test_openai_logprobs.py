@@ -96,3 +96,41 @@ def test_completions_logprobs_whole_and_streamed_one_chunk_per_token():
             if e and e != "data: [DONE]"]
     per_token = [e["choices"][0]["logprobs"]["content"] for e in chat if e["choices"][0].get("logprobs")]
     assert [[c["token"] for c in content] for content in per_token] == [["Hi"], ["!"]]
+
+
+def test_vllm_extras_travel_in_sampling_parameters_and_hints_are_accepted():
+    request = CompletionRequest(model="m", prompt="Hi", presence_penalty=0.5, repetition_penalty=1.1, min_p=0.05,
+                                logit_bias={"42": -100}, stop_token_ids=[7], include_stop_str_in_output=True,
+                                skip_special_tokens=False, cache_salt="tenant-a", use_beam_search=False,
+                                spaces_between_special_tokens=True)
+    request.check_supported()
+    assert request.generation_request("Hi").sampling_parameters == {
+        "presence_penalty": 0.5, "repetition_penalty": 1.1, "min_p": 0.05, "logit_bias": {"42": -100.0},
+        "stop_token_ids": [7], "include_stop_str_in_output": True, "skip_special_tokens": False}
+    assert CompletionRequest(model="m", prompt="Hi").generation_request("Hi").sampling_parameters is None
+    for refused in ({"use_beam_search": True}, {"guided_choice": ["a", "b"]}, {"truncate_prompt_tokens": 5}):
+        with pytest.raises(APIError) as error:
+            CompletionRequest(model="m", prompt="Hi", **refused).check_supported()
+        assert error.value.param == next(iter(refused)) and error.value.code == "unsupported_parameter"
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                 echo=False, chat_template_kwargs={})
+    chat.check_supported()
+    with pytest.raises(APIError):
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}],
+                              continue_final_message=True).check_supported()
+
+
+def test_continuous_usage_stats_put_the_counts_so_far_in_every_chunk():
+    async def collect(a):
+        return [line async for line in a.events()]
+
+    for kind in ("chat", "completion"):
+        pieces = [Piece("Hel", 1, None, 3, 1), Piece("lo, you", 3, None, 3, 4), Piece("!", 1, "length", 3, 5)]
+        a = answer(kind, True, pieces, stream_options={"include_usage": True, "continuous_usage_stats": True})
+        assert a.request.generation_request("x").return_num_output_tokens is True
+        events = [json.loads(e.removeprefix("data: ")) for line in asyncio.run(collect(a))
+                  for e in line.split("\n\n") if e and e != "data: [DONE]"]
+        counts = [e["usage"]["completion_tokens"] for e in events]
+        expected = ([0] if kind == "chat" else []) + [1, 2, 3, 4, 5, 5, 5]  # role, tokens, finish, usage chunk
+        assert counts == expected, kind
+        assert all(e["usage"]["prompt_tokens"] == 3 for e in events)
