@@ -100,6 +100,30 @@ def assert_still_serves(sdk, model: str = "llm_continuous") -> None:
 def test_models_are_listed_by_their_triton_names(sdk):
     assert sorted(m.id for m in sdk.models.list()) == sorted(MODELS)
     assert sdk.models.retrieve("llm_dynamic").id == "llm_dynamic"
+    assert {m.max_model_len for m in sdk.models.list()} == {MAX_MODEL_LEN}  # vLLM's extra field of a card
+    assert sdk.models.retrieve("llm_iterative").max_model_len == MAX_MODEL_LEN
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_tokenize_and_detokenize_as_vllm_answers_them(frontend, sdk, template):
+    url = frontend.url
+    answer = requests.post(f"{url}/tokenize", json={"model": "llm_static", "prompt": "Hello world"}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body == {"count": len(body["tokens"]), "max_model_len": MAX_MODEL_LEN, "tokens": body["tokens"],
+                    "token_strs": None}
+    completion = sdk.completions.create(model="llm_static", prompt="Hello world", max_tokens=1)
+    assert completion.usage.prompt_tokens == body["count"]  # the count the model makes of the same prompt
+    chat = requests.post(f"{url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()
+    whole = sdk.chat.completions.create(model="llm_continuous", messages=MESSAGES, max_tokens=1)
+    assert chat["count"] == whole.usage.prompt_tokens
+    back = requests.post(f"{url}/detokenize", json={"model": "llm_static", "tokens": body["tokens"]}, timeout=30)
+    assert back.json() == {"prompt": "Hello world"}
+    assert_error(requests.post(f"{url}/detokenize", json={"model": "gpt-4o", "tokens": [1]}, timeout=30), 404,
+                 "model", "model_not_found")
+    assert_error(requests.post(f"{url}/tokenize", json={"prompt": "x", "n": 2}, timeout=30), 400, "n",
+                 "unsupported_parameter")
 
 
 @pytest.mark.server
