@@ -6,16 +6,9 @@ from __future__ import annotations
 import pytest
 
 from backend.engine.config import ModelShape
+from frontend.openai import tokenize as vllm
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.protocol import APIError
-from frontend.openai.tokenize import (
-    ChatTokenizeRequest,
-    CompletionTokenizeRequest,
-    DetokenizeRequest,
-    detokenize,
-    max_model_len,
-    tokenize,
-)
 
 
 @pytest.fixture(scope="module")
@@ -24,22 +17,22 @@ def template(smollm2_dir):
 
 
 def test_a_prompt_and_a_chat_are_tokenized_as_the_models_see_them(template):
-    answer = tokenize(template, CompletionTokenizeRequest(prompt="Hello world", return_token_strs=True), 512)
+    answer = vllm.tokenize(template, vllm.CompletionTokenizeRequest(prompt="Hello world", return_token_strs=True), 512)
     assert answer["tokens"] == template.tokenizer.encode("Hello world") and answer["count"] == len(answer["tokens"])
     assert answer["max_model_len"] == 512 and "".join(answer["token_strs"]).replace("Ġ", " ") == "Hello world"
-    chat = ChatTokenizeRequest(messages=[{"role": "user", "content": "Hi"}])
+    chat = vllm.ChatTokenizeRequest(messages=[{"role": "user", "content": "Hi"}])
     rendered = template.render(chat.messages)
-    assert tokenize(template, chat, 512)["tokens"] == template.tokenizer.encode(rendered, add_special_tokens=False)
-    assert tokenize(template, CompletionTokenizeRequest(prompt="x"), 512)["token_strs"] is None
+    assert vllm.tokenize(template, chat, 512)["tokens"] == template.tokenizer.encode(rendered, add_special_tokens=False)
+    assert vllm.tokenize(template, vllm.CompletionTokenizeRequest(prompt="x"), 512)["token_strs"] is None
     with pytest.raises(APIError):
-        tokenize(template, ChatTokenizeRequest(messages=chat.messages, continue_final_message=True), 512)
+        vllm.tokenize(template, vllm.ChatTokenizeRequest(messages=chat.messages, continue_final_message=True), 512)
 
 
 def test_detokenize_is_the_inverse_and_refuses_unknown_ids(template):
     ids = template.tokenizer.encode("Bonjour, le monde")
-    assert detokenize(template, DetokenizeRequest(tokens=ids)) == {"prompt": "Bonjour, le monde"}
+    assert vllm.detokenize(template, vllm.DetokenizeRequest(tokens=ids)) == {"prompt": "Bonjour, le monde"}
     with pytest.raises(APIError) as error:
-        detokenize(template, DetokenizeRequest(tokens=[10**9]))
+        vllm.detokenize(template, vllm.DetokenizeRequest(tokens=[10**9]))
     assert error.value.param == "tokens"
 
 
@@ -49,8 +42,8 @@ def test_max_model_len_is_the_parameter_or_what_the_engine_resolves():
                        tie_word_embeddings=True)
     config = {"parameters": {"max_model_len": {"string_value": "2048"}, "model": {"string_value": "x"},
                              "stream_interval": {"string_value": "4"}}}
-    assert max_model_len(config, shape) == 2048
-    assert max_model_len({"parameters": {}}, shape) == 8192
+    assert vllm.max_model_len(config, shape) == 2048
+    assert vllm.max_model_len({"parameters": {}}, shape) == 8192
     unchunked = {"parameters": {"enable_chunked_prefill": {"string_value": "false"},
                                 "max_num_batched_tokens": {"string_value": "1024"}}}
-    assert max_model_len(unchunked, shape) == 1024
+    assert vllm.max_model_len(unchunked, shape) == 1024
