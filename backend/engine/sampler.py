@@ -69,13 +69,14 @@ class Sampler:
         ``token_ids`` (each row's prompt and output so far, its first ``num_prompt_tokens`` the prompt) are read
         only by the rows with penalties."""
         logits = logits.cpu()
+        for row, banned in enumerate(banned_token_ids or ()):
+            if banned:  # min_tokens not reached yet: EOS and stop tokens are not candidates (vLLM's rule)
+                logits[row, list(banned)] = float("-inf")
+        # NOTE: after the bans, as vLLM orders them: min_p's threshold is the best token that can still be picked.
         adjustments = LogitsAdjustments.of(params, token_ids or [()] * len(params),
                                            num_prompt_tokens or [0] * len(params), logits.shape[-1])
         if adjustments is not None:
             logits = adjustments.apply(logits.float().contiguous())
-        for row, banned in enumerate(banned_token_ids or ()):
-            if banned:  # min_tokens not reached yet: EOS and stop tokens are not candidates (vLLM's rule)
-                logits[row, list(banned)] = float("-inf")
         # NOTE: a greedy row draws nothing, so a request's draws never depend on its batch-mates' settings. One
         # tensor for all the settings: each tensor built is a few microseconds more (tens with the caches cold from
         # the forward), and the C sampler reads them from one array.

@@ -141,3 +141,11 @@ def test_the_engine_returns_each_tokens_logprobs_and_refuses_unknown_token_ids(t
     vocab = engine.config.model_shape.vocab_size
     with pytest.raises(InvalidRequest, match="logit_bias names token id"):
         engine.add_request("bad", "Hi", SamplingParams(logit_bias={vocab: 1.0}))
+
+
+def test_min_p_is_relative_to_the_best_token_that_may_be_picked():
+    logits = torch.full((1, VOCAB), -20.0)
+    logits[0, :3] = torch.tensor([10.0, 5.0, 4.5])  # token 0 is banned (min_tokens not reached)
+    picks = {Sampler().sample(logits.clone(), ["a"], [SamplingParams(temperature=1.0, min_p=0.5, seed=s)], [(0,)],
+                              [[1]], [1]).token_ids[0] for s in range(40)}
+    assert picks == {1, 2}  # token 2 is 0.6 times as likely as token 1: kept
