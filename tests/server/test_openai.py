@@ -204,6 +204,9 @@ def test_stop_strings_end_the_text_before_them(sdk, model):
         assert (cut.text, cut.finish_reason) == (expected, "stop")
     streamed = list(sdk.completions.create(prompt="Once upon a time", stop=[stop], stream=True, **sampled))
     assert "".join(c.choices[0].text for c in streamed) == expected and streamed[-1].choices[0].finish_reason == "stop"
+    kept = sdk.completions.create(prompt="Once upon a time", stop=[stop], **{
+        **sampled, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}}).choices[0]
+    assert (kept.text, kept.finish_reason) == (expected + stop, "stop")  # vLLM's include_stop_str_in_output
 
     chat = sdk.chat.completions.create(messages=MESSAGES, **sampled).choices[0].message.content
     chat_stop = chat.split()[len(chat.split()) // 2]
