@@ -28,6 +28,9 @@ INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "stream": ("BOOL", np.bool_),
     "sampling_parameters": ("BYTES", np.object_),
     "exclude_input_in_output": ("BOOL", np.bool_),
+    "return_logprobs": ("BOOL", np.bool_),
+    "return_num_input_tokens": ("BOOL", np.bool_),
+    "return_num_output_tokens": ("BOOL", np.bool_),
 }
 
 
@@ -47,6 +50,9 @@ class GenerationRequest:
     stream: bool = True
     sampling_parameters: Mapping[str, Any] | None = None
     exclude_input_in_output: bool | None = None
+    return_logprobs: bool | None = None  # the logprobs output (sampling_parameters' logprobs: k adds the top k)
+    return_num_input_tokens: bool | None = None  # true: the counts in every response, not just the final one
+    return_num_output_tokens: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.text_input, str):

@@ -298,15 +298,20 @@ def _positive(name: str, value: Any) -> None:
 # Limits that protect the server from a single request (docs/server.md, "What a request may ask for").
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit, and vLLM's default max_logprobs
 
 
 @dataclass
 class SamplingParams:
     """Per-request generation settings, named as in vLLM.
 
-    ``temperature == 0`` means greedy. ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``temperature == 0`` means greedy. ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` disable those filters.
     ``max_tokens=None`` means "until the model's length limit". ``min_tokens``: EOS, ``stop_token_ids`` and stop
     strings cannot end the request before this many tokens were generated (as in vLLM: those tokens are not sampled).
+    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, over the generated tokens), ``repetition_penalty``
+    (vLLM's, over prompt and generated tokens; 1 = off) and ``logit_bias`` (token id -> added to its logit) apply to
+    greedy requests too (backend/engine/logits_processors.py).
     """
 
     max_tokens: int | None = 16
@@ -318,6 +323,14 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # the sampled token's log-probability and this many likeliest tokens' (None: none)
+    include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
+    skip_special_tokens: bool = True  # special tokens (EOS, chat markers) are left out of the text
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -350,12 +363,60 @@ class SamplingParams:
             if len(s) > MAX_STOP_STRING_CHARS:
                 raise InvalidRequest("stop",
                                      f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters; got {len(s)}")
+        self._check_logits_settings()
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequest("logprobs", f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the likeliest "
+                                             f"tokens to return beside the sampled one); got {self.logprobs!r}")
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
+
+    def _check_logits_settings(self) -> None:
+        """The settings that adjust the logits (their ranges as OpenAI's and vLLM's)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -2.0 <= value <= 2.0:
+                raise InvalidRequest(name, f"{name} must be a number in [-2, 2]; got {value!r}")
+            setattr(self, name, float(value))
+        if not _number(self.repetition_penalty) or self.repetition_penalty <= 0.0:
+            raise InvalidRequest("repetition_penalty",
+                                 f"repetition_penalty must be a number > 0 (1 = off); got {self.repetition_penalty!r}")
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequest("min_p", f"min_p must be in [0, 1] (0 = off); got {self.min_p!r}")
+        self.repetition_penalty, self.min_p = float(self.repetition_penalty), float(self.min_p)
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidRequest("logit_bias", f"logit_bias must map token ids to biases; got {self.logit_bias!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequest("logit_bias", f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens; "
+                                               f"got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise InvalidRequest("logit_bias", f"logit_bias keys must be token ids (integers >= 0); got {token!r}")
+            if not _number(bias) or not -100.0 <= bias <= 100.0:
+                raise InvalidRequest("logit_bias", f"logit_bias values must be in [-100, 100]; got {bias!r} "
+                                                   f"for token {token}")
+        self.logit_bias = {token: float(bias) for token, bias in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Refuse token ids this model does not have (the sampler indexes its logits with them)."""
+        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
+            beyond = [t for t in ids if not 0 <= t < vocab_size]
+            if beyond:
+                raise InvalidRequest(name, f"{name} names token id {beyond[0]}; this model's token ids are "
+                                           f"0 to {vocab_size - 1}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler adjusts this request's logits before the draw (logits_processors.py)."""
+        return self.has_penalties or bool(self.logit_bias) or (self.min_p > 0.0 and not self.greedy)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
@@ -375,17 +436,25 @@ class SamplingParams:
 
 def _sampling_value(key: str, value: Any) -> Any:
     """One sampling setting as sent (numbers may be strings, as genai-perf sends them) -> its type."""
-    if key in ("max_tokens", "min_tokens", "top_k", "seed") and value is not None:
+    if key in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs") and value is not None:
         return _parse_int(key, value)
-    if key in ("temperature", "top_p"):
+    if key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         try:
             return float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{key} must be a number; got {value!r}") from None
-    if key == "ignore_eos":
+    if key in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
         return _parse_bool(value)
     if key == "stop":
         return [value] if isinstance(value, str) else list(value or [])
     if key == "stop_token_ids":
         return [_parse_int(key, v) for v in (value or [])]
+    if key == "logit_bias" and isinstance(value, dict):  # JSON keys are strings
+        return {_parse_int(key, token): bias for token, bias in value.items()}
+    if key == "logit_bias" and value is None:
+        return {}
     return value
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -5,6 +5,7 @@ stop string: while a request runs, the last ``len(longest stop) - 1`` characters
 the start of a stop string that the next token completes. A request that ends in the middle of a multi-byte
 character (a length stop) never sends the half character: its bytes are dropped from the text, as vLLM does (the
 token ids still go out). Stop strings are looked for only after ``min_tokens`` tokens, in the text made after them.
+With ``include_stop``, the stop string that ends the text stays in it (vLLM's ``include_stop_str_in_output``).
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from __future__ import annotations
 # Tokens decoded again at each step before the new ones, so tokenizers whose pieces depend on their left
 # neighbour (leading spaces, byte fallback) produce the same characters as a full decode.
 _CONTEXT_TOKENS = 5
-_DECODE_KW = {"skip_special_tokens": True, "clean_up_tokenization_spaces": False}
-
-
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], min_tokens: int = 0,
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
+        self._decode_kw = {"skip_special_tokens": skip_special_tokens, "clean_up_tokenization_spaces": False}
+        self._include_stop = include_stop
         self._min_tokens = min_tokens
         self._num_tokens = 0  # generated tokens added so far
         self._stop_from = 0  # stop strings may start at this index of self.text or later
@@ -34,8 +35,8 @@ class IncrementalDetokenizer:
         self._token_ids.append(token_id)
         self._num_tokens += 1
         ids = self._token_ids
-        prefix = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset], **_DECODE_KW)
-        full = self._tokenizer.decode(ids[self._prefix_offset :], **_DECODE_KW)
+        prefix = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset], **self._decode_kw)
+        full = self._tokenizer.decode(ids[self._prefix_offset :], **self._decode_kw)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return "", False  # an incomplete multi-byte character: wait for the next token
         new_text = full[len(prefix) :]
@@ -47,7 +48,8 @@ class IncrementalDetokenizer:
         elif self._stop:
             hit = _find_stop(self.text, self._stop, start)
             if hit is not None:
-                self.text = self.text[:hit]
+                where, length = hit
+                self.text = self.text[:where + length if self._include_stop else where]
                 self._prefix_offset = self._read_offset = len(ids)
                 return self._emit(len(self.text)), True
         return self._emit(len(self.text) - self._hold), False
@@ -59,8 +61,8 @@ class IncrementalDetokenizer:
         """
         if self._read_offset < len(self._token_ids):
             ids = self._token_ids
-            prefix = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset], **_DECODE_KW)
-            full = self._tokenizer.decode(ids[self._prefix_offset :], **_DECODE_KW)
+            prefix = self._tokenizer.decode(ids[self._prefix_offset : self._read_offset], **self._decode_kw)
+            full = self._tokenizer.decode(ids[self._prefix_offset :], **self._decode_kw)
             self.text += full[len(prefix) :].rstrip("\ufffd")
             self._prefix_offset = self._read_offset = len(ids)
         return self._emit(len(self.text))
@@ -73,7 +75,11 @@ class IncrementalDetokenizer:
         return delta
 
 
-def _find_stop(text: str, stops: list[str], start: int) -> int | None:
-    """Earliest index at which any stop string begins, searching only where a new match can start."""
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+def _find_stop(text: str, stops: list[str], start: int) -> tuple[int, int] | None:
+    """Earliest index at which any stop string begins (searching only where a new match can start), and that stop
+    string's length (the longest, of those that begin there)."""
+    hits = [(i, -len(s)) for s, i in ((s, text.find(s, start)) for s in stops) if i >= 0]
+    if not hits:
+        return None
+    where, minus_length = min(hits)
+    return where, -minus_length

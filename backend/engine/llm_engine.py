@@ -20,13 +20,22 @@ from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.model_runner import ModelRunner
 from backend.engine.openmp import check_wait_policy
 from backend.engine.request import FinishReason, Request, RequestTimings
-from backend.engine.sampler import Sampler
+from backend.engine.sampler import Sampler, TokenLogprobs
 from backend.engine.scheduler import Scheduler
 from backend.engine.shared_cores import SharedCores
 from backend.engine.stats import EngineStats, StepTimes
 from backend.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability, its rank in the distribution it was drawn from, and its text (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
 
 
 @dataclass
@@ -44,6 +53,8 @@ class RequestOutput:
     timings: RequestTimings | None = None
     num_preemptions: int = 0
     error: str | None = None  # on a final output that failed: the message its client gets (backend/contract/errors.py)
+    # One per new token when the request asks (``SamplingParams.logprobs``): the sampled token's, then the likeliest.
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclass(frozen=True)
@@ -116,13 +127,15 @@ class LLMEngine:
         cannot be served."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         params = params or SamplingParams()
+        params.check_token_ids(self.config.model_shape.vocab_size)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise InvalidRequest(PROMPT, "the prompt is empty: it encodes to zero tokens")
         request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
         self.scheduler.add_request(request)  # refuses what can never fit: max_model_len, the KV pool
         self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer.hf, token_ids, params.stop, params.min_tokens
+            self.tokenizer.hf, token_ids, params.stop, params.min_tokens, params.include_stop_str_in_output,
+            params.skip_special_tokens,
         )
         return request
 
@@ -174,16 +187,18 @@ class LLMEngine:
                 logits = self.runner.run(inputs)  # (S, V): one row per request that reached the end of its tokens
             t3 = time.perf_counter()
             sampled = inputs.sampled_requests
-            token_ids = self.sampler(
+            picks = self.sampler.sample(
                 logits, [r.request_id for r in sampled], [r.sampling_params for r in sampled],
-                [r.banned_token_ids for r in sampled],
+                [r.banned_token_ids for r in sampled], [r.token_ids for r in sampled],
+                [r.num_prompt_tokens for r in sampled],
             )
             t4 = time.perf_counter()
         except Exception as exc:  # the model or sampler failed: fail this step's requests only, keep serving
             log.exception("engine step failed; failing its %d requests", len(sched.scheduled))
             return [self._fail(s.request, exc) for s in sched.scheduled if not s.request.is_finished]
-        updated = self.scheduler.update(sched, {r.request_id: t for r, t in zip(sampled, token_ids)})
-        outputs = [self._on_new_token(r) for r in updated]
+        updated = self.scheduler.update(sched, {r.request_id: t for r, t in zip(sampled, picks.token_ids)})
+        logprobs = {r.request_id: lp for r, lp in zip(sampled, picks.logprobs) if lp is not None}
+        outputs = [self._on_new_token(r, logprobs.get(r.request_id)) for r in updated]
         t5 = time.perf_counter()
         self.stats.record_step(
             sched, StepTimes(schedule=t1 - t0, prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3, update=t5 - t4),
@@ -191,13 +206,25 @@ class LLMEngine:
         )
         return outputs
 
-    def _on_new_token(self, request: Request) -> RequestOutput:
+    def _on_new_token(self, request: Request, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         token_id = request.token_ids[-1]
         detok = self._detokenizers[request.request_id]
         delta, hit_stop = detok.add_token(token_id)
         if hit_stop and not request.is_finished:
             self.scheduler.finish(request.request_id, FinishReason.STOP)
-        return self._output(request, delta, [token_id])
+        output = self._output(request, delta, [token_id])
+        if logprobs is not None:
+            output.logprobs = [self._logprobs_of(token_id, logprobs)]
+        return output
+
+    def _logprobs_of(self, token_id: int, found: TokenLogprobs) -> dict[int, Logprob]:
+        """vLLM's shape: the sampled token first, then the likeliest by rank, each with its text."""
+        decode = self.tokenizer.hf.decode
+        ranked = {token_id: Logprob(found.logprob, found.rank, decode([token_id]))}
+        for rank, (tid, logprob) in enumerate(zip(found.top_token_ids, found.top_logprobs), start=1):
+            if tid not in ranked:
+                ranked[tid] = Logprob(logprob, rank, decode([tid]))
+        return ranked
 
     def _output(self, request: Request, delta: str, new_token_ids: list[int]) -> RequestOutput:
         finished = request.is_finished

@@ -5,6 +5,9 @@ which other requests share the batch; every per-row operation reads only that ro
 token is the inverse CDF of its number over the softmax weights, in vocabulary order, restricted to its top-k and
 top-p prefix: one uniform number per row instead of noise over the whole vocabulary, and no sort of the vocabulary.
 
+Before the draw, the rows that ask have their logits biased, penalised and ``min_p``-filtered
+(backend/engine/logits_processors.py); a batch where no row asks skips that entirely.
+
 ``sample_rows`` is the torch reference; the C twin in ``backend.kernels.cpu_kernels`` (same inputs, same tokens up to
 float rounding) runs wherever it builds, in one pass over each row.
 """
@@ -12,11 +15,31 @@ float rounding) runs wherever it builds, in one pass over each row.
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import torch
 
 from backend.engine.config import SamplingParams
+from backend.engine.logits_processors import LogitsAdjustments
 from backend.kernels import cpu_kernels
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and rank (1 = the likeliest), and the row's ``k`` likeliest tokens, in the
+    distribution the token was drawn from: the logits after bias, penalties, banned tokens and min_p, at the row's
+    temperature (1 for a greedy row), before top-k and top-p."""
+
+    logprob: float
+    rank: int
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # one per row; None where its request asked for none
 
 
 class Sampler:
@@ -27,19 +50,33 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._seeded.pop(request_id, None)
 
+    def __call__(self, *args, **kwargs) -> list[int]:
+        """:meth:`sample`'s token ids alone."""
+        return self.sample(*args, **kwargs).token_ids
+
     @torch.inference_mode()
-    def __call__(
+    def sample(
         self,
         logits: torch.Tensor,
         request_ids: list[str],
         params: list[SamplingParams],
         banned_token_ids: list[tuple[int, ...]] | None = None,
-    ) -> list[int]:
-        """``logits`` ``[S, V]`` (any float dtype) → one token id per row; a row never picks its banned ids."""
+        token_ids: list[list[int]] | None = None,
+        num_prompt_tokens: list[int] | None = None,
+    ) -> SamplerOutput:
+        """``logits`` ``[S, V]`` (any float dtype) → one token id per row; a row never picks its banned ids; the
+        log-probabilities of the rows whose requests ask (``logprobs``).
+        ``token_ids`` (each row's prompt and output so far, its first ``num_prompt_tokens`` the prompt) are read
+        only by the rows with penalties."""
         logits = logits.cpu()
         for row, banned in enumerate(banned_token_ids or ()):
             if banned:  # min_tokens not reached yet: EOS and stop tokens are not candidates (vLLM's rule)
                 logits[row, list(banned)] = float("-inf")
+        # NOTE: after the bans, as vLLM orders them: min_p's threshold is the best token that can still be picked.
+        adjustments = LogitsAdjustments.of(params, token_ids or [()] * len(params),
+                                           num_prompt_tokens or [0] * len(params), logits.shape[-1])
+        if adjustments is not None:
+            logits = adjustments.apply(logits.float().contiguous())
         # NOTE: a greedy row draws nothing, so a request's draws never depend on its batch-mates' settings. One
         # tensor for all the settings: each tensor built is a few microseconds more (tens with the caches cold from
         # the forward), and the C sampler reads them from one array.
@@ -49,8 +86,10 @@ class Sampler:
             dtype=torch.float64,
         ).reshape(-1, len(SETTINGS))
         if cpu_kernels.supports_sampling(logits):
-            return cpu_kernels.cpu_sample_rows(logits, settings).tolist()
-        return sample_rows(logits, settings).tolist()
+            tokens = cpu_kernels.cpu_sample_rows(logits, settings)
+        else:
+            tokens = sample_rows(logits, settings)
+        return SamplerOutput(tokens.tolist(), token_logprobs(logits, tokens, params))
 
     def _rng_for(self, request_id: str, seed: int | None) -> random.Random:
         if seed is None:
@@ -92,6 +131,35 @@ def sample_rows(
     picked = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
     tokens[sampled] = picked
     return tokens
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [S, V] as drawn from (adjusted, banned at -inf)
+    tokens: torch.Tensor,  # [S] int64, the picks
+    params: list[SamplingParams],
+) -> list[TokenLogprobs | None]:
+    """The picks' log-probabilities and each asking row's top ``logprobs`` tokens; one batched pass over the rows that
+    ask, nothing when none does."""
+    asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not asking:
+        return [None] * len(params)
+    rows = torch.tensor(asking)
+    temperature = torch.tensor([1.0 if params[i].greedy else params[i].temperature for i in asking])
+    x = logits if len(asking) == len(params) else logits.index_select(0, rows)  # (r, V)
+    x = x.float() / temperature[:, None] if bool((temperature != 1.0).any()) else x.float()
+    log_total = torch.logsumexp(x, dim=-1, keepdim=True)  # (r, 1): log-probability = x - log_total
+    picked = x.gather(1, tokens[rows, None])  # (r, 1)
+    ranks = (x > picked).sum(dim=-1) + 1  # (r,)
+    picked -= log_total
+    k = max(params[i].logprobs for i in asking)
+    top_values, top_ids = x.topk(k, dim=-1) if k else (torch.empty(len(asking), 0),) * 2  # (r, k), likeliest first
+    top_values -= log_total
+    found: list[TokenLogprobs | None] = [None] * len(params)
+    for i, logprob, rank, ids, values in zip(asking, picked[:, 0].tolist(), ranks.tolist(), top_ids.tolist(),
+                                             top_values.tolist()):
+        n = params[i].logprobs
+        found[i] = TokenLogprobs(logprob, rank, tuple(ids[:n]), tuple(values[:n]))
+    return found
 
 
 def _keep_top_k_top_p(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

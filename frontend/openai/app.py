@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI's routes in front of the Triton models, errors in OpenAI's body.
 
-    GET  /v1/models                  the models Triton serves and has ready, by their Triton names
+    GET  /v1/models                  the models Triton serves and has ready, by their Triton names, with max_model_len
     GET  /v1/models/{model}
     POST /v1/completions             a prompt, as text
     POST /v1/chat/completions        messages, rendered with the model folder's chat template
+    POST /tokenize, /detokenize      vLLM's: a prompt or messages -> token ids and their count; token ids -> text
     GET  /health                     200 while Triton is live, else 503
     GET  /health/ready               200 while Triton is ready (every model loaded), else 503
 
@@ -24,12 +25,21 @@ from typing import Awaitable, TypeVar
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Model
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from backend.engine.config import ModelShape
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest, bad_request
 from frontend.openai.serving import Answer
+from frontend.openai.tokenize import (
+    ChatTokenizeRequest,
+    CompletionTokenizeRequest,
+    DetokenizeRequest,
+    detokenize,
+    max_model_len,
+    tokenize,
+)
 from frontend.openai.triton_bridge import TritonBridge
 
 log = logging.getLogger("frontend.openai")
@@ -54,8 +64,10 @@ def create_app(settings: Settings) -> FastAPI:
     add_error_handlers(app)
     add_health_routes(app)
     v1 = [Depends(api_key_check(settings.api_key))]
-    add_model_routes(app, v1, created=int(time.time()))
+    shape = ModelShape.from_model_dir(settings.model_dir)
+    add_model_routes(app, v1, int(time.time()), shape)
     add_generation_routes(app, v1, template)
+    add_tokenizer_routes(app, v1, template, shape)
     return app
 
 
@@ -143,18 +155,48 @@ async def triton_health(bridge: TritonBridge, ready: bool) -> Response:
     raise APIError(503, f"Triton at {bridge.url} is not {state}", "server_error", None, "service_unavailable")
 
 
-def add_model_routes(app: FastAPI, dependencies: list, created: int) -> None:
-    """The models Triton serves and has ready, by their Triton names (``created``: when the frontend started)."""
+def add_model_routes(app: FastAPI, dependencies: list, created: int, shape: ModelShape) -> None:
+    """The models Triton serves and has ready, by their Triton names (``created``: when the frontend started), each
+    with its ``max_model_len`` (as vLLM's model cards)."""
+
+    async def card(bridge: TritonBridge, model: str) -> dict:
+        return model_card(model, created, max_model_len(await bridge.model_config(model), shape))  # 404 unless served
 
     @app.get("/v1/models", dependencies=dependencies)
     async def list_models(request: Request) -> JSONResponse:
-        cards = [model_card(name, created) for name, ready in await bridge_of(request).models() if ready]
+        bridge = bridge_of(request)
+        cards = [await card(bridge, name) for name, ready in await bridge.models() if ready]
         return JSONResponse({"object": "list", "data": cards})
 
     @app.get("/v1/models/{model}", dependencies=dependencies)
     async def get_model(model: str, request: Request) -> JSONResponse:
-        await bridge_of(request).max_batch_size(model)  # 404 unless served
-        return JSONResponse(model_card(model, created))
+        return JSONResponse(await card(bridge_of(request), model))
+
+
+def add_tokenizer_routes(app: FastAPI, dependencies: list, template: ChatTemplate, shape: ModelShape) -> None:
+    """vLLM's ``/tokenize`` (a prompt, or messages rendered as chat renders them) and ``/detokenize``."""
+
+    async def model_max_len(bridge: TritonBridge, model: str | None) -> int:
+        if model is None:  # vLLM's model is optional: every model here serves one folder; the first ready one's
+            ready = [name for name, is_ready in await bridge.models() if is_ready]
+            if not ready:
+                raise APIError(503, "no model is ready", "server_error", None, "model_not_ready")
+            model = ready[0]
+        return max_model_len(await bridge.model_config(model), shape)
+
+    @app.post("/tokenize", dependencies=dependencies)
+    async def tokenize_route(raw: Request) -> JSONResponse:
+        body = await raw.body()
+        kind = ChatTokenizeRequest if b'"messages"' in body else CompletionTokenizeRequest
+        request = validated(kind, body)
+        return JSONResponse(tokenize(template, request, await model_max_len(bridge_of(raw), request.model)))
+
+    @app.post("/detokenize", dependencies=dependencies)
+    async def detokenize_route(raw: Request) -> JSONResponse:
+        request = validated(DetokenizeRequest, await raw.body())
+        if request.model is not None:
+            await bridge_of(raw).model_config(request.model)  # 404 unless served
+        return JSONResponse(detokenize(template, request))
 
 
 def add_generation_routes(app: FastAPI, dependencies: list, template: ChatTemplate) -> None:
@@ -219,19 +261,25 @@ async def _disconnected(raw: Request) -> None:
         pass
 
 
-def model_card(name: str, created: int) -> dict:
-    return Model(id=name, object="model", created=created, owned_by=OWNED_BY).model_dump(exclude_unset=True)
+def model_card(name: str, created: int, max_model_len: int) -> dict:
+    card = Model(id=name, object="model", created=created, owned_by=OWNED_BY).model_dump(exclude_unset=True)
+    return {**card, "max_model_len": max_model_len}
 
 
 def parse_body(kind: type[SamplingRequest], body: bytes) -> SamplingRequest:
     """The request in ``body`` (JSON, whatever the Content-Type says, as OpenAI reads it), checked for what the
     engine cannot honour."""
-    try:
-        request = kind.model_validate_json(body)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
+    request = validated(kind, body)
     request.check_supported()
     return request
+
+
+def validated(kind: type[BaseModel], body: bytes) -> BaseModel:
+    """``body`` (JSON) as ``kind``; a 400 that names what is wrong."""
+    try:
+        return kind.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc.errors()) from None
 
 
 def validation_error(errors: list[dict]) -> APIError:

@@ -1,10 +1,11 @@
 """What an OpenAI request may carry, what the engine cannot honour, and how the rest maps onto the models' inputs.
 
 Requests are pydantic models that refuse unknown fields (OpenAI answers "Unrecognized request argument supplied");
-parameters OpenAI defines but the engine cannot honour are accepted only at their neutral value (``n: 1``,
-``presence_penalty: 0``, ``logprobs: false``, ...), anything else is a 400 naming the parameter. vLLM's extra
-sampling parameters (``top_k``, ``min_tokens``, ``ignore_eos``) ride along, as the ``openai`` SDK's ``extra_body``
-sends them. Responses are the ``openai`` package's own types (serving.py).
+parameters OpenAI or vLLM define but the engine cannot honour are accepted only at their neutral value (``n: 1``,
+``use_beam_search: false``, ...), anything else is a 400 naming the parameter. vLLM's extra sampling parameters
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) ride along,
+as the ``openai`` SDK's ``extra_body`` sends them; docs/clients.md lists what is honoured, what is accepted and
+ignored (hints), and what is refused. Responses are the ``openai`` package's own types (serving.py).
 """
 
 from __future__ import annotations
@@ -51,17 +52,13 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, the counts so far in every chunk
 
 
-# OpenAI parameter -> the values that ask for nothing the engine lacks (None: not sent).
+# OpenAI's or vLLM's parameter -> the values that ask for nothing the engine lacks (None: not sent).
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -77,6 +74,29 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "verbosity": (None,),
     "web_search_options": (None,),
     "store": (None, False),
+    # vLLM's extras (its "Extra Parameters" of the OpenAI-compatible server).
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),  # beam search only
+    "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False),
+    "logits_processors": (None, []),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "structured_outputs": (None,),
+    "add_generation_prompt": (None, True),  # chat: the template's assistant prompt, always added
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "documents": (None,),
+    "mm_processor_kwargs": (None,),
 }
 
 
@@ -97,15 +117,38 @@ class SamplingRequest(BaseModel):
     user: str | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> -100 to 100; the engine checks them
     # vLLM's extra sampling parameters.
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    # OpenAI's, honoured only at their neutral value (NEUTRAL_VALUES).
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # vLLM's hints, accepted and ignored: nothing in the answer depends on them.
+    cache_salt: str | None = None  # salts vLLM's prefix cache between tenants
+    # OpenAI's and vLLM's, honoured only at their neutral value (NEUTRAL_VALUES).
     n: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    logits_processors: list[Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         """A 400 naming the first parameter the engine cannot honour."""
@@ -128,9 +171,25 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """The counts so far in every chunk (vLLM's ``continuous_usage_stats``, which needs ``include_usage``)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The likeliest tokens to return beside each sampled one's log-probability; None: no log-probabilities."""
+        return None
+
     def generation_request(self, prompt: str) -> GenerationRequest:
         """The models' inputs for ``prompt`` (model_repository/README.md's schema)."""
         max_tokens = self.requested_max_tokens
+        # NOTE: no max_tokens means "until the context is full" (as OpenAI's chat and vLLM), which the models'
+        # max_tokens input cannot say: its default is 16. A null in sampling_parameters can.
+        sampling = {"max_tokens": None} if max_tokens is None else {}
+        if self.num_logprobs is not None:
+            sampling["logprobs"] = self.num_logprobs
+        sampling.update(self._sampling_extras())
         return GenerationRequest(
             prompt,
             max_tokens=max_tokens,
@@ -142,10 +201,23 @@ class SamplingRequest(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
             ignore_eos=self.ignore_eos or None,
             stream=bool(self.stream),
-            # NOTE: no max_tokens means "until the context is full" (as OpenAI's chat and vLLM), which the models'
-            # max_tokens input cannot say: its default is 16. A null in sampling_parameters can.
-            sampling_parameters={"max_tokens": None} if max_tokens is None else None,
+            sampling_parameters=sampling or None,
+            return_logprobs=True if self.num_logprobs is not None else None,
+            return_num_input_tokens=True if self.continuous_usage else None,
+            return_num_output_tokens=True if self.continuous_usage else None,
         )
+
+    def _sampling_extras(self) -> dict[str, Any]:
+        """The settings that travel in ``sampling_parameters`` (vLLM's names), those sent and not at the engine's
+        default only, so a plain request's inputs stay as they were."""
+        sent = {
+            "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty, "min_p": self.min_p,
+            "logit_bias": self.logit_bias or None, "stop_token_ids": self.stop_token_ids or None,
+            "include_stop_str_in_output": self.include_stop_str_in_output or None,
+            "skip_special_tokens": None if self.skip_special_tokens else False,
+        }
+        return {name: value for name, value in sent.items() if value is not None}
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -170,7 +242,11 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompt_text(self) -> str:
         prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
@@ -208,7 +284,14 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    echo: bool | None = None
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -225,6 +308,8 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
                 raise bad_request(
@@ -235,3 +320,7 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

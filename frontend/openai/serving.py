@@ -1,9 +1,10 @@
 """The OpenAI answers for completions and chat: one JSON response, or server-sent events as OpenAI streams them.
 
 A stream is: (chat) a role chunk, one content chunk per token (a Triton response that carries several tokens, sent
-every ``stream_interval`` steps, becomes its text in one chunk and an empty chunk for each further token), a chunk
-with the ``finish_reason`` and an empty delta, the usage chunk when ``stream_options.include_usage`` asks (then
-every other chunk carries ``"usage": null``), and ``data: [DONE]``. An error after the first token is sent as
+every ``stream_interval`` steps, becomes its text in one chunk and an empty chunk for each further token; each with
+its token's log-probabilities when asked), a chunk with the ``finish_reason`` and an empty delta, the usage chunk
+when ``stream_options.include_usage`` asks (then every other chunk carries ``"usage": null``, or the counts so far
+with vLLM's ``continuous_usage_stats``), and ``data: [DONE]``. An error after the first token is sent as
 ``data: {"error": ...}`` before ``[DONE]``; one before it is an HTTP error (the first Triton response is awaited
 before the stream starts, so a refused request gets its status).
 """
@@ -22,6 +23,7 @@ from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
+from frontend.openai.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from frontend.openai.protocol import APIError, SamplingRequest
 from frontend.openai.triton_bridge import Piece, TritonBridge, TritonGeneration
 
@@ -50,6 +52,7 @@ class Answer:
     id: str
     created: int
     _content_parts: tuple[str, str] | None = field(default=None, init=False, repr=False)
+    _text_offset: int = field(default=0, init=False, repr=False)  # completions' logprobs: the text streamed so far
 
     @classmethod
     async def start(cls, bridge: TritonBridge, kind, model: str, request: SamplingRequest, prompt: str) -> "Answer":
@@ -76,12 +79,16 @@ class Answer:
             await self.generation.aclose()
         text, last = "".join(p.text for p in pieces), pieces[-1]
         usage = usage_of(last)
+        k = self.request.num_logprobs
+        logprobs = None if k is None else tuple(t for p in pieces for t in p.logprobs)
         if self.kind == "chat":
             message = ChatCompletionMessage(role="assistant", content=text)
-            choice = ChatChoice(index=0, message=message, finish_reason=last.finish_reason, logprobs=None)
+            choice = ChatChoice(index=0, message=message, finish_reason=last.finish_reason,
+                                logprobs=None if logprobs is None else chat_logprobs(logprobs, k))
             return ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model,
                                   choices=[choice], usage=usage)
-        choice = CompletionChoice(index=0, text=text, finish_reason=last.finish_reason, logprobs=None)
+        choice = CompletionChoice(index=0, text=text, finish_reason=last.finish_reason,
+                                  logprobs=None if logprobs is None else completion_logprobs(logprobs, k))
         return Completion(id=self.id, object="text_completion", created=self.created, model=self.model,
                           choices=[choice], usage=usage)
 
@@ -92,19 +99,20 @@ class Answer:
         try:
             # NOTE: the role chunk goes out in one write with the first token's: one send, one wake-up of the
             # client, before its first token.
-            role = self._event(delta=ChoiceDelta(role="assistant", content="")) if self.kind == "chat" else ""
+            role = self._event(delta=ChoiceDelta(role="assistant", content=""), so_far=self._so_far(self.first, 0)) \
+                if self.kind == "chat" else ""
             piece = self.first
             while True:
                 if piece.num_tokens or piece.text:
                     # NOTE: OpenAI's chunks carry no token ids, so clients (the Locust user, benchmark tools) count
                     # one token per chunk, as they would from OpenAI: a response of several tokens is its text and
                     # an empty chunk for each further token, in one write.
-                    yield role + self._content(piece.text) + self._content("") * (piece.num_tokens - 1)
+                    yield role + self._content_chunks(piece)
                     role = ""
                 if piece.finish_reason:
                     break
                 piece = await self.generation.__anext__()
-            yield role + self._event(finish_reason=piece.finish_reason)
+            yield role + self._event(finish_reason=piece.finish_reason, so_far=self._so_far(piece, piece.num_tokens))
             if self.request.include_usage:
                 yield self._event(usage=usage_of(piece))
         except APIError as exc:
@@ -112,6 +120,26 @@ class Answer:
         finally:
             await self.generation.aclose()
         yield DONE
+
+    def _content_chunks(self, piece: Piece) -> str:
+        """One content chunk per token of ``piece``: its text in the first, each token's log-probabilities and the
+        counts so far in its own when the request asks for them."""
+        if self.request.num_logprobs is None and not self.request.continuous_usage:
+            return self._content(piece.text) + self._content("") * (piece.num_tokens - 1)
+        logprobs = piece.logprobs if self.request.num_logprobs is not None else None
+        return "".join(self._event(text=piece.text if i == 0 else "",
+                                   so_far=self._so_far(piece, min(i + 1, piece.num_tokens)),
+                                   logprobs=None if logprobs is None else logprobs[i:i + 1])
+                       for i in range(max(piece.num_tokens, 1)))
+
+    def _so_far(self, piece: Piece, num_sent: int) -> CompletionUsage | None:
+        """The counts once ``num_sent`` of ``piece``'s tokens are out, for a request that asks for them in every
+        chunk (the models send their counts in every response then)."""
+        if not self.request.continuous_usage:
+            return None
+        done = piece.num_output_tokens - piece.num_tokens + num_sent
+        return CompletionUsage(prompt_tokens=piece.num_input_tokens, completion_tokens=done,
+                               total_tokens=piece.num_input_tokens + done)
 
     def _content(self, text: str) -> str:
         """The SSE line of a content chunk: the line :meth:`_event` renders for ``text``, byte for byte, from the
@@ -128,15 +156,23 @@ class Answer:
         return before + json.dumps(text, ensure_ascii=False) + after
 
     def _event(self, text: str = "", delta: ChoiceDelta | None = None, finish_reason: str | None = None,
-               usage: CompletionUsage | None = None) -> str:
-        extra = {"usage": usage} if self.request.include_usage else {}
+               usage: CompletionUsage | None = None, logprobs: tuple[TokenLogprob, ...] | None = None,
+               so_far: CompletionUsage | None = None) -> str:
+        """One chunk: a choice's, carrying ``so_far`` as its usage (continuous usage), or the usage chunk."""
+        extra = {"usage": usage or so_far} if self.request.include_usage else {}
+        k = self.request.num_logprobs
         if usage is not None:
             choices = []
         elif self.kind == "chat":
             delta = delta or (ChoiceDelta() if finish_reason else ChoiceDelta(content=text))
-            choices = [ChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=None)]
+            choices = [ChunkChoice(index=0, delta=delta, finish_reason=finish_reason,
+                                   logprobs=None if logprobs is None else chat_logprobs(logprobs, k, chunk=True))]
         else:
-            choices = [CompletionChunkChoice(index=0, text=text, finish_reason=finish_reason, logprobs=None)]
+            if logprobs is not None:
+                found = completion_logprobs(logprobs, k, self._text_offset)
+                self._text_offset += sum(len(t.token) for t in logprobs)
+            choices = [CompletionChunkChoice(index=0, text=text, finish_reason=finish_reason,
+                                             logprobs=None if logprobs is None else found)]
         if self.kind == "chat":
             chunk = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                         model=self.model, choices=choices, **extra)

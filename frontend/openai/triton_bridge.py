@@ -31,6 +31,7 @@ from tritonclient.utils import InferenceServerException
 
 from backend.contract import errors
 from client.schema import GenerationRequest, build_inputs
+from frontend.openai.logprobs import TokenLogprob, parse_logprobs
 from frontend.openai.protocol import APIError
 
 DRAIN_TIMEOUT_S = 5.0
@@ -61,6 +62,7 @@ class Piece:
     finish_reason: str | None  # "stop", "length" or "abort" on the final response
     num_input_tokens: int
     num_output_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
 
 
 class TritonGeneration:
@@ -103,12 +105,14 @@ class TritonGeneration:
         # ever carries half a character (or U+FFFD in its place).
         text = self._decoder.decode(_first(result.as_numpy("text_output")) or b"", final=self.finished)
         ids = result.as_numpy("output_ids")
+        logprobs = _first(result.as_numpy("logprobs"))
         return Piece(
             text=text,
             num_tokens=0 if ids is None else int(ids.size),
             finish_reason=reason,
             num_input_tokens=int(_first(result.as_numpy("num_input_tokens")) or 0),
             num_output_tokens=int(_first(result.as_numpy("num_output_tokens")) or 0),
+            logprobs=parse_logprobs(logprobs.decode()) if logprobs else (),
         )
 
     async def aclose(self) -> None:
@@ -137,7 +141,7 @@ class TritonBridge:
     def __init__(self, url: str) -> None:
         self.url = url
         self.client = grpcclient.InferenceServerClient(url)
-        self._batch_sizes: dict[str, int] = {}
+        self._configs: dict[str, dict] = {}
 
     async def close(self) -> None:
         await self.client.close()
@@ -163,10 +167,14 @@ class TritonBridge:
         return [(m["name"], m.get("state") == "READY") for m in index.get("models", [])]
 
     async def max_batch_size(self, model: str) -> int:
-        """The model's ``max_batch_size`` (the shape of its inputs), asked once per model; 404 for a model Triton
-        does not serve, 503 for one that is not ready (asked again next time: it may be loaded later)."""
-        if model in self._batch_sizes:
-            return self._batch_sizes[model]
+        """The model's ``max_batch_size`` (the shape of its inputs)."""
+        return int((await self.model_config(model)).get("max_batch_size", 0))
+
+    async def model_config(self, model: str) -> dict:
+        """The model's config (config.pbtxt as JSON), asked once per model; 404 for a model Triton does not serve,
+        503 for one that is not ready (asked again next time: it may be loaded later)."""
+        if model in self._configs:
+            return self._configs[model]
         served = dict(await self.models())
         if model not in served:
             names = ", ".join(sorted(served)) or "(none)"
@@ -178,8 +186,8 @@ class TritonBridge:
             config = await self.client.get_model_config(model, as_json=True, client_timeout=5.0)
         except InferenceServerException as exc:
             raise unreachable(self.url, exc) from None
-        self._batch_sizes[model] = int(config["config"].get("max_batch_size", 0))
-        return self._batch_sizes[model]
+        self._configs[model] = config["config"]
+        return self._configs[model]
 
     async def generate(self, model: str, request: GenerationRequest, prompt_param: str) -> TritonGeneration:
         """Send ``request`` to ``model`` on a stream of its own."""

@@ -100,6 +100,30 @@ def assert_still_serves(sdk, model: str = "llm_continuous") -> None:
 def test_models_are_listed_by_their_triton_names(sdk):
     assert sorted(m.id for m in sdk.models.list()) == sorted(MODELS)
     assert sdk.models.retrieve("llm_dynamic").id == "llm_dynamic"
+    assert {m.max_model_len for m in sdk.models.list()} == {MAX_MODEL_LEN}  # vLLM's extra field of a card
+    assert sdk.models.retrieve("llm_iterative").max_model_len == MAX_MODEL_LEN
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_tokenize_and_detokenize_as_vllm_answers_them(frontend, sdk, template):
+    url = frontend.url
+    answer = requests.post(f"{url}/tokenize", json={"model": "llm_static", "prompt": "Hello world"}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body == {"count": len(body["tokens"]), "max_model_len": MAX_MODEL_LEN, "tokens": body["tokens"],
+                    "token_strs": None}
+    completion = sdk.completions.create(model="llm_static", prompt="Hello world", max_tokens=1)
+    assert completion.usage.prompt_tokens == body["count"]  # the count the model makes of the same prompt
+    chat = requests.post(f"{url}/tokenize", json={"messages": MESSAGES}, timeout=30).json()
+    whole = sdk.chat.completions.create(model="llm_continuous", messages=MESSAGES, max_tokens=1)
+    assert chat["count"] == whole.usage.prompt_tokens
+    back = requests.post(f"{url}/detokenize", json={"model": "llm_static", "tokens": body["tokens"]}, timeout=30)
+    assert back.json() == {"prompt": "Hello world"}
+    assert_error(requests.post(f"{url}/detokenize", json={"model": "gpt-4o", "tokens": [1]}, timeout=30), 404,
+                 "model", "model_not_found")
+    assert_error(requests.post(f"{url}/tokenize", json={"prompt": "x", "n": 2}, timeout=30), 400, "n",
+                 "unsupported_parameter")
 
 
 @pytest.mark.server
@@ -180,6 +204,9 @@ def test_stop_strings_end_the_text_before_them(sdk, model):
         assert (cut.text, cut.finish_reason) == (expected, "stop")
     streamed = list(sdk.completions.create(prompt="Once upon a time", stop=[stop], stream=True, **sampled))
     assert "".join(c.choices[0].text for c in streamed) == expected and streamed[-1].choices[0].finish_reason == "stop"
+    kept = sdk.completions.create(prompt="Once upon a time", stop=[stop], **{
+        **sampled, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}}).choices[0]
+    assert (kept.text, kept.finish_reason) == (expected + stop, "stop")  # vLLM's include_stop_str_in_output
 
     chat = sdk.chat.completions.create(messages=MESSAGES, **sampled).choices[0].message.content
     chat_stop = chat.split()[len(chat.split()) // 2]
@@ -212,6 +239,38 @@ def test_sampling_parameters_reach_the_model(sdk):
     assert short.usage.completion_tokens == 5
 
 
+@pytest.mark.server
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", MODELS)
+def test_logprobs_penalties_and_continuous_usage_through_every_model(sdk, model):
+    prompt, extra = "Count: one, two,", {"ignore_eos": True}
+    whole = sdk.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, logprobs=True,
+                                        top_logprobs=3, extra_body=extra, **GREEDY)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 4 and "".join(c.token for c in content) == whole.choices[0].message.content
+    for token in content:  # greedy: the sampled token is the likeliest
+        assert len(token.top_logprobs) == 3 and token.top_logprobs[0].token == token.token
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob) and token.logprob <= 0
+    streamed = sdk.completions.create(model=model, prompt=prompt, max_tokens=4, logprobs=2, stream=True,
+                                      stream_options={"include_usage": True},
+                                      extra_body={**extra, "stream_options": {"include_usage": True,
+                                                                              "continuous_usage_stats": True}},
+                                      **GREEDY)
+    chunks = list(streamed)
+    tokens = [c for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [len(c.choices[0].logprobs.tokens) for c in tokens] == [1, 1, 1, 1]
+    assert [c.usage.completion_tokens for c in tokens] == [1, 2, 3, 4]
+    plain = sdk.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=0, extra_body=extra, **GREEDY)
+    penalized = sdk.completions.create(model=model, prompt=prompt, max_tokens=6, logprobs=0, **GREEDY,
+                                       extra_body={**extra, "repetition_penalty": 1.5, "presence_penalty": 2.0})
+    # The prompt's tokens are penalised from the first step on: the distribution drawn from is another one.
+    assert penalized.choices[0].logprobs.token_logprobs != plain.choices[0].logprobs.token_logprobs
+    biased = sdk.completions.create(model=model, prompt=prompt, max_tokens=2, logprobs=0, **GREEDY,
+                                    logit_bias={"42": 100}, extra_body=extra)
+    assert biased.choices[0].logprobs.tokens == [biased.choices[0].logprobs.tokens[0]] * 2
+    assert biased.choices[0].logprobs.token_logprobs[0] > -0.01  # +100 leaves nothing else
+
+
 # ---- errors: OpenAI's body and status, for that request only ----------------------------------------------------
 
 
@@ -229,19 +288,21 @@ def assert_error(response: requests.Response, status: int, param: str | None = N
 BAD_REQUESTS = [
     # (endpoint, fields beyond model and prompt/messages, param, code, what the message says)
     ("chat", {"n": 2}, "n", "unsupported_parameter", "n=2"),
-    ("chat", {"logprobs": True}, "logprobs", "unsupported_parameter", "logprobs"),
-    ("chat", {"top_logprobs": 3}, "top_logprobs", "unsupported_parameter", ""),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter", ""),
     ("chat", {"tool_choice": "auto"}, "tool_choice", "unsupported_parameter", ""),
-    ("chat", {"presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter", ""),
-    ("chat", {"frequency_penalty": -1}, "frequency_penalty", "unsupported_parameter", ""),
-    ("chat", {"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_parameter", ""),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter", ""),
+    ("chat", {"top_logprobs": 3}, "top_logprobs", None, "needs logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "logprobs", None, "from 0 to 20"),
+    ("chat", {"presence_penalty": 2.5}, "presence_penalty", None, "less than or equal to 2"),
+    ("chat", {"logit_bias": {"50256": -101}}, "logit_bias", None, "[-100, 100]"),
+    ("chat", {"logit_bias": {"999999": 1}}, "logit_bias", None, "token id 999999"),
+    ("chat", {"repetition_penalty": 0}, "repetition_penalty", None, "greater than 0"),
+    ("chat", {"use_beam_search": True}, "use_beam_search", "unsupported_parameter", ""),
+    ("chat", {"guided_choice": ["a", "b"]}, "guided_choice", "unsupported_parameter", ""),
+    ("chat", {"kv_transfer_params": {}}, "kv_transfer_params", "unsupported_parameter", "Unrecognized"),
     ("completion", {"best_of": 3}, "best_of", "unsupported_parameter", ""),
     ("completion", {"echo": True}, "echo", "unsupported_parameter", ""),
-    ("completion", {"logprobs": 2}, "logprobs", "unsupported_parameter", ""),
     ("completion", {"suffix": "end"}, "suffix", "unsupported_parameter", ""),
-    ("chat", {"repetition_penalty": 1.2}, "repetition_penalty", "unsupported_parameter", "Unrecognized"),
     ("chat", {"temperature": 2.5}, "temperature", None, "less than or equal to 2"),
     ("chat", {"top_p": 0}, "top_p", None, "greater than 0"),
     ("chat", {"max_tokens": 0}, "max_tokens", None, "greater than or equal to 1"),

@@ -275,7 +275,7 @@ def test_a_10_mb_prompt_is_refused_before_tokenising_without_a_memory_spike(tiny
 def test_unknown_keys_are_refused_wherever_they_appear(tiny_server):
     """One rule: a key that is not a sampling setting is refused, whether it comes as an input tensor (Triton),
     a JSON field or ``parameters`` entry of HTTP /generate (request parameters), a gRPC request parameter, or a
-    key of ``sampling_parameters``. Keys vLLM knows but this engine does not (best_of, n, logprobs...) are refused too
+    key of ``sampling_parameters``. Keys vLLM knows but this engine does not (best_of, n, ...) are refused too
     rather than silently ignored."""
     server = tiny_server
     for model in MODELS:

@@ -112,3 +112,20 @@ def test_no_stop_strings_streams_everything_at_once(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], [])
     streamed = [detok.add_token(t)[0] for t in tokenizer.encode(FOX)]
     assert "".join(streamed) == FOX and detok.flush() == ""
+
+
+def test_include_stop_keeps_the_stop_string_and_special_tokens_can_be_kept(tokenizer):
+    ids = tokenizer.encode(FOX)
+    kept = IncrementalDetokenizer(tokenizer, tokenizer.encode("Say:"), ["fox", "fox jumps"], include_stop=True)
+    text = ""
+    for token_id in ids:
+        delta, hit = kept.add_token(token_id)
+        text += delta
+        if hit:
+            break
+    assert hit and text + kept.flush() == "The quick brown fox"
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for skip, expected in ((True, "Hi"), (False, "Hi<|im_end|>")):
+        detok = IncrementalDetokenizer(tokenizer, [1], [], skip_special_tokens=skip)
+        text = "".join(detok.add_token(t)[0] for t in [*tokenizer.encode("Hi"), eos]) + detok.flush()
+        assert text == expected

@@ -67,6 +67,19 @@ def test_stop_strings_aliases_and_optional_outputs():
         parse(min_length=scalar(2, np.int32), min_tokens=scalar(2, np.int32))
 
 
+def test_logprobs_are_asked_by_return_logprobs_or_by_sampling_parameters():
+    assert parse().params.logprobs is None and "logprobs" not in parse().requested_outputs
+    switched = parse(return_logprobs=scalar(True, np.bool_))
+    assert switched.params.logprobs == 0 and "logprobs" in switched.requested_outputs
+    top = parse(return_logprobs=scalar(True, np.bool_), sampling_parameters=text('{"logprobs": 5}'))
+    assert top.params.logprobs == 5
+    assert "logprobs" in parse(sampling_parameters=text('{"logprobs": "2"}')).requested_outputs
+    assert parse(return_logprobs=scalar(False, np.bool_)).params.logprobs is None
+    penalized = parse(sampling_parameters=text(json.dumps(
+        {"presence_penalty": 0.5, "repetition_penalty": "1.2", "min_p": 0.1, "logit_bias": {"42": -100}})))
+    assert penalized.params.logit_bias == {42: -100.0} and penalized.params.repetition_penalty == 1.2
+
+
 @pytest.mark.parametrize(
     "inputs, parameters, code, message",
     [

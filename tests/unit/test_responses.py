@@ -248,3 +248,25 @@ def test_open_requests_send_one_final_response_per_request_and_count_all_but_ref
     requests.send(RequestOutput("b", "", [], finished=True, finish_reason="refused", error="too long"))
     assert [sender.finals() for sender in senders.values()] == [1, 1] and len(requests) == 0
     assert len(senders["a"].sent) == 3 and metrics.finished == ["length"]  # a refusal is not a finished request
+
+
+def test_logprobs_go_only_to_requests_that_ask_one_entry_per_token_of_the_response():
+    import json
+
+    from backend.engine.llm_engine import Logprob
+
+    outputs = step_outputs()
+    for output in outputs:
+        output.logprobs = [{t: Logprob(-0.5, 1, f"t{t}"), 99: Logprob(-2.0, 2, "x")} for t in output.new_token_ids]
+    plain = RecordingSender()
+    for output in outputs:
+        responses.send_output(FakeResponsePb, OpenRequest(plain, stream=True), output, batched=False)
+    assert all("logprobs" not in r.tensors for r, _ in plain.sent)
+    asking = RecordingSender()
+    open_request = OpenRequest(asking, stream=True, requested_outputs=frozenset({"logprobs"}))
+    for output in outputs:
+        responses.send_output(FakeResponsePb, open_request, output, batched=False)
+    sent = [json.loads(r.tensors["logprobs"].reshape(-1)[0]) for r, _ in asking.sent]
+    assert [len(entries) for entries in sent] == [2, 1, 1]  # one per token of output_ids
+    assert sent[0][0] == {"10": {"logprob": -0.5, "rank": 1, "decoded_token": "t10"},
+                          "99": {"logprob": -2.0, "rank": 2, "decoded_token": "x"}}

@@ -26,9 +26,12 @@ RETURN_INPUTS = {
     "return_num_output_tokens": "num_output_tokens",
     "return_finish_reason": "finish_reason",
 }
+# vllm_backend's switch for the ``logprobs`` output, off unless asked: on, each token's log-probability (and, with
+# ``logprobs: k`` in sampling_parameters, the k likeliest tokens') comes with it.
+RETURN_LOGPROBS = "return_logprobs"
 ALL_INPUTS = (
     "text_input", *SAMPLING_INPUTS, *SAMPLING_INPUT_ALIASES, "stop", "stream", "sampling_parameters",
-    "exclude_input_in_output", *RETURN_INPUTS,
+    "exclude_input_in_output", *RETURN_INPUTS, RETURN_LOGPROBS,
 )
 SAMPLING_KEYS = tuple(sorted(f.name for f in fields(SamplingParams)))
 # A prompt is refused before tokenising when its UTF-8 bytes exceed this many per token of max_model_len
@@ -103,8 +106,12 @@ def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, paramete
         text = _text("sampling_parameters", _scalar("sampling_parameters", inputs["sampling_parameters"]))
         values.update(_json_object("sampling_parameters", text))
     stream = bool(_scalar("stream", inputs["stream"])) if "stream" in inputs else False
+    if RETURN_LOGPROBS in inputs and _scalar(RETURN_LOGPROBS, inputs[RETURN_LOGPROBS]):
+        values["logprobs"] = values.get("logprobs") or 0
     params = SamplingParams.from_dict(values)
     switches = {out: bool(_scalar(name, inputs[name])) for name, out in RETURN_INPUTS.items() if name in inputs}
+    if params.logprobs is not None:
+        switches["logprobs"] = True
     omitted = frozenset(out for out, on in switches.items() if not on)
     requested = frozenset(out for out, on in switches.items() if on)
     if params.max_tokens is not None and params.max_tokens >= limits.max_model_len:

@@ -4,11 +4,14 @@ and error responses. Every request gets exactly one response flagged final.
 A stream's tokens may be held for a few steps and sent together (``stream_interval``, in
 backend/triton/stub/stream_interval.py); its first token and its final response always go out at once. An intermediate
 response carries only the new text and token ids (``INTERMEDIATE_OUTPUTS``); the counts and the finish reason come
-in the final one, or in every response when the request asks for them (``return_*: true``)."""
+in the final one, or in every response when the request asks for them (``return_*: true``). ``logprobs`` (only when
+asked) is vllm_backend's: a JSON list, one entry per token of the response, ``{token_id: {"logprob", "rank",
+"decoded_token"}}`` with the sampled token first."""
 
 from __future__ import annotations
 
 import heapq
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -21,9 +24,12 @@ from backend.engine.llm_engine import RequestOutput
 from backend.engine.request import FinishReason
 from backend.triton.stub.stream_interval import StreamPacer, StreamState
 
-ALL_OUTPUTS = frozenset({"text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens"})
+ALL_OUTPUTS = frozenset({"text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
+                         "logprobs"})
 # What every intermediate response of a stream carries; the other outputs only when asked for (``return_*: true``).
 INTERMEDIATE_OUTPUTS = frozenset({"text_output", "output_ids"})
+# Outputs in no response unless the request asked for them.
+OPT_IN_OUTPUTS = frozenset({"logprobs"})
 
 
 @dataclass
@@ -37,17 +43,19 @@ class OpenRequest:
     requested_outputs: frozenset[str] = frozenset()  # asked for (return_*: true): in every response
     text: list[str] = field(default_factory=list)  # made and not yet sent (non-streaming: the whole text)
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)  # one per held token, when the request asked
     pacing: StreamState | None = None  # a stream, once its first token went out
 
     def hold(self, output: RequestOutput) -> None:
         self.text.append(output.delta_text)
         self.token_ids += output.new_token_ids
+        self.logprobs += output.logprobs or ()
 
-    def take(self) -> tuple[str, list[int]]:
+    def take(self) -> tuple[str, list[int], list[dict]]:
         """Everything held, to be sent now."""
-        text, token_ids = "".join(self.text), self.token_ids
-        self.text, self.token_ids = [], []
-        return text, token_ids
+        text, token_ids, logprobs = "".join(self.text), self.token_ids, self.logprobs
+        self.text, self.token_ids, self.logprobs = [], [], []
+        return text, token_ids, logprobs
 
 
 class OpenRequests:
@@ -206,17 +214,18 @@ def send_output(pb, open_request: OpenRequest, output: RequestOutput, batched: b
     open_request.hold(output)
     if not (open_request.stream or output.finished):
         return
-    text, token_ids = open_request.take()
+    text, token_ids, logprobs = open_request.take()
     if output.finished:
-        omitted = open_request.omitted_outputs
+        omitted = open_request.omitted_outputs | (OPT_IN_OUTPUTS - open_request.requested_outputs)
     else:  # NOTE: each tensor is a shared-memory allocation and a bigger IPC message: the fewest that say it all
         omitted = ALL_OUTPUTS - INTERMEDIATE_OUTPUTS - open_request.requested_outputs
-    tensors = make_output_tensors(pb, text, token_ids, output, batched, omitted)
+    tensors = make_output_tensors(pb, text, token_ids, output, batched, omitted, logprobs)
     open_request.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
 
 
 def make_output_tensors(
-    pb, text: str, token_ids: list[int], output: RequestOutput, batched: bool, omitted: frozenset[str] = frozenset()
+    pb, text: str, token_ids: list[int], output: RequestOutput, batched: bool, omitted: frozenset[str] = frozenset(),
+    logprobs: list[dict] = (),
 ) -> list:
     lead = (1,) if batched else ()  # a model with max_batch_size > 0 answers with a batch dimension
     reason = output.finish_reason if output.finished else ""
@@ -226,8 +235,15 @@ def make_output_tensors(
         "finish_reason": lambda: np.array([(reason or "").encode()], dtype=np.object_),
         "num_input_tokens": lambda: np.array([output.num_prompt_tokens], dtype=np.int32),
         "num_output_tokens": lambda: np.array([output.num_output_tokens], dtype=np.int32),
+        "logprobs": lambda: np.array([logprobs_json(logprobs).encode()], dtype=np.object_),
     }
     return [pb.Tensor(name, make().reshape(lead + (-1,))) for name, make in arrays.items() if name not in omitted]
+
+
+def logprobs_json(logprobs: list[dict]) -> str:
+    """vllm_backend's ``logprobs`` output for these tokens."""
+    return json.dumps([{str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                        for tid, lp in ranked.items()} for ranked in logprobs])
 
 
 # NOTE: error responses carry Triton's default code: a decoupled model's errors reach clients as text only (gRPC
