@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from backend.contract.errors import InvalidRequest
 from backend.engine.shared_cores import CORE_SHARING, CoreSharing
+from backend.engine.structured_output import StructuredOutputsParams
 from backend.kernels.weight_format import WeightFormat
 
 Batching = Literal["continuous", "run_to_completion", "iterative"]
@@ -318,8 +319,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # backend/engine/structured_output.py
 
     def __post_init__(self) -> None:
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         if self.max_tokens is not None:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
                 raise InvalidRequest("max_tokens", f"max_tokens must be a positive integer; got {self.max_tokens!r}")

@@ -69,7 +69,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None, False, True),  # says nothing without tools
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -101,6 +100,13 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    # Structured output (backend/engine/structured_output.py): vLLM's structured_outputs, and the guided_* names that
+    # vLLM had before it and that tools still send; chat's response_format maps onto the same.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI's, honoured only at their neutral value (NEUTRAL_VALUES).
     n: int | None = None
     presence_penalty: float | None = None
@@ -128,9 +134,35 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options is not None and self.stream_options.include_usage)
 
+    def structured_output(self) -> dict[str, Any] | None:
+        """The one structured-output request among the fields that can carry one (vLLM's keys), or None."""
+        sent = {name: value for name, value in (
+            ("structured_outputs", self.structured_outputs),
+            ("guided_json", None if self.guided_json is None else {"json": self.guided_json}),
+            ("guided_regex", None if self.guided_regex is None else {"regex": self.guided_regex}),
+            ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
+            ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}),
+            ("response_format", self.response_format_output()),
+        ) if value is not None}
+        if len(sent) > 1:
+            raise bad_request(f"send one of {', '.join(sent)}: each asks for a structured output",
+                              param=next(iter(sent)))
+        return next(iter(sent.values()), None)
+
+    def response_format_output(self) -> dict[str, Any] | None:
+        return None  # chat's response_format
+
     def generation_request(self, prompt: str) -> GenerationRequest:
         """The models' inputs for ``prompt`` (model_repository/README.md's schema)."""
         max_tokens = self.requested_max_tokens
+        sampling_parameters: dict[str, Any] = {}
+        # NOTE: no max_tokens means "until the context is full" (as OpenAI's chat and vLLM), which the models'
+        # max_tokens input cannot say: its default is 16. A null in sampling_parameters can.
+        if max_tokens is None:
+            sampling_parameters["max_tokens"] = None
+        structured = self.structured_output()
+        if structured is not None:
+            sampling_parameters["structured_outputs"] = structured
         return GenerationRequest(
             prompt,
             max_tokens=max_tokens,
@@ -142,9 +174,7 @@ class SamplingRequest(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
             ignore_eos=self.ignore_eos or None,
             stream=bool(self.stream),
-            # NOTE: no max_tokens means "until the context is full" (as OpenAI's chat and vLLM), which the models'
-            # max_tokens input cannot say: its default is 16. A null in sampling_parameters can.
-            sampling_parameters={"max_tokens": None} if max_tokens is None else None,
+            sampling_parameters=sampling_parameters or None,
         )
 
     @property
@@ -223,8 +253,26 @@ class ChatCompletionRequest(SamplingRequest):
     web_search_options: dict[str, Any] | None = None
     store: bool | None = None
 
+    def response_format_output(self) -> dict[str, Any] | None:
+        """OpenAI's response_format as a structured output: ``json_object`` (any JSON object), ``json_schema`` (its
+        ``json_schema.schema``), ``text`` (none)."""
+        fmt = self.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return {"json_object": True}
+        if fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise bad_request("response_format.json_schema must be an object with the JSON schema in 'schema'",
+                                  param="response_format")
+            return {"json": spec.get("schema") or {"type": "object"}}
+        raise bad_request(f"response_format type {fmt.get('type')!r} is not supported; send 'text', 'json_object' "
+                          "or 'json_schema'", param="response_format")
+
     def check_supported(self) -> None:
         super().check_supported()
+        self.structured_output()  # one at most, and a response_format this server knows
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
                 raise bad_request(
