@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from backend.contract.errors import InvalidRequest
 from backend.engine.shared_cores import CORE_SHARING, CoreSharing
+from backend.engine.structured_output import StructuredOutputsParams
 from backend.kernels.weight_format import WeightFormat
 
 Batching = Literal["continuous", "run_to_completion", "iterative"]
@@ -331,8 +332,10 @@ class SamplingParams:
     logprobs: int | None = None  # the sampled token's log-probability and this many likeliest tokens' (None: none)
     include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
     skip_special_tokens: bool = True  # special tokens (EOS, chat markers) are left out of the text
+    structured_outputs: StructuredOutputsParams | None = None  # backend/engine/structured_output.py
 
     def __post_init__(self) -> None:
+        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
         if self.max_tokens is not None:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
                 raise InvalidRequest("max_tokens", f"max_tokens must be a positive integer; got {self.max_tokens!r}")

@@ -24,6 +24,7 @@ from backend.engine.sampler import Sampler, TokenLogprobs
 from backend.engine.scheduler import Scheduler
 from backend.engine.shared_cores import SharedCores
 from backend.engine.stats import EngineStats, StepTimes
+from backend.engine.structured_output import StructuredOutputs
 from backend.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = self.tokenizer.eos_token_ids
+        self.structured = StructuredOutputs(self.tokenizer.hf, config.model_shape.vocab_size, self.eos_token_ids)
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
@@ -132,7 +134,13 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequest(PROMPT, "the prompt is empty: it encodes to zero tokens")
         request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
-        self.scheduler.add_request(request)  # refuses what can never fit: max_model_len, the KV pool
+        if params.structured_outputs is not None:
+            self.structured.add(request_id, params.structured_outputs)  # an invalid schema is refused here
+        try:
+            self.scheduler.add_request(request)  # refuses what can never fit: max_model_len, the KV pool
+        except Exception:
+            self.structured.forget(request_id)
+            raise
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer.hf, token_ids, params.stop, params.min_tokens, params.include_stop_str_in_output,
             params.skip_special_tokens,
@@ -187,10 +195,12 @@ class LLMEngine:
                 logits = self.runner.run(inputs)  # (S, V): one row per request that reached the end of its tokens
             t3 = time.perf_counter()
             sampled = inputs.sampled_requests
+            request_ids = [r.request_id for r in sampled]
+            self.structured.mask(logits, request_ids)  # rows with a grammar: only what can continue it
             picks = self.sampler.sample(
-                logits, [r.request_id for r in sampled], [r.sampling_params for r in sampled],
-                [r.banned_token_ids for r in sampled], [r.token_ids for r in sampled],
-                [r.num_prompt_tokens for r in sampled],
+                logits, request_ids, [r.sampling_params for r in sampled],
+                [() if rid in self.structured else r.banned_token_ids for rid, r in zip(request_ids, sampled)],
+                [r.token_ids for r in sampled], [r.num_prompt_tokens for r in sampled],
             )
             t4 = time.perf_counter()
         except Exception as exc:  # the model or sampler failed: fail this step's requests only, keep serving
@@ -210,6 +220,7 @@ class LLMEngine:
         token_id = request.token_ids[-1]
         detok = self._detokenizers[request.request_id]
         delta, hit_stop = detok.add_token(token_id)
+        hit_stop |= self.structured.accept(request.request_id, token_id)  # the grammar is complete
         if hit_stop and not request.is_finished:
             self.scheduler.finish(request.request_id, FinishReason.STOP)
         output = self._output(request, delta, [token_id])
@@ -232,6 +243,7 @@ class LLMEngine:
             detok = self._detokenizers.pop(request.request_id, None)
             delta += detok.flush() if detok is not None else ""
             self.sampler.forget(request.request_id)
+            self.structured.forget(request.request_id)
             self.stats.record_finish(request)
         return RequestOutput(
             request_id=request.request_id,

@@ -66,7 +66,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None, False, True),  # says nothing without tools
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -84,13 +83,7 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False),
     "logits_processors": (None, []),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "guided_decoding_backend": (None,),
     "guided_whitespace_pattern": (None,),
-    "structured_outputs": (None,),
     "add_generation_prompt": (None, True),  # chat: the template's assistant prompt, always added
     "continue_final_message": (None, False),
     "chat_template": (None,),
@@ -129,8 +122,16 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Structured output (backend/engine/structured_output.py): vLLM's structured_outputs, and the guided_* names that
+    # vLLM had before it and that tools still send; chat's response_format maps onto the same.
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # vLLM's hints, accepted and ignored: nothing in the answer depends on them.
     cache_salt: str | None = None  # salts vLLM's prefix cache between tenants
+    guided_decoding_backend: str | None = None  # which grammar library; this server has one (llguidance)
     # OpenAI's and vLLM's, honoured only at their neutral value (NEUTRAL_VALUES).
     n: int | None = None
     use_beam_search: bool | None = None
@@ -142,13 +143,7 @@ class SamplingRequest(BaseModel):
     spaces_between_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     logits_processors: list[Any] | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
-    structured_outputs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         """A 400 naming the first parameter the engine cannot honour."""
@@ -181,6 +176,24 @@ class SamplingRequest(BaseModel):
         """The likeliest tokens to return beside each sampled one's log-probability; None: no log-probabilities."""
         return None
 
+    def structured_output(self) -> dict[str, Any] | None:
+        """The one structured-output request among the fields that can carry one (vLLM's keys), or None."""
+        sent = {name: value for name, value in (
+            ("structured_outputs", self.structured_outputs),
+            ("guided_json", None if self.guided_json is None else {"json": self.guided_json}),
+            ("guided_regex", None if self.guided_regex is None else {"regex": self.guided_regex}),
+            ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
+            ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}),
+            ("response_format", self.response_format_output()),
+        ) if value is not None}
+        if len(sent) > 1:
+            raise bad_request(f"send one of {', '.join(sent)}: each asks for a structured output",
+                              param=next(iter(sent)))
+        return next(iter(sent.values()), None)
+
+    def response_format_output(self) -> dict[str, Any] | None:
+        return None  # chat's response_format
+
     def generation_request(self, prompt: str) -> GenerationRequest:
         """The models' inputs for ``prompt`` (model_repository/README.md's schema)."""
         max_tokens = self.requested_max_tokens
@@ -190,6 +203,9 @@ class SamplingRequest(BaseModel):
         if self.num_logprobs is not None:
             sampling["logprobs"] = self.num_logprobs
         sampling.update(self._sampling_extras())
+        structured = self.structured_output()
+        if structured is not None:
+            sampling["structured_outputs"] = structured
         return GenerationRequest(
             prompt,
             max_tokens=max_tokens,
@@ -306,10 +322,28 @@ class ChatCompletionRequest(SamplingRequest):
     web_search_options: dict[str, Any] | None = None
     store: bool | None = None
 
+    def response_format_output(self) -> dict[str, Any] | None:
+        """OpenAI's response_format as a structured output: ``json_object`` (any JSON object), ``json_schema`` (its
+        ``json_schema.schema``), ``text`` (none)."""
+        fmt = self.response_format
+        if fmt is None or fmt.get("type") == "text":
+            return None
+        if fmt.get("type") == "json_object":
+            return {"json_object": True}
+        if fmt.get("type") == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise bad_request("response_format.json_schema must be an object with the JSON schema in 'schema'",
+                                  param="response_format")
+            return {"json": spec.get("schema") or {"type": "object"}}
+        raise bad_request(f"response_format type {fmt.get('type')!r} is not supported; send 'text', 'json_object' "
+                          "or 'json_schema'", param="response_format")
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        self.structured_output()  # one at most, and a response_format this server knows
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
                 raise bad_request(

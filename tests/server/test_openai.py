@@ -8,6 +8,7 @@ rendered prompt; token counts are asked for with ``ignore_eos`` / ``min_tokens``
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -271,6 +272,37 @@ def test_logprobs_penalties_and_continuous_usage_through_every_model(sdk, model)
     assert biased.choices[0].logprobs.token_logprobs[0] > -0.01  # +100 leaves nothing else
 
 
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 120}}}
+
+
+@pytest.mark.server
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", MODELS)
+def test_structured_output_holds_on_every_model(sdk, model):
+    """The tiny random model's own text is noise: only the grammar makes these answers valid."""
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for stream in (False, True):
+        kwargs = dict(model=model, messages=MESSAGES, max_tokens=200, temperature=1.0, seed=3,
+                      response_format=schema_format)
+        if stream:
+            chunks = list(sdk.chat.completions.create(**kwargs, stream=True))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            answer = sdk.chat.completions.create(**kwargs).choices[0]
+            text, reason = answer.message.content, answer.finish_reason
+        person = json.loads(text)
+        assert reason == "stop" and set(person) == {"name", "age"} and 0 <= person["age"] <= 120, text
+    choice = sdk.completions.create(model=model, prompt="Yes or no?", max_tokens=20, temperature=1.0,
+                                    extra_body={"structured_outputs": {"choice": ["yes", "no"]}}).choices[0]
+    assert choice.text in ("yes", "no") and choice.finish_reason == "stop"
+    regex = sdk.completions.create(model=model, prompt="A date:", max_tokens=40, temperature=1.0,
+                                   extra_body={"guided_regex": "20[0-9]{2}-[01][0-9]-[0-3][0-9]"}).choices[0]
+    assert re.fullmatch("20[0-9]{2}-[01][0-9]-[0-3][0-9]", regex.text), regex.text
+
+
 # ---- errors: OpenAI's body and status, for that request only ----------------------------------------------------
 
 
@@ -290,7 +322,6 @@ BAD_REQUESTS = [
     ("chat", {"n": 2}, "n", "unsupported_parameter", "n=2"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter", ""),
     ("chat", {"tool_choice": "auto"}, "tool_choice", "unsupported_parameter", ""),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "unsupported_parameter", ""),
     ("chat", {"top_logprobs": 3}, "top_logprobs", None, "needs logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "logprobs", None, "from 0 to 20"),
     ("chat", {"presence_penalty": 2.5}, "presence_penalty", None, "less than or equal to 2"),
@@ -298,8 +329,12 @@ BAD_REQUESTS = [
     ("chat", {"logit_bias": {"999999": 1}}, "logit_bias", None, "token id 999999"),
     ("chat", {"repetition_penalty": 0}, "repetition_penalty", None, "greater than 0"),
     ("chat", {"use_beam_search": True}, "use_beam_search", "unsupported_parameter", ""),
-    ("chat", {"guided_choice": ["a", "b"]}, "guided_choice", "unsupported_parameter", ""),
+    ("chat", {"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "unsupported_parameter", ""),
     ("chat", {"kv_transfer_params": {}}, "kv_transfer_params", "unsupported_parameter", "Unrecognized"),
+    ("chat", {"response_format": {"type": "yaml"}}, "response_format", None, "'yaml' is not supported"),
+    ("chat", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", None, "send one of"),
+    ("chat", {"structured_outputs": {"regex": "("}}, "structured_outputs", None, "cannot be compiled"),
+    ("completion", {"structured_outputs": {"choice": []}}, "structured_outputs", None, "list of 1 to"),
     ("completion", {"best_of": 3}, "best_of", "unsupported_parameter", ""),
     ("completion", {"echo": True}, "echo", "unsupported_parameter", ""),
     ("completion", {"suffix": "end"}, "suffix", "unsupported_parameter", ""),

@@ -34,6 +34,35 @@ def test_neutral_values_of_unsupported_parameters_are_accepted():
     assert chat.max_tokens is None and chat.sampling_parameters == {"max_tokens": None}  # up to the context
 
 
+@pytest.mark.parametrize("fields, expected", [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
+     {"json": {"type": "integer"}}),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"regex": "a+"}}, {"regex": "a+"}),
+    ({"guided_json": {"type": "object"}}, {"json": {"type": "object"}}),
+    ({"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+    ({"guided_choice": ["a", "b"]}, {"choice": ["a", "b"]}),
+    ({"guided_grammar": 'start: "x"'}, {"grammar": 'start: "x"'}),
+])
+def test_structured_output_fields_become_the_models_structured_outputs(fields, expected):
+    request = ChatCompletionRequest(model="m", messages=MESSAGES, max_tokens=8, **fields)
+    request.check_supported()
+    sent = request.generation_request("x").sampling_parameters
+    assert (sent or {}).get("structured_outputs") == expected
+
+
+def test_structured_output_is_asked_for_once_in_a_known_format():
+    with pytest.raises(APIError, match="send one of") as refused:
+        ChatCompletionRequest(model="m", messages=MESSAGES, guided_regex="a", guided_choice=["b"]).check_supported()
+    assert refused.value.param == "guided_regex"
+    with pytest.raises(APIError, match="not supported") as refused:
+        ChatCompletionRequest(model="m", messages=MESSAGES, response_format={"type": "xml"}).check_supported()
+    assert refused.value.param == "response_format"
+    completion = CompletionRequest(model="m", prompt="Hi", structured_outputs={"choice": ["a"]})
+    assert completion.generation_request("Hi").sampling_parameters == {"structured_outputs": {"choice": ["a"]}}
+
+
 @pytest.mark.parametrize("text, status, code, param", [
     (message(ErrorKind.OVERLOADED, "the server is overloaded: 4 requests are already waiting (max_queue_size=4)"),
      429, "model_overloaded", None),
