@@ -138,28 +138,41 @@ def token_logprobs(
     tokens: torch.Tensor,  # [S] int64, the picks
     params: list[SamplingParams],
 ) -> list[TokenLogprobs | None]:
-    """The picks' log-probabilities and each asking row's top ``logprobs`` tokens; one batched pass over the rows that
-    ask, nothing when none does."""
+    """The picks' log-probabilities and each asking row's top ``logprobs`` tokens; nothing when no row asks. The C
+    twin (one thread per row, no log-softmax written) wherever it builds, else :func:`logprob_rows`."""
     asking = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not asking:
         return [None] * len(params)
     rows = torch.tensor(asking)
     temperature = torch.tensor([1.0 if params[i].greedy else params[i].temperature for i in asking])
-    x = logits if len(asking) == len(params) else logits.index_select(0, rows)  # (r, V)
-    x = x.float() / temperature[:, None] if bool((temperature != 1.0).any()) else x.float()
-    log_total = torch.logsumexp(x, dim=-1, keepdim=True)  # (r, 1): log-probability = x - log_total
-    picked = x.gather(1, tokens[rows, None])  # (r, 1)
-    ranks = (x > picked).sum(dim=-1) + 1  # (r,)
-    picked -= log_total
     k = max(params[i].logprobs for i in asking)
-    top_values, top_ids = x.topk(k, dim=-1) if k else (torch.empty(len(asking), 0),) * 2  # (r, k), likeliest first
-    top_values -= log_total
+    if cpu_kernels.supports_sampling(logits):
+        picked, ranks, top_ids, top_values = cpu_kernels.cpu_token_logprobs(logits, rows, temperature, tokens[rows], k)
+    else:
+        picked, ranks, top_ids, top_values = logprob_rows(logits, rows, temperature, tokens[rows], k)
     found: list[TokenLogprobs | None] = [None] * len(params)
-    for i, logprob, rank, ids, values in zip(asking, picked[:, 0].tolist(), ranks.tolist(), top_ids.tolist(),
+    for i, logprob, rank, ids, values in zip(asking, picked.tolist(), ranks.tolist(), top_ids.tolist(),
                                              top_values.tolist()):
         n = params[i].logprobs
         found[i] = TokenLogprobs(logprob, rank, tuple(ids[:n]), tuple(values[:n]))
     return found
+
+
+def logprob_rows(
+    logits: torch.Tensor,  # [S, V]
+    rows: torch.Tensor,  # [R] int64, which rows
+    temperature: torch.Tensor,  # [R], each row's (1 for a greedy row)
+    tokens: torch.Tensor,  # [R] int64, each row's pick
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch reference of ``cpu_token_logprobs``: the picks' log-probabilities [R] and ranks [R], and the top k
+    ids and log-probabilities [R, k], under softmax(logits / temperature)."""
+    x = logits.index_select(0, rows).float() / temperature.float()[:, None]  # (R, V)
+    log_total = torch.logsumexp(x, dim=-1, keepdim=True)  # (R, 1): log-probability = x - log_total
+    picked = x.gather(1, tokens[:, None])  # (R, 1)
+    ranks = (x > picked).sum(dim=-1) + 1  # (R,)
+    top_values, top_ids = x.topk(k, dim=-1) if k else (torch.empty(len(rows), 0), torch.empty(len(rows), 0))
+    return (picked - log_total)[:, 0], ranks, top_ids, top_values - log_total
 
 
 def _keep_top_k_top_p(weights: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

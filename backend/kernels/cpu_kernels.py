@@ -14,6 +14,7 @@ the decode stack's use live in ``backend/engine``.
   them (``prepare_linear_weight``; ``linear_weight_rows`` reads rows back, e.g. a tied embedding's);
   :class:`DecodeStack` runs every layer of a small decode-only step in one call.
 - ``cpu_sample_rows``: the sampler's draw, one pass over each row.
+- ``cpu_token_logprobs``: the sampled tokens' log-probabilities and each row's top k, without a log-softmax.
 - The quantized projections' kernels (``linear_q4_1``, ``linear_int8``, ``linear_q8_0``, ``dequantize_weight``) are
   declared here and called from ``quantized_linear.py``, beside their torch twins.
 
@@ -143,6 +144,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.rms_norm.restype = None
     lib.sample_rows.argtypes = [ptr, i64, c_int, i64, ptr, i64, ptr, ptr, c_int]
     lib.sample_rows.restype = None
+    lib.token_logprobs.argtypes = [ptr, i64, c_int, i64, ptr, i64, ptr, ptr, c_int, ptr, ptr, ptr, ptr, c_int]
+    lib.token_logprobs.restype = None
     lib.linear_small.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, c_int]
     lib.linear_small.restype = c_int
     lib.linear_weight_packed.restype = c_int
@@ -532,3 +535,27 @@ def cpu_sample_rows(
             torch.get_num_threads(),
         )
     return out
+
+
+def cpu_token_logprobs(
+    logits: torch.Tensor,  # [S, V] float32 or bfloat16, rows may be strided; only the named rows are read
+    rows: torch.Tensor,  # [R] int64, which rows of logits
+    temperature: torch.Tensor,  # [R] float32, each row's (1 for a greedy row)
+    tokens: torch.Tensor,  # [R] int64, each row's sampled token
+    k: int,  # how many likeliest tokens per row (0 to 20)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The C twin of the sampler's ``token_logprobs`` math: each row's picked log-probability [R] float32, its rank
+    [R] int64, and its top k ids [R, k] int64 and log-probabilities [R, k] float32; the caller checks
+    :func:`supports_sampling` first."""
+    num_rows = rows.shape[0]
+    logprob, rank = torch.empty(num_rows, dtype=torch.float32), torch.empty(num_rows, dtype=torch.int64)
+    top_ids, top_vals = torch.empty(num_rows, k, dtype=torch.int64), torch.empty(num_rows, k, dtype=torch.float32)
+    if num_rows:
+        rows, tokens = rows.to(torch.int64).contiguous(), tokens.to(torch.int64).contiguous()
+        inv_t = (1.0 / temperature.to(torch.float32)).contiguous()
+        _lib.token_logprobs(
+            logits.data_ptr(), logits.stride(0), _DTYPE_CODES[logits.dtype], logits.shape[1], rows.data_ptr(),
+            num_rows, inv_t.data_ptr(), tokens.data_ptr(), k, logprob.data_ptr(), rank.data_ptr(),
+            top_ids.data_ptr(), top_vals.data_ptr(), torch.get_num_threads(),
+        )
+    return logprob, rank, top_ids, top_vals

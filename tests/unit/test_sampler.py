@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backend.engine.config import SamplingParams
-from backend.engine.sampler import Sampler, sample_rows
+from backend.engine.sampler import Sampler, logprob_rows, sample_rows
 from backend.kernels import cpu_kernels
 
 VOCAB = 1000
@@ -171,6 +171,34 @@ TWIN_CASES = [  # (temperature, top_k, top_p)
     (0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 50, 1.0), (1.0, 0, 0.9), (1.3, 40, 0.8), (1.0, 1, 1.0),
     (1.0, 0, 1e-6), (2.0, 5000, 0.95), (0.5, 0, 0.5),
 ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1000, 49152])
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+def test_c_logprobs_equal_the_torch_reference(dtype, vocab, k):
+    if cpu_kernels.load() is None:
+        pytest.skip("the C kernels do not build here")
+    gen = torch.Generator().manual_seed(vocab + k)
+    rows = 12
+    scale = torch.tensor([6.0 if i % 2 else 0.5 for i in range(rows + 2)])[:, None]
+    logits = (torch.randn(rows + 2, vocab, generator=gen) * scale).to(dtype)  # two rows never asked
+    logits[3, :7] = float("-inf")  # banned tokens: probability 0
+    which = torch.tensor([i for i in range(rows + 2) if i not in (2, 9)])  # rows read out of order of the batch
+    temperature = torch.tensor([1.0, 0.7, 1.3, 2.0] * 3)
+    tokens = torch.randint(0, vocab, (rows,), generator=gen)
+    tokens[2] = 3  # the banned row's pick is banned: -inf
+    c = cpu_kernels.cpu_token_logprobs(logits, which, temperature, tokens, k)
+    ref = logprob_rows(logits, which, temperature, tokens, k)
+    assert torch.allclose(c[0], ref[0].float(), atol=1e-4, rtol=1e-5) and c[0][2] == float("-inf")
+    assert c[1].tolist() == ref[1].tolist()
+    assert torch.allclose(c[3], ref[3].float(), atol=1e-4, rtol=1e-5)
+    # Each id is a distinct token whose log-probability is the one given (on ties, bf16's many, the C twin keeps the
+    # first index and torch.topk any of them).
+    full = torch.log_softmax(logits.index_select(0, which).float() / temperature[:, None], dim=-1)
+    for row, (ids, values) in enumerate(zip(c[2].tolist(), c[3].tolist())):
+        assert len(set(ids)) == len(ids) and values == sorted(values, reverse=True)
+        assert torch.allclose(full[row, ids], torch.tensor(values), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -438,3 +438,62 @@ void sample_rows(const void* logits, int64_t stride, int dtype, int64_t V, const
         free(scratch.idx);
     }
 }
+
+/*
+ * token_logprobs (twin of token_logprobs in backend/engine/sampler.py): for each of the R rows named in `rows`
+ * (NULL: the first R), the picked token's log-probability under softmax(x * inv_t[r]) and its rank (1 + the tokens
+ * with a larger logit), and the row's k likeliest tokens (largest first; ties in index order) with theirs. Non-finite
+ * (banned) logits have probability 0 (log-probability -inf). One pass loads the row, one weighs it (the weights and
+ * their sum, as the draw weighs them), one counts the rank, one keeps the top k: no log-softmax of the row is
+ * written, and rows run on the threads in parallel.
+ */
+static void logprobs_one(const void* src, int dtype, int64_t V, float inv_t, int64_t token, int k, float* logprob,
+                         int64_t* rank, int64_t* top_ids, float* top_vals, const sample_scratch* scratch) {
+    float* x = scratch->x;
+    float* w = scratch->w;
+    float m = -FLT_MAX;
+    for (int64_t i = 0; i < V; ++i) {  /* non-finite (banned) logits sink below every finite one */
+        const uint32_t bits = dtype == DTYPE_BF16 ? (uint32_t)((const uint16_t*)src)[i] << 16
+                                                  : bits_of(((const float*)src)[i]);
+        x[i] = (bits & 0x7F800000u) == 0x7F800000u ? -FLT_MAX : float_of(bits);
+        m = x[i] > m ? x[i] : m;
+    }
+    double total;
+    weigh_and_sum(x, w, V, m, inv_t, NULL, 0, &total, NULL, NULL);  /* banned tokens weigh 0 */
+    const double log_total = log(total);
+    double mass;
+    int64_t above;
+    sum_where(x, w, V, x[token], ABOVE, &mass, &above);
+    *rank = above + 1;
+    *logprob = x[token] == -FLT_MAX ? -INFINITY : (float)((double)(x[token] - m) * inv_t - log_total);
+    int n = 0;  /* the top k so far, largest first; a token enters only above the k-th (ties keep index order) */
+    for (int64_t i = 0; k > 0 && i < V; ++i) {
+        if (n == k && !(x[i] > top_vals[k - 1])) continue;
+        int j = n < k ? n++ : k - 1;
+        for (; j > 0 && top_vals[j - 1] < x[i]; --j) {
+            top_vals[j] = top_vals[j - 1];
+            top_ids[j] = top_ids[j - 1];
+        }
+        top_vals[j] = x[i];
+        top_ids[j] = i;
+    }
+    for (int j = 0; j < n; ++j)
+        top_vals[j] = top_vals[j] == -FLT_MAX ? -INFINITY : (float)((double)(top_vals[j] - m) * inv_t - log_total);
+}
+
+void token_logprobs(const void* logits, int64_t stride, int dtype, int64_t V, const int64_t* rows, int64_t R,
+                    const float* inv_t, const int64_t* tokens, int k, float* logprob, int64_t* rank, int64_t* top_ids,
+                    float* top_vals, int num_threads) {
+    const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
+#pragma omp parallel num_threads(num_threads) if (R > 1)
+    {
+        sample_scratch scratch = {(float*)malloc(sizeof(float) * V), (float*)malloc(sizeof(float) * V), NULL, NULL,
+                                  NULL};
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < R; ++r)
+            logprobs_one((const char*)logits + (rows ? rows[r] : r) * stride * esize, dtype, V, inv_t[r], tokens[r],
+                         k, logprob + r, rank + r, top_ids + r * k, top_vals + r * k, &scratch);
+        free(scratch.x);
+        free(scratch.w);
+    }
+}
