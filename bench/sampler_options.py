@@ -3,20 +3,30 @@ plain (the baseline) beside the same step with ``logprobs`` (the top k) and with
 batch size. Every row of a batch asks alike; the arms alternate every round so that background load hits them alike,
 and each figure is the median over the rounds.
 
-    .venv/bin/python -m bench.sampler_options --batch 1 32 --logprobs 5
+    .venv/bin/python -m bench.sampler_options --batch 1 32 --logprobs 5 [--out reports/bench_sampler_options.json]
+
+The run's record (``records/``) goes beside the JSON (``bench_sampler_options.record.json``), table ``sampler``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
-import torch
+from backend.engine.openmp import set_wait_policy
 
-from backend.engine.config import SamplingParams
-from backend.engine.sampler import Sampler
+set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
+
+import torch  # noqa: E402
+
+from backend.engine.config import SamplingParams  # noqa: E402
+from backend.engine.sampler import Sampler  # noqa: E402
+from records.record import Column, Record  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's
 
@@ -56,30 +66,39 @@ def sampler_step_ms(batches: list[int], k: int, rounds: int = 50, context: int =
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def record_table(record: Record, rows: list[dict]) -> Record:
+    """The table ``sampler``: a row per batch, each arm's step beside the plain one from the same run."""
     names = [n for n in rows[0] if n != "batch"]
     baseline = names[0]
-    head = "| batch | " + " | ".join(f"{n} ms" if n == baseline else f"{n} ms (x {baseline})" for n in names) + " |"
-    lines = [head, "|" + "---|" * (len(names) + 1)]
-    for row in rows:
-        cells = [f"{row[baseline]:.3f}"] + [f"{row[n]:.3f} ({row[n] / row[baseline]:.2f}x)" for n in names[1:]]
-        lines.append(f"| {row['batch']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    columns = [Column("batch"), Column(baseline, f"{baseline} ms", "{:.3f}")]
+    for name in names[1:]:
+        columns += [Column(name, f"{name} ms", "{:.3f}"), Column(f"{name}_x", f"{name} x {baseline}", "{:.2f}x")]
+    table_rows = [{**row, **{f"{n}_x": row[n] / row[baseline] for n in names[1:]}} for row in rows]
+    record.add_table("sampler", columns, table_rows)
+    return record
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--logprobs", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", type=Path, default=Path("reports/bench_sampler_options.json"))
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    record = Record.start("python -m bench.sampler_options", vars(args))
     print(f"sampler step, vocabulary {VOCAB}, bf16 logits, {torch.get_num_threads()} threads, "
           f"median of {args.rounds} rounds")
-    print(table(sampler_step_ms(args.batch, args.logprobs, args.rounds)))
+    rows = sampler_step_ms(args.batch, args.logprobs, args.rounds)
+    print(record_table(record, rows).tables["sampler"].markdown())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    kept = record.write(args.out.with_suffix(".record.json"))
+    print(f"\nwritten to {args.out}; the run's record to {kept}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -267,3 +267,15 @@ def test_sampled_frequencies_follow_the_softmax(sampling_path):
     for token in range(5):
         exp = expected[token].item()
         assert abs(counts[token] - exp) < 5 * exp**0.5 + 10, (token, counts[token], exp)
+
+
+def test_the_sampler_bench_records_each_arm_beside_the_plain_step():
+    from bench import sampler_options
+
+    rows = sampler_options.sampler_step_ms([2], k=3, rounds=2)
+    record = sampler_options.record_table(sampler_options.Record("python -m bench.sampler_options", {}, {}), rows)
+    table = record.tables["sampler"]
+    assert [c.key for c in table.columns] == ["batch", "plain", "logprobs=3", "logprobs=3_x", "penalties+bias",
+                                              "penalties+bias_x"]
+    row = table.rows[0]
+    assert row["batch"] == 2 and row["logprobs=3_x"] == pytest.approx(row["logprobs=3"] / row["plain"])
