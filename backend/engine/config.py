@@ -298,6 +298,7 @@ def _positive(name: str, value: Any) -> None:
 # Limits that protect the server from a single request (docs/server.md, "What a request may ask for").
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_N = 16  # answers of one prompt (parallel sampling), each one sequence of the batch
 
 
 @dataclass
@@ -318,8 +319,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Parallel sampling: n answers of one prompt, computed once (backend/engine/parallel_sampling.py). vLLM's
+    # best_of (sample more, return the n likeliest) is not offered: it would need each sequence's log probability.
+    n: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequest("n", f"n must be an integer from 1 to {MAX_N}; got {self.n!r}")
         if self.max_tokens is not None:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
                 raise InvalidRequest("max_tokens", f"max_tokens must be a positive integer; got {self.max_tokens!r}")
@@ -360,6 +366,9 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
         known = {f.name for f in fields(cls)}
+        if "best_of" in raw:
+            raise InvalidRequest("best_of", "best_of is not supported: each of the n answers is returned; send n "
+                                            "alone")
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InvalidRequest(None, f"unknown sampling parameter(s): {', '.join(unknown)}; "
@@ -375,7 +384,7 @@ class SamplingParams:
 
 def _sampling_value(key: str, value: Any) -> Any:
     """One sampling setting as sent (numbers may be strings, as genai-perf sends them) -> its type."""
-    if key in ("max_tokens", "min_tokens", "top_k", "seed") and value is not None:
+    if key in ("max_tokens", "min_tokens", "top_k", "seed", "n") and value is not None:
         return _parse_int(key, value)
     if key in ("temperature", "top_p"):
         try:
