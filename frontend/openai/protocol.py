@@ -55,7 +55,6 @@ class StreamOptions(BaseModel):
 
 # OpenAI parameter -> the values that ask for nothing the engine lacks (None: not sent).
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "best_of": (None, 1),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
@@ -101,8 +100,8 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    n: int | None = Field(None, ge=1)  # answers of the prompt (the models' n, up to their limit)
     # OpenAI's, honoured only at their neutral value (NEUTRAL_VALUES).
-    n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -141,6 +140,7 @@ class SamplingRequest(BaseModel):
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
             ignore_eos=self.ignore_eos or None,
+            n=self.n,
             stream=bool(self.stream),
             # NOTE: no max_tokens means "until the context is full" (as OpenAI's chat and vLLM), which the models'
             # max_tokens input cannot say: its default is 16. A null in sampling_parameters can.

@@ -6,6 +6,10 @@ with the ``finish_reason`` and an empty delta, the usage chunk when ``stream_opt
 every other chunk carries ``"usage": null``), and ``data: [DONE]``. An error after the first token is sent as
 ``data: {"error": ...}`` before ``[DONE]``; one before it is an HTTP error (the first Triton response is awaited
 before the stream starts, so a refused request gets its status).
+
+With ``n`` > 1 the n choices are the models' n sequences, each response carrying its ``index``: streamed, each
+choice's chunks as they are made (a role chunk for every choice first, in chat) and its own finish chunk; whole, the
+choices in index order. Usage counts the prompt once and the tokens of all n completions, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ class Answer:
     first: Piece
     id: str
     created: int
-    _content_parts: tuple[str, str] | None = field(default=None, init=False, repr=False)
+    _content_parts: dict[int, tuple[str, str]] = field(default_factory=dict, init=False, repr=False)  # by index
 
     @classmethod
     async def start(cls, bridge: TritonBridge, kind, model: str, request: SamplingRequest, prompt: str) -> "Answer":
@@ -74,16 +78,20 @@ class Answer:
                 pieces.append(piece)
         finally:
             await self.generation.aclose()
-        text, last = "".join(p.text for p in pieces), pieces[-1]
-        usage = usage_of(last)
+        by_index: dict[int, list[Piece]] = {}
+        for piece in pieces:
+            by_index.setdefault(piece.index, []).append(piece)
+        answers = [("".join(p.text for p in ps), ps[-1]) for _, ps in sorted(by_index.items())]
+        usage = usage_of([last for _, last in answers])
         if self.kind == "chat":
-            message = ChatCompletionMessage(role="assistant", content=text)
-            choice = ChatChoice(index=0, message=message, finish_reason=last.finish_reason, logprobs=None)
+            choices = [ChatChoice(index=last.index, message=ChatCompletionMessage(role="assistant", content=text),
+                                  finish_reason=last.finish_reason, logprobs=None) for text, last in answers]
             return ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model,
-                                  choices=[choice], usage=usage)
-        choice = CompletionChoice(index=0, text=text, finish_reason=last.finish_reason, logprobs=None)
+                                  choices=choices, usage=usage)
+        choices = [CompletionChoice(index=last.index, text=text, finish_reason=last.finish_reason, logprobs=None)
+                   for text, last in answers]
         return Completion(id=self.id, object="text_completion", created=self.created, model=self.model,
-                          choices=[choice], usage=usage)
+                          choices=choices, usage=usage)
 
     # -- server-sent events
 
@@ -92,51 +100,57 @@ class Answer:
         try:
             # NOTE: the role chunk goes out in one write with the first token's: one send, one wake-up of the
             # client, before its first token.
-            role = self._event(delta=ChoiceDelta(role="assistant", content="")) if self.kind == "chat" else ""
-            piece = self.first
+            role = "".join(self._event(delta=ChoiceDelta(role="assistant", content=""), index=i)
+                           for i in range(self.generation.n)) if self.kind == "chat" else ""
+            piece, ended = self.first, []
             while True:
                 if piece.num_tokens or piece.text:
                     # NOTE: OpenAI's chunks carry no token ids, so clients (the Locust user, benchmark tools) count
                     # one token per chunk, as they would from OpenAI: a response of several tokens is its text and
                     # an empty chunk for each further token, in one write.
-                    yield role + self._content(piece.text) + self._content("") * (piece.num_tokens - 1)
+                    content = self._content(piece.text, piece.index)
+                    yield role + content + self._content("", piece.index) * (piece.num_tokens - 1)
                     role = ""
                 if piece.finish_reason:
+                    yield role + self._event(finish_reason=piece.finish_reason, index=piece.index)
+                    role = ""
+                    ended.append(piece)
+                if self.generation.finished:
                     break
                 piece = await self.generation.__anext__()
-            yield role + self._event(finish_reason=piece.finish_reason)
             if self.request.include_usage:
-                yield self._event(usage=usage_of(piece))
+                yield self._event(usage=usage_of(ended))
         except APIError as exc:
             yield f"data: {json.dumps(exc.body(), separators=(',', ':'))}\n\n"
         finally:
             await self.generation.aclose()
         yield DONE
 
-    def _content(self, text: str) -> str:
+    def _content(self, text: str, index: int = 0) -> str:
         """The SSE line of a content chunk: the line :meth:`_event` renders for ``text``, byte for byte, from the
-        empty content chunk rendered once per answer (a pydantic model and its dump per token were a tenth of the
+        empty content chunk rendered once per choice (a pydantic model and its dump per token were a tenth of the
         frontend's time per token). JSON escapes a string alike whoever writes it, pydantic or ``json``."""
-        if self._content_parts is None:
-            line = self._event(text="")
+        parts = self._content_parts.get(index)
+        if parts is None:
+            line = self._event(text="", index=index)
             slot = '"content":""' if self.kind == "chat" else '"text":""'
             before, found, after = line.partition(slot)
             if not found:
                 raise RuntimeError(f"no {slot} in {line!r}")
-            self._content_parts = (before + slot[:-2], after)
-        before, after = self._content_parts
+            parts = self._content_parts[index] = (before + slot[:-2], after)
+        before, after = parts
         return before + json.dumps(text, ensure_ascii=False) + after
 
     def _event(self, text: str = "", delta: ChoiceDelta | None = None, finish_reason: str | None = None,
-               usage: CompletionUsage | None = None) -> str:
+               usage: CompletionUsage | None = None, index: int = 0) -> str:
         extra = {"usage": usage} if self.request.include_usage else {}
         if usage is not None:
             choices = []
         elif self.kind == "chat":
             delta = delta or (ChoiceDelta() if finish_reason else ChoiceDelta(content=text))
-            choices = [ChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=None)]
+            choices = [ChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=None)]
         else:
-            choices = [CompletionChunkChoice(index=0, text=text, finish_reason=finish_reason, logprobs=None)]
+            choices = [CompletionChunkChoice(index=index, text=text, finish_reason=finish_reason, logprobs=None)]
         if self.kind == "chat":
             chunk = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
                                         model=self.model, choices=choices, **extra)
@@ -146,8 +160,10 @@ class Answer:
         return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
 
 
-def usage_of(last: Piece) -> CompletionUsage:
-    """Token counts as the model counted them (its final response)."""
-    return CompletionUsage(prompt_tokens=last.num_input_tokens, completion_tokens=last.num_output_tokens,
-                           total_tokens=last.num_input_tokens + last.num_output_tokens)
-
+def usage_of(lasts: list[Piece]) -> CompletionUsage:
+    """Token counts as the model counted them (each sequence's last response): the prompt once, every completion's
+    tokens."""
+    prompt_tokens = lasts[-1].num_input_tokens if lasts else 0
+    completion_tokens = sum(last.num_output_tokens for last in lasts)
+    return CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           total_tokens=prompt_tokens + completion_tokens)
