@@ -1,0 +1,95 @@
+"""Parallel sampling: n answers of one prompt as one request with ``n`` (the prompt computed once, its KV blocks
+shared by the n sequences) beside n separate requests of the same prompt (the baseline), in the same run.
+
+Both arms run on one engine with prefix caching off (so the baseline does not share blocks either) and alternate over
+the rounds, so background load on a shared machine hits them alike. Per arm: the KV blocks held at the step that
+gives all n answers their first token (the peak of the prompt's blocks), the prompt tokens computed, and the time from
+submitting to every answer's first token (the median over the rounds).
+
+    python -m bench.parallel_sampling [--n 4] [--prompt-len 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from backend.engine.openmp import set_wait_policy
+
+set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
+
+from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
+from backend.engine.config import SamplingParams  # noqa: E402
+from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from bench.engines import blocks_for, build_engine, random_prompts, warm_up  # noqa: E402
+
+ARMS = ("separate requests", "one request, n")
+
+
+def first_tokens(engine: LLMEngine, prompt: list[int], n: int, forked: bool, seed: int) -> dict:
+    """Submit the arm's requests, step until each of the n answers has its first token, then abort them."""
+    t0 = time.perf_counter()
+    if forked:
+        request_ids = [engine.add_request(None, prompt, SamplingParams(n=n, max_tokens=8, seed=seed)).request_id]
+    else:
+        request_ids = [engine.add_request(None, prompt, SamplingParams(max_tokens=8, seed=seed + i)).request_id
+                       for i in range(n)]
+    answered: set[tuple[str, int]] = set()
+    num_tokens = num_blocks = 0
+    while len(answered) < n:
+        outputs = engine.step()
+        num_tokens += engine.stats.recent_steps()[-1].num_tokens
+        num_blocks = max(num_blocks, engine.block_manager.num_used_blocks)
+        answered |= {(o.request_id, o.index) for o in outputs if o.new_token_ids}
+    ttft = time.perf_counter() - t0
+    for request_id in request_ids:
+        engine.abort(request_id)
+    return {"kv_blocks": num_blocks, "tokens_computed": num_tokens, "ttft_s": ttft}
+
+
+def run(args: argparse.Namespace) -> dict[str, dict]:
+    engine = build_engine(
+        args.model, None, dtype=args.dtype, num_threads=args.threads, max_num_seqs=args.n,
+        max_num_batched_tokens=args.n * args.prompt_len, max_model_len=args.prompt_len + 64,
+        num_kv_blocks=args.n * blocks_for(args.prompt_len + 64) + 16, enable_prefix_caching=False,
+    )
+    warm_up(engine, args.prompt_len)
+    (prompt,) = random_prompts(1, args.prompt_len, engine.runner.shape.vocab_size, seed=1)
+    runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    for round_ in range(args.rounds):
+        for arm in (ARMS if round_ % 2 == 0 else ARMS[::-1]):
+            runs[arm].append(first_tokens(engine, prompt, args.n, arm == ARMS[1], seed=round_))
+    return {arm: {"kv_blocks": max(r["kv_blocks"] for r in rs),
+                  "tokens_computed": max(r["tokens_computed"] for r in rs),
+                  "ttft_s": statistics.median(r["ttft_s"] for r in rs)} for arm, rs in runs.items()}
+
+
+def table(result: dict[str, dict], n: int, prompt_len: int) -> str:
+    base = result[ARMS[0]]
+    lines = [f"{n} answers of one {prompt_len}-token prompt, prefix caching off",
+             "| arm | KV blocks held | prompt tokens computed | time to all first tokens (s) | x baseline |",
+             "|---|---|---|---|---|"]
+    for arm, r in result.items():
+        name = f"{n} {arm}" if arm == ARMS[0] else f"{arm}={n}"
+        lines.append(f"| {name} | {r['kv_blocks']} | {r['tokens_computed']} | {r['ttft_s']:.3f} | "
+                     f"{r['ttft_s'] / base['ttft_s']:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    print(table(run(args), args.n, args.prompt_len))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
