@@ -235,6 +235,23 @@ def test_a_streamed_request_with_n_sequences_gets_each_ones_deltas_with_its_inde
     assert [r.tensors["finish_reason"].tolist() for r, _ in sender.sent[2:]] == [[b"stop"], [b"length"]]
 
 
+def test_every_sequence_of_a_request_with_n_counts_its_tokens_and_the_request_is_counted_once():
+    class Metrics(CountingMetrics):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sequence_tokens: list[int] = []
+
+        def on_sequence_finished(self, output: RequestOutput) -> None:
+            self.sequence_tokens.append(output.num_output_tokens)
+
+    metrics = Metrics()
+    requests = OpenRequests(FakeResponsePb, metrics, batched=False)
+    requests.add("r", OpenRequest(RecordingSender(), stream=True, n=2))
+    for output in n_outputs():
+        requests.send(output)
+    assert (metrics.sequence_tokens, metrics.finished) == ([2], ["length"])
+
+
 def test_a_non_streamed_request_with_n_sequences_gets_each_whole_text_when_it_ends():
     sender = RecordingSender()
     open_request = OpenRequest(sender, stream=False, n=2)

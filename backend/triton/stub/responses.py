@@ -104,6 +104,8 @@ class OpenRequests:
             return
         if output.finished and output.finish_reason != FinishReason.REFUSED:
             self._metrics.on_finished(output, open_request.arrival)
+        elif output.finish_reason is not None and not output.finished:
+            self._metrics.on_sequence_finished(output)
         if output.finish_reason is not None or output.finished or output.error is not None or \
                 not open_request.stream:
             send_output(self._pb, open_request, output, self._batched)
