@@ -102,6 +102,20 @@ def test_n_greedy_answers_equal_the_single_greedy_answer(engine):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("settings", [dict(enable_prefix_caching=True), dict(max_num_batched_tokens=7, max_num_seqs=4),
+                                      dict(batching="run_to_completion", max_num_seqs=2)],
+                         ids=["prefix_caching", "chunked_prefill", "run_to_completion"])
+def test_n_greedy_answers_equal_the_single_one_with_prefix_caching_chunks_or_a_fixed_batch(
+        tiny_llama_dir, engine, settings):
+    (alone,) = engine.generate([PROMPT], GREEDY)
+    other = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_threads=2, max_model_len=256,
+                                   block_size=16, num_kv_blocks=64, **settings))
+    for _ in range(2):  # with prefix caching, the second time hits the first one's blocks
+        outputs = other.generate([PROMPT, PROMPT], [SamplingParams(**{**vars(GREEDY), "n": 3}), GREEDY])
+        assert texts(outputs) == [alone.token_ids] * 4
+        other.block_manager.check_invariants([])
+
+
 def test_each_sequence_samples_with_its_own_seed(engine):
     params = dict(max_tokens=12, temperature=1.0, ignore_eos=True)
     outputs = engine.generate([PROMPT], SamplingParams(**params, n=3, seed=7))
