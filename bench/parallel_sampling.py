@@ -6,15 +6,19 @@ the rounds, so background load on a shared machine hits them alike. Per arm: the
 gives all n answers their first token (the peak of the prompt's blocks), the prompt tokens computed, and the time from
 submitting to every answer's first token (the median over the rounds).
 
-    python -m bench.parallel_sampling [--n 4] [--prompt-len 512]
+    python -m bench.parallel_sampling [--n 4] [--prompt-len 512] [--out reports/bench_parallel_sampling.json]
+
+It prints the table and writes the run's record (``records/``) beside ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from backend.engine.openmp import set_wait_policy
 
@@ -24,6 +28,7 @@ from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
 from backend.engine.config import SamplingParams  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from bench.engines import blocks_for, build_engine, random_prompts, warm_up  # noqa: E402
+from records.record import Column, Record  # noqa: E402
 
 ARMS = ("separate requests", "one request, n")
 
@@ -66,16 +71,16 @@ def run(args: argparse.Namespace) -> dict[str, dict]:
                   "ttft_s": statistics.median(r["ttft_s"] for r in rs)} for arm, rs in runs.items()}
 
 
-def table(result: dict[str, dict], n: int, prompt_len: int) -> str:
+def record_table(record: Record, result: dict[str, dict], n: int, prompt_len: int) -> Record:
+    """The table ``arms``: each arm's figures beside the baseline's (n separate requests) from the same run."""
     base = result[ARMS[0]]
-    lines = [f"{n} answers of one {prompt_len}-token prompt, prefix caching off",
-             "| arm | KV blocks held | prompt tokens computed | time to all first tokens (s) | x baseline |",
-             "|---|---|---|---|---|"]
-    for arm, r in result.items():
-        name = f"{n} {arm}" if arm == ARMS[0] else f"{arm}={n}"
-        lines.append(f"| {name} | {r['kv_blocks']} | {r['tokens_computed']} | {r['ttft_s']:.3f} | "
-                     f"{r['ttft_s'] / base['ttft_s']:.2f}x |")
-    return "\n".join(lines)
+    columns = [Column("arm", f"{n} answers of one {prompt_len}-token prompt"), Column("kv_blocks", "KV blocks held"),
+               Column("tokens_computed", "prompt tokens computed"),
+               Column("ttft_s", "time to all first tokens", "{:.2f} s"), Column("ratio", "x baseline", "{:.2f}x")]
+    rows = [{"arm": f"{n} separate requests (baseline)" if arm == ARMS[0] else f"one request, n={n}",
+             **r, "ratio": r["ttft_s"] / base["ttft_s"]} for arm, r in result.items()]
+    record.add_table("arms", columns, rows)
+    return record
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,8 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("reports/bench_parallel_sampling.json"))
     args = parser.parse_args(argv)
-    print(table(run(args), args.n, args.prompt_len))
+    record = Record.start("python -m bench.parallel_sampling", vars(args))
+    result = run(args)
+    print(record_table(record, result, args.n, args.prompt_len).tables["arms"].markdown())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    kept = record.write(args.out.with_suffix(".record.json"))
+    print(f"\nwritten to {args.out}; the run's record to {kept}")
     return 0
 
 

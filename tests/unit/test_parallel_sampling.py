@@ -213,4 +213,5 @@ def test_the_bench_shows_one_prompts_blocks_and_tokens_beside_n_requests(tiny_ll
     separate, forked = (result[arm] for arm in parallel_sampling.ARMS)
     assert (separate["kv_blocks"], forked["kv_blocks"]) == (4 * 4, 4)
     assert (separate["tokens_computed"], forked["tokens_computed"]) == (4 * 64, 64)
-    assert "| one request, n=4 | 4 | 64 |" in parallel_sampling.table(result, 4, 64)
+    record = parallel_sampling.record_table(parallel_sampling.Record("test", {}, {}), result, 4, 64)
+    assert "| one request, n=4 | 4 | 64 |" in record.tables["arms"].markdown()
