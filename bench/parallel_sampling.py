@@ -6,15 +6,14 @@ the rounds, so background load on a shared machine hits them alike. Per arm: the
 gives all n answers their first token (the peak of the prompt's blocks), the prompt tokens computed, and the time from
 submitting to every answer's first token (the median over the rounds).
 
-    python -m bench.parallel_sampling [--n 4] [--prompt-len 512] [--out reports/bench_parallel_sampling.json]
+    python -m bench.parallel_sampling [--n 4] [--prompt-len 512] [--out reports/bench_parallel_sampling.record.json]
 
-It prints the table and writes the run's record (``records/``) beside ``--out``.
+It prints the table and writes the run's record (``records/``) to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -54,18 +53,19 @@ def first_tokens(engine: LLMEngine, prompt: list[int], n: int, forked: bool, see
     return {"kv_blocks": num_blocks, "tokens_computed": num_tokens, "ttft_s": ttft}
 
 
-def run(args: argparse.Namespace) -> dict[str, dict]:
+def run(model: str, n: int = 4, prompt_len: int = 512, rounds: int = 3, threads: int = 2,
+        dtype: str = "bfloat16") -> dict[str, dict]:
+    """Each arm's figures: ``kv_blocks`` and ``tokens_computed`` (the most of any round), ``ttft_s`` (the median)."""
     engine = build_engine(
-        args.model, None, dtype=args.dtype, num_threads=args.threads, max_num_seqs=args.n,
-        max_num_batched_tokens=args.n * args.prompt_len, max_model_len=args.prompt_len + 64,
-        num_kv_blocks=args.n * blocks_for(args.prompt_len + 64) + 16, enable_prefix_caching=False,
+        model, None, dtype=dtype, num_threads=threads, max_num_seqs=n, max_num_batched_tokens=n * prompt_len,
+        max_model_len=prompt_len + 64, num_kv_blocks=n * blocks_for(prompt_len + 64) + 16, enable_prefix_caching=False,
     )
-    warm_up(engine, args.prompt_len)
-    (prompt,) = random_prompts(1, args.prompt_len, engine.runner.shape.vocab_size, seed=1)
+    warm_up(engine, prompt_len)
+    (prompt,) = random_prompts(1, prompt_len, engine.runner.shape.vocab_size, seed=1)
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    for round_ in range(args.rounds):
+    for round_ in range(rounds):
         for arm in (ARMS if round_ % 2 == 0 else ARMS[::-1]):
-            runs[arm].append(first_tokens(engine, prompt, args.n, arm == ARMS[1], seed=round_))
+            runs[arm].append(first_tokens(engine, prompt, n, arm == ARMS[1], seed=round_))
     return {arm: {"kv_blocks": max(r["kv_blocks"] for r in rs),
                   "tokens_computed": max(r["tokens_computed"] for r in rs),
                   "ttft_s": statistics.median(r["ttft_s"] for r in rs)} for arm, rs in runs.items()}
@@ -86,20 +86,14 @@ def record_table(record: Record, result: dict[str, dict], n: int, prompt_len: in
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--n", type=int, default=4)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("reports/bench_parallel_sampling.json"))
+    for option, default in (("--n", 4), ("--prompt-len", 512), ("--rounds", 3), ("--threads", 2)):
+        parser.add_argument(option, type=int, default=default)
+    parser.add_argument("--out", type=Path, default=Path("reports/bench_parallel_sampling.record.json"))
     args = parser.parse_args(argv)
     record = Record.start("python -m bench.parallel_sampling", vars(args))
-    result = run(args)
+    result = run(args.model, args.n, args.prompt_len, args.rounds, args.threads)
     print(record_table(record, result, args.n, args.prompt_len).tables["arms"].markdown())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    kept = record.write(args.out.with_suffix(".record.json"))
-    print(f"\nwritten to {args.out}; the run's record to {kept}")
+    print(f"\nthe run's record: {record.write(args.out)}")
     return 0
 
 

@@ -204,12 +204,9 @@ def test_a_group_that_cannot_fit_in_the_cache_is_refused(tiny_llama_dir):
 
 
 def test_the_bench_shows_one_prompts_blocks_and_tokens_beside_n_requests(tiny_llama_dir):
-    from argparse import Namespace
-
     from bench import parallel_sampling
 
-    args = Namespace(model=str(tiny_llama_dir), dtype="float32", threads=2, n=4, prompt_len=64, rounds=1)
-    result = parallel_sampling.run(args)
+    result = parallel_sampling.run(str(tiny_llama_dir), n=4, prompt_len=64, rounds=1, dtype="float32")
     separate, forked = (result[arm] for arm in parallel_sampling.ARMS)
     assert (separate["kv_blocks"], forked["kv_blocks"]) == (4 * 4, 4)
     assert (separate["tokens_computed"], forked["tokens_computed"]) == (4 * 64, 64)
