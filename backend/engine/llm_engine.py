@@ -21,7 +21,7 @@ from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.model_runner import ModelRunner
 from backend.engine.openmp import check_wait_policy
-from backend.engine.parallel_sampling import SequenceGroups
+from backend.engine.parallel_sampling import Fork, SequenceGroups
 from backend.engine.request import FinishReason, Request, RequestTimings
 from backend.engine.sampler import Sampler
 from backend.engine.scheduler import Scheduler
@@ -189,11 +189,10 @@ class LLMEngine:
                 logits = self.runner.run(inputs)  # (S, V): one row per request that reached the end of its tokens
             t3 = time.perf_counter()
             sampled = inputs.sampled_requests
-            forks = [(row, group, group.children()) for row, group in self.groups.to_fork(sampled)]
-            if forks:  # parallel sampling: each child's first token from its parent's row, with its own generator
-                rows = [row for row, _, children in forks for _ in children]
-                logits = torch.cat([logits, logits[rows]])  # (S + forked children, V)
-                sampled = sampled + [child for _, _, children in forks for child in children]
+            forks = self.groups.to_fork(sampled)  # parallel sampling: groups whose parent samples its first token
+            if forks:  # each child's first token from its parent's row, with its own generator
+                logits = torch.cat([logits, logits[[f.row for f in forks for _ in f.children]]])  # (S + children, V)
+                sampled = sampled + [child for f in forks for child in f.children]
             token_ids = self.sampler(
                 logits, [r.request_id for r in sampled], [r.sampling_params for r in sampled],
                 [r.banned_token_ids for r in sampled],
@@ -216,16 +215,16 @@ class LLMEngine:
         )
         return outputs
 
-    def _fork(self, forks: list, new_tokens: dict[str, int]) -> list[Request]:
+    def _fork(self, forks: list[Fork], new_tokens: dict[str, int]) -> list[Request]:
         """Start the children of the groups whose parent sampled its first token in this step."""
         forked = []
-        for _, group, children in forks:
-            for child in children:
+        for fork in forks:
+            for child in fork.children:
                 child.append_token(new_tokens[child.request_id])
                 self._add_detokenizer(child)
-            self.groups.fork(group, children)
-            self.scheduler.add_forked(group.sequences[0], children)
-            forked += children
+            self.groups.fork(fork.group, fork.children)
+            self.scheduler.add_forked(fork.group.sequences[0], fork.children)
+            forked += fork.children
         return forked
 
     def _on_new_token(self, request: Request) -> RequestOutput:

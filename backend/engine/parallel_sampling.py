@@ -57,6 +57,15 @@ class SequenceGroup:
         ]
 
 
+@dataclasses.dataclass(frozen=True)
+class Fork:
+    """A group to fork in this step: its parent's row of the step's logits and its n - 1 new sequences."""
+
+    row: int
+    group: SequenceGroup
+    children: list[Request]
+
+
 class SequenceGroups:
     """The engine's groups, by the id of each of their sequences. A request with ``n == 1`` has none."""
 
@@ -72,13 +81,14 @@ class SequenceGroups:
     def get(self, request: Request) -> SequenceGroup | None:
         return self._groups.get(request.request_id)
 
-    def to_fork(self, sampled: Iterable[Request]) -> list[tuple[int, SequenceGroup]]:
-        """The groups whose parent samples its first token in this step, with the parent's row of the logits."""
+    def to_fork(self, sampled: Iterable[Request]) -> list[Fork]:
+        """The groups whose parent samples its first token in this step: the parent's row of the logits, and the
+        children to create (not yet known to the scheduler)."""
         forks = []
         for row, request in enumerate(sampled):
             group = self._groups.get(request.request_id)
             if group is not None and not group.is_forked:
-                forks.append((row, group))
+                forks.append(Fork(row, group, group.children()))
         return forks
 
     def fork(self, group: SequenceGroup, children: list[Request]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from backend.contract.errors import InvalidRequest
 from backend.engine.block_manager import BlockManager
@@ -212,3 +214,38 @@ def test_the_bench_shows_one_prompts_blocks_and_tokens_beside_n_requests(tiny_ll
     assert (separate["tokens_computed"], forked["tokens_computed"]) == (4 * 64, 64)
     record = parallel_sampling.record_table(parallel_sampling.Record("test", {}, {}), result, 4, 64)
     assert "| one request, n=4 | 4 | 64 |" in record.tables["arms"].markdown()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["new", "fork", "decode", "free"]), st.integers(0, 50)), max_size=60))
+def test_forked_blocks_are_never_leaked_double_owned_or_written_while_shared(ops):
+    manager = BlockManager(num_blocks=12, block_size=4)
+    live: list[Request] = []
+    for i, (op, x) in enumerate(ops):
+        if op == "new":
+            request = Request(f"r{i}", list(range(1 + x % 9)))
+            if manager.allocate_slots(request, request.num_tokens) is not None:
+                request.num_computed_tokens = request.num_tokens
+                request.append_token(x)
+                live.append(request)
+        elif op == "fork" and live:
+            parent = live[x % len(live)]
+            child = Request(f"r{i}", parent.prompt_token_ids)
+            manager.fork(parent, child)
+            child.token_ids = list(parent.token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            live.append(child)
+        elif op == "decode" and live:
+            request = live[x % len(live)]
+            if manager.allocate_slots(request, 1) is not None:
+                written = request.block_ids[request.num_computed_tokens // manager.block_size]
+                assert manager.ref_counts[written] == 1, "a sequence writes only into a block of its own"
+                request.num_computed_tokens += 1
+                request.append_token(x)
+        elif op == "free" and live:
+            manager.free(live.pop(x % len(live)))
+        manager.check_invariants(live)
+    for request in live:
+        manager.free(request)
+    manager.check_invariants([])
+    assert manager.num_free_blocks == manager.num_blocks
