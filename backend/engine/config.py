@@ -346,6 +346,8 @@ class SamplingParams:
             raise InvalidRequest("seed", f"seed must be an integer; got {self.seed!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidRequest("seed", f"seed must fit in 64 bits (from -2**63 to 2**64 - 1); got {self.seed}")
+        if self.seed is not None and self.seed + self.n - 1 >= 2**64:  # sequence i samples with seed + i
+            raise InvalidRequest("seed", f"seed + n - 1 must fit in 64 bits (up to 2**64 - 1); got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if len(self.stop) > MAX_STOP_STRINGS:

@@ -93,6 +93,8 @@ def test_n_is_validated_and_best_of_refused():
     with pytest.raises(InvalidRequest, match="best_of"):
         SamplingParams.from_dict({"n": 2, "best_of": 3})
     assert SamplingParams.from_dict({"n": "3"}).n == 3
+    with pytest.raises(InvalidRequest, match="seed \\+ n - 1"):  # sequence i samples with seed + i
+        SamplingParams(n=2, seed=2**64 - 1)
 
 
 def test_n_greedy_answers_equal_the_single_greedy_answer(engine):
