@@ -25,6 +25,7 @@ INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "seed": ("UINT64", np.uint64),  # TensorRT-LLM's type; vLLM's seed travels in sampling_parameters
     "stop": ("BYTES", np.object_),
     "ignore_eos": ("BOOL", np.bool_),
+    "n": ("INT32", np.int32),
     "stream": ("BOOL", np.bool_),
     "sampling_parameters": ("BYTES", np.object_),
     "exclude_input_in_output": ("BOOL", np.bool_),
@@ -47,6 +48,7 @@ class GenerationRequest:
     seed: int | None = None
     stop: Sequence[str] = ()
     ignore_eos: bool | None = None
+    n: int | None = None  # answers of the prompt; each response then carries its ``index``
     stream: bool = True
     sampling_parameters: Mapping[str, Any] | None = None
     exclude_input_in_output: bool | None = None

@@ -7,6 +7,11 @@ Prefix caching (as in vLLM): every full block of a request's tokens gets a hash 
 block before it, so equal hashes mean equal prefixes. A full, computed block is registered under its hash; a later
 request with the same prefix takes a reference on it instead of recomputing it. Freed blocks keep their hash and
 stay hittable until the allocator reuses them, least recently freed first.
+
+Parallel sampling (``n`` > 1, backend/engine/parallel_sampling.py) shares blocks the same way: a forked sequence
+takes a reference on each of its parent's blocks (:meth:`fork`). A sequence that is about to write into a block
+others still hold gets a block of its own first, and the copy of the shared one's K/V is queued in
+``blocks_to_copy`` for the model runner to make before the step's forward (copy on write, :meth:`allocate_slots`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class BlockManager:
         self.cached_block_ids: dict[int, int] = {}  # hash -> physical block
         # How many leading blocks of each request are already registered, so caching is O(new blocks) per step.
         self._num_cached_blocks: dict[str, int] = {}
+        # Copy on write: (shared source, private destination) pairs the runner copies before the next forward.
+        self.blocks_to_copy: list[tuple[int, int]] = []
 
     # ---- capacity -------------------------------------------------------------------------------------------
 
@@ -88,29 +95,57 @@ class BlockManager:
         return len(hit_block_ids) * self.block_size
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make ``request.block_ids`` cover ``num_computed_tokens + num_new_tokens`` tokens.
+        """Make ``request.block_ids`` cover ``num_computed_tokens + num_new_tokens`` tokens, each block written to
+        its own (a block shared with a forked sequence is replaced by a copy: ``blocks_to_copy``).
 
         All or nothing: returns the newly allocated block ids (often none), or ``None`` without changing anything
         when the free blocks do not suffice.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0; got {num_new_tokens}")
-        num_needed = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(request.block_ids)
-        if num_needed <= 0:
-            return []
-        if num_needed > len(self.free_block_ids):
+        block_ids = request.block_ids
+        num_needed = max(self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(block_ids), 0)
+        first_written = request.num_computed_tokens // self.block_size
+        shared = [i for i in range(first_written, len(block_ids)) if self.ref_counts[block_ids[i]] > 1] \
+            if num_new_tokens else []
+        if num_needed + len(shared) > len(self.free_block_ids):
             return None
         new_block_ids = []
-        for _ in range(num_needed):
-            block_id, _ = self.free_block_ids.popitem(last=False)
-            block_hash = self.block_hashes[block_id]
-            if block_hash is not None:  # reusing a cached block evicts its prefix from the cache
-                del self.cached_block_ids[block_hash]
-                self.block_hashes[block_id] = None
-            self.ref_counts[block_id] = 1
-            new_block_ids.append(block_id)
-        request.block_ids.extend(new_block_ids)
-        return new_block_ids
+        for i in shared:
+            source, block_ids[i] = block_ids[i], self._pop_free_block()
+            self.ref_counts[source] -= 1  # NOTE: never to 0: another sequence still holds it
+            self.blocks_to_copy.append((source, block_ids[i]))
+            new_block_ids.append(block_ids[i])
+        added = [self._pop_free_block() for _ in range(num_needed)]
+        block_ids.extend(added)
+        return new_block_ids + added
+
+    def _pop_free_block(self) -> int:
+        block_id, _ = self.free_block_ids.popitem(last=False)
+        block_hash = self.block_hashes[block_id]
+        if block_hash is not None:  # reusing a cached block evicts its prefix from the cache
+            del self.cached_block_ids[block_hash]
+            self.block_hashes[block_id] = None
+        self.ref_counts[block_id] = 1
+        return block_id
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` (a new sequence of ``parent``'s prompt) a reference on each of the parent's blocks."""
+        if child.block_ids:
+            raise ValueError(f"request {child.request_id!r} already holds blocks; fork only a new sequence")
+        for block_id in parent.block_ids:
+            self.ref_counts[block_id] += 1
+        child.block_ids = list(parent.block_ids)
+        num_prompt_blocks = child.num_prompt_tokens // self.block_size  # their hashes are the child's too
+        child.block_hashes = parent.block_hashes[:num_prompt_blocks]
+        num_cached = self._num_cached_blocks.get(parent.request_id)
+        if num_cached is not None:
+            self._num_cached_blocks[child.request_id] = min(num_cached, num_prompt_blocks)
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """The copies queued since the last call (the runner makes them before the next forward)."""
+        copies, self.blocks_to_copy = self.blocks_to_copy, []
+        return copies
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's blocks that are now full and computed, so later requests can share them."""
@@ -138,6 +173,8 @@ class BlockManager:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] == 0:
                 self.free_block_ids[block_id] = None
+        if self.blocks_to_copy:  # a copy into a block freed before the forward is not needed any more
+            self.blocks_to_copy = [(s, d) for s, d in self.blocks_to_copy if self.ref_counts[d]]
         request.block_ids.clear()
         self._num_cached_blocks.pop(request.request_id, None)
 
@@ -173,3 +210,6 @@ class BlockManager:
                 raise AssertionError(f"cache entry for block {block_id} disagrees with the block's hash")
         if sum(h is not None for h in self.block_hashes) != len(self.cached_block_ids):
             raise AssertionError("a block carries a hash that is not in the cache map")
+        for source, destination in self.blocks_to_copy:
+            if not self.ref_counts[destination]:
+                raise AssertionError(f"a copy of block {source} is queued into free block {destination}")

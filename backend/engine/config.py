@@ -301,6 +301,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit, and vLLM's default max_logprobs
+MAX_N = 16  # answers of one prompt (parallel sampling), each one sequence of the batch
 
 
 @dataclass
@@ -334,8 +335,14 @@ class SamplingParams:
     skip_special_tokens: bool = True  # special tokens (EOS, chat markers) are left out of the text
     structured_outputs: StructuredOutputsParams | None = None  # backend/engine/structured_output.py
 
+    # Parallel sampling: n answers of one prompt, computed once (backend/engine/parallel_sampling.py). vLLM's
+    # best_of (sample more, return the n likeliest) is not offered: it would need each sequence's log probability.
+    n: int = 1
+
     def __post_init__(self) -> None:
         self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequest("n", f"n must be an integer from 1 to {MAX_N}; got {self.n!r}")
         if self.max_tokens is not None:
             if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
                 raise InvalidRequest("max_tokens", f"max_tokens must be a positive integer; got {self.max_tokens!r}")
@@ -356,6 +363,8 @@ class SamplingParams:
             raise InvalidRequest("seed", f"seed must be an integer; got {self.seed!r}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidRequest("seed", f"seed must fit in 64 bits (from -2**63 to 2**64 - 1); got {self.seed}")
+        if self.seed is not None and self.seed + self.n - 1 >= 2**64:  # sequence i samples with seed + i
+            raise InvalidRequest("seed", f"seed + n - 1 must fit in 64 bits (up to 2**64 - 1); got {self.seed}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -424,6 +433,9 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
         known = {f.name for f in fields(cls)}
+        if "best_of" in raw:
+            raise InvalidRequest("best_of", "best_of is not supported: each of the n answers is returned; send n "
+                                            "alone")
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InvalidRequest(None, f"unknown sampling parameter(s): {', '.join(unknown)}; "
@@ -439,7 +451,7 @@ class SamplingParams:
 
 def _sampling_value(key: str, value: Any) -> Any:
     """One sampling setting as sent (numbers may be strings, as genai-perf sends them) -> its type."""
-    if key in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs") and value is not None:
+    if key in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "n") and value is not None:
         return _parse_int(key, value)
     if key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
         try:

@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+import torch
+
 from backend.contract import errors
 from backend.contract.errors import PROMPT, ErrorKind, InvalidRequest
 from backend.engine.block_manager import BlockManager
@@ -19,6 +21,7 @@ from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.model_runner import ModelRunner
 from backend.engine.openmp import check_wait_policy
+from backend.engine.parallel_sampling import Fork, SequenceGroups
 from backend.engine.request import FinishReason, Request, RequestTimings
 from backend.engine.sampler import Sampler, TokenLogprobs
 from backend.engine.scheduler import Scheduler
@@ -41,14 +44,16 @@ class Logprob:
 
 @dataclass
 class RequestOutput:
-    """What one step produced for one request: the text and token ids new since its last output; the last output is
-    ``finished``."""
+    """What one step produced for one sequence of a request: the text and token ids new since its last output. A
+    sequence's last output has its ``finish_reason``; the request's last output is ``finished`` (with ``n`` > 1,
+    the last sequence's: backend/engine/parallel_sampling.py)."""
 
     request_id: str
     delta_text: str
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # a FinishReason value, on the final output
+    finish_reason: str | None = None  # a FinishReason value, on the sequence's last output
+    index: int = 0  # the sequence's index among the request's n (OpenAI's choices[i].index)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     timings: RequestTimings | None = None
@@ -83,6 +88,7 @@ class CompletionOutput:
     timings: RequestTimings
     num_preemptions: int = 0
     delta_texts: list[str] = field(default_factory=list)  # the text as it was streamed, one delta per output
+    index: int = 0  # which of its prompt's n completions
 
 
 class LLMEngine:
@@ -107,7 +113,8 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self.structured = StructuredOutputs(self.tokenizer.hf, config.model_shape.vocab_size, self.eos_token_ids)
         self.stats = EngineStats()
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # by sequence id
+        self.groups = SequenceGroups()  # requests with n > 1
         self._ids = itertools.count()
         # Test-only: called with the step's requests before the forward; raising simulates a failing step.
         self.fault_hook: Callable[[list[Request]], None] | None = None
@@ -128,6 +135,8 @@ class LLMEngine:
         """Tokenize and queue a request. Raises ``InvalidRequest`` (a ``ValueError``, for this request only) when it
         cannot be served."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if "\x00" in request_id:  # the separator of a forked sequence's id (parallel_sampling.sequence_id)
+            raise InvalidRequest(None, "a request id may not contain a NUL character")
         params = params or SamplingParams()
         params.check_token_ids(self.config.model_shape.vocab_size)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -141,18 +150,23 @@ class LLMEngine:
         except Exception:
             self.structured.forget(request_id)
             raise
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer.hf, token_ids, params.stop, params.min_tokens, params.include_stop_str_in_output,
-            params.skip_special_tokens,
-        )
+        self._add_detokenizer(request)
+        self.groups.add(request)
         return request
 
+    def _add_detokenizer(self, request: Request) -> None:
+        params = request.sampling_params
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(
+            self.tokenizer.hf, request.prompt_token_ids, params.stop, params.min_tokens,
+            params.include_stop_str_in_output, params.skip_special_tokens,
+        )
+
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> RequestOutput | None:
-        """Stop a request now and free its KV blocks; returns its final output, or None if it is unknown."""
-        request = self.scheduler.finish(request_id, reason)
-        if request is None:
-            return None
-        return self._output(request, "", [])
+        """Stop a request (all its sequences) now and free its KV blocks; returns its final output, or None if it
+        is unknown."""
+        ended = [self.scheduler.finish(sid, reason) for sid in self.groups.sequence_ids(request_id)]
+        outputs = [self._output(request, "", []) for request in ended if request is not None]
+        return outputs[-1] if outputs else None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -165,13 +179,14 @@ class LLMEngine:
             num_kv_blocks_used=self.block_manager.num_used_blocks,
             num_kv_blocks_total=self.block_manager.num_blocks,
             num_steps=self.stats.num_steps,
-            running_request_ids=tuple(r.request_id for r in self.scheduler.running),
+            running_request_ids=tuple(dict.fromkeys(self.groups.request_id(r) for r in self.scheduler.running)),
             num_engines_busy=self.cores.last_busy,
         )
 
-    def _fail(self, request: Request, exc: Exception) -> RequestOutput:
-        self.scheduler.finish(request.request_id, FinishReason.ERROR)
-        output = self._output(request, "", [])
+    def _fail(self, request_id: str, exc: Exception) -> RequestOutput | None:
+        output = self.abort(request_id, FinishReason.ERROR)
+        if output is None:
+            return None
         output.error = errors.message(ErrorKind.ENGINE_FAULT,
                                       f"the engine failed while running this request: {type(exc).__name__}: {exc}")
         return output
@@ -181,20 +196,27 @@ class LLMEngine:
     def step(self, only: Collection[str] | None = None) -> list[RequestOutput]:
         """One step; with ``only``, over just those requests (iterative batching: the others are not stepped)."""
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule(only)
+        sched = self.scheduler.schedule(None if only is None else self.groups.expand(only))
         t1 = time.perf_counter()
         if not sched.scheduled:
             return []
+        forks: list[Fork] = []
         try:
             if self.fault_hook is not None:
                 self.fault_hook([s.request for s in sched.scheduled])
-            inputs = self.runner.prepare(sched.scheduled)
+            inputs = self.runner.prepare(sched.scheduled, sched.blocks_to_copy)
             t2 = time.perf_counter()
             with self.cores.forward() as num_threads:  # its share of the cores, beside the other busy engines
                 self.runner.use_threads(num_threads)
                 logits = self.runner.run(inputs)  # (S, V): one row per request that reached the end of its tokens
             t3 = time.perf_counter()
             sampled = inputs.sampled_requests
+            forks = self.groups.to_fork(sampled)  # parallel sampling: groups whose parent samples its first token
+            if forks:  # each child's first token from its parent's row, with its own generator and grammar
+                logits = torch.cat([logits, logits[[f.row for f in forks for _ in f.children]]])  # (S + children, V)
+                sampled = sampled + [child for f in forks for child in f.children]
+                for f in forks:
+                    self.structured.fork(f.group.sequences[0].request_id, [c.request_id for c in f.children])
             request_ids = [r.request_id for r in sampled]
             self.structured.mask(logits, request_ids)  # rows with a grammar: only what can continue it
             picks = self.sampler.sample(
@@ -205,16 +227,35 @@ class LLMEngine:
             t4 = time.perf_counter()
         except Exception as exc:  # the model or sampler failed: fail this step's requests only, keep serving
             log.exception("engine step failed; failing its %d requests", len(sched.scheduled))
-            return [self._fail(s.request, exc) for s in sched.scheduled if not s.request.is_finished]
-        updated = self.scheduler.update(sched, {r.request_id: t for r, t in zip(sampled, picks.token_ids)})
+            for child in (c for f in forks for c in f.children):  # never started: their grammars go with them
+                self.structured.forget(child.request_id)
+            failed = dict.fromkeys(self.groups.request_id(s.request) for s in sched.scheduled)
+            return list(filter(None, (self._fail(request_id, exc) for request_id in failed)))
+        new_tokens = {r.request_id: t for r, t in zip(sampled, picks.token_ids)}
         logprobs = {r.request_id: lp for r, lp in zip(sampled, picks.logprobs) if lp is not None}
-        outputs = [self._on_new_token(r, logprobs.get(r.request_id)) for r in updated]
+        forked = self._fork(forks, new_tokens)  # before update: they hold the blocks should the parent finish
+        updated = self.scheduler.update(sched, new_tokens)
+        for sequence_id in self.groups.siblings_to_preempt(sched.preempted_ids):  # a group is preempted whole
+            self.scheduler.preempt(sequence_id)
+        outputs = [self._on_new_token(r, logprobs.get(r.request_id)) for r in updated + forked]
         t5 = time.perf_counter()
         self.stats.record_step(
             sched, StepTimes(schedule=t1 - t0, prepare=t2 - t1, forward=t3 - t2, sample=t4 - t3, update=t5 - t4),
             self.block_manager,
         )
         return outputs
+
+    def _fork(self, forks: list[Fork], new_tokens: dict[str, int]) -> list[Request]:
+        """Start the children of the groups whose parent sampled its first token in this step."""
+        forked = []
+        for fork in forks:
+            for child in fork.children:
+                child.append_token(new_tokens[child.request_id])
+                self._add_detokenizer(child)
+            self.groups.fork(fork.group, fork.children)
+            self.scheduler.add_forked(fork.group.sequences[0], fork.children)
+            forked += fork.children
+        return forked
 
     def _on_new_token(self, request: Request, logprobs: TokenLogprobs | None = None) -> RequestOutput:
         token_id = request.token_ids[-1]
@@ -238,19 +279,23 @@ class LLMEngine:
         return ranked
 
     def _output(self, request: Request, delta: str, new_token_ids: list[int]) -> RequestOutput:
-        finished = request.is_finished
-        if finished:
+        """The output of one sequence; the request's final one once all its sequences have finished."""
+        ended = request.is_finished
+        if ended:
             detok = self._detokenizers.pop(request.request_id, None)
             delta += detok.flush() if detok is not None else ""
             self.sampler.forget(request.request_id)
             self.structured.forget(request.request_id)
             self.stats.record_finish(request)
+        request_id, index = self.groups.request_id(request), self.groups.index(request)
+        finished = ended and self.groups.end(request)  # the last of the request's sequences to end
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=request_id,
             delta_text=delta,
             new_token_ids=new_token_ids,
             finished=finished,
-            finish_reason=request.finish_reason.value if finished and request.finish_reason else None,
+            finish_reason=request.finish_reason.value if ended and request.finish_reason else None,
+            index=index,
             num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens,
             timings=request.timings,
@@ -262,19 +307,22 @@ class LLMEngine:
     def generate(
         self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[CompletionOutput]:
-        """Run prompts to completion (all submitted at once) and return them in order."""
+        """Run prompts to completion (all submitted at once) and return them in order: a prompt with ``n`` > 1 gives
+        its n completions, by index."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        order = [self.add_request(None, p, sp).request_id for p, sp in zip(prompts, params_list)]
-        results: dict[str, CompletionOutput] = {}
-        pending: dict[str, list] = {rid: [[], []] for rid in order}  # delta texts, token ids
+        requests = [self.add_request(None, p, sp) for p, sp in zip(prompts, params_list)]
+        order = [(r.request_id, i) for r in requests for i in range(r.sampling_params.n)]
+        results: dict[tuple[str, int], CompletionOutput] = {}
+        pending: dict[tuple[str, int], list] = {key: [[], []] for key in order}  # delta texts, token ids
         while self.has_unfinished():
             for out in self.step():
-                deltas, tokens = pending[out.request_id]
+                key = (out.request_id, out.index)
+                deltas, tokens = pending[key]
                 deltas.append(out.delta_text)
                 tokens += out.new_token_ids
-                if out.finished:
-                    results[out.request_id] = CompletionOutput(
-                        out.request_id, "".join(deltas), tokens, out.finish_reason or "", out.num_prompt_tokens,
-                        out.timings, out.num_preemptions, deltas,
+                if out.finish_reason is not None:
+                    results[key] = CompletionOutput(
+                        out.request_id, "".join(deltas), tokens, out.finish_reason, out.num_prompt_tokens,
+                        out.timings, out.num_preemptions, deltas, out.index,
                     )
-        return [results[rid] for rid in order]
+        return [results[key] for key in order]

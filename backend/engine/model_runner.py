@@ -84,6 +84,7 @@ class ModelInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [S]
     sampled_requests: list[Request]  # row i of the logits belongs to sampled_requests[i]
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()  # (source, destination) KV blocks, copied before the forward
 
 
 class ModelRunner:
@@ -179,9 +180,10 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return self.num_kv_blocks * self.config.block_bytes
 
-    def prepare(self, scheduled: list[ScheduledRequest]) -> ModelInput:
+    def prepare(self, scheduled: list[ScheduledRequest], blocks_to_copy: list[tuple[int, int]] = ()) -> ModelInput:
         """Flatten the scheduler's output into one token stream: single-token decodes first, then prefill chunks.
-        A request's last position is sampled where the scheduler says it ``samples``."""
+        A request's last position is sampled where the scheduler says it ``samples``. ``blocks_to_copy`` (copy on
+        write of blocks shared by forked sequences) is made before the forward."""
         bs = self.block_size
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         chunks = [s for s in scheduled if s.num_new_tokens > 1]
@@ -223,13 +225,25 @@ class ModelRunner:
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, **to),
             sampled_requests=sampled,
+            blocks_to_copy=tuple(blocks_to_copy),
         )
 
     def run(self, inputs: ModelInput) -> torch.Tensor:  # [S, V] in the model's dtype
+        if inputs.blocks_to_copy:
+            self.copy_blocks(inputs.blocks_to_copy)
         if not inputs.sampled_requests and inputs.input_ids.numel() == 0:
             return torch.empty(0, self.shape.vocab_size, dtype=self.dtype)
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                                   inputs.logits_indices)
+
+
+    def copy_blocks(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Copy each source block's K and V into its destination block, in every layer (copy on write)."""
+        sources = torch.tensor([source for source, _ in pairs], dtype=torch.long, device=self.device)  # (C,)
+        destinations = torch.tensor([dest for _, dest in pairs], dtype=torch.long, device=self.device)  # (C,)
+        for k_cache, v_cache in self.kv_caches:  # (num_blocks, block_size, kv_heads, head_dim) each
+            k_cache[destinations] = k_cache[sources]
+            v_cache[destinations] = v_cache[sources]
 
 
 def _padded_block_tables(block_ids: list[list[int]]) -> torch.Tensor:  # [len(block_ids), max_blocks] int32

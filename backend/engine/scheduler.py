@@ -56,6 +56,7 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     num_running: int = 0
     num_waiting: int = 0
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy on write, before the forward
 
     @property
     def is_empty(self) -> bool:
@@ -120,6 +121,14 @@ class Scheduler:
                 f"than the whole KV cache holds ({pool.num_blocks} blocks of {pool.block_size} tokens); "
                 "lower max_tokens"
             )
+        # A forked group is preempted and resumed whole, so all n of its sequences must fit in the pool at once.
+        n = request.sampling_params.n
+        if n > 1 and n * pool.num_blocks_for(max_len - 1) > pool.num_blocks:
+            raise ContextLengthExceeded(
+                "n",
+                f"n={n} sequences of up to {max_len} tokens each need more than the whole KV cache holds "
+                f"({pool.num_blocks} blocks of {pool.block_size} tokens); lower n or max_tokens"
+            )
 
     def finish(self, request_id: str, reason: FinishReason) -> Request | None:
         """Finish a request from outside the step (abort, stop string, a failed step) and free its blocks now;
@@ -133,6 +142,33 @@ class Scheduler:
             self.waiting.remove(request)
         self._finish(request, reason)
         return request
+
+    def add_forked(self, parent: Request, children: list[Request]) -> None:
+        """Run ``children``, new sequences of the running ``parent``'s prompt that each hold their first token, once
+        this step has computed the parent's prompt (parallel sampling, backend/engine/parallel_sampling.py). They
+        take references on the parent's blocks and run right after it: a group keeps its parent's age."""
+        at = self.running.index(parent) + 1
+        for child in children:
+            self.block_manager.fork(parent, child)
+            child.num_computed_tokens = parent.num_tokens
+            child.status = RequestStatus.RUNNING
+            child.timings.first_scheduled = parent.timings.first_scheduled
+            child.timings.first_token = time.perf_counter()
+            self.requests[child.request_id] = child
+            if parent.request_id in self.current_batch_ids:
+                self.current_batch_ids.add(child.request_id)
+        self.running[at:at] = children
+        for child in children:
+            reason = child.check_stop(self.max_model_len)
+            if reason is not None:
+                self.finish(child.request_id, reason)
+
+    def preempt(self, request_id: str) -> None:
+        """Preempt a running request between steps (the rest of a forked group whose member was preempted)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._preempt(request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Mark finished and release everything; the caller removes it from its queue."""
@@ -172,6 +208,7 @@ class Scheduler:
         output.num_batched_tokens = sum(s.num_new_tokens for s in output.scheduled)
         output.num_running = len(self.running)
         output.num_waiting = len(self.waiting)
+        output.blocks_to_copy = self.block_manager.take_blocks_to_copy()
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int, only: Collection[str] | None) -> int:

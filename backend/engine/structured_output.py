@@ -172,6 +172,13 @@ class StructuredOutputs:
     def forget(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
+    def fork(self, parent_id: str, child_ids: list[str]) -> None:
+        """Parallel sampling: each child continues from its parent's grammar state, as a copy of its own."""
+        matcher = self._matchers.get(parent_id)
+        if matcher is not None:
+            for child_id in child_ids:
+                self._matchers[child_id] = matcher.deep_copy()
+
     def mask(self, logits: torch.Tensor, request_ids: list[str]) -> None:
         """Set to ``-inf``, in place, every logit a row's grammar does not allow next (rows without one untouched)."""
         rows = [(row, self._matchers[rid]) for row, rid in enumerate(request_ids) if rid in self._matchers]

@@ -57,7 +57,6 @@ class StreamOptions(BaseModel):
 
 # OpenAI's or vLLM's parameter -> the values that ask for nothing the engine lacks (None: not sent).
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -132,8 +131,8 @@ class SamplingRequest(BaseModel):
     # vLLM's hints, accepted and ignored: nothing in the answer depends on them.
     cache_salt: str | None = None  # salts vLLM's prefix cache between tenants
     guided_decoding_backend: str | None = None  # which grammar library; this server has one (llguidance)
+    n: int | None = Field(None, ge=1)  # answers of the prompt (the models' n, up to their limit)
     # OpenAI's and vLLM's, honoured only at their neutral value (NEUTRAL_VALUES).
-    n: int | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     prompt_logprobs: int | None = None
@@ -216,6 +215,7 @@ class SamplingRequest(BaseModel):
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
             ignore_eos=self.ignore_eos or None,
+            n=self.n,
             stream=bool(self.stream),
             sampling_parameters=sampling or None,
             return_logprobs=True if self.num_logprobs is not None else None,

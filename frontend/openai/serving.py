@@ -7,6 +7,10 @@ when ``stream_options.include_usage`` asks (then every other chunk carries ``"us
 with vLLM's ``continuous_usage_stats``), and ``data: [DONE]``. An error after the first token is sent as
 ``data: {"error": ...}`` before ``[DONE]``; one before it is an HTTP error (the first Triton response is awaited
 before the stream starts, so a refused request gets its status).
+
+With ``n`` > 1 the n choices are the models' n sequences, each response carrying its ``index``: streamed, each
+choice's chunks as they are made (a role chunk for every choice first, in chat) and its own finish chunk; whole, the
+choices in index order. Usage counts the prompt once and the tokens of all n completions, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ class Answer:
     first: Piece
     id: str
     created: int
-    _content_parts: tuple[str, str] | None = field(default=None, init=False, repr=False)
-    _text_offset: int = field(default=0, init=False, repr=False)  # completions' logprobs: the text streamed so far
+    _content_parts: dict[int, tuple[str, str]] = field(default_factory=dict, init=False, repr=False)  # by index
+    # completions' logprobs: the text streamed so far, by index
+    _text_offsets: dict[int, int] = field(default_factory=dict, init=False, repr=False)
 
     @classmethod
     async def start(cls, bridge: TritonBridge, kind, model: str, request: SamplingRequest, prompt: str) -> "Answer":
@@ -77,20 +82,26 @@ class Answer:
                 pieces.append(piece)
         finally:
             await self.generation.aclose()
-        text, last = "".join(p.text for p in pieces), pieces[-1]
-        usage = usage_of(last)
+        by_index: dict[int, list[Piece]] = {}
+        for piece in pieces:
+            by_index.setdefault(piece.index, []).append(piece)
         k = self.request.num_logprobs
-        logprobs = None if k is None else tuple(t for p in pieces for t in p.logprobs)
+        answers = [("".join(p.text for p in ps), ps[-1],
+                    None if k is None else tuple(t for p in ps for t in p.logprobs))
+                   for _, ps in sorted(by_index.items())]
+        usage = usage_of([last for _, last, _ in answers])
         if self.kind == "chat":
-            message = ChatCompletionMessage(role="assistant", content=text)
-            choice = ChatChoice(index=0, message=message, finish_reason=last.finish_reason,
-                                logprobs=None if logprobs is None else chat_logprobs(logprobs, k))
+            choices = [ChatChoice(index=last.index, message=ChatCompletionMessage(role="assistant", content=text),
+                                  finish_reason=last.finish_reason,
+                                  logprobs=None if logprobs is None else chat_logprobs(logprobs, k))
+                       for text, last, logprobs in answers]
             return ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model,
-                                  choices=[choice], usage=usage)
-        choice = CompletionChoice(index=0, text=text, finish_reason=last.finish_reason,
-                                  logprobs=None if logprobs is None else completion_logprobs(logprobs, k))
+                                  choices=choices, usage=usage)
+        choices = [CompletionChoice(index=last.index, text=text, finish_reason=last.finish_reason,
+                                    logprobs=None if logprobs is None else completion_logprobs(logprobs, k))
+                   for text, last, logprobs in answers]
         return Completion(id=self.id, object="text_completion", created=self.created, model=self.model,
-                          choices=[choice], usage=usage)
+                          choices=choices, usage=usage)
 
     # -- server-sent events
 
@@ -99,9 +110,10 @@ class Answer:
         try:
             # NOTE: the role chunk goes out in one write with the first token's: one send, one wake-up of the
             # client, before its first token.
-            role = self._event(delta=ChoiceDelta(role="assistant", content=""), so_far=self._so_far(self.first, 0)) \
-                if self.kind == "chat" else ""
-            piece = self.first
+            role = "".join(self._event(delta=ChoiceDelta(role="assistant", content=""), index=i,
+                                       so_far=self._so_far(self.first, 0))
+                           for i in range(self.generation.n)) if self.kind == "chat" else ""
+            piece, ended = self.first, []
             while True:
                 if piece.num_tokens or piece.text:
                     # NOTE: OpenAI's chunks carry no token ids, so clients (the Locust user, benchmark tools) count
@@ -110,11 +122,15 @@ class Answer:
                     yield role + self._content_chunks(piece)
                     role = ""
                 if piece.finish_reason:
+                    yield role + self._event(finish_reason=piece.finish_reason, index=piece.index,
+                                             so_far=self._so_far(piece, piece.num_tokens))
+                    role = ""
+                    ended.append(piece)
+                if self.generation.finished:
                     break
                 piece = await self.generation.__anext__()
-            yield role + self._event(finish_reason=piece.finish_reason, so_far=self._so_far(piece, piece.num_tokens))
             if self.request.include_usage:
-                yield self._event(usage=usage_of(piece))
+                yield self._event(usage=usage_of(ended))
         except APIError as exc:
             yield f"data: {json.dumps(exc.body(), separators=(',', ':'))}\n\n"
         finally:
@@ -125,9 +141,9 @@ class Answer:
         """One content chunk per token of ``piece``: its text in the first, each token's log-probabilities and the
         counts so far in its own when the request asks for them."""
         if self.request.num_logprobs is None and not self.request.continuous_usage:
-            return self._content(piece.text) + self._content("") * (piece.num_tokens - 1)
+            return self._content(piece.text, piece.index) + self._content("", piece.index) * (piece.num_tokens - 1)
         logprobs = piece.logprobs if self.request.num_logprobs is not None else None
-        return "".join(self._event(text=piece.text if i == 0 else "",
+        return "".join(self._event(text=piece.text if i == 0 else "", index=piece.index,
                                    so_far=self._so_far(piece, min(i + 1, piece.num_tokens)),
                                    logprobs=None if logprobs is None else logprobs[i:i + 1])
                        for i in range(max(piece.num_tokens, 1)))
@@ -141,23 +157,24 @@ class Answer:
         return CompletionUsage(prompt_tokens=piece.num_input_tokens, completion_tokens=done,
                                total_tokens=piece.num_input_tokens + done)
 
-    def _content(self, text: str) -> str:
+    def _content(self, text: str, index: int = 0) -> str:
         """The SSE line of a content chunk: the line :meth:`_event` renders for ``text``, byte for byte, from the
-        empty content chunk rendered once per answer (a pydantic model and its dump per token were a tenth of the
+        empty content chunk rendered once per choice (a pydantic model and its dump per token were a tenth of the
         frontend's time per token). JSON escapes a string alike whoever writes it, pydantic or ``json``."""
-        if self._content_parts is None:
-            line = self._event(text="")
+        parts = self._content_parts.get(index)
+        if parts is None:
+            line = self._event(text="", index=index)
             slot = '"content":""' if self.kind == "chat" else '"text":""'
             before, found, after = line.partition(slot)
             if not found:
                 raise RuntimeError(f"no {slot} in {line!r}")
-            self._content_parts = (before + slot[:-2], after)
-        before, after = self._content_parts
+            parts = self._content_parts[index] = (before + slot[:-2], after)
+        before, after = parts
         return before + json.dumps(text, ensure_ascii=False) + after
 
     def _event(self, text: str = "", delta: ChoiceDelta | None = None, finish_reason: str | None = None,
                usage: CompletionUsage | None = None, logprobs: tuple[TokenLogprob, ...] | None = None,
-               so_far: CompletionUsage | None = None) -> str:
+               so_far: CompletionUsage | None = None, index: int = 0) -> str:
         """One chunk: a choice's, carrying ``so_far`` as its usage (continuous usage), or the usage chunk."""
         extra = {"usage": usage or so_far} if self.request.include_usage else {}
         k = self.request.num_logprobs
@@ -165,13 +182,14 @@ class Answer:
             choices = []
         elif self.kind == "chat":
             delta = delta or (ChoiceDelta() if finish_reason else ChoiceDelta(content=text))
-            choices = [ChunkChoice(index=0, delta=delta, finish_reason=finish_reason,
+            choices = [ChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
                                    logprobs=None if logprobs is None else chat_logprobs(logprobs, k, chunk=True))]
         else:
             if logprobs is not None:
-                found = completion_logprobs(logprobs, k, self._text_offset)
-                self._text_offset += sum(len(t.token) for t in logprobs)
-            choices = [CompletionChunkChoice(index=0, text=text, finish_reason=finish_reason,
+                offset = self._text_offsets.get(index, 0)
+                found = completion_logprobs(logprobs, k, offset)
+                self._text_offsets[index] = offset + sum(len(t.token) for t in logprobs)
+            choices = [CompletionChunkChoice(index=index, text=text, finish_reason=finish_reason,
                                              logprobs=None if logprobs is None else found)]
         if self.kind == "chat":
             chunk = ChatCompletionChunk(id=self.id, object="chat.completion.chunk", created=self.created,
@@ -182,8 +200,11 @@ class Answer:
         return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
 
 
-def usage_of(last: Piece) -> CompletionUsage:
-    """Token counts as the model counted them (its final response)."""
-    return CompletionUsage(prompt_tokens=last.num_input_tokens, completion_tokens=last.num_output_tokens,
-                           total_tokens=last.num_input_tokens + last.num_output_tokens)
+def usage_of(lasts: list[Piece]) -> CompletionUsage:
+    """Token counts as the model counted them (each sequence's last response): the prompt once, every completion's
+    tokens."""
+    prompt_tokens = lasts[-1].num_input_tokens if lasts else 0
+    completion_tokens = sum(last.num_output_tokens for last in lasts)
+    return CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           total_tokens=prompt_tokens + completion_tokens)
 

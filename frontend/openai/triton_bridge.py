@@ -55,24 +55,28 @@ def unreachable(url: str, exc: BaseException) -> APIError:
 
 @dataclass(frozen=True)
 class Piece:
-    """One Triton response: the new text (whole UTF-8 characters only) and the counts it carries."""
+    """One Triton response: the new text (whole UTF-8 characters only) of one sequence and the counts it carries."""
 
     text: str
     num_tokens: int
-    finish_reason: str | None  # "stop", "length" or "abort" on the final response
+    finish_reason: str | None  # "stop", "length" or "abort" on the sequence's last response
     num_input_tokens: int
     num_output_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
+    index: int = 0  # which of the request's n sequences (OpenAI's choices[i].index)
 
 
 class TritonGeneration:
-    """One request in flight on its own gRPC stream; iterate it for :class:`Piece` s until the final one."""
+    """One request in flight on its own gRPC stream; iterate it for :class:`Piece` s until the final one (once each of
+    its ``n`` sequences has had its last)."""
 
-    def __init__(self, call, prompt_param: str, url: str) -> None:
+    def __init__(self, call, prompt_param: str, url: str, n: int = 1) -> None:
         self._call = call
         self._prompt_param = prompt_param
         self._url = url
-        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self.n = n
+        self._decoders = [codecs.getincrementaldecoder("utf-8")() for _ in range(n)]  # one per sequence
+        self._num_ended = 0
         self.finished = False
         self.sent_at = time.perf_counter()
 
@@ -98,12 +102,14 @@ class TritonGeneration:
     def _piece(self, result) -> Piece:
         reason = _first(result.as_numpy("finish_reason"))
         reason = reason.decode() if reason else None
-        self.finished = bool(reason)
+        index = int(_first(result.as_numpy("index")) or 0)
+        self._num_ended += bool(reason)
+        self.finished = self._num_ended >= self.n
         if reason == "abort":  # ended by the server, not by this client (it would not be reading any more)
             raise APIError(503, "the server aborted the request", "server_error", None, "service_unavailable")
         # NOTE: the models send whole characters; the incremental decoder still holds back a cut one, so no delta
         # ever carries half a character (or U+FFFD in its place).
-        text = self._decoder.decode(_first(result.as_numpy("text_output")) or b"", final=self.finished)
+        text = self._decoders[index].decode(_first(result.as_numpy("text_output")) or b"", final=bool(reason))
         ids = result.as_numpy("output_ids")
         logprobs = _first(result.as_numpy("logprobs"))
         return Piece(
@@ -113,6 +119,7 @@ class TritonGeneration:
             num_input_tokens=int(_first(result.as_numpy("num_input_tokens")) or 0),
             num_output_tokens=int(_first(result.as_numpy("num_output_tokens")) or 0),
             logprobs=parse_logprobs(logprobs.decode()) if logprobs else (),
+            index=index,
         )
 
     async def aclose(self) -> None:
@@ -197,7 +204,7 @@ class TritonBridge:
             yield {"model_name": model, "inputs": inputs}
 
         call = self.client.stream_infer(one_request())
-        return TritonGeneration(call, prompt_param, self.url)
+        return TritonGeneration(call, prompt_param, self.url, request.n or 1)
 
 
 def _first(array):

@@ -239,6 +239,21 @@ def test_cancellation_frees_kv_blocks_and_the_model_keeps_serving(server, model)
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", MODELS)
+def test_cancelling_a_request_with_n_frees_the_blocks_of_all_its_sequences(server, model):
+    stream = start_stream(server.grpc_url, model, "Tell me a long story.", max_tokens=1000, ignore_eos=True,
+                          stream=True, n=4)
+    wait_tokens(stream, 12)  # the four sequences are running
+    assert metric(server, "llm_kv_blocks_used", model) > 0
+    stream.cancel()
+    stream.close()
+    assert wait_metric(server, "llm_kv_blocks_used", model, lambda v: v == 0) == 0
+    assert wait_metric(server, "llm_num_requests_running", model, lambda v: v == 0) == 0
+    after = generate(server, model, "Hello", max_tokens=3, ignore_eos=True, n=2)
+    assert after.error is None and len(after.token_ids) == 6 and after.finish_reason == "length"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", MODELS)
 def test_bad_requests_fail_alone_while_a_good_stream_completes(server, model):
     good = start_stream(server.grpc_url, model, "Count to twenty.", max_tokens=40, ignore_eos=True, stream=True)
     wait_tokens(good, 2)

@@ -173,6 +173,35 @@ def test_chat_and_completions_streamed_and_not_equal_triton_generate(sdk, triton
 
 @pytest.mark.server
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", MODELS)
+def test_n_answers_are_indexed_choices_and_usage_counts_the_prompt_once(sdk, triton, model):
+    prompt = "The quick brown fox"
+    plain = triton_generate(triton, model, prompt, max_tokens=6, ignore_eos=True, **GREEDY)
+    whole = sdk.completions.create(model=model, prompt=prompt, max_tokens=6, n=2, extra_body={"ignore_eos": True},
+                                   **GREEDY)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert [c.text for c in whole.choices] == [plain.text] * 2, "greedy: each answer is the single one"
+    assert [c.finish_reason for c in whole.choices] == ["length"] * 2
+    prompt_tokens = plain.chunks[-1].num_input_tokens
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, 12)
+
+    chunks = list(sdk.chat.completions.create(model=model, messages=MESSAGES, max_tokens=5, n=2, stream=True,
+                                              stream_options={"include_usage": True}, temperature=1.0, seed=3,
+                                              extra_body={"min_tokens": 5}))
+    *answers, usage = chunks
+    by_index: dict[int, list] = {0: [], 1: []}
+    for chunk in answers:
+        (choice,) = chunk.choices
+        by_index[choice.index].append(choice)
+    for choices in by_index.values():
+        role, *content, final = choices
+        assert role.delta.role == "assistant" and final.finish_reason == "length"
+        assert len(content) == 5 and all(c.finish_reason is None and c.delta.content is not None for c in content)
+    assert usage.choices == [] and usage.usage.completion_tokens == 10
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
 def test_the_stream_is_server_sent_events_as_openai_sends_them(frontend):
     body = {"model": "llm_continuous", "messages": MESSAGES, "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
@@ -319,7 +348,7 @@ def assert_error(response: requests.Response, status: int, param: str | None = N
 
 BAD_REQUESTS = [
     # (endpoint, fields beyond model and prompt/messages, param, code, what the message says)
-    ("chat", {"n": 2}, "n", "unsupported_parameter", "n=2"),
+    ("chat", {"n": 0}, "n", None, "greater than or equal to 1"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_parameter", ""),
     ("chat", {"tool_choice": "auto"}, "tool_choice", "unsupported_parameter", ""),
     ("chat", {"top_logprobs": 3}, "top_logprobs", None, "needs logprobs"),

@@ -70,9 +70,8 @@ def engine_refusal() -> str:
 
 def failed_step() -> str:
     """The error of a request whose step failed (a stand-in for the engine around ``LLMEngine._fail``)."""
-    engine = SimpleNamespace(scheduler=SimpleNamespace(finish=lambda request_id, reason: None),
-                             _output=lambda request, delta, ids: RequestOutput(request.request_id, delta, ids))
-    return LLMEngine._fail(engine, Request("r", [1, 2], SamplingParams(), (0,)), RuntimeError("boom")).error
+    engine = SimpleNamespace(abort=lambda request_id, reason: RequestOutput(request_id, "", [], finished=True))
+    return LLMEngine._fail(engine, "r", RuntimeError("boom")).error
 
 
 class IdleEngine:

@@ -19,23 +19,39 @@ TEXTS = ["", "Hello", " world", 'a "quoted" word', "back\\slash", "line\nbreak\t
          "caf\u00e9 \u4e16\u754c \U0001f600", "\u2028\u2029", "</script>", "{\"content\":\"\"}"]
 
 
-def answer(kind: str, include_usage: bool, pieces=()) -> Answer:
+def answer(kind: str, include_usage: bool, pieces=(), n: int = 1) -> Answer:
     options = {"stream": True, "stream_options": {"include_usage": include_usage}}
     if kind == "chat":
         request = ChatCompletionRequest(model="llm_continuous", messages=[{"role": "user", "content": "Hi"}],
-                                        **options)
+                                        n=n, **options)
     else:
-        request = CompletionRequest(model="llm_continuous", prompt="Hi", **options)
+        request = CompletionRequest(model="llm_continuous", prompt="Hi", n=n, **options)
     pieces = list(pieces) or [Piece("", 0, "stop", 1, 0)]
-    return Answer(kind, "llm_continuous", request, FakeGeneration(pieces[1:]), pieces[0], "id-1", 1_700_000_000)
+    generation = FakeGeneration(pieces[0], pieces[1:], n)
+    return Answer(kind, "llm_continuous", request, generation, pieces[0], "id-1", 1_700_000_000)
 
 
 class FakeGeneration:
-    def __init__(self, pieces) -> None:
-        self.pieces = list(pieces)
+    """The pieces after the first; ``finished`` once each of its ``n`` sequences has had its last (as
+    TritonGeneration)."""
+
+    def __init__(self, first: Piece, pieces, n: int = 1) -> None:
+        self.pieces, self.n = list(pieces), n
+        self.num_ended = bool(first.finish_reason)
+
+    @property
+    def finished(self) -> bool:
+        return self.num_ended >= self.n
 
     async def __anext__(self) -> Piece:
-        return self.pieces.pop(0)
+        if not self.pieces:
+            raise StopAsyncIteration
+        piece = self.pieces.pop(0)
+        self.num_ended += bool(piece.finish_reason)
+        return piece
+
+    def __aiter__(self):
+        return self
 
     async def aclose(self) -> None:
         pass
@@ -91,3 +107,31 @@ def test_a_response_of_several_tokens_becomes_one_chunk_per_token_with_the_same_
         assert events[-1]["usage"]["completion_tokens"] == 5
     grouped_events = events_of(stream("completion", grouped, include_usage=True))
     assert [e["choices"][0]["text"] for e in grouped_events[:5]] == ["Hel", "lo, you", "", "", "!"]
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_n_choices_stream_with_their_index_and_usage_counts_the_prompt_once(kind):
+    pieces = [Piece("A", 1, None, 3, 1, 0), Piece("B", 1, None, 3, 1, 1), Piece("b", 1, "length", 3, 2, 1),
+              Piece("a", 1, "stop", 3, 2, 0)]
+    events = [json.loads(line.removeprefix("data: ")) for write in stream_n(kind, pieces)
+              for line in write.split("\n\n") if line.startswith("data: {")]
+    choices = [(e["choices"][0]["index"], e["choices"][0].get("finish_reason")) for e in events if e["choices"]]
+    role_chunks = [(0, None), (1, None)] if kind == "chat" else []
+    assert choices == role_chunks + [(0, None), (1, None), (1, None), (1, "length"), (0, None), (0, "stop")]
+    assert events[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_n_choices_whole_in_index_order(kind):
+    pieces = [Piece("B", 1, None, 3, 1, 1), Piece("Aa", 2, "stop", 3, 2, 0), Piece("b", 1, "length", 3, 2, 1)]
+    whole = asyncio.run(answer(kind, False, pieces, n=2).whole())
+    texts = [c.message.content if kind == "chat" else c.text for c in whole.choices]
+    assert [c.index for c in whole.choices] == [0, 1] and texts == ["Aa", "Bb"]
+    assert [c.finish_reason for c in whole.choices] == ["stop", "length"]
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (3, 4)
+
+
+def stream_n(kind: str, pieces) -> list[str]:
+    async def collect():
+        return [line async for line in answer(kind, True, pieces, n=2).events()]
+    return asyncio.run(collect())

@@ -25,8 +25,11 @@ def test_neutral_values_of_unsupported_parameters_are_accepted():
                                     logit_bias={}, store=False, user="someone")
     request.check_supported()
     with pytest.raises(APIError) as refused:
-        ChatCompletionRequest(model="m", messages=MESSAGES, n=3).check_supported()
-    assert refused.value.param == "n"
+        CompletionRequest(model="m", prompt="Hi", n=2, best_of=3).check_supported()
+    assert refused.value.param == "best_of"
+    chat_n = ChatCompletionRequest(model="m", messages=MESSAGES, n=3)
+    chat_n.check_supported()  # n answers are served
+    assert chat_n.generation_request("x").n == 3
     completion = CompletionRequest(model="m", prompt="Hi")
     completion.check_supported()
     assert completion.generation_request("Hi").max_tokens == 16  # OpenAI's default for completions

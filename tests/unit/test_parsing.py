@@ -163,3 +163,12 @@ def test_read_inputs_leaves_out_what_was_not_sent_and_counts_elements_before_con
     with pytest.raises(ValueError, match="input 'seed' must hold one value per request; got 2"):
         read_inputs(FakePb, FakeRequest(text_input=text("Hello"), seed=np.array([1, 2], dtype=np.uint64)))
     assert read_parameters(FakeRequest("{}")) == "" and read_parameters(FakeRequest('{"top_k": 1}')) == '{"top_k": 1}'
+
+
+def test_n_comes_as_an_input_or_in_sampling_parameters_and_best_of_is_refused():
+    assert parse(n=scalar(3, np.int32)).params.n == 3
+    assert parse(sampling_parameters=text(json.dumps({"n": 2}))).params.n == 2
+    with pytest.raises(InvalidRequest, match="n must be"):
+        parse(n=scalar(0, np.int32))
+    with pytest.raises(InvalidRequest, match="best_of"):
+        parse(sampling_parameters=text(json.dumps({"n": 2, "best_of": 4})))

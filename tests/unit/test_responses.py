@@ -214,6 +214,54 @@ def test_a_non_streaming_request_gets_one_final_response_with_the_whole_text():
     assert response.tensors["output_ids"].tolist() == [[10, 11, 12, 13]]  # batched: a leading batch dimension
 
 
+def n_outputs() -> list[RequestOutput]:
+    """Two sequences of one request: sequence 1 ends first, sequence 0's end is the request's final output."""
+    return [
+        RequestOutput("r", "A", [1], index=0, num_prompt_tokens=4, num_output_tokens=1),
+        RequestOutput("r", "B", [2], index=1, num_prompt_tokens=4, num_output_tokens=1),
+        RequestOutput("r", "b", [3], index=1, finish_reason="stop", num_prompt_tokens=4, num_output_tokens=2),
+        RequestOutput("r", "a", [4], index=0, finished=True, finish_reason="length", num_prompt_tokens=4,
+                      num_output_tokens=2),
+    ]
+
+
+def test_a_streamed_request_with_n_sequences_gets_each_ones_deltas_with_its_index():
+    sender = RecordingSender()
+    open_request = OpenRequest(sender, stream=True, n=2)
+    for output in n_outputs():
+        responses.send_output(FakeResponsePb, open_request, output, batched=False)
+    sent = [(texts(r), r.tensors["index"].tolist(), flags) for r, flags in sender.sent]
+    assert sent == [(["A"], [0], 0), (["B"], [1], 0), (["b"], [1], 0), (["a"], [0], 1)]
+    assert [r.tensors["finish_reason"].tolist() for r, _ in sender.sent[2:]] == [[b"stop"], [b"length"]]
+
+
+def test_every_sequence_of_a_request_with_n_counts_its_tokens_and_the_request_is_counted_once():
+    class Metrics(CountingMetrics):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sequence_tokens: list[int] = []
+
+        def on_sequence_finished(self, output: RequestOutput) -> None:
+            self.sequence_tokens.append(output.num_output_tokens)
+
+    metrics = Metrics()
+    requests = OpenRequests(FakeResponsePb, metrics, batched=False)
+    requests.add("r", OpenRequest(RecordingSender(), stream=True, n=2))
+    for output in n_outputs():
+        requests.send(output)
+    assert (metrics.sequence_tokens, metrics.finished) == ([2], ["length"])
+
+
+def test_a_non_streamed_request_with_n_sequences_gets_each_whole_text_when_it_ends():
+    sender = RecordingSender()
+    open_request = OpenRequest(sender, stream=False, n=2)
+    for output in n_outputs():
+        responses.send_output(FakeResponsePb, open_request, output, batched=False)
+    sent = [(texts(r), r.tensors["index"].tolist(), r.tensors["output_ids"].tolist(), flags)
+            for r, flags in sender.sent]
+    assert sent == [(["Bb"], [1], [2, 3], 0), (["Aa"], [0], [1, 4], 1)]
+
+
 def test_an_error_output_is_a_final_error_response_without_tensors():
     sender = RecordingSender()
     failed = RequestOutput("r", "", [], finished=True, finish_reason="abort", error=SHUTTING_DOWN)

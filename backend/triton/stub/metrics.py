@@ -98,6 +98,10 @@ class TritonMetrics:
             if output.num_output_tokens > 1:
                 self.tpot.observe((t.finished - t.first_token) / (output.num_output_tokens - 1))
 
+    def on_sequence_finished(self, output: RequestOutput) -> None:
+        """A sequence of a request with ``n`` > 1 ended before the request's last one: its tokens count too."""
+        self.generation_tokens.increment(output.num_output_tokens)
+
     def on_steps(self, engine) -> None:
         """Observe the engine steps recorded since the last call, and refresh the gauges. Call it on the thread
         that steps the engine."""

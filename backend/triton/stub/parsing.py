@@ -17,7 +17,7 @@ from backend.contract.errors import PROMPT, ContextLengthExceeded, InvalidReques
 from backend.engine.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 # Inputs every model declares (model_repository/README.md). Anything else is refused by Triton itself.
-SAMPLING_INPUTS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos")
+SAMPLING_INPUTS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n")
 # Input names other Triton LLM backends use for a sampling setting (TensorRT-LLM's), sent as they are by their clients.
 SAMPLING_INPUT_ALIASES = {"min_length": "min_tokens"}
 # vllm_backend's switches for optional outputs. Ours are returned unless a request turns them off.

@@ -6,7 +6,12 @@ backend/triton/stub/stream_interval.py); its first token and its final response 
 response carries only the new text and token ids (``INTERMEDIATE_OUTPUTS``); the counts and the finish reason come
 in the final one, or in every response when the request asks for them (``return_*: true``). ``logprobs`` (only when
 asked) is vllm_backend's: a JSON list, one entry per token of the response, ``{token_id: {"logprob", "rank",
-"decoded_token"}}`` with the sampled token first."""
+"decoded_token"}}`` with the sampled token first.
+
+A request with ``n`` > 1 gets each of its n sequences' text in responses of its own, each carrying the sequence's
+``index`` (OpenAI's ``choices[i].index``): streamed, the deltas of all n interleaved as they are made; not streamed,
+each sequence's whole text when it ends. A sequence's last response has its ``finish_reason``; the request's last one
+is flagged final."""
 
 from __future__ import annotations
 
@@ -24,8 +29,8 @@ from backend.engine.llm_engine import RequestOutput
 from backend.engine.request import FinishReason
 from backend.triton.stub.stream_interval import StreamPacer, StreamState
 
-ALL_OUTPUTS = frozenset({"text_output", "output_ids", "finish_reason", "num_input_tokens", "num_output_tokens",
-                         "logprobs"})
+ALL_OUTPUTS = frozenset({"text_output", "output_ids", "index", "finish_reason", "num_input_tokens",
+                         "num_output_tokens", "logprobs"})
 # What every intermediate response of a stream carries; the other outputs only when asked for (``return_*: true``).
 INTERMEDIATE_OUTPUTS = frozenset({"text_output", "output_ids"})
 # Outputs in no response unless the request asked for them.
@@ -41,21 +46,22 @@ class OpenRequest:
     arrival: float = field(default_factory=time.perf_counter)
     omitted_outputs: frozenset[str] = frozenset()  # turned off (return_*: false): in no response
     requested_outputs: frozenset[str] = frozenset()  # asked for (return_*: true): in every response
-    text: list[str] = field(default_factory=list)  # made and not yet sent (non-streaming: the whole text)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)  # one per held token, when the request asked
+    n: int = 1  # sequences: with more than one, every response carries its ``index``
+    # Made and not yet sent, by sequence index: texts, token ids and (when asked) log-probabilities, one per token
+    # (non-streaming: the whole text).
+    held: dict[int, tuple[list[str], list[int], list[dict]]] = field(default_factory=dict)
     pacing: StreamState | None = None  # a stream, once its first token went out
 
     def hold(self, output: RequestOutput) -> None:
-        self.text.append(output.delta_text)
-        self.token_ids += output.new_token_ids
-        self.logprobs += output.logprobs or ()
+        text, token_ids, logprobs = self.held.setdefault(output.index, ([], [], []))
+        text.append(output.delta_text)
+        token_ids += output.new_token_ids
+        logprobs += output.logprobs or ()
 
-    def take(self) -> tuple[str, list[int], list[dict]]:
-        """Everything held, to be sent now."""
-        text, token_ids, logprobs = "".join(self.text), self.token_ids, self.logprobs
-        self.text, self.token_ids, self.logprobs = [], [], []
-        return text, token_ids, logprobs
+    def take(self, index: int) -> tuple[str, list[int], list[dict]]:
+        """Everything held for sequence ``index``, to be sent now."""
+        text, token_ids, logprobs = self.held.pop(index, ((), [], []))
+        return "".join(text), token_ids, logprobs
 
 
 class OpenRequests:
@@ -105,7 +111,10 @@ class OpenRequests:
             return
         if output.finished and output.finish_reason != FinishReason.REFUSED:
             self._metrics.on_finished(output, open_request.arrival)
-        if output.finished or output.error is not None or not open_request.stream:
+        elif output.finish_reason is not None and not output.finished:
+            self._metrics.on_sequence_finished(output)
+        if output.finish_reason is not None or output.finished or output.error is not None or \
+                not open_request.stream:
             send_output(self._pb, open_request, output, self._batched)
         elif open_request.pacing is None:  # the first token: at once
             open_request.pacing = self.pacer.start()
@@ -204,21 +213,26 @@ class CancellationPoll:
 
 
 def send_output(pb, open_request: OpenRequest, output: RequestOutput, batched: bool) -> None:
-    """Send what one engine output means for this request, with whatever was held before it: a delta (streaming),
-    or the whole text at the end."""
+    """Send what one engine output means for this request, with whatever was held before it for its sequence: a
+    delta (streaming), or the sequence's whole text at its end."""
     flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
     if output.error is not None:
         error = pb.InferenceResponse(output_tensors=[], error=pb.TritonError(output.error))
         open_request.sender.send(error, flags=flags)
         return
     open_request.hold(output)
-    if not (open_request.stream or output.finished):
+    ended = output.finished or output.finish_reason is not None  # the sequence's last response
+    if not (open_request.stream or ended):
         return
-    text, token_ids, logprobs = open_request.take()
-    if output.finished:
+    text, token_ids, logprobs = open_request.take(output.index)
+    if ended:
         omitted = open_request.omitted_outputs | (OPT_IN_OUTPUTS - open_request.requested_outputs)
     else:  # NOTE: each tensor is a shared-memory allocation and a bigger IPC message: the fewest that say it all
         omitted = ALL_OUTPUTS - INTERMEDIATE_OUTPUTS - open_request.requested_outputs
+    if open_request.n == 1:  # one sequence: its index says nothing
+        omitted |= {"index"}
+    else:
+        omitted -= {"index"}
     tensors = make_output_tensors(pb, text, token_ids, output, batched, omitted, logprobs)
     open_request.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
 
@@ -228,10 +242,11 @@ def make_output_tensors(
     logprobs: list[dict] = (),
 ) -> list:
     lead = (1,) if batched else ()  # a model with max_batch_size > 0 answers with a batch dimension
-    reason = output.finish_reason if output.finished else ""
+    reason = output.finish_reason or ""
     arrays = {  # built only for the outputs sent
         "text_output": lambda: np.array([text.encode("utf-8")], dtype=np.object_),
         "output_ids": lambda: np.array(token_ids, dtype=np.int32),
+        "index": lambda: np.array([output.index], dtype=np.int32),
         "finish_reason": lambda: np.array([(reason or "").encode()], dtype=np.object_),
         "num_input_tokens": lambda: np.array([output.num_prompt_tokens], dtype=np.int32),
         "num_output_tokens": lambda: np.array([output.num_output_tokens], dtype=np.int32),

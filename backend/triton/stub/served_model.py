@@ -97,7 +97,7 @@ class ServedModel:
             return None
         request_id = uuid.uuid4().hex
         self.open.add(request_id, OpenRequest(sender, parsed.stream, arrival, parsed.omitted_outputs,
-                                              parsed.requested_outputs))
+                                              parsed.requested_outputs, parsed.params.n))
         if self.faults is not None:
             self.faults.watch(request_id, parsed.prompt)
         try:
