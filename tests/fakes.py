@@ -1,9 +1,15 @@
-"""Fakes for the unit tests of the server glue: a clock moved by hand, and the response side of
-``triton_python_backend_utils`` (which exists only inside a Triton stub): errors, output tensors, responses."""
+"""Fakes for the unit tests of the server glue: a clock moved by hand, the response side of
+``triton_python_backend_utils`` (which exists only inside a Triton stub): errors, output tensors, responses; and a
+Triton generation for the OpenAI frontend's answers."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from frontend.openai.triton_bridge import Piece
 
 
 class FakeClock:
@@ -43,3 +49,29 @@ class FakeResponsePb:
 
     TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
     InferenceResponse, Tensor, TritonError = FakeResponse, FakeTensor, FakeError
+
+
+class FakeGeneration:
+    """The pieces after the first; ``finished`` once each of its ``n`` sequences has had its last (as
+    frontend.openai.triton_bridge.TritonGeneration): the OpenAI frontend's answers without a server."""
+
+    def __init__(self, first: Piece, pieces, n: int = 1) -> None:
+        self.pieces, self.n = list(pieces), n
+        self.num_ended = bool(first.finish_reason)
+
+    @property
+    def finished(self) -> bool:
+        return self.num_ended >= self.n
+
+    async def __anext__(self) -> Piece:
+        if not self.pieces:
+            raise StopAsyncIteration
+        piece = self.pieces.pop(0)
+        self.num_ended += bool(piece.finish_reason)
+        return piece
+
+    def __aiter__(self):
+        return self
+
+    async def aclose(self) -> None:
+        pass

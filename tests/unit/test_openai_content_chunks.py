@@ -14,6 +14,7 @@ import pytest
 from frontend.openai.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.openai.serving import Answer
 from frontend.openai.triton_bridge import Piece
+from tests.fakes import FakeGeneration
 
 TEXTS = ["", "Hello", " world", 'a "quoted" word', "back\\slash", "line\nbreak\ttab\r", "\x00\x01\x1f\x7f",
          "caf\u00e9 \u4e16\u754c \U0001f600", "\u2028\u2029", "</script>", "{\"content\":\"\"}"]
@@ -29,32 +30,6 @@ def answer(kind: str, include_usage: bool, pieces=(), n: int = 1) -> Answer:
     pieces = list(pieces) or [Piece("", 0, "stop", 1, 0)]
     generation = FakeGeneration(pieces[0], pieces[1:], n)
     return Answer(kind, "llm_continuous", request, generation, pieces[0], "id-1", 1_700_000_000)
-
-
-class FakeGeneration:
-    """The pieces after the first; ``finished`` once each of its ``n`` sequences has had its last (as
-    TritonGeneration)."""
-
-    def __init__(self, first: Piece, pieces, n: int = 1) -> None:
-        self.pieces, self.n = list(pieces), n
-        self.num_ended = bool(first.finish_reason)
-
-    @property
-    def finished(self) -> bool:
-        return self.num_ended >= self.n
-
-    async def __anext__(self) -> Piece:
-        if not self.pieces:
-            raise StopAsyncIteration
-        piece = self.pieces.pop(0)
-        self.num_ended += bool(piece.finish_reason)
-        return piece
-
-    def __aiter__(self):
-        return self
-
-    async def aclose(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("include_usage", [False, True])
@@ -111,8 +86,8 @@ def test_a_response_of_several_tokens_becomes_one_chunk_per_token_with_the_same_
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_n_choices_stream_with_their_index_and_usage_counts_the_prompt_once(kind):
-    pieces = [Piece("A", 1, None, 3, 1, 0), Piece("B", 1, None, 3, 1, 1), Piece("b", 1, "length", 3, 2, 1),
-              Piece("a", 1, "stop", 3, 2, 0)]
+    pieces = [Piece("A", 1, None, 3, 1, index=0), Piece("B", 1, None, 3, 1, index=1),
+              Piece("b", 1, "length", 3, 2, index=1), Piece("a", 1, "stop", 3, 2, index=0)]
     events = [json.loads(line.removeprefix("data: ")) for write in stream_n(kind, pieces)
               for line in write.split("\n\n") if line.startswith("data: {")]
     choices = [(e["choices"][0]["index"], e["choices"][0].get("finish_reason")) for e in events if e["choices"]]
@@ -123,7 +98,8 @@ def test_n_choices_stream_with_their_index_and_usage_counts_the_prompt_once(kind
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_n_choices_whole_in_index_order(kind):
-    pieces = [Piece("B", 1, None, 3, 1, 1), Piece("Aa", 2, "stop", 3, 2, 0), Piece("b", 1, "length", 3, 2, 1)]
+    pieces = [Piece("B", 1, None, 3, 1, index=1), Piece("Aa", 2, "stop", 3, 2, index=0),
+              Piece("b", 1, "length", 3, 2, index=1)]
     whole = asyncio.run(answer(kind, False, pieces, n=2).whole())
     texts = [c.message.content if kind == "chat" else c.text for c in whole.choices]
     assert [c.index for c in whole.choices] == [0, 1] and texts == ["Aa", "Bb"]

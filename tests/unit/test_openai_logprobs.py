@@ -12,6 +12,7 @@ from frontend.openai.logprobs import parse_logprobs
 from frontend.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from frontend.openai.serving import Answer
 from frontend.openai.triton_bridge import Piece
+from tests.fakes import FakeGeneration
 
 # Two tokens as the models send them: the first sampled at rank 1, the second at rank 3 (outside a top 2).
 MODEL_JSON = json.dumps([
@@ -23,22 +24,6 @@ MODEL_JSON = json.dumps([
 TOKENS = parse_logprobs(MODEL_JSON)
 
 
-class FakeGeneration:
-    def __init__(self, pieces) -> None:
-        self.pieces = list(pieces)
-
-    async def __anext__(self) -> Piece:
-        if not self.pieces:
-            raise StopAsyncIteration
-        return self.pieces.pop(0)
-
-    def __aiter__(self):
-        return self
-
-    async def aclose(self) -> None:
-        pass
-
-
 def answer(kind: str, stream: bool, pieces, **fields) -> Answer:
     if kind == "chat":
         request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}], stream=stream,
@@ -46,7 +31,7 @@ def answer(kind: str, stream: bool, pieces, **fields) -> Answer:
     else:
         request = CompletionRequest(model="m", prompt="Hi", stream=stream, **fields)
     request.check_supported()
-    return Answer(kind, "m", request, FakeGeneration(pieces[1:]), pieces[0], "id-1", 1_700_000_000)
+    return Answer(kind, "m", request, FakeGeneration(pieces[0], pieces[1:]), pieces[0], "id-1", 1_700_000_000)
 
 
 def test_the_models_json_is_read_sampled_token_first_and_the_likeliest_by_rank():
@@ -108,7 +93,7 @@ def test_vllm_extras_travel_in_sampling_parameters_and_hints_are_accepted():
         "presence_penalty": 0.5, "repetition_penalty": 1.1, "min_p": 0.05, "logit_bias": {"42": -100.0},
         "stop_token_ids": [7], "include_stop_str_in_output": True, "skip_special_tokens": False}
     assert CompletionRequest(model="m", prompt="Hi").generation_request("Hi").sampling_parameters is None
-    for refused in ({"use_beam_search": True}, {"guided_choice": ["a", "b"]}, {"truncate_prompt_tokens": 5}):
+    for refused in ({"use_beam_search": True}, {"guided_whitespace_pattern": " "}, {"truncate_prompt_tokens": 5}):
         with pytest.raises(APIError) as error:
             CompletionRequest(model="m", prompt="Hi", **refused).check_supported()
         assert error.value.param == next(iter(refused)) and error.value.code == "unsupported_parameter"
