@@ -111,15 +111,17 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> Request:
         """Tokenize and queue a request. Raises ``InvalidRequest`` (a ``ValueError``, for this request only) when it
-        cannot be served."""
+        cannot be served. ``priority``: vLLM's, a lower value served earlier (read under ``scheduling_policy``
+        ``priority`` only)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise InvalidRequest(PROMPT, "the prompt is empty: it encodes to zero tokens")
-        request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
+        request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, priority)
         self.scheduler.add_request(request)  # refuses what can never fit: max_model_len, the KV pool
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer.hf, token_ids, params.stop, params.min_tokens
