@@ -28,6 +28,7 @@ INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "stream": ("BOOL", np.bool_),
     "sampling_parameters": ("BYTES", np.object_),
     "exclude_input_in_output": ("BOOL", np.bool_),
+    "priority": ("UINT32", np.uint32),
 }
 
 
@@ -47,6 +48,10 @@ class GenerationRequest:
     stream: bool = True
     sampling_parameters: Mapping[str, Any] | None = None
     exclude_input_in_output: bool | None = None
+    # Triton's level (1 the highest, 0 or None the default one: backend/contract/priority.py). Sent twice: as the
+    # request's own Triton priority, which orders the dynamic batcher's queue, and as the ``priority`` input, which
+    # the engine reads (a Python model cannot read the first in Triton 2.51).
+    priority: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.text_input, str):

@@ -49,6 +49,7 @@ from locust.runners import STATE_RUNNING, STATE_SPAWNING  # noqa: E402
 from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 
 from backend.contract.names import CONTINUOUS  # noqa: E402
+from backend.contract.priority import openai_priority  # noqa: E402
 from client.grpc_stream import GrpcStream  # noqa: E402
 from client.schema import Chunk, GenerationRequest, build_inputs, parse_chunk  # noqa: E402
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS  # noqa: E402
@@ -88,6 +89,10 @@ def _add_options(parser) -> None:
         type=float,
         default=0.0,
         help="open loop: Poisson arrivals per second over all users; 0 = closed loop",
+    )
+    group.add_argument(
+        "--priority", type=int, default=0,
+        help="Triton's priority level of every request: 1 the highest (interactive), 3 batch; 0: the default level",
     )
     group.add_argument(
         "--max-requests", type=int, default=0, help="stop after issuing this many requests per model (0: no limit)"
@@ -276,6 +281,7 @@ class StreamingLLMUser(User):
             stream=True,
             temperature=self.options.temperature,
             seed=spec.index,
+            priority=self.options.priority or None,
         )
         m = Measurement(spec.index, spec.max_tokens, time.time())
         t0 = time.perf_counter()
@@ -352,7 +358,8 @@ class GrpcStreamUser(StreamingLLMUser):
             gevent.spawn(client.close).join()
 
     def stream(self, request: GenerationRequest, t0: float):
-        stream = GrpcStream.start(self.client, self.model, build_inputs(request, self.max_batch_size))
+        stream = GrpcStream.start(self.client, self.model, build_inputs(request, self.max_batch_size),
+                                  priority=request.priority)
         try:
             for chunk in stream.follow(self.options.request_timeout - (stream.sent_at - t0), from_start=True):
                 # Timed from t0, as the HTTP user times its requests.
@@ -428,6 +435,7 @@ class OpenAIStreamUser(HttpStreamUser):
     def body(self, request: GenerationRequest) -> dict:
         return {"model": self.model, "prompt": request.text_input, "max_tokens": request.max_tokens,
                 "temperature": request.temperature, "seed": request.seed, "ignore_eos": request.ignore_eos,
+                "priority": openai_priority(request.priority or 0),
                 "stream": True, "stream_options": {"include_usage": True}}
 
     def chunk(self, event: dict, time_s: float) -> Chunk:

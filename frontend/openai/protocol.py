@@ -14,6 +14,7 @@ from typing import Any, Literal
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict, Field
 
+from backend.contract.priority import level_of_openai
 from client.schema import GenerationRequest
 
 MAX_SEED = 2**64 - 1  # the models' seed input is UINT64
@@ -101,6 +102,8 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    # vLLM's: a lower value is served earlier, 0 by default; sent as Triton's level (level_of_openai).
+    priority: int = 0
     # OpenAI's, honoured only at their neutral value (NEUTRAL_VALUES).
     n: int | None = None
     presence_penalty: float | None = None
@@ -142,6 +145,7 @@ class SamplingRequest(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or ()),
             ignore_eos=self.ignore_eos or None,
             stream=bool(self.stream),
+            priority=level_of_openai(self.priority),
             # NOTE: no max_tokens means "until the context is full" (as OpenAI's chat and vLLM), which the models'
             # max_tokens input cannot say: its default is 16. A null in sampling_parameters can.
             sampling_parameters={"max_tokens": None} if max_tokens is None else None,

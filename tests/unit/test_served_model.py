@@ -116,10 +116,10 @@ def prompt(value: bytes = b"Hello", **inputs: np.ndarray) -> FakeRequest:
 
 def test_a_valid_request_is_opened_and_handed_to_the_driver(model):
     handed = []
-    request = prompt(max_tokens=np.array([3], dtype=np.int32))
+    request = prompt(max_tokens=np.array([3], dtype=np.int32), priority=np.array([1], dtype=np.uint32))
     request_id = model.admit(request, 12.5, lambda *args: handed.append(args))
-    ((rid, text, params, arrival),) = handed
-    assert (rid, text, params.max_tokens, arrival) == (request_id, "Hello", 3, 12.5)
+    ((rid, text, params, arrival, priority),) = handed
+    assert (rid, text, params.max_tokens, arrival, priority) == (request_id, "Hello", 3, 12.5, 1)
     assert len(model.open) == 1 and request.sender.finals == []  # the driver answers it
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from backend.contract.priority import DEFAULT_PRIORITY_LEVEL
 from backend.engine.llm_engine import RequestOutput
 from backend.engine.request import FinishReason
 from backend.triton.stub.stream_interval import StreamPacer, StreamState
@@ -35,6 +36,7 @@ class OpenRequest:
     arrival: float = field(default_factory=time.perf_counter)
     omitted_outputs: frozenset[str] = frozenset()  # turned off (return_*: false): in no response
     requested_outputs: frozenset[str] = frozenset()  # asked for (return_*: true): in every response
+    priority: int = DEFAULT_PRIORITY_LEVEL  # Triton's level: the metrics' priority label
     text: list[str] = field(default_factory=list)  # made and not yet sent (non-streaming: the whole text)
     token_ids: list[int] = field(default_factory=list)
     pacing: StreamState | None = None  # a stream, once its first token went out
