@@ -98,7 +98,7 @@ class OpenRequests:
         if open_request is None:
             return
         if output.finished and output.finish_reason != FinishReason.REFUSED:
-            self._metrics.on_finished(output, open_request.arrival)
+            self._metrics.on_finished(output, open_request.arrival, open_request.priority)
         if output.finished or output.error is not None or not open_request.stream:
             send_output(self._pb, open_request, output, self._batched)
         elif open_request.pacing is None:  # the first token: at once
@@ -118,7 +118,7 @@ class OpenRequests:
         with self._lock:
             open_request = self._open.pop(output.request_id, None)
         if open_request is not None and output.finished:
-            self._metrics.on_finished(output, open_request.arrival)
+            self._metrics.on_finished(output, open_request.arrival, open_request.priority)
 
     def cancelled(self, request_ids: Iterable[str] | None = None) -> list[str]:
         """Those of ``request_ids`` (default: every open request) whose client cancelled. NOTE: ``is_cancelled()``
