@@ -255,11 +255,12 @@ def start_stream(
     **values: Any,
 ) -> GrpcStream:
     """Send one request on a new gRPC stream: ``prompt`` and ``values`` as given, unchecked (``inputs`` replaces the
-    tensors built from them). A request the client library refuses comes back as a final stream with its error."""
+    tensors built from them; a ``priority`` value is sent as the request's Triton priority too). A request the client
+    library refuses comes back as a final stream with its error."""
     try:
         if inputs is None:
             inputs = input_tensors(raw_input_values(prompt, **values), max_batch_size(url, model))
-        return GrpcStream.start(url, model, inputs, parameters=parameters)
+        return GrpcStream.start(url, model, inputs, parameters=parameters, priority=values.get("priority"))
     except Exception as exc:  # refused by the client library before anything was sent
         stream = GrpcStream(model, None, owns_client=False)
         stream.final, stream.exception = True, RuntimeError(f"client: {exc}")
