@@ -294,7 +294,8 @@ def main(argv=None) -> int:
     page = live.LivePage(live_view(models, plan, out_dir), args.live_port).start()
     log(f"watch every model's batch, queues and KV blocks live at {page.url}")
     try:
-        args.model_repository = runner.repository_to_serve(args, out_dir, models)
+        if not args.url:  # NOTE: a running server serves its own configs (--priorities: its scheduling_policy)
+            args.model_repository = runner.repository_to_serve(args, out_dir, models)
         with runner.open_target(args, out_dir / "tritonserver.log", say=log) as target:
             page.view.metrics_url = target.metrics_url
             meta["server"] = {
