@@ -4,7 +4,9 @@
 #   make test      the whole test suite: tests/unit/, then tests/server/ (real servers on free ports, the containers)
 #   make test-unit the unit tier alone (tests/unit/): no server, no Docker, nothing installed with apt; a few minutes
 #   make compare   serve the models, compare llm_dynamic and llm_continuous under the same Locust load (reports/);
-#                  ARGS="--quantization q4_1" (or int8) serves every model on those weights
+#                  ARGS="--quantization q4_1" (or int8) serves every model on those weights;
+#                  ARGS="--workload mixed --priorities both" interactive users (--interactive-users, 2 per model) beside
+#                  --users batch users, each load without and with request priorities, a table per class and model
 #   make slo       highest load each model sustains within TTFT/TPOT p99 SLOs
 #   make locust    Locust's web UI (:8089) against a running `make serve`, with the live batching tab
 #   make soak      clients that misbehave, every pattern on every model, 1 and 8 clients, 2,000 requests per pattern

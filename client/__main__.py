@@ -38,6 +38,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true", default=None)
+    generate.add_argument("--priority", type=int, help="Triton's level: 1 the highest (interactive), 3 batch; "
+                          "default 2")
     generate.add_argument("--no-stream", dest="stream", action="store_false", help="one response with the whole text")
     generate.add_argument("--json", action="store_true", help="print the result with its timings as JSON")
 
@@ -57,6 +59,7 @@ def generate(client: LLMClient, args: argparse.Namespace) -> int:
         stop=args.stop,
         ignore_eos=args.ignore_eos,
         stream=args.stream,
+        priority=args.priority,
     )
     generation = client.stream(args.model, request)
     try:

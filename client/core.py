@@ -230,16 +230,17 @@ class LLMClient:
         """Send ``request`` to ``model`` and return the :class:`Generation` in flight."""
         config = self.model_config(model)
         if self.protocol == "grpc":
-            return self._grpc_stream(model, build_inputs(request, int(config.get("max_batch_size", 0))))
+            return self._grpc_stream(model, build_inputs(request, int(config.get("max_batch_size", 0))),
+                                     request.priority)
         return self._http_stream(model, request)
 
     def generate(self, model: str, request: GenerationRequest) -> GenerationResult:
         """Send ``request`` and wait for the whole :class:`GenerationResult`."""
         return self.stream(model, request).result()
 
-    def _grpc_stream(self, model: str, inputs: list[grpcclient.InferInput]) -> Generation:
+    def _grpc_stream(self, model: str, inputs: list[grpcclient.InferInput], priority: int | None) -> Generation:
         # NOTE: a tritonclient InferenceServerClient holds at most one stream, so each generation gets its own.
-        stream = GrpcStream.start(self.url, model, inputs, request_id=uuid.uuid4().hex)
+        stream = GrpcStream.start(self.url, model, inputs, request_id=uuid.uuid4().hex, priority=priority)
 
         def chunks() -> Iterator[Chunk]:
             try:

@@ -55,8 +55,10 @@ class GrpcStream:
         *,
         parameters: dict | None = None,
         request_id: str = "",
+        priority: int | None = None,
     ) -> "GrpcStream":
-        """Open a stream on ``client`` (a URL: a client of its own, closed with the stream) and send one request.
+        """Open a stream on ``client`` (a URL: a client of its own, closed with the stream) and send one request,
+        with ``priority`` as its Triton priority (``GenerationRequest.priority``; None: the default level).
 
         A tritonclient client holds at most one stream at a time. If the client library refuses the request, the
         stream is closed and the exception raised.
@@ -68,7 +70,8 @@ class GrpcStream:
         stream.sent_at = time.perf_counter()
         try:
             stream.client.async_stream_infer(
-                model, inputs, parameters=parameters, request_id=request_id, enable_empty_final_response=True
+                model, inputs, parameters=parameters, request_id=request_id, priority=priority or 0,
+                enable_empty_final_response=True,
             )
         except Exception:
             stream.close(cancel=True)
@@ -252,11 +255,12 @@ def start_stream(
     **values: Any,
 ) -> GrpcStream:
     """Send one request on a new gRPC stream: ``prompt`` and ``values`` as given, unchecked (``inputs`` replaces the
-    tensors built from them). A request the client library refuses comes back as a final stream with its error."""
+    tensors built from them; a ``priority`` value is sent as the request's Triton priority too). A request the client
+    library refuses comes back as a final stream with its error."""
     try:
         if inputs is None:
             inputs = input_tensors(raw_input_values(prompt, **values), max_batch_size(url, model))
-        return GrpcStream.start(url, model, inputs, parameters=parameters)
+        return GrpcStream.start(url, model, inputs, parameters=parameters, priority=values.get("priority"))
     except Exception as exc:  # refused by the client library before anything was sent
         stream = GrpcStream(model, None, owns_client=False)
         stream.final, stream.exception = True, RuntimeError(f"client: {exc}")

@@ -32,6 +32,7 @@ INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "return_logprobs": ("BOOL", np.bool_),
     "return_num_input_tokens": ("BOOL", np.bool_),
     "return_num_output_tokens": ("BOOL", np.bool_),
+    "priority": ("UINT32", np.uint32),
 }
 
 
@@ -55,6 +56,10 @@ class GenerationRequest:
     return_logprobs: bool | None = None  # the logprobs output (sampling_parameters' logprobs: k adds the top k)
     return_num_input_tokens: bool | None = None  # true: the counts in every response, not just the final one
     return_num_output_tokens: bool | None = None
+    # Triton's level (1 the highest, 0 or None the default one: backend/contract/priority.py). Sent twice: as the
+    # request's own Triton priority, which orders the dynamic batcher's queue, and as the ``priority`` input, which
+    # the engine reads (a Python model cannot read the first in Triton 2.51).
+    priority: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.text_input, str):

@@ -24,6 +24,13 @@ configuration table states every batcher setting and the weights of each model a
 
 Goodput counts the requests with TTFT <= --slo-ttft-ms (default 2000) and TPOT <= --slo-tpot-ms (default 100);
 ``python -m loadtest.slo`` holds a load point's p99s to the same limits.
+
+``--workload mixed`` puts two kinds of traffic on each model: ``--interactive-users`` interactive users (short
+requests, with TTFT and TPOT targets) at every load point, beside the point's users, who are batch users (long
+prompts and answers, no target). ``--priorities on`` sends each class at its priority level (interactive 1, batch 3)
+and serves copies of the models with the engine's ``scheduling_policy`` priority; ``--priorities both`` runs every
+load point without priorities, then with them. The report adds a table per model: each class's tokens/s, TTFT and
+TPOT p50/p99, and the share of interactive requests within their targets (docs/comparison.md, "The mixed workload").
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -41,7 +49,7 @@ from pathlib import Path
 from backend.contract.names import DYNAMIC, MODELS
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, live, report, runner
 from loadtest.stats import summarize
-from loadtest.workloads import WORKLOADS, get_workload
+from loadtest.workloads import WORKLOAD_NAMES, MixedWorkload, get_workload
 from records.record import Record
 
 # llm_dynamic at its best on the development machine (2 cores): two instances of 8 seats, the shipped 2 ms delay. Of
@@ -80,7 +88,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--max-users", type=int, default=64, help="users that carry the arrivals with --rates (default: %(default)s)"
     )
-    p.add_argument("--workload", default="long_tailed", choices=sorted(WORKLOADS))
+    p.add_argument("--workload", default="long_tailed", choices=WORKLOAD_NAMES)
+    p.add_argument(
+        "--interactive-users", type=int, default=2,
+        help="--workload mixed: interactive users per model at every load point, beside --users' batch users "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--priorities", choices=["off", "on", "both"], default="off",
+        help="--workload mixed: send each class at its priority level (on), or run every load point without and "
+        "with them (both); on and both serve the models with scheduling_policy priority (default: %(default)s)",
+    )
     p.add_argument(
         "--length-scale",
         type=float,
@@ -118,6 +136,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--dynamic-variants serve a copy of the repository; with --url, serve them on that server instead")
     if args.quantization and args.url:
         p.error("--quantization sets the served copies' configs; with --url, set it in that server's configs instead")
+    if args.workload != "mixed" and args.priorities != "off":
+        p.error("--priorities sets the levels of the mixed workload's classes: use it with --workload mixed")
+    if args.workload == "mixed" and args.rates:
+        p.error("--workload mixed is a closed loop (--users batch users beside --interactive-users); not --rates")
+    if args.interactive_users < 0:
+        p.error("--interactive-users cannot be negative")
     models = list(MODELS) if args.models is None else [m for m in args.models.split(",") if m]
     if args.variants and DYNAMIC not in models:
         p.error(f"--dynamic-variants are compared beside {DYNAMIC}: put it among --models")
@@ -142,6 +166,7 @@ def make_plan(args) -> tuple[runner.Plan, list[runner.LoadPoint]]:
         seed=args.seed,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
+        interactive_users=args.interactive_users if args.workload == "mixed" else 0,
     )
     if args.length_scale is not None:
         plan.length_scale = args.length_scale
@@ -175,6 +200,10 @@ def log(message: str) -> None:
     print(f"[compare {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+# The passes of each load point per --priorities: without priorities, with them, or the one and then the other.
+PASSES = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
 def sweep(
     target: runner.Target,
     models: list[str],
@@ -182,32 +211,34 @@ def sweep(
     plan: runner.Plan,
     out_dir: Path,
     meta: dict,
+    passes: tuple[bool, ...] = (False,),
 ) -> list[dict]:
     configs = runner.check_models(target, models)
     meta["max_num_seqs"] = next((n for n in map(runner.max_num_seqs, configs.values()) if n), None)
     meta["configs"] = {model: runner.batcher_settings(config) for model, config in configs.items()}
     for model in models:
         log(f"warming up {model} ({runner.warm_up(target, model, concurrency=meta['max_num_seqs'] or 8):.1f} s)")
-    runs, total = [], len(models) * len(points)
+    runs, total = [], len(models) * len(points) * len(passes)
     # NOTE: models alternate at each load point (not one whole sweep after the other), so that anything else
-    # happening on the machine meanwhile affects both about equally.
-    for point in points:
-        for model in models:
-            log(f"[{len(runs) + 1}/{total}] {model} at {point.label}: {plan.run_s:g} s of load, then the drain ...")
-            t0 = time.perf_counter()
-            run = runner.run_load_point(target, model, point, plan, out_dir)
-            runs.append(run)
-            row = summarize(run, plan.slo_ttft_ms, plan.slo_tpot_ms)
-            if row["not_measured"]:
-                log(f"    not measured: {row['not_measured']} ({time.perf_counter() - t0:.0f} s)")
-                continue
-            log(
-                f"    {row['num_requests']} requests, {row['req_per_s']:.2f} req/s, "
-                f"{row['output_tok_per_s']:.0f} tok/s, "
-                f"TTFT p99 {report.fmt(row['ttft_p99_ms'], 'ms')}, TPOT p99 {report.fmt(row['tpot_p99_ms'], 'ms')}, "
-                f"failures {row['num_failed']}, loadgen CPU {report.fmt(row['loadgen_cpu_mean'], '{:.0f}%')} "
-                f"({time.perf_counter() - t0:.0f} s)"
-            )
+    # happening on the machine meanwhile affects both about equally; so do the passes without and with priorities.
+    for point, priorities, model in itertools.product(points, passes, models):
+        with_priorities = " with priorities" if priorities else ""
+        log(f"[{len(runs) + 1}/{total}] {model} at {point.label}{with_priorities}: {plan.run_s:g} s of load, "
+            "then the drain ...")
+        t0 = time.perf_counter()
+        run = runner.run_load_point(target, model, point, dataclasses.replace(plan, priorities=priorities), out_dir)
+        runs.append(run)
+        row = summarize(run, plan.slo_ttft_ms, plan.slo_tpot_ms)
+        if row["not_measured"]:
+            log(f"    not measured: {row['not_measured']} ({time.perf_counter() - t0:.0f} s)")
+            continue
+        log(
+            f"    {row['num_requests']} requests, {row['req_per_s']:.2f} req/s, "
+            f"{row['output_tok_per_s']:.0f} tok/s, "
+            f"TTFT p99 {report.fmt(row['ttft_p99_ms'], 'ms')}, TPOT p99 {report.fmt(row['tpot_p99_ms'], 'ms')}, "
+            f"failures {row['num_failed']}, loadgen CPU {report.fmt(row['loadgen_cpu_mean'], '{:.0f}%')} "
+            f"({time.perf_counter() - t0:.0f} s)"
+        )
     return runs
 
 
@@ -219,6 +250,9 @@ def write_record(record: Record, built: dict, meta: dict, out_dir: Path) -> Path
     record.settings.update({"workload": meta["workload"], "configs": meta.get("configs"), "slo": meta["slo"]})
     record.add_table("load_points", columns, [{k: v for k, v in row.items() if k in keys} for row in built["rows"]],
                      title="Every model at every load point")
+    if built.get("class_rows"):
+        record.add_table("classes", report.class_record_columns(), report.class_record_rows(built["class_rows"]),
+                         title="Every class of the mixed workload, per model, load point and priorities")
     record.notes.append(built["headline"])
     return record.write(out_dir / "record.json")
 
@@ -250,6 +284,9 @@ def main(argv=None) -> int:
         "models": models,
         "quantization": args.quantization,
     }
+    if isinstance(workload, MixedWorkload):
+        meta.update(classes=[c.describe() for c in workload.classes], interactive_users=plan.interactive_users,
+                    priorities=args.priorities)
     loads = ", ".join(p.label for p in points)
     weights = f"{args.quantization} weights" if args.quantization else "weights as configured"
     log(f"{args.mode} run: {', '.join(models)} at {loads}; {workload.describe()}; {weights}; report in {out_dir}")
@@ -257,7 +294,8 @@ def main(argv=None) -> int:
     page = live.LivePage(live_view(models, plan, out_dir), args.live_port).start()
     log(f"watch every model's batch, queues and KV blocks live at {page.url}")
     try:
-        args.model_repository = runner.repository_to_serve(args, out_dir, models)
+        if not args.url:  # NOTE: a running server serves its own configs (--priorities: its scheduling_policy)
+            args.model_repository = runner.repository_to_serve(args, out_dir, models)
         with runner.open_target(args, out_dir / "tritonserver.log", say=log) as target:
             page.view.metrics_url = target.metrics_url
             meta["server"] = {
@@ -265,7 +303,7 @@ def main(argv=None) -> int:
                 "started_here": target.server is not None,
                 "model_folder": target.model_folder or "(the server's own)",
             }
-            runs = sweep(target, models, points, plan, out_dir, meta)
+            runs = sweep(target, models, points, plan, out_dir, meta, PASSES[args.priorities])
     except Exception as exc:  # a clear message, not a traceback: the cause is almost always the server or a model
         print(f"compare: error: {exc}", file=sys.stderr)
         if not any(out_dir.iterdir()):

@@ -16,6 +16,10 @@ tokens/s from the metrics port (``--metrics-url``), live.
 ``--model`` may name several models (``llm_dynamic,llm_continuous``): users are dealt to them in turn, each model
 gets the same request sequence, and ``--max-requests`` is per model.
 
+``--workload mixed`` deals each model's first ``--interactive-users`` users the interactive class and the others the
+batch class (``loadtest/workloads.py``), each class its own request sequence; with ``--priorities`` each request is
+sent at its class's Triton priority level (interactive 1, batch 3), without it at none. Each record names its class.
+
 Errors and truncated streams (no final response, no finish_reason, fewer tokens than ``max_tokens`` although
 ``ignore_eos`` is set) are Locust failures, never exceptions. ``--arrival-rate R`` turns the closed loop (each
 user sends its next request as soon as the last finished) into an open loop: Poisson arrivals at R req/s spread
@@ -31,6 +35,7 @@ import grpc.experimental.gevent as grpc_gevent
 
 grpc_gevent.init_gevent()
 
+import collections  # noqa: E402
 import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
@@ -49,12 +54,13 @@ from locust.runners import STATE_RUNNING, STATE_SPAWNING  # noqa: E402
 from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 
 from backend.contract.names import CONTINUOUS  # noqa: E402
+from backend.contract.priority import openai_priority  # noqa: E402
 from client.grpc_stream import GrpcStream  # noqa: E402
 from client.schema import Chunk, GenerationRequest, build_inputs, parse_chunk  # noqa: E402
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS  # noqa: E402
 from loadtest.live import LatencyBook, LiveView, attach_to_locust  # noqa: E402
 from loadtest.measure import Measurement, StreamError  # noqa: E402
-from loadtest.workloads import WORKLOADS, get_workload, make_request  # noqa: E402
+from loadtest.workloads import WORKLOAD_NAMES, deal_user, get_workload, make_request  # noqa: E402
 
 
 @events.init_command_line_parser.add_listener
@@ -71,7 +77,7 @@ def _add_options(parser) -> None:
     group.add_argument(
         "--openai-url", default="", help="the OpenAI frontend's base URL (default: --host's host, port 9000)"
     )
-    group.add_argument("--workload", default="long_tailed", choices=sorted(WORKLOADS), help="default: %(default)s")
+    group.add_argument("--workload", default="long_tailed", choices=WORKLOAD_NAMES, help="default: %(default)s")
     group.add_argument(
         "--length-scale", type=float, default=1.0, help="multiply prompt and output lengths (default: %(default)s)"
     )
@@ -88,6 +94,18 @@ def _add_options(parser) -> None:
         type=float,
         default=0.0,
         help="open loop: Poisson arrivals per second over all users; 0 = closed loop",
+    )
+    group.add_argument(
+        "--priority", type=int, default=0,
+        help="Triton's priority level of every request: 1 the highest (interactive), 3 batch; 0: the default level",
+    )
+    group.add_argument(
+        "--interactive-users", type=int, default=1,
+        help="--workload mixed: this many users of each model are interactive, the others batch (default: %(default)s)",
+    )
+    group.add_argument(
+        "--priorities", action="store_true",
+        help="--workload mixed: send each request at its class's priority level (interactive 1, batch 3)",
     )
     group.add_argument(
         "--max-requests", type=int, default=0, help="stop after issuing this many requests per model (0: no limit)"
@@ -117,26 +135,26 @@ class Run:
         self.workload = get_workload(options.workload, options.length_scale)
         self.seed = options.seed
         self.max_requests = options.max_requests
-        self._next_index = {model: itertools.count() for model in _models(options)}
+        self._num_issued = {model: itertools.count() for model in _models(options)}
+        self._next_index = collections.defaultdict(itertools.count)  # (model, class): each class's own sequence
         self._spent: set[str] = set()
         self.in_flight = 0
         self.issuing = True
         self._records = open(options.records_file, "a", buffering=1) if options.records_file else None
 
-    def next_request(self, model: str):
-        """The model's next request, or None once its budget is spent (the run ends when every model's is, and the
-        requests in flight have ended)."""
-        index = next(self._next_index[model])
-        if self.max_requests and index >= self.max_requests:
+    def next_request(self, model: str, traffic_class: str = ""):
+        """The model's next request (of ``traffic_class`` in a mixed workload), or None once the model's budget is
+        spent (the run ends when every model's is, and the requests in flight have ended)."""
+        if self.max_requests and next(self._num_issued[model]) >= self.max_requests:
             self._spent.add(model)
-            if self.issuing and self._spent == set(self._next_index):
+            if self.issuing and self._spent == set(self._num_issued):
                 self.issuing = False
                 self.write({"event": "stop_issuing", "t": time.time(), "reason": "max_requests"})
                 # NOTE: the last request may have ended before any user found the budget spent.
                 self._end_if_drained()
             return None
         self.in_flight += 1
-        return make_request(self.workload, index, self.seed)
+        return make_request(self.workload, next(self._next_index[model, traffic_class]), self.seed, traffic_class)
 
     def done(self, record: dict) -> None:
         self.in_flight -= 1
@@ -243,8 +261,13 @@ class StreamingLLMUser(User):
     def __init__(self, environment) -> None:
         super().__init__(environment)
         self.options = environment.parsed_options
-        models = _models(self.options)
-        self.model = models[next(StreamingLLMUser._dealt) % len(models)]
+        models, number = _models(self.options), next(StreamingLLMUser._dealt)
+        self.model = models[number % len(models)]
+        self.traffic_class = self.priority = None  # the class, and its level with --priorities (mixed workload)
+        if self.options.workload == "mixed":
+            self.model, self.traffic_class = deal_user(number, models, self.options.interactive_users)
+            if self.options.priorities:
+                self.priority = get_workload(self.options.workload).traffic_class(self.traffic_class).priority
         self._rng = random.Random(f"arrivals:{self.options.seed}:{id(self)}")
         self._next_arrival = None
 
@@ -266,7 +289,7 @@ class StreamingLLMUser(User):
 
     @task
     def generate(self) -> None:
-        spec = _run.next_request(self.model) if _run is not None else None
+        spec = _run.next_request(self.model, self.traffic_class or "") if _run is not None else None
         if spec is None:
             raise StopUser()
         request = GenerationRequest(
@@ -276,8 +299,10 @@ class StreamingLLMUser(User):
             stream=True,
             temperature=self.options.temperature,
             seed=spec.index,
+            priority=self.priority or self.options.priority or None,
         )
-        m = Measurement(spec.index, spec.max_tokens, time.time())
+        m = Measurement(spec.index, spec.max_tokens, time.time(), traffic_class=self.traffic_class,
+                        priority=request.priority)
         t0 = time.perf_counter()
         try:
             for chunk in self.stream(request, t0):
@@ -352,7 +377,8 @@ class GrpcStreamUser(StreamingLLMUser):
             gevent.spawn(client.close).join()
 
     def stream(self, request: GenerationRequest, t0: float):
-        stream = GrpcStream.start(self.client, self.model, build_inputs(request, self.max_batch_size))
+        stream = GrpcStream.start(self.client, self.model, build_inputs(request, self.max_batch_size),
+                                  priority=request.priority)
         try:
             for chunk in stream.follow(self.options.request_timeout - (stream.sent_at - t0), from_start=True):
                 # Timed from t0, as the HTTP user times its requests.
@@ -428,6 +454,7 @@ class OpenAIStreamUser(HttpStreamUser):
     def body(self, request: GenerationRequest) -> dict:
         return {"model": self.model, "prompt": request.text_input, "max_tokens": request.max_tokens,
                 "temperature": request.temperature, "seed": request.seed, "ignore_eos": request.ignore_eos,
+                "priority": openai_priority(request.priority or 0),
                 "stream": True, "stream_options": {"include_usage": True}}
 
     def chunk(self, event: dict, time_s: float) -> Chunk:

@@ -26,6 +26,8 @@ class Measurement:
     e2e_s: float = 0.0
     error: str | None = None
     cut: bool = False  # the run ended before the stream did (not a failure: its latency is only a lower bound)
+    traffic_class: str | None = None  # the mixed workload's class of the request's user (None: not mixed)
+    priority: int | None = None  # the Triton priority level it was sent at (None: none)
 
     def add(self, chunk: Chunk) -> None:
         self.token_s += [chunk.time_s] * chunk.num_tokens
@@ -61,7 +63,8 @@ class Measurement:
             raise StreamError(f"truncated: {self.num_output_tokens} of {self.max_tokens} tokens (ignore_eos is set)")
 
     def record(self) -> dict:
-        """One line of the records file: what loadtest.stats needs, in milliseconds."""
+        """One line of the records file: what loadtest.stats needs, in milliseconds (with the class and the priority
+        level in a mixed workload)."""
 
         def ms(seconds):
             return None if seconds is None else round(1000 * seconds, 3)
@@ -81,6 +84,7 @@ class Measurement:
             "itl_max_ms": ms(self.itl_max_s),
             "e2e_ms": ms(self.e2e_s),
             "token_ms": [round(1000 * t, 1) for t in self.token_s],
+            **({"class": self.traffic_class, "priority": self.priority} if self.traffic_class else {}),
         }
 
 

@@ -23,7 +23,16 @@ from markupsafe import Markup
 from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOTAL, STATIC, model_order, short_name
 from loadtest import metrics, plots
 from loadtest.runner import BF16, weight_format
-from loadtest.stats import MIN_REQUESTS, MIN_WINDOW_S, headline, headline_point, is_measured, ratio, summarize
+from loadtest.stats import (
+    MIN_REQUESTS,
+    MIN_WINDOW_S,
+    headline,
+    headline_point,
+    is_measured,
+    ratio,
+    summarize,
+    summarize_classes,
+)
 from records.record import Column, format_value
 
 BASELINE, CANDIDATE = DYNAMIC, CONTINUOUS  # the headline: continuous batching against Triton's dynamic batcher
@@ -128,6 +137,53 @@ COMPARISON_HEADER = [
 ]
 
 
+# (heading, row key, format) for the mixed workload's table of each model: a line per load point, pass and class.
+CLASS_COLUMNS = [
+    ("load", "load", "{}"),
+    ("priorities", "priorities", "{}"),
+    ("class", "class", "{}"),
+    ("requests", "num_requests", "{}"),
+    ("failures", "num_failed", "{}"),
+    ("output tok/s", "output_tok_per_s", "{:.1f}"),
+    ("TTFT p50", "ttft_p50_ms", "ms"),
+    ("TTFT p99", "ttft_p99_ms", "ms"),
+    ("TPOT p50", "tpot_p50_ms", "ms"),
+    ("TPOT p99", "tpot_p99_ms", "ms"),
+    ("within targets", "within_targets", "{:.0%}"),
+    ("p99s on target", "targets_met", "{}"),
+]
+
+
+def class_record_rows(rows: list[dict]) -> list[dict]:
+    """:func:`stats.summarize_classes`'s rows as the table prints them: the pass as on/off (with the level sent),
+    whether both p99s held as yes/no, and a class not measured with its reason in place of its tokens/s."""
+    out = []
+    for row in rows:
+        level = f" (level {row['priority']})" if row.get("priority") else ""
+        met = row["targets_met"]
+        out.append({
+            **{key: row.get(key) for _, key, _ in CLASS_COLUMNS},
+            "model": row["model"],
+            "priorities": ("on" + level) if row["priorities"] else "off",
+            "targets_met": None if met is None else ("yes" if met else "no"),
+            **({"output_tok_per_s": f"not measured: {row['not_measured']}"} if row.get("not_measured") else {}),
+        })  # fmt: skip
+    return out
+
+
+def class_record_columns() -> list[Column]:
+    """The classes table's columns as a run's record keeps them: the model, then the report's own."""
+    return [Column("model", "model")] + [Column(key, heading, spec) for heading, key, spec in CLASS_COLUMNS]
+
+
+def class_tables(rows: list[dict]) -> list[dict]:
+    """One table per model, in the report's order: its load points, each pass and each class, as printed."""
+    printed = class_record_rows(rows)
+    return [{"model": model, "rows": [[fmt(r[key], spec) for _, key, spec in CLASS_COLUMNS]
+                                      for r in printed if r["model"] == model]}
+            for model in sorted({r["model"] for r in rows}, key=model_order)]
+
+
 CONFIG_HEADER = [
     "model",
     "batcher",
@@ -179,18 +235,29 @@ def build(results: dict, out_dir: Path) -> dict:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = results["meta"]
-    runs = sorted(results["runs"], key=lambda r: (model_order(r["model"]), r.get("arrival_rate") or 0.0, r["users"]))
+    every_run = sorted(results["runs"], key=lambda r: (model_order(r["model"]), r.get("arrival_rate") or 0.0,
+                                                       r["users"], bool(r.get("priorities"))))
+    # NOTE: with --priorities both, each load point ran twice: the per-class tables show both passes, and the rest of
+    # the report (tables keyed by model and load, the plots) the first, without priorities.
+    first_pass = min(bool(r.get("priorities")) for r in every_run) if every_run else False
+    runs = [run for run in every_run if bool(run.get("priorities")) == first_pass]
+    class_rows = [row for run in every_run for row in summarize_classes(run, meta["classes"])] \
+        if meta.get("classes") else []
     rows = [summarize(run, meta["slo"]["ttft_ms"], meta["slo"]["tpot_ms"]) for run in runs]
     line = headline(rows, BASELINE, CANDIDATE, meta.get("max_num_seqs"))
     timeline_runs = _timeline_runs(runs, rows, meta.get("max_num_seqs"))
     images = _plots(meta, runs, rows, timeline_runs, out_dir)
 
-    markdown = render_markdown(_context(meta, runs, rows, line, images, timeline_runs))
+    context = _context(meta, runs, rows, line, images, timeline_runs)
+    context["mixed"] = _mixed(meta, every_run, class_rows, first_pass) if class_rows else None
+    markdown = render_markdown(context)
     (out_dir / "report.md").write_text(markdown)
     (out_dir / "report.html").write_text(render_html(markdown, out_dir))
-    (out_dir / "summary.json").write_text(json.dumps({"headline": line, "rows": rows}, indent=1))
+    summary = {"headline": line, "rows": rows, **({"class_rows": class_rows} if class_rows else {})}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return {
         "rows": rows,
+        "class_rows": class_rows,
         "headline": line,
         "images": images,
         "md": out_dir / "report.md",
@@ -271,6 +338,24 @@ def _context(
         "timeline": _timeline(rows, timeline_runs) if timeline_runs else None,
         "loadgen": _loadgen(rows),
         "errors": sorted({e for r in rows for e in r["errors"]})[:20],
+    }
+
+
+def _mixed(meta: dict, runs: list[dict], class_rows: list[dict], first_pass: bool) -> dict:
+    """What the mixed workload's section states: the classes, the passes run, each model's queue policy as served,
+    and a table per model."""
+    passes = sorted({bool(run.get("priorities")) for run in runs})
+    configs = meta.get("configs") or {}
+    return {
+        "classes": meta["classes"],
+        "interactive_users": meta.get("interactive_users"),
+        "passes": ["with priorities" if p else "without priorities" for p in passes],
+        "both": len(passes) > 1,
+        "rest": "with priorities" if first_pass else "without priorities",
+        "policies": {model: configs[model].get("scheduling_policy") or "fcfs (the engine's default)"
+                     for model in sorted(configs, key=model_order)},
+        "header": [c[0] for c in CLASS_COLUMNS],
+        "tables": class_tables(class_rows),
     }
 
 

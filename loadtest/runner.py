@@ -91,6 +91,14 @@ class Plan:
     slo_ttft_ms: float = DEFAULT_SLO_TTFT_MS
     slo_tpot_ms: float = DEFAULT_SLO_TPOT_MS
     extra_locust_args: list = field(default_factory=list)
+    # The mixed workload: interactive users beside each load point's users (batch users), and whether each request
+    # is sent at its class's priority level.
+    interactive_users: int = 0
+    priorities: bool = False
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.workload == "mixed"
 
 
 @contextlib.contextmanager
@@ -139,11 +147,15 @@ def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
 
 
 def engine_parameters(args: argparse.Namespace) -> dict[str, str]:
-    """The engine parameters the command line sets on every served model (``--quantization``); {} when none."""
+    """The engine parameters the command line sets on every served model (``--quantization``; ``--priorities``: the
+    engine's ``scheduling_policy`` priority); {} when none."""
+    parameters = {}
     quantization = getattr(args, "quantization", None)
-    if quantization is None:
-        return {}
-    return {"quantization": "none" if quantization == BF16 else quantization}
+    if quantization is not None:
+        parameters["quantization"] = "none" if quantization == BF16 else quantization
+    if getattr(args, "priorities", "off") != "off":
+        parameters["scheduling_policy"] = "priority"
+    return parameters
 
 
 def weight_format(settings: dict) -> str:
@@ -340,6 +352,7 @@ def batcher_settings(config: dict) -> dict:
         "kv_cache_memory_bytes": parameters.get("kv_cache_memory_bytes"),
         "dtype": parameters.get("dtype"),
         "quantization": parameters.get("quantization"),
+        "scheduling_policy": parameters.get("scheduling_policy"),
     }
 
 
@@ -349,9 +362,11 @@ def batcher_settings(config: dict) -> dict:
 def locust_command(
     target: Target, model: str, point: LoadPoint, plan: Plan, records: Path, csv_prefix: Path
 ) -> list[str]:
+    users = point.users + plan.interactive_users
+    mixed = ["--interactive-users", str(plan.interactive_users), *(["--priorities"] if plan.priorities else [])]
     return [
         sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--only-summary",
-        "-u", str(point.users), "-r", str(point.users),
+        "-u", str(users), "-r", str(users),
         "--run-time", f"{plan.run_s:g}s", "--stop-timeout", f"{plan.stop_timeout_s:g}",
         "--csv", str(csv_prefix), "--exit-code-on-error", "0",
         "--host", target.http_url, "--grpc-url", target.grpc_url, "--model", model,
@@ -359,13 +374,15 @@ def locust_command(
         "--workload", plan.workload, "--length-scale", f"{plan.length_scale:g}", "--seed", str(plan.seed),
         "--slo-ttft-ms", f"{plan.slo_ttft_ms:g}", "--slo-tpot-ms", f"{plan.slo_tpot_ms:g}",
         "--arrival-rate", f"{point.arrival_rate:g}", "--max-requests", str(plan.max_requests),
-        "--records-file", str(records), *plan.extra_locust_args, USER_CLASSES[plan.protocol],
+        "--records-file", str(records), *(mixed if plan.is_mixed else []), *plan.extra_locust_args,
+        USER_CLASSES[plan.protocol],
     ]  # fmt: skip
 
 
 def run_load_point(target: Target, model: str, point: LoadPoint, plan: Plan, out_dir: Path) -> dict:
-    """Drive ``model`` at ``point`` with headless Locust; return the raw run (records, metrics, window)."""
-    name = f"{model}_{point.slug}"
+    """Drive ``model`` at ``point`` with headless Locust; return the raw run (records, metrics, window). In the mixed
+    workload the point's users are batch users, beside ``plan.interactive_users`` interactive ones."""
+    name = f"{model}_{point.slug}{'_priorities' if plan.priorities else ''}"
     (out_dir / "locust").mkdir(parents=True, exist_ok=True)
     records_path = out_dir / "locust" / f"{name}_requests.jsonl"
     records_path.unlink(missing_ok=True)
@@ -387,6 +404,7 @@ def run_load_point(target: Target, model: str, point: LoadPoint, plan: Plan, out
         "users": point.users,
         "arrival_rate": point.arrival_rate,
         "load": point.label,
+        **({"interactive_users": plan.interactive_users, "priorities": plan.priorities} if plan.is_mixed else {}),
         "requests": requests,
         "events": events,
         "metrics": samples,

@@ -18,6 +18,7 @@ import numpy as np
 
 from backend.contract import names
 from loadtest import metrics
+from loadtest.measure import meets_slo
 
 PERCENTILES = (50, 90, 99)
 
@@ -72,21 +73,10 @@ def summarize(run: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     start, end = run["window"]
     span = max(end - start, 1e-9)
     measured = started_in_window(run)
-    ok = [r for r in measured if r["ok"]]
-    cut = [r for r in measured if r.get("cut")]
-    failed = [r for r in measured if not r["ok"] and not r.get("cut")]
-    # NOTE: a request the end of the run cut off still has a real TTFT if its first token came.
-    ttft = [r["ttft_ms"] for r in ok + cut if r["ttft_ms"] is not None]
-    tpot = [r["tpot_ms"] for r in ok if r["tpot_ms"] is not None]
+    ok, cut, failed, ttft, tpot = _outcomes(measured)
     e2e = [r["e2e_ms"] for r in ok]
-    within_slo = [r for r in ok if r["ttft_ms"] <= slo_ttft_ms and (r["tpot_ms"] or 0.0) <= slo_tpot_ms]
-
-    tokens_in_window = completed_in_window = 0
-    for r in run["requests"]:
-        times = r["t_start"] + np.asarray(r["token_ms"], dtype=float) / 1000.0
-        tokens_in_window += int(np.count_nonzero((times >= start) & (times < end)))
-        if r["ok"] and start <= r["t_start"] + r["e2e_ms"] / 1000.0 < end:
-            completed_in_window += 1
+    within_slo = [r for r in ok if meets_slo(r, slo_ttft_ms, slo_tpot_ms)]
+    tokens_in_window, completed_in_window = _arrived_in_window(run["requests"], start, end)
 
     row = {
         "model": run["model"],
@@ -116,6 +106,73 @@ def summarize(run: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     if row["not_measured"]:
         row = {key: (value if key in COUNTS else None) for key, value in row.items()}
     return row
+
+
+def _outcomes(measured: list[dict]) -> tuple[list, list, list, list, list]:
+    """The requests that finished, were cut off and failed, and the TTFTs and TPOTs they give."""
+    ok = [r for r in measured if r["ok"]]
+    cut = [r for r in measured if r.get("cut")]
+    failed = [r for r in measured if not r["ok"] and not r.get("cut")]
+    # NOTE: a request the end of the run cut off still has a real TTFT if its first token came.
+    ttft = [r["ttft_ms"] for r in ok + cut if r["ttft_ms"] is not None]
+    tpot = [r["tpot_ms"] for r in ok if r["tpot_ms"] is not None]
+    return ok, cut, failed, ttft, tpot
+
+
+def _arrived_in_window(requests: list[dict], start: float, end: float) -> tuple[int, int]:
+    """The tokens of ``requests`` that arrived in ``[start, end)``, and how many of them completed there."""
+    tokens = completed = 0
+    for r in requests:
+        times = r["t_start"] + np.asarray(r["token_ms"], dtype=float) / 1000.0
+        tokens += int(np.count_nonzero((times >= start) & (times < end)))
+        if r["ok"] and start <= r["t_start"] + r["e2e_ms"] / 1000.0 < end:
+            completed += 1
+    return tokens, completed
+
+
+# What a class's row keeps when its window is not measured.
+CLASS_COUNTS = ("model", "load", "priorities", "class", "priority", "num_requests", "num_failed", "not_measured")
+
+
+def summarize_classes(run: dict, classes: list[dict]) -> list[dict]:
+    """A mixed workload's run, one row per traffic class (``classes``: each class as
+    ``workloads.TrafficClass.describe`` keeps it): its output tokens/s, TTFT and TPOT p50/p99 over the window as
+    :func:`summarize` takes them, and for a class with latency targets the share of its requests within both
+    (``within_targets``) and whether both p99s held (``targets_met``). A class too sparse in the window to measure
+    says why, as a load point does (:func:`not_measured`)."""
+    start, end = run["window"]
+    span = max(end - start, 1e-9)
+    rows = []
+    for c in classes:
+        requests = [r for r in run["requests"] if r.get("class") == c["name"]]
+        measured = [r for r in requests if start <= r["t_start"] < end]
+        ok, _, failed, ttft, tpot = _outcomes(measured)
+        row = {
+            "model": run["model"],
+            "load": run["load"],
+            "priorities": bool(run.get("priorities")),
+            "class": c["name"],
+            "priority": c["priority"] if run.get("priorities") else None,
+            "num_requests": len(measured),
+            "num_failed": len(failed),
+            "output_tok_per_s": _arrived_in_window(requests, start, end)[0] / span,
+            "ttft_p50_ms": percentile(ttft, 50),
+            "ttft_p99_ms": percentile(ttft, 99),
+            "tpot_p50_ms": percentile(tpot, 50),
+            "tpot_p99_ms": percentile(tpot, 99),
+            "within_targets": None,
+            "targets_met": None,
+        }
+        if c.get("ttft_ms") is not None and measured:
+            within = [r for r in ok if meets_slo(r, c["ttft_ms"], c["tpot_ms"])]
+            row["within_targets"] = len(within) / len(measured)
+            row["targets_met"] = bool(row["ttft_p99_ms"] is not None and row["ttft_p99_ms"] <= c["ttft_ms"]
+                                      and (row["tpot_p99_ms"] or 0.0) <= c["tpot_ms"])
+        row["not_measured"] = not_measured(len(measured), end - start)
+        if row["not_measured"]:
+            row = {key: (value if key in CLASS_COUNTS else None) for key, value in row.items()}
+        rows.append(row)
+    return rows
 
 
 def is_measured(row: dict) -> bool:

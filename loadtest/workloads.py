@@ -4,12 +4,18 @@ Every request is fixed by ``max_tokens`` with ``ignore_eos``, so every model giv
 same work. Request ``i`` of a workload is a pure function of ``(workload, seed, i)``: the same prompt and the same
 length on every run, in every process, for every model. Prompts are words drawn from a fixed list (each is about
 one token for SmolLM2's tokenizer), so the prompt length is controlled without any data download.
+
+The ``mixed`` workload is two kinds of traffic on one server (:class:`MixedWorkload`): each Locust user belongs to
+one class (:func:`deal_user`), interactive or batch, and request ``i`` of a class is a pure function of
+``(workload, class, seed, i)``.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from backend.contract.priority import BATCH, INTERACTIVE
 
 # Common English words, each a single token (with its leading space) for GPT-2-style BPE vocabularies.
 WORDS = tuple(
@@ -132,6 +138,68 @@ WORKLOADS = {
 
 
 @dataclass(frozen=True)
+class TrafficClass:
+    """One kind of traffic of a mixed workload: its request shape, the Triton priority level it is sent at with
+    ``--priorities``, and its latency targets (p99; None: no target, e.g. batch jobs)."""
+
+    name: str
+    shape: Workload
+    priority: int
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    def describe(self) -> dict:
+        """What results.json keeps of the class, so that a report can be rebuilt from it alone."""
+        return {"name": self.name, "shape": self.shape.describe(), "priority": self.priority,
+                "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms}
+
+
+@dataclass(frozen=True)
+class MixedWorkload:
+    """Interactive users beside batch users on one model: ``classes[0]`` is the class with latency targets, dealt the
+    first ``interactive_users`` users of each model (:func:`deal_user`); the rest are ``classes[1]``."""
+
+    name: str
+    classes: tuple[TrafficClass, TrafficClass]
+    about: str
+
+    def scaled(self, length_scale: float) -> "MixedWorkload":
+        return replace(self, classes=tuple(replace(c, shape=c.shape.scaled(length_scale)) for c in self.classes))
+
+    def traffic_class(self, name: str) -> TrafficClass:
+        try:
+            return next(c for c in self.classes if c.name == name)
+        except StopIteration:
+            raise ValueError(f"{self.name} has no class {name!r}") from None
+
+    def describe(self) -> str:
+        return f"{self.name}: " + "; ".join(
+            f"{c.name} prompt {c.shape.prompt_words.describe()} words, output {c.shape.output_tokens.describe()} "
+            "tokens" for c in self.classes)
+
+
+MIXED = MixedWorkload(
+    "mixed",
+    (
+        TrafficClass("interactive", Workload("interactive", Uniform(16, 64), Uniform(16, 64), "a chat turn"),
+                     INTERACTIVE, ttft_ms=500.0, tpot_ms=100.0),
+        TrafficClass("batch", Workload("batch", Uniform(256, 512), Uniform(128, 384), "a document job"), BATCH),
+    ),
+    "short interactive requests with latency targets beside long batch jobs without any",
+)
+# What --workload accepts in make compare and the Locust users.
+WORKLOAD_NAMES = sorted([*WORKLOADS, MIXED.name])
+
+
+def deal_user(user_number: int, models: list[str], interactive_users: int) -> tuple[str, str]:
+    """The model and the class (:data:`MIXED`'s) of the ``user_number``-th user a Locust process starts: users are
+    dealt to the models in turn, and the first ``interactive_users`` of each model are interactive."""
+    model = models[user_number % len(models)]
+    interactive, batch = MIXED.classes
+    return model, (interactive if user_number // len(models) < interactive_users else batch).name
+
+
+@dataclass(frozen=True)
 class RequestSpec:
     index: int
     prompt: str
@@ -139,17 +207,24 @@ class RequestSpec:
     max_tokens: int
 
 
-def get_workload(name: str, length_scale: float = 1.0) -> Workload:
+def get_workload(name: str, length_scale: float = 1.0) -> Workload | MixedWorkload:
+    if name == MIXED.name:
+        return MIXED.scaled(length_scale)
     try:
         return WORKLOADS[name].scaled(length_scale)
     except KeyError:
-        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}") from None
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOAD_NAMES)}") from None
 
 
-def make_request(workload: Workload, index: int, seed: int = 0) -> RequestSpec:
-    """Request ``index`` of ``workload``: the same on every call (string seeds hash the same in every process)."""
-    rng = random.Random(f"{workload.name}:{seed}:{index}")
-    num_words = workload.prompt_words.sample(rng)
-    max_tokens = workload.output_tokens.sample(rng)
+def make_request(workload: Workload | MixedWorkload, index: int, seed: int = 0, traffic_class: str = "") -> RequestSpec:
+    """Request ``index`` of ``workload`` (of its class ``traffic_class`` when it is mixed): the same on every call
+    (string seeds hash the same in every process)."""
+    if isinstance(workload, MixedWorkload):
+        shape = workload.traffic_class(traffic_class).shape
+        rng = random.Random(f"{workload.name}:{traffic_class}:{seed}:{index}")
+    else:
+        shape, rng = workload, random.Random(f"{workload.name}:{seed}:{index}")
+    num_words = shape.prompt_words.sample(rng)
+    max_tokens = shape.output_tokens.sample(rng)
     prompt = " ".join(rng.choice(WORDS) for _ in range(num_words))
     return RequestSpec(index, prompt, num_words, max_tokens)

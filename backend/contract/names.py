@@ -35,6 +35,12 @@ E2E_REQUEST_LATENCY = "llm_e2e_request_latency_seconds"
 QUEUE_TIME = "llm_queue_time_seconds"
 BATCH_SIZE = "llm_batch_size"  # sequences in each forward step
 ITERATION_GAP = "llm_iteration_gap_seconds"  # llm_iterative only
+# The same, labelled by the request's priority level too (priority="1".."3": backend/contract/priority.py). Families
+# of their own: a priority label on the names above would double what a reader that sums a name's series counts.
+QUEUE_TIME_BY_PRIORITY = "llm_queue_time_by_priority_seconds"
+TIME_TO_FIRST_TOKEN_BY_PRIORITY = "llm_time_to_first_token_by_priority_seconds"
+TIME_PER_OUTPUT_TOKEN_BY_PRIORITY = "llm_time_per_output_token_by_priority_seconds"
+PREEMPTIONS_BY_PRIORITY = "llm_preemptions_by_priority_total"  # counted when the preempted request ends
 
 # ---- Triton's own metrics, labelled by model -------------------------------------------------------------------
 

@@ -168,7 +168,7 @@ class EngineLoop:
         self._before_step = before_step
         self._after_step = after_step
         self._streams: dict[str, RequestStream] = {}
-        self._inbox: list[tuple[str, str | list[int], SamplingParams, float | None]] = []
+        self._inbox: list[tuple[str, str | list[int], SamplingParams, float | None, int]] = []
         self._aborts: list[str] = []
         self._open: set[str] = set()  # submitted and not yet given their final output
         self._cv = threading.Condition()
@@ -221,7 +221,8 @@ class EngineLoop:
         return self._thread.is_alive() and self.fatal_error is None
 
     def submit(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival_time: float | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Queue a request for the loop. Raises :class:`EngineOverloaded` when ``max_queue_size`` requests are
         already waiting, :class:`EngineUnavailable` when the loop is stopping or has failed."""
@@ -241,7 +242,7 @@ class EngineLoop:
             if self._keeps_streams:
                 self._streams[request_id] = stream
             self._open.add(request_id)
-            self._inbox.append((request_id, prompt, params, arrival_time))
+            self._inbox.append((request_id, prompt, params, arrival_time, priority))
             self._cv.notify()
         return stream
 
@@ -305,10 +306,11 @@ class EngineLoop:
         else:
             self._fail_all(engine_failed(self.fatal_error), FinishReason.ERROR)
 
-    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival: float | None):
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival: float | None,
+             priority: int):
         """Hand one submitted request to the engine; a request it cannot take fails alone (its final output)."""
         try:
-            self.engine.add_request(request_id, prompt, params, arrival)
+            self.engine.add_request(request_id, prompt, params, arrival, priority)
         except ValueError as exc:
             return RequestOutput(request_id, "", [], finished=True, finish_reason=FinishReason.REFUSED.value,
                                  error=errors.refusal(exc))
@@ -379,11 +381,12 @@ class IterationDriver:
         self._last_seen: dict[str, float] = {}  # open request -> time.monotonic() it was last handed in or back
         self._lock = threading.Lock()
 
-    def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival: float | None) -> bool:
+    def add(self, request_id: str, prompt: str | list[int], params: SamplingParams, arrival: float | None,
+            priority: int = 0) -> bool:
         """Hand a new request to the engine; one it cannot take gets its final output (refused) here."""
         with self._lock:
             try:
-                self.engine.add_request(request_id, prompt, params, arrival)
+                self.engine.add_request(request_id, prompt, params, arrival, priority)
             except ValueError as exc:
                 deliver(self._sink, RequestOutput(request_id, "", [], finished=True,
                                                   finish_reason=FinishReason.REFUSED.value, error=errors.refusal(exc)))

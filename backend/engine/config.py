@@ -26,6 +26,8 @@ from backend.kernels.weight_format import WeightFormat
 
 Batching = Literal["continuous", "run_to_completion", "iterative"]
 BATCHING = ("continuous", "run_to_completion", "iterative")
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES = ("fcfs", "priority")
 _DTYPES = ("bfloat16", "float16", "float32")  # torch's own names: the engine's dtype is getattr(torch, dtype)
 _DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -128,9 +130,11 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     # Who may join the running batch: anyone, every step (continuous), nobody until the batch in flight has
     # finished (run_to_completion: what Triton's dynamic batcher gives a generation model), or whoever the caller
-    # names for each step (iterative: Triton's iterative sequence batcher). Not vLLM's
-    # scheduling_policy (fcfs / priority): the queue is always first come, first served.
+    # names for each step (iterative: Triton's iterative sequence batcher).
     batching: Batching = "continuous"
+    # Who goes first (vLLM's name and values): arrival order ("fcfs"), or each request's priority, a lower value
+    # first, then arrival ("priority"): backend/engine/scheduler.py says what it preempts and that it has no ageing.
+    scheduling_policy: SchedulingPolicy = "fcfs"
     num_threads: int | None = None  # torch intra-op threads; None = all cores
     # How engines that step at once share the cores (backend/engine/shared_cores.py): "divide" the threads among
     # the busy ones, one forward at a time ("step_lock"), or every engine on every thread ("off").
@@ -165,6 +169,9 @@ class EngineConfig:
         self._check_quantization()
         if self.batching not in BATCHING:
             raise ValueError(f"batching must be one of {', '.join(BATCHING)}; got {self.batching!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; "
+                             f"got {self.scheduling_policy!r}")
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
         if self.core_sharing not in CORE_SHARING:

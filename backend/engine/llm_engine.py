@@ -131,9 +131,11 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> Request:
         """Tokenize and queue a request. Raises ``InvalidRequest`` (a ``ValueError``, for this request only) when it
-        cannot be served."""
+        cannot be served. ``priority``: vLLM's, a lower value served earlier (read under ``scheduling_policy``
+        ``priority`` only)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if "\x00" in request_id:  # the separator of a forked sequence's id (parallel_sampling.sequence_id)
             raise InvalidRequest(None, "a request id may not contain a NUL character")
@@ -142,7 +144,7 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise InvalidRequest(PROMPT, "the prompt is empty: it encodes to zero tokens")
-        request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time)
+        request = Request(request_id, token_ids, params, self.eos_token_ids, arrival_time, priority)
         if params.structured_outputs is not None:
             self.structured.add(request_id, params.structured_outputs)  # an invalid schema is refused here
         try:

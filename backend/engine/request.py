@@ -9,6 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from backend.contract.errors import InvalidRequest
 from backend.engine.config import SamplingParams
 
 
@@ -42,6 +43,9 @@ class Request:
     NOTE: there is no separate "prefill" or "decode" state. ``num_computed_tokens`` counts tokens whose K/V are in
     the cache; the scheduler's only rule is to bring it up to ``num_tokens``. A prefill, a prefill chunk, a decode
     and a resume after preemption are all that rule.
+
+    ``priority`` is vLLM's: a lower value is served earlier (0 by default); only the scheduler's ``priority``
+    policy reads it. It sits beside the sampling settings, not among them: it says when, not what, to generate.
     """
 
     def __init__(
@@ -51,9 +55,13 @@ class Request:
         sampling_params: SamplingParams | None = None,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequest("priority", f"priority must be an integer (lower is served earlier); got {priority!r}")
+        self.priority = priority
         self.request_id = request_id
         self.sampling_params = sampling_params or SamplingParams()
         self.token_ids: list[int] = list(prompt_token_ids)

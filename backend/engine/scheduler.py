@@ -16,10 +16,22 @@ running batch:
 * ``iterative``: the caller names the requests of each step (``schedule(only=...)``: Triton's iterative sequence
   batcher). Only those run or are admitted; the others are not stepped and keep their blocks. The same rule
   (budget, chunks, preemption of the newest running request) applies within the named ones.
+
+Who goes first is ``EngineConfig.scheduling_policy`` (vLLM's name):
+
+* ``fcfs`` (the default): the waiting queue in arrival order, a preempted request back at its front; the running
+  batch in admission order, the last admitted preempted first. A request's ``priority`` is ignored.
+* ``priority``: both queues ordered by ``(priority, arrival)``, a lower value first (vLLM's direction). The head of
+  the queue is the highest class, oldest first; the request preempted when seats or KV blocks run out is the last
+  of the running order, the lowest class and latest arrived. A waiting request of a strictly higher class than the
+  last running one takes its seat or its blocks (that one is preempted); a class never preempts its own or a higher
+  one. NOTE: there is no ageing: under a steady stream of a higher class a lower class waits without bound (until
+  its client gives up, or ``max_queue_size`` refuses newcomers). Priority decides who runs, never how fast.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Collection
@@ -30,6 +42,11 @@ from backend.contract.errors import PROMPT, ContextLengthExceeded, InvalidReques
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig
 from backend.engine.request import FinishReason, Request, RequestStatus
+
+
+def _queue_order(request: Request) -> tuple[int, float]:
+    """The ``priority`` policy's order of both queues: a lower value first, then the earlier arrival."""
+    return request.priority, request.timings.arrival
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +90,9 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = config.max_model_len
-        self.waiting: deque[Request] = deque()  # FCFS; preempted requests go back to the front
-        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.by_priority = config.scheduling_policy == "priority"
+        self.waiting: deque[Request] = deque()  # FCFS, preempted ones at the front; or by (priority, arrival)
+        self.running: list[Request] = []  # admission order, or by (priority, arrival): the last is preempted first
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.current_batch_ids: set[str] = set()  # run_to_completion: unfinished members of the batch in flight
         self.num_preemptions = 0
@@ -92,7 +110,16 @@ class Scheduler:
             raise InvalidRequest(None, f"request {request.request_id!r} is not a new request")
         self._check_fits(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request, preempted=False)
+
+    def _enqueue(self, request: Request, preempted: bool) -> None:
+        """Into the waiting queue: at the back (a preempted one at the front), or at its (priority, arrival)."""
+        if self.by_priority:
+            bisect.insort_right(self.waiting, request, key=_queue_order)
+        elif preempted:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def _check_fits(self, request: Request) -> None:
         """The one check of a request against max_model_len and the KV pool."""
@@ -193,9 +220,9 @@ class Scheduler:
     # ---- the step -------------------------------------------------------------------------------------------
 
     def schedule(self, only: Collection[str] | None = None) -> SchedulerOutput:
-        """Pick this step's tokens: running requests first (oldest first), then admissions from the queue.
-        With ``only``, just the requests it names run or are admitted (the others wait, keeping their blocks);
-        a preemption may still hit any running request, the newest first.
+        """Pick this step's tokens: running requests first (in running order: oldest, or highest class, first), then
+        admissions from the queue. With ``only``, just the requests it names run or are admitted (the others wait,
+        keeping their blocks); a preemption may still hit any running request, the last in running order first.
 
         ``request.num_computed_tokens`` stays where it was until :meth:`update`, so the runner reads it as the
         first position to run.
@@ -212,7 +239,7 @@ class Scheduler:
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int, only: Collection[str] | None) -> int:
-        """Decodes and unfinished prompt chunks, oldest first; preempts the newest when blocks run out."""
+        """Decodes and unfinished prompt chunks in running order; preempts the last when blocks run out."""
         chunked = self.config.enable_chunked_prefill
         i = 0
         while i < len(self.running) and budget > 0:
@@ -238,17 +265,26 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, only: Collection[str] | None) -> None:
-        """Admit from the head of the queue (FCFS, never skipping it) while seats, budget and blocks allow; with
-        ``only``, the head of the named ones."""
+        """Admit from the head of the queue (its order, never skipping it) while seats, budget and blocks allow;
+        with ``only``, the head of the named ones; under ``priority``, a head of a higher class may take the seat or
+        the blocks of the last running request (:meth:`_preempt_for`)."""
         fixed_batch = self.config.batching == "run_to_completion"
         if fixed_batch and not self.current_batch_ids:
             # Nothing in flight: the next batch is the head of the queue, fixed until all of it finishes.
             self.current_batch_ids = {r.request_id for r in islice(self.waiting, self.config.max_num_seqs)}
-        candidates = self.waiting if only is None else deque(r for r in self.waiting if r.request_id in only)
-        while candidates and len(self.running) < self.config.max_num_seqs and budget > 0:
+        names = self.current_batch_ids if fixed_batch else only
+        if fixed_batch and only is not None:
+            names = names & set(only)
+        candidates = self.waiting if names is None else deque(r for r in self.waiting if r.request_id in names)
+        made_room = False
+        while candidates and budget > 0:
             request = candidates[0]
-            if fixed_batch and request.request_id not in self.current_batch_ids:
-                break  # members (incl. preempted ones) sit at the front, so the rest are newcomers
+            if len(self.running) >= self.config.max_num_seqs:
+                freed = self._preempt_for(request, output)
+                if freed is None:
+                    break
+                budget, made_room = budget + freed, True
+                continue
             num_cached = self.block_manager.get_computed_blocks(request)
             request.num_computed_tokens = num_cached
             num_new = request.num_tokens - num_cached
@@ -259,30 +295,60 @@ class Scheduler:
                 num_new = budget
             if self.block_manager.allocate_slots(request, num_new) is None:
                 self._undo_admission(request)
-                break
+                freed = self._preempt_for(request, output)
+                if freed is None:
+                    break
+                budget, made_room = budget + freed, True
+                continue
             candidates.popleft()
             if candidates is not self.waiting:
                 self.waiting.remove(request)
-            self.running.append(request)
+            if self.by_priority:
+                bisect.insort_right(self.running, request, key=_queue_order)
+            else:
+                self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_cached_tokens = num_cached
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = time.perf_counter()
             output.scheduled.append(ScheduledRequest.of(request, num_new))
             budget -= num_new
+            if made_room:
+                break  # what was freed for this request must not go to a lower class than the one preempted
+
+    def _preempt_for(self, request: Request, output: SchedulerOutput) -> int | None:
+        """Under ``priority``: preempt the last running request (lowest class, latest arrived) when ``request`` is of
+        a strictly higher class, giving back what it was scheduled for this step; returns the token budget it gave
+        back, or None when nobody may be preempted for ``request`` (a class never preempts its own or a higher one).
+
+        NOTE: the victim is never one admitted in this step: those came from the queue's head, of a class as high as
+        ``request``'s or higher."""
+        if not self.by_priority or not self.running or self.running[-1].priority <= request.priority:
+            return None
+        victim = self.running.pop()
+        freed = 0
+        for i, scheduled in enumerate(output.scheduled):
+            if scheduled.request is victim:
+                freed = scheduled.num_new_tokens
+                del output.scheduled[i]
+                break
+        self._preempt(victim)
+        output.preempted_ids.append(victim.request_id)
+        return freed
 
     def _undo_admission(self, request: Request) -> None:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
 
     def _preempt(self, request: Request) -> None:
-        """Preempt by recompute: drop its K/V; it resumes from the front of the queue with its tokens intact."""
+        """Preempt by recompute: drop its K/V; it resumes from the front of the queue (of its class, under
+        ``priority``) with its tokens intact."""
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, preempted=True)
 
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Apply a finished step; returns the requests that got a token (finished ones included).

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict, Field
 
+from backend.contract.priority import level_of_openai
 from client.schema import GenerationRequest
 
 MAX_SEED = 2**64 - 1  # the models' seed input is UINT64
@@ -131,6 +132,8 @@ class SamplingRequest(BaseModel):
     # vLLM's hints, accepted and ignored: nothing in the answer depends on them.
     cache_salt: str | None = None  # salts vLLM's prefix cache between tenants
     guided_decoding_backend: str | None = None  # which grammar library; this server has one (llguidance)
+    # vLLM's: a lower value is served earlier, 0 by default; sent as Triton's level (level_of_openai).
+    priority: int = 0
     n: int | None = Field(None, ge=1)  # answers of the prompt (the models' n, up to their limit)
     # OpenAI's and vLLM's, honoured only at their neutral value (NEUTRAL_VALUES).
     use_beam_search: bool | None = None
@@ -221,6 +224,7 @@ class SamplingRequest(BaseModel):
             return_logprobs=True if self.num_logprobs is not None else None,
             return_num_input_tokens=True if self.continuous_usage else None,
             return_num_output_tokens=True if self.continuous_usage else None,
+            priority=level_of_openai(self.priority),
         )
 
     def _sampling_extras(self) -> dict[str, Any]:

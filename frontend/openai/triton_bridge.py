@@ -201,7 +201,7 @@ class TritonBridge:
         inputs = build_inputs(request, await self.max_batch_size(model))
 
         async def one_request() -> AsyncIterator[dict]:
-            yield {"model_name": model, "inputs": inputs}
+            yield {"model_name": model, "inputs": inputs, "priority": request.priority or 0}
 
         call = self.client.stream_infer(one_request())
         return TritonGeneration(call, prompt_param, self.url, request.n or 1)

@@ -156,6 +156,41 @@ def test_compare_smoke_end_to_end(tmp_path, smollm2_dir):
     assert (out_dir / "locust" / "llm_dynamic_u4_stats.csv").exists()
 
 
+@pytest.mark.server
+@pytest.mark.smollm2
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_compare_smoke_of_the_mixed_workload_without_and_with_priorities(tmp_path, smollm2_dir):
+    """``python -m loadtest.compare --smoke --workload mixed --priorities both`` on two models: each load point run
+    without priorities and with them, each request recorded with its class (and its level with priorities), and the
+    report's table of each class per model (about 3 minutes)."""
+    command = [sys.executable, "-m", "loadtest.compare", "--smoke", "--model", str(smollm2_dir), "--out", str(tmp_path),
+               "--workload", "mixed", "--priorities", "both", "--models", "llm_dynamic,llm_continuous",
+               "--dynamic-variants", ""]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=580)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    (out_dir,) = tmp_path.iterdir()
+    results = json.loads((out_dir / "results.json").read_text())
+    assert sorted((r["model"], r["priorities"]) for r in results["runs"]) == [
+        ("llm_continuous", False), ("llm_continuous", True), ("llm_dynamic", False), ("llm_dynamic", True)]
+    for run in results["runs"]:
+        assert not [r["error"] for r in run["requests"] if r["error"]], run["model"]
+        levels = {(r["class"], r["priority"]) for r in run["requests"]}
+        assert levels == ({("interactive", 1), ("batch", 3)} if run["priorities"] else
+                          {("interactive", None), ("batch", None)}), (run["model"], levels)
+    # The served copies order the engine's queue by priority.
+    assert {c["scheduling_policy"] for c in results["meta"]["configs"].values()} == {"priority"}
+    md = (out_dir / "report.md").read_text()
+    section = md.split("## Interactive beside batch: each class, per model")[1].split("\n## ")[0]
+    for model in ("llm_dynamic", "llm_continuous"):
+        rows = section.split(f"### {model}")[1].split("\n\n")[1].splitlines()[2:]
+        assert [row.split(" | ")[:3] for row in rows] == [
+            ["| 4 users", "off", "interactive"], ["| 4 users", "off", "batch"],
+            ["| 4 users", "on (level 1)", "interactive"], ["| 4 users", "on (level 3)", "batch"]], model
+    assert "classes" in json.loads((out_dir / "record.json").read_text())["tables"]
+
+
 # ---- make slo --capacity: the KV pool as a server reports it --------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, MODELS, STATIC
+from backend.contract.priority import DEFAULT_PRIORITY_LEVEL, PRIORITY_LEVELS
 from backend.triton.launcher import config_text
 from backend.triton.launcher.launch_options import copy_model_repository
 from backend.triton.stub.responses import ALL_OUTPUTS
@@ -118,3 +119,15 @@ def test_copy_model_repository_sets_parameters_and_leaves_an_unchanged_copy_as_i
         config.parameters["model"].string_value = shipped_folder
         assert config == shipped(model)  # nothing else changed
         assert (folder / model / "1" / "model.py").is_file()
+
+
+def test_the_dynamic_batchers_priority_levels_are_the_ones_the_priority_input_reads():
+    """llm_dynamic's and llm_static's queues are ordered by Triton's priority with the levels that
+    backend/contract/priority.py owns; every model's engine orders its own queue by the same input."""
+    for name in (DYNAMIC, STATIC):
+        batcher = config_text.dynamic_batching(config_text.load(SHIPPED / name / "config.pbtxt"))
+        assert (batcher.priority_levels, batcher.default_priority_level) == (PRIORITY_LEVELS, DEFAULT_PRIORITY_LEVEL)
+    for name in MODELS:
+        config = config_text.load(SHIPPED / name / "config.pbtxt")
+        assert config_text.parameter(config, "scheduling_policy") == "priority"
+        assert any(i.name == "priority" and i.optional for i in config.input)

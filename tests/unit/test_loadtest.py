@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import json
 import random
 import subprocess
@@ -18,13 +19,14 @@ import pytest
 
 from backend.contract import errors
 from backend.contract.errors import ErrorKind
+from backend.contract.priority import BATCH, INTERACTIVE
 from backend.triton.launcher import config_text
 from client.schema import Chunk
 from loadtest import compare, metrics, report, runner, slo, soak, soak_patterns, stats
 from loadtest.measure import Measurement, StreamError
 from loadtest.runner import REPO_ROOT, LoadPoint, Plan, Target, batcher_settings, measurement_window
 from loadtest.slo import verdict
-from loadtest.workloads import WORKLOADS, get_workload, make_request
+from loadtest.workloads import WORKLOAD_NAMES, WORKLOADS, deal_user, get_workload, make_request
 from records.record import Record
 
 FIXTURE = Path(__file__).parents[1] / "data" / "loadtest_results.json"
@@ -339,6 +341,7 @@ def test_report_states_every_batcher_setting_as_served(tmp_path):
         "kv_cache_memory_bytes": "536870912",
         "dtype": None,
         "quantization": None,
+        "scheduling_policy": None,
     }
     assert batcher_settings(SERVED_CONFIGS["llm_continuous"])["batcher"] == "none: the model's own loop"
     iterative = {"max_batch_size": 8, "sequence_batching": {"iterative_sequence": True, "oldest": {
@@ -725,3 +728,137 @@ def test_a_load_generator_that_will_not_exit_is_killed_and_the_run_goes_on():
     assert time.monotonic() - started < 10
     finishes = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     assert _wait_bounded(finishes, timeout_s=30) == 3
+
+
+# ---- the mixed workload: interactive users beside batch users -------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_the_mixed_workload_deals_each_model_its_interactive_users_first_and_each_class_its_own_requests():
+    dealt = [deal_user(n, ["a", "b"], interactive_users=2) for n in range(8)]
+    assert dealt == [("a", "interactive"), ("b", "interactive"), ("a", "interactive"), ("b", "interactive"),
+                     ("a", "batch"), ("b", "batch"), ("a", "batch"), ("b", "batch")]
+    assert {cls for _, cls in (deal_user(n, ["a"], 0) for n in range(4))} == {"batch"}
+    mixed = get_workload("mixed")
+    assert "mixed" in WORKLOAD_NAMES and "mixed" not in WORKLOADS  # make slo sizes single-class workloads only
+    interactive = [make_request(mixed, i, 5, "interactive") for i in range(200)]
+    batch = [make_request(mixed, i, 5, "batch") for i in range(200)]
+    assert interactive == [make_request(mixed, i, 5, "interactive") for i in range(200)]  # a pure function
+    assert make_request(mixed, 3, 5, "interactive") != make_request(mixed, 3, 6, "interactive")
+    assert all(16 <= s.num_prompt_words <= 64 and 16 <= s.max_tokens <= 64 for s in interactive)
+    assert all(256 <= s.num_prompt_words <= 512 and 128 <= s.max_tokens <= 384 for s in batch)
+    assert [(c.name, c.priority, c.ttft_ms, c.tpot_ms) for c in mixed.classes] == [
+        ("interactive", INTERACTIVE, 500.0, 100.0), ("batch", BATCH, None, None)]
+    smoke = get_workload("mixed", 0.125)
+    assert max(make_request(smoke, i, 0, "batch").max_tokens for i in range(50)) <= 48
+    with pytest.raises(ValueError, match="no class 'chat'"):
+        make_request(mixed, 0, 0, "chat")
+    assert mixed.describe().startswith("mixed: interactive prompt 16-64 words, output 16-64 tokens; batch prompt")
+    m = Measurement(4, 2, 10.0, traffic_class="interactive", priority=INTERACTIVE)
+    assert (m.record()["class"], m.record()["priority"]) == ("interactive", 1)
+    assert "class" not in Measurement(4, 2, 10.0).record()  # the other workloads' records as before
+
+
+def classed(run: dict, every: int = 2) -> dict:
+    """``run`` as a mixed workload's: every ``every``-th request interactive, the others batch jobs."""
+    for i, r in enumerate(run["requests"]):
+        r["class"] = "interactive" if i % every == 0 else "batch"
+    return run
+
+
+MIXED_CLASSES = [c.describe() for c in get_workload("mixed").classes]
+
+
+@pytest.mark.timeout(10)
+def test_each_class_is_summarized_on_its_own_with_the_interactive_share_within_its_targets():
+    run = classed(steady_run(80, 20.0))  # 40 of each class, four tokens 100 ms apart: TTFT 50 ms, TPOT 100 ms
+    for r in run["requests"][::4]:  # every other interactive request starts late
+        r["ttft_ms"], r["token_ms"] = 900.0, [900.0, 1000.0, 1100.0, 1200.0]
+    interactive, batch = stats.summarize_classes({**run, "priorities": True}, MIXED_CLASSES)
+    assert (interactive["class"], interactive["num_requests"], interactive["priority"]) == ("interactive", 40, 1)
+    # Its tokens that arrived in the window: all but three of the last late one's.
+    assert interactive["output_tok_per_s"] == pytest.approx((40 * 4 - 3) / 20.0)
+    assert (interactive["ttft_p50_ms"], interactive["ttft_p99_ms"]) == (pytest.approx(475.0), pytest.approx(900.0))
+    assert interactive["within_targets"] == 0.5 and interactive["targets_met"] is False
+    assert (batch["class"], batch["priority"], batch["ttft_p99_ms"]) == ("batch", 3, 50.0)
+    assert batch["within_targets"] is None and batch["targets_met"] is None  # batch jobs have no target
+    unprioritised = stats.summarize_classes(classed(steady_run(80, 20.0)), MIXED_CLASSES)
+    assert [(r["priorities"], r["priority"], r["targets_met"]) for r in unprioritised] == [
+        (False, None, True), (False, None, None)]
+    # A class too sparse in the window says why, as a load point does.
+    sparse, _ = stats.summarize_classes(classed(steady_run(60, 20.0), every=6), MIXED_CLASSES)
+    assert sparse["not_measured"] == "10 requests in 20 s: too few to measure" and sparse["ttft_p99_ms"] is None
+
+
+@pytest.mark.timeout(60)
+def test_a_mixed_report_has_a_table_per_model_of_each_class_without_and_with_priorities(tmp_path):
+    results = json.loads(FIXTURE.read_text())
+    unprioritised = [classed(run) for run in results["runs"]]
+    prioritised = [{**json.loads(json.dumps(run)), "priorities": True} for run in unprioritised]
+    results["runs"] = unprioritised + prioritised
+    results["meta"].update(classes=MIXED_CLASSES, interactive_users=2, priorities="both", configs={
+        "llm_dynamic": {"batcher": "dynamic"}, "llm_continuous": {"scheduling_policy": "priority"}})
+    built = report.build(results, tmp_path)
+
+    md = (tmp_path / "report.md").read_text()
+    section = md.split("## Interactive beside batch: each class, per model")[1].split("\n## ")[0]
+    assert "2 interactive users at every load point" in section
+    assert "targets TTFT p99 ≤ 500 ms and TPOT p99 ≤ 100 ms" in section
+    assert "Run without priorities and with priorities" in section
+    assert "(as served: llm_dynamic fcfs (the engine's default); llm_continuous priority)." in section
+    assert "The other tables and plots of this report are of the runs without priorities." in section
+    tables = {t.split("\n")[0]: t.split("\n\n")[1].splitlines() for t in section.split("### ")[1:]}
+    assert list(tables) == ["llm_dynamic", "llm_continuous"]
+    continuous = tables["llm_continuous"]
+    assert continuous[0] == ("| load | priorities | class | requests | failures | output tok/s | TTFT p50 | TTFT p99 | "
+                             "TPOT p50 | TPOT p99 | within targets | p99s on target |")
+    assert [line.split(" | ")[:3] for line in continuous[2:]] == [
+        ["| 2 users", "off", "interactive"], ["| 2 users", "off", "batch"],
+        ["| 2 users", "on (level 1)", "interactive"], ["| 2 users", "on (level 3)", "batch"],
+        ["| 4 users", "off", "interactive"], ["| 4 users", "off", "batch"],
+        ["| 4 users", "on (level 1)", "interactive"], ["| 4 users", "on (level 3)", "batch"],
+    ]
+    assert continuous[3].endswith(" | – | – |") and continuous[5].endswith(" | – | – |")  # batch: no target
+    assert continuous[6].split(" | ")[-2:] in (["100%", "yes |"], ["0%", "no |"]) or "no |" in continuous[6]
+    # The rest of the report is the first pass's: one row per model and load, as before.
+    assert len(built["rows"]) == 4 and len(built["class_rows"]) == 16
+    assert [c.header for c in report.class_record_columns()][:4] == ["model", "load", "priorities", "class"]
+    record = Record("make compare", {"mode": "quick"}, {"commit": "c" * 40, "date": "2026-12-03", "cpu": {}})
+    kept = Record.read(compare.write_record(record, built, results["meta"], tmp_path))
+    printed = [" | ".join(c.cell(row) for c in kept.tables["classes"].columns[1:]) for row in
+               kept.tables["classes"].rows if row["model"] == "llm_continuous"]
+    assert [f"| {line} |" for line in printed] == continuous[2:]
+    # Another workload's report has no such section.
+    plain = report.build(json.loads(FIXTURE.read_text()), tmp_path / "plain")
+    assert "Interactive beside batch" not in (tmp_path / "plain" / "report.md").read_text()
+    assert plain["class_rows"] == [] and "classes" not in Record.read(
+        compare.write_record(Record("make compare", {}, {"commit": "c" * 40, "date": "", "cpu": {}}), plain,
+                             results["meta"], tmp_path / "plain")).tables
+
+
+@pytest.mark.timeout(30)
+def test_compare_runs_the_mixed_workload_with_interactive_users_and_serves_priorities(tmp_path):
+    args = compare.parse_args(["--smoke", "--workload", "mixed", "--priorities", "both", "--interactive-users", "3",
+                               "--models", "llm_dynamic,llm_continuous", "--dynamic-variants", ""])
+    plan, points = compare.make_plan(args)
+    assert (plan.interactive_users, [p.users for p in points]) == (3, [4])  # --users counts the batch users
+    assert compare.PASSES[args.priorities] == (False, True)
+    assert runner.engine_parameters(args) == {"scheduling_policy": "priority"}
+    served = runner.repository_to_serve(args, tmp_path, args.models.split(","))
+    assert config_text.parameter(config_text.load(served / "llm_dynamic" / "config.pbtxt"), "scheduling_policy") \
+        == "priority"
+    target = Target("http://h:1", "h:2", "http://h:3/metrics")
+    command = runner.locust_command(target, "m", points[0], dataclasses.replace(plan, priorities=True), Path("r"),
+                                    Path("c"))
+    assert command[command.index("-u") + 1] == "7" and command[command.index("-r") + 1] == "7"
+    assert command[command.index("--interactive-users") + 1] == "3" and "--priorities" in command
+    unprioritised = runner.locust_command(target, "m", points[0], plan, Path("r"), Path("c"))
+    assert "--priorities" not in unprioritised and "--interactive-users" in unprioritised
+    plain_plan, plain_points = compare.make_plan(compare.parse_args(["--smoke"]))
+    plain = runner.locust_command(target, "m", plain_points[0], plain_plan, Path("r"), Path("c"))
+    assert "--interactive-users" not in plain and plain[plain.index("-u") + 1] == "4"
+    assert runner.engine_parameters(compare.parse_args(["--smoke"])) == {}
+    for bad in (["--priorities", "on"], ["--workload", "mixed", "--rates", "1"],
+                ["--workload", "mixed", "--interactive-users", "-1"]):
+        with pytest.raises(SystemExit):
+            compare.parse_args(bad)

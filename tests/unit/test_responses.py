@@ -13,6 +13,7 @@ import pytest
 
 from backend.engine.batching import SHUTTING_DOWN
 from backend.engine.llm_engine import EngineSnapshot, RequestOutput
+from backend.engine.request import RequestTimings
 from backend.triton.stub import responses
 from backend.triton.stub.metrics import TritonMetrics
 from backend.triton.stub.responses import CancellationPoll, OpenRequest, OpenRequests
@@ -160,6 +161,26 @@ def test_gauges_are_set_only_when_their_value_changes():
     assert FakeFamily.log == [("llm_engine_healthy", "set", 0)]
 
 
+def test_a_finished_request_is_counted_under_the_unlabelled_names_and_by_its_priority_level():
+    """Dashboards read the unlabelled names; the ``*_by_priority`` families add the level (their own names, so a sum
+    over a name's series counts each request once)."""
+    FakeFamily.log = []
+    metrics = TritonMetrics(FakePb, "m")
+    FakeFamily.log.clear()
+    timings = RequestTimings(arrival=10.0, first_scheduled=10.5, first_token=11.0, finished=13.0)
+    metrics.on_finished(RequestOutput("r", "", [], finished=True, finish_reason="length", num_output_tokens=5,
+                                      timings=timings, num_preemptions=2), arrival=10.0, priority=1)
+    observed = {(name, kind, value) for name, kind, value in FakeFamily.log}
+    for name in ("llm_queue_time_seconds", "llm_queue_time_by_priority_seconds"):
+        assert (name, "observe", 0.5) in observed
+    for name in ("llm_time_to_first_token_seconds", "llm_time_to_first_token_by_priority_seconds"):
+        assert (name, "observe", 1.0) in observed
+    for name in ("llm_time_per_output_token_seconds", "llm_time_per_output_token_by_priority_seconds"):
+        assert (name, "observe", 0.5) in observed
+    assert ("llm_preemptions_by_priority_total", "increment", 2) in observed
+    assert metrics._of_level.keys() == {1}  # a level's series exist once one of its requests ended
+
+
 # ---- what one engine output sends (send_output), without a server ---------------------------------------------
 
 
@@ -281,7 +302,7 @@ class CountingMetrics:
     def __init__(self) -> None:
         self.finished: list[str] = []
 
-    def on_finished(self, output: RequestOutput, arrival: float) -> None:
+    def on_finished(self, output: RequestOutput, arrival: float, priority: int = 2) -> None:
         self.finished.append(output.finish_reason)
 
 

@@ -24,6 +24,7 @@ def make_scheduler(
     enable_prefix_caching: bool = False,
     batching: str = "continuous",
     max_model_len: int = 64,
+    scheduling_policy: str = "fcfs",
 ) -> Scheduler:
     config = EngineConfig(
         block_size=block_size,
@@ -33,13 +34,15 @@ def make_scheduler(
         enable_prefix_caching=enable_prefix_caching,
         batching=batching,
         max_model_len=max_model_len,
+        scheduling_policy=scheduling_policy,
     )
     return Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching))
 
 
-def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int | None = 4, first_token: int = 1) -> Request:
+def make_request(request_id: str, num_prompt_tokens: int, max_tokens: int | None = 4, first_token: int = 1,
+                 priority: int = 0) -> Request:
     prompt = [first_token + i for i in range(num_prompt_tokens)]
-    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), eos_token_ids=(EOS,))
+    return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), eos_token_ids=(EOS,), priority=priority)
 
 
 def step(scheduler: Scheduler, token: int = 7) -> SchedulerOutput:
@@ -355,6 +358,7 @@ def engine_setups(draw):
         num_blocks=draw(st.integers(min_blocks, min_blocks + 3)),
         enable_prefix_caching=draw(st.booleans()),
         batching=draw(st.sampled_from(["continuous", "run_to_completion"])),
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
     )
 
 
@@ -380,9 +384,17 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput, requests: list[Req
     scheduled_ids = [s.request.request_id for s in output.scheduled]
     assert len(set(scheduled_ids)) == len(scheduled_ids)
     assert not set(scheduled_ids) & set(output.preempted_ids)
-    # Running requests first, then admitted ones: together, a subsequence of the running order.
-    positions = {r.request_id: i for i, r in enumerate(scheduler.running)}
-    assert [positions[i] for i in scheduled_ids] == sorted(positions[i] for i in scheduled_ids)
+    if config.scheduling_policy == "fcfs":
+        # Running requests first, then admitted ones: together, a subsequence of the running order.
+        positions = {r.request_id: i for i, r in enumerate(scheduler.running)}
+        assert [positions[i] for i in scheduled_ids] == sorted(positions[i] for i in scheduled_ids)
+    else:
+        # Both queues in (priority, arrival) order; no class is preempted while a lower one runs this step.
+        for queue in (list(scheduler.waiting), scheduler.running):
+            keys = [(r.priority, r.timings.arrival) for r in queue]
+            assert keys == sorted(keys)
+        preempted = [scheduler_request(requests, i).priority for i in output.preempted_ids]
+        assert all(p >= s.request.priority for p in preempted for s in output.scheduled)
     for s in output.scheduled:
         request = s.request
         assert s.num_new_tokens >= 1
@@ -397,6 +409,10 @@ def check_step(scheduler: Scheduler, output: SchedulerOutput, requests: list[Req
     if config.batching == "run_to_completion":
         assert {r.request_id for r in scheduler.running} <= scheduler.current_batch_ids
     scheduler.block_manager.check_invariants(requests)
+
+
+def scheduler_request(requests: list[Request], request_id: str) -> Request:
+    return next(r for r in requests if r.request_id == request_id)
 
 
 def check_after_update(scheduler: Scheduler, requests: list[Request]) -> None:
@@ -433,7 +449,8 @@ def test_random_runs_never_leak_blocks_break_limits_or_starve(setup, arrivals, s
     for length, max_tokens, prefix, num_steps, abort_index in arrivals:
         length = 1 + (length - 1) % (max_model_len - 1)
         prompt = prefixes[prefix][: max(1, length - 2)] + [rng.randint(1, 9) for _ in range(2)]
-        request = Request(f"r{len(requests)}", prompt[:length], SamplingParams(max_tokens=max_tokens), (EOS,))
+        request = Request(f"r{len(requests)}", prompt[:length], SamplingParams(max_tokens=max_tokens), (EOS,),
+                          priority=rng.randint(0, 2))
         scheduler.add_request(request)
         requests.append(request)
         for _ in range(num_steps):

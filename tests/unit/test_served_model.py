@@ -36,7 +36,15 @@ def test_each_batching_checks_what_it_needs_of_tritons_batcher_with_a_value_erro
         check_batcher("m", {"max_batch_size": 8}, EngineConfig(batching="iterative", max_num_seqs=8))
     with pytest.raises(ValueError, match=r"oldest \{ max_candidate_sequences \}"):
         check_batcher("m", ITERATIVE_CONFIG, EngineConfig(batching="iterative", max_num_seqs=4))
+    # Under the priority policy the candidates beyond the seats wait in the engine's queue, by priority.
+    check_batcher("m", ITERATIVE_CONFIG,
+                  EngineConfig(batching="iterative", max_num_seqs=2, scheduling_policy="priority"))
     check_batcher("m", {"max_batch_size": 0}, EngineConfig(batching="continuous", max_num_seqs=4))
+    levels = {"max_batch_size": 8, "dynamic_batching": {"priority_levels": "3", "default_priority_level": "2"}}
+    check_batcher("m", levels, EngineConfig(batching="run_to_completion", max_num_seqs=8))
+    levels["dynamic_batching"]["priority_levels"] = "5"
+    with pytest.raises(ValueError, match="the priority input reads 3 levels with 2 the default"):
+        check_batcher("m", levels, EngineConfig(batching="run_to_completion", max_num_seqs=8))
     assert sequence_idle_seconds(ITERATIVE_CONFIG) == 5.0
     assert sequence_idle_seconds({"sequence_batching": {"max_sequence_idle_microseconds": "250000"}}) == 0.25
 
@@ -116,10 +124,10 @@ def prompt(value: bytes = b"Hello", **inputs: np.ndarray) -> FakeRequest:
 
 def test_a_valid_request_is_opened_and_handed_to_the_driver(model):
     handed = []
-    request = prompt(max_tokens=np.array([3], dtype=np.int32))
+    request = prompt(max_tokens=np.array([3], dtype=np.int32), priority=np.array([1], dtype=np.uint32))
     request_id = model.admit(request, 12.5, lambda *args: handed.append(args))
-    ((rid, text, params, arrival),) = handed
-    assert (rid, text, params.max_tokens, arrival) == (request_id, "Hello", 3, 12.5)
+    ((rid, text, params, arrival, priority),) = handed
+    assert (rid, text, params.max_tokens, arrival, priority) == (request_id, "Hello", 3, 12.5, 1)
     assert len(model.open) == 1 and request.sender.finals == []  # the driver answers it
 
 

@@ -57,7 +57,7 @@ class Sender:
 
 
 class NoMetrics:
-    def on_finished(self, output, arrival) -> None:
+    def on_finished(self, output, arrival, priority=2) -> None:
         pass
 
 

@@ -1,10 +1,12 @@
-"""The models' custom metrics on Triton's metrics port (``llm_*``, labelled by model)."""
+"""The models' custom metrics on Triton's metrics port (``llm_*``, labelled by model; the ``*_by_priority`` ones by the
+request's priority level too)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from backend.contract import names
+from backend.contract.priority import DEFAULT_PRIORITY_LEVEL
 from backend.engine.llm_engine import RequestOutput
 from backend.engine.request import FinishReason
 
@@ -71,6 +73,17 @@ class TritonMetrics:
         self.batch_size = histogram(names.BATCH_SIZE, "Sequences in each forward step", _BATCH_BUCKETS)
         self._num_steps_seen = 0
         self._histogram = histogram
+        self._by_priority = {
+            "queue": family(names.QUEUE_TIME_BY_PRIORITY, "Time from arrival to first scheduling, by priority level",
+                            F.HISTOGRAM),
+            "ttft": family(names.TIME_TO_FIRST_TOKEN_BY_PRIORITY, "Time to first token (server side), by priority "
+                           "level", F.HISTOGRAM),
+            "tpot": family(names.TIME_PER_OUTPUT_TOKEN_BY_PRIORITY, "Mean time per output token after the first, by "
+                           "priority level", F.HISTOGRAM),
+            "preemptions": family(names.PREEMPTIONS_BY_PRIORITY, "Preemptions of the requests that ended, by their "
+                                  "priority level (counted as each ends)", F.COUNTER),
+        }
+        self._of_level: dict[int, dict[str, Any]] = {}  # a level's metrics, made when its first request ends
 
     def iteration_gap(self) -> Any:
         """llm_iterative only: what handing the batch back to Triton costs per iteration."""
@@ -78,7 +91,17 @@ class TritonMetrics:
             names.ITERATION_GAP, "Time from one execute()'s end to the next execute()'s start while "
             "requests wait to be rescheduled (Triton's iterative sequence batcher)", _GAP_BUCKETS)
 
-    def on_finished(self, output: RequestOutput, arrival: float) -> None:
+    def _level(self, level: int) -> dict[str, Any]:
+        metrics = self._of_level.get(level)
+        if metrics is None:
+            labels = {**self._labels, "priority": str(level)}
+            metrics = {kind: fam.Metric(labels) if kind == "preemptions" else
+                       fam.Metric(labels, buckets=_LATENCY_BUCKETS) for kind, fam in self._by_priority.items()}
+            self._of_level[level] = metrics
+        return metrics
+
+    def on_finished(self, output: RequestOutput, arrival: float, priority: int = DEFAULT_PRIORITY_LEVEL) -> None:
+        """Count a request that ended; ``priority``: its level, the ``*_by_priority`` series' label."""
         reason = output.finish_reason or FinishReason.ERROR.value
         counter = self._finished_by_reason.get(reason)
         if counter is None:
@@ -87,16 +110,22 @@ class TritonMetrics:
         counter.increment(1)
         self.prompt_tokens.increment(output.num_prompt_tokens)
         self.generation_tokens.increment(output.num_output_tokens)
+        level = self._level(priority)
+        if output.num_preemptions:
+            level["preemptions"].increment(output.num_preemptions)
         t = output.timings
         if t is None or t.finished is None:
             return
         self.e2e.observe(t.finished - arrival)
         if t.first_scheduled is not None:
-            self.queue.observe(max(t.first_scheduled - arrival, 0.0))
+            for histogram in (self.queue, level["queue"]):
+                histogram.observe(max(t.first_scheduled - arrival, 0.0))
         if t.first_token is not None:
-            self.ttft.observe(t.first_token - arrival)
+            for histogram in (self.ttft, level["ttft"]):
+                histogram.observe(t.first_token - arrival)
             if output.num_output_tokens > 1:
-                self.tpot.observe((t.finished - t.first_token) / (output.num_output_tokens - 1))
+                for histogram in (self.tpot, level["tpot"]):
+                    histogram.observe((t.finished - t.first_token) / (output.num_output_tokens - 1))
 
     def on_sequence_finished(self, output: RequestOutput) -> None:
         """A sequence of a request with ``n`` > 1 ended before the request's last one: its tokens count too."""

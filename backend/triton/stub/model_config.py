@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from backend.contract.priority import DEFAULT_PRIORITY_LEVEL, PRIORITY_LEVELS
 from backend.contract.settings import MODEL_ENV_VAR
 from backend.engine.config import EngineConfig
 from backend.triton.stub.faults import FAULTS_PARAMETER
@@ -60,7 +61,11 @@ def check_model(model_name: str, model_config: dict, config: EngineConfig, batch
 def check_batcher(model_name: str, model_config: dict, config: EngineConfig) -> None:
     """What the engine's way of batching needs of Triton's batcher, so that every request Triton hands over can run:
     a run-to-completion batch runs whole (``max_num_seqs >= max_batch_size``), and iterative batching needs Triton's
-    iterative sequence batcher with no more candidate sequences than ``max_num_seqs``. Raises ``ValueError``."""
+    iterative sequence batcher with no more candidate sequences than ``max_num_seqs``, unless the engine orders its
+    queue by priority (``scheduling_policy: priority``): then the candidates beyond the seats wait in the engine's
+    queue, where a higher level goes first (Triton's own backlog has no priority levels). A dynamic batcher with
+    priority levels must read them as the ``priority`` input does (backend/contract/priority.py). Raises
+    ``ValueError``."""
     max_batch_size = int(model_config.get("max_batch_size", 0))
     if config.batching == "run_to_completion" and config.max_num_seqs < max_batch_size:
         raise ValueError(f"{model_name}: max_num_seqs ({config.max_num_seqs}) must be >= max_batch_size "
@@ -70,9 +75,18 @@ def check_batcher(model_name: str, model_config: dict, config: EngineConfig) -> 
         if not sequencing.get("iterative_sequence"):
             raise ValueError(f"{model_name} needs sequence_batching {{ iterative_sequence: true }}")
         seats = int(sequencing.get("oldest", {}).get("max_candidate_sequences", 0))
-        if not 0 < seats <= config.max_num_seqs or max_batch_size > config.max_num_seqs:
+        waits_by_priority = config.scheduling_policy == "priority"
+        if seats <= 0 or (not waits_by_priority and (seats > config.max_num_seqs
+                                                      or max_batch_size > config.max_num_seqs)):
             raise ValueError(f"{model_name}: max_num_seqs ({config.max_num_seqs}) must be >= max_batch_size and >= "
-                             "oldest { max_candidate_sequences } so that every request Triton hands over can run")
+                             "oldest { max_candidate_sequences } so that every request Triton hands over can run "
+                             "(or set scheduling_policy to priority: those beyond the seats then wait in the engine)")
+    levels = model_config.get("dynamic_batching", {})
+    if int(levels.get("priority_levels", 0)) and (int(levels["priority_levels"]), int(
+            levels.get("default_priority_level", 0))) != (PRIORITY_LEVELS, DEFAULT_PRIORITY_LEVEL):
+        raise ValueError(f"{model_name}: dynamic_batching has priority_levels {levels['priority_levels']} and "
+                         f"default_priority_level {levels.get('default_priority_level', 0)}; the priority input "
+                         f"reads {PRIORITY_LEVELS} levels with {DEFAULT_PRIORITY_LEVEL} the default: set those")
 
 
 def sequence_idle_seconds(model_config: dict) -> float:

@@ -1,4 +1,4 @@
-"""Request parsing: a Triton request's input tensors and parameters -> prompt, ``SamplingParams``, stream flag.
+"""Request parsing: a Triton request's input tensors and parameters -> prompt, ``SamplingParams``, stream, priority.
 
 Plain Python on numpy arrays (``read_inputs`` receives ``triton_python_backend_utils`` as ``pb`` instead of importing
 it), so it runs without a server. Every refusal is an ``InvalidRequest`` (a ``ValueError``, backend/contract/errors.py)
@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from backend.contract.errors import PROMPT, ContextLengthExceeded, InvalidRequest
+from backend.contract.priority import DEFAULT_PRIORITY_LEVEL, priority_level
 from backend.engine.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
 # Inputs every model declares (model_repository/README.md). Anything else is refused by Triton itself.
@@ -31,7 +32,7 @@ RETURN_INPUTS = {
 RETURN_LOGPROBS = "return_logprobs"
 ALL_INPUTS = (
     "text_input", *SAMPLING_INPUTS, *SAMPLING_INPUT_ALIASES, "stop", "stream", "sampling_parameters",
-    "exclude_input_in_output", *RETURN_INPUTS, RETURN_LOGPROBS,
+    "exclude_input_in_output", *RETURN_INPUTS, RETURN_LOGPROBS, "priority",
 )
 SAMPLING_KEYS = tuple(sorted(f.name for f in fields(SamplingParams)))
 # A prompt is refused before tokenising when its UTF-8 bytes exceed this many per token of max_model_len
@@ -60,6 +61,9 @@ class ParsedRequest:
     stream: bool
     omitted_outputs: frozenset[str] = frozenset()  # optional outputs the request turned off (return_*: false)
     requested_outputs: frozenset[str] = frozenset()  # asked for in every response, not just the final (return_*: true)
+    # Triton's level (backend/contract/priority.py), from the optional ``priority`` input: the Python backend of
+    # Triton 2.51 cannot read a request's own priority, which only Triton's dynamic batcher sees.
+    priority: int = DEFAULT_PRIORITY_LEVEL
 
 
 def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, parameters: str = "") -> ParsedRequest:
@@ -121,7 +125,18 @@ def parse_request(inputs: dict[str, np.ndarray], limits: RequestLimits, paramete
             f"prompt and output together must fit in max_model_len, so at most {limits.max_model_len - 1} tokens "
             "can be generated"
         )
-    return ParsedRequest(prompt, params, stream, omitted, requested)
+    return ParsedRequest(prompt, params, stream, omitted, requested, _priority(inputs))
+
+
+def _priority(inputs: dict[str, np.ndarray]) -> int:
+    """The ``priority`` input as Triton's level (0 and levels beyond the last: the default one)."""
+    if "priority" not in inputs:
+        return DEFAULT_PRIORITY_LEVEL
+    value = _scalar("priority", inputs["priority"])
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidRequest("priority", f"priority must be an integer >= 0 (1 is the highest level, 0 the default "
+                                         f"one); got {value!r}")
+    return priority_level(value)
 
 
 def _json_object(name: str | None, text: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from backend.contract.priority import DEFAULT_PRIORITY_LEVEL
 from backend.engine.llm_engine import RequestOutput
 from backend.engine.request import FinishReason
 from backend.triton.stub.stream_interval import StreamPacer, StreamState
@@ -47,6 +48,7 @@ class OpenRequest:
     omitted_outputs: frozenset[str] = frozenset()  # turned off (return_*: false): in no response
     requested_outputs: frozenset[str] = frozenset()  # asked for (return_*: true): in every response
     n: int = 1  # sequences: with more than one, every response carries its ``index``
+    priority: int = DEFAULT_PRIORITY_LEVEL  # Triton's level: the metrics' priority label
     # Made and not yet sent, by sequence index: texts, token ids and (when asked) log-probabilities, one per token
     # (non-streaming: the whole text).
     held: dict[int, tuple[list[str], list[int], list[dict]]] = field(default_factory=dict)
@@ -110,7 +112,7 @@ class OpenRequests:
         if open_request is None:
             return
         if output.finished and output.finish_reason != FinishReason.REFUSED:
-            self._metrics.on_finished(output, open_request.arrival)
+            self._metrics.on_finished(output, open_request.arrival, open_request.priority)
         elif output.finish_reason is not None and not output.finished:
             self._metrics.on_sequence_finished(output)
         if output.finish_reason is not None or output.finished or output.error is not None or \
@@ -133,7 +135,7 @@ class OpenRequests:
         with self._lock:
             open_request = self._open.pop(output.request_id, None)
         if open_request is not None and output.finished:
-            self._metrics.on_finished(output, open_request.arrival)
+            self._metrics.on_finished(output, open_request.arrival, open_request.priority)
 
     def cancelled(self, request_ids: Iterable[str] | None = None) -> list[str]:
         """Those of ``request_ids`` (default: every open request) whose client cancelled. NOTE: ``is_cancelled()``

@@ -36,9 +36,10 @@ from backend.triton.stub.responses import OpenRequest, OpenRequests, send_error
 from backend.triton.stub.shutdown_notice import ShutdownNotice
 from backend.triton.stub.stream_interval import StreamPacer
 
-# Who takes a new request: the engine itself, the engine loop or the iteration driver. It refuses one by raising, or
-# by giving it its final output itself (IterationDriver.add).
-HandOver = Callable[[str, str, SamplingParams, float], object]
+# Who takes a new request (its id, prompt, sampling settings, arrival and priority): the engine itself, the engine
+# loop or the iteration driver. It refuses one by raising, or by giving it its final output itself
+# (IterationDriver.add).
+HandOver = Callable[[str, str, SamplingParams, float, int], object]
 
 
 class ServedModel:
@@ -81,10 +82,11 @@ class ServedModel:
         then on, and the driver ends what still runs at ``self.shutdown.deadline``."""
 
     def admit(self, request, arrival: float, hand_over: HandOver) -> str | None:
-        """Take one new request: parse it, open it and ``hand_over(request_id, prompt, params, arrival)`` to the
-        driver. Returns its id, or None once it got its final error: the model refuses new requests (a failed engine,
-        a shutdown), the request is not valid, or ``hand_over`` refused it (``ValueError``, or the engine loop's
-        ``EngineOverloaded`` / ``EngineUnavailable``). A driver that ends a refused request itself returns normally."""
+        """Take one new request: parse it, open it and ``hand_over(request_id, prompt, params, arrival, priority)``
+        to the driver (the priority: Triton's level, which the engine reads as vLLM's priority). Returns its id, or
+        None once it got its final error: the model refuses new requests (a failed engine, a shutdown), the request is
+        not valid, or ``hand_over`` refused it (``ValueError``, or the engine loop's ``EngineOverloaded`` /
+        ``EngineUnavailable``). A driver that ends a refused request itself returns normally."""
         sender = request.get_response_sender()
         refusal = self.failure or (SHUTTING_DOWN if self.shutdown.is_set() else None)
         if refusal is None:
@@ -97,11 +99,11 @@ class ServedModel:
             return None
         request_id = uuid.uuid4().hex
         self.open.add(request_id, OpenRequest(sender, parsed.stream, arrival, parsed.omitted_outputs,
-                                              parsed.requested_outputs, parsed.params.n))
+                                              parsed.requested_outputs, parsed.params.n, priority=parsed.priority))
         if self.faults is not None:
             self.faults.watch(request_id, parsed.prompt)
         try:
-            hand_over(request_id, parsed.prompt, parsed.params, arrival)
+            hand_over(request_id, parsed.prompt, parsed.params, arrival, parsed.priority)
         except (ValueError, EngineOverloaded, EngineUnavailable) as exc:  # refused at once: nothing was queued
             self.open.discard(request_id)
             # NOTE: the engine loop's refusals carry their kind already; a ValueError is about the request's values.
