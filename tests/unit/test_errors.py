@@ -62,7 +62,8 @@ def scheduler_refusal(num_prompt_tokens: int, max_tokens: int | None) -> str:
 
 def engine_refusal() -> str:
     """The engine's own refusal of a prompt that tokenizes to nothing (a stand-in for the loaded engine)."""
-    engine = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda prompt: []), _ids=itertools.count())
+    engine = SimpleNamespace(tokenizer=SimpleNamespace(encode=lambda prompt: []), _ids=itertools.count(),
+                             config=SimpleNamespace(model_shape=SimpleNamespace(vocab_size=100)))
     with pytest.raises(ValueError) as refused:
         LLMEngine.add_request(engine, "r", " ")
     return errors.refusal(refused.value)
