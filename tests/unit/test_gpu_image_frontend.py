@@ -73,8 +73,10 @@ def test_the_gpu_image_pins_resolve_for_python310(tmp_path):
     cuda = re.compile(r"^(torch|triton|nvidia-|cuda-)")
     wanted = tmp_path / "requirements.txt"
     wanted.write_text("".join(f"{n}=={v}\n" for n, v in pinned(GPU_PINS).items() if not cuda.match(n)))
-    platforms = [arg for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-                 for arg in ("--platform", tag)]
+    # NOTE: the image's Ubuntu 22.04 has glibc 2.35, so a wheel for manylinux_2_35 or older installs there.
+    tags = ("manylinux_2_35_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
+            "manylinux2014_x86_64")
+    platforms = [arg for tag in tags for arg in ("--platform", tag)]
     command = [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--disable-pip-version-check",
                "--ignore-installed", "--no-deps", "--only-binary=:all:", "--python-version", "3.10",
                "--implementation", "cp", *platforms, "--target", str(tmp_path / "target"), "-r", str(wanted)]
