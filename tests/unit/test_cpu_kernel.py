@@ -173,7 +173,7 @@ def fused_reference(x, weight, bias, op, other):
 
 
 @pytest.mark.parametrize("op", ["none", "silu", "mul", "add"])
-@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 8, 13, 64, 100])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 8, 13, 31, 32, 33, 64, 65, 100])
 @pytest.mark.parametrize("shape", [(960, 576), (32, 64), (8, 64), (1537, 576), (7, 40)],
                          ids=["qkv", "tiny-unthreaded", "eight-rows", "odd-rows", "odd-both"])
 def test_small_batch_linear_matches_float32_sum_rounded_once(op, num_rows, shape):

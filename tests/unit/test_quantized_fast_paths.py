@@ -37,7 +37,7 @@ def case(fmt, n, k, rows, seed):
 
 @needs_c
 @pytest.mark.parametrize("fmt", [Q4_1, Q8_0, INT8])
-@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 31, 32, 33, 64, 65])
 @pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (48, 576), (32, 64), (40, 96), (8, 32)],
                          ids=["qkv", "down", "half-panel", "tiny", "rows-past-a-group", "under-a-group"])
 def test_every_path_equals_its_twin(fmt, rows, n, k):
