@@ -275,16 +275,17 @@ def test_a_10_mb_prompt_is_refused_before_tokenising_without_a_memory_spike(tiny
 def test_unknown_keys_are_refused_wherever_they_appear(tiny_server):
     """One rule: a key that is not a sampling setting is refused, whether it comes as an input tensor (Triton),
     a JSON field or ``parameters`` entry of HTTP /generate (request parameters), a gRPC request parameter, or a
-    key of ``sampling_parameters``. Keys vLLM knows but this engine does not (best_of, n, ...) are refused too
-    rather than silently ignored."""
+    key of ``sampling_parameters``. Keys vLLM knows but this engine does not (best_of, use_beam_search, ...) are
+    refused too rather than silently ignored."""
     server = tiny_server
     for model in MODELS:
-        for body in ({"text_input": "Hi", "n": 2}, {"text_input": "Hi", "parameters": {"n": 2}},
-                     {"text_input": "Hi", "sampling_parameters": '{"n": 2}'}):
+        for body in ({"text_input": "Hi", "best_of": 2}, {"text_input": "Hi", "parameters": {"best_of": 2}},
+                     {"text_input": "Hi", "sampling_parameters": '{"best_of": 2}'}):
             response = http_generate(server, model, body)
-            assert response.status_code == 400 and "unknown key(s)" in response.text and ": n;" in response.text
-        result = generate(server.grpc_url, model, "Hi", parameters={"n": 2})
-        assert result.error is not None and "unknown key(s) in the request parameters: n" in result.error
+            assert response.status_code == 400 and "unknown key(s)" in response.text, response.text
+            assert ": best_of;" in response.text, response.text
+        result = generate(server.grpc_url, model, "Hi", parameters={"best_of": 2})
+        assert result.error is not None and "unknown key(s) in the request parameters: best_of" in result.error
         # Known keys are honoured wherever they come from.
         for body in ({"text_input": "Hi", "max_tokens": 3, "ignore_eos": True},
                      {"text_input": "Hi", "parameters": {"max_tokens": 3, "ignore_eos": True}},
