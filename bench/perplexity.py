@@ -21,7 +21,6 @@ llama.cpp's from the same run. The run's record (``records/``) goes beside ``--o
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import subprocess
@@ -191,12 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     llamacpp = {name: llamacpp_perplexity(args.llamacpp, gguf, args.text, args.ctx, args.threads)
                 for name, gguf in ggufs.items()} if args.llamacpp else {}
     print(record_table(record, ppl, llamacpp, args.path).tables["perplexity"].markdown())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"text": args.text.name, "tokens": len(token_ids), "ctx": args.ctx,
-                                    "path": args.path, "scored_tokens": scored, "perplexity": ppl,
-                                    "llamacpp": llamacpp}, indent=2) + "\n")
-    kept = record.write(args.out.with_suffix(".record.json"))
-    print(f"\nwritten to {args.out}; the run's record to {kept}")
+    record.write_beside(args.out, {"text": args.text.name, "tokens": len(token_ids), "ctx": args.ctx,
+                                   "path": args.path, "scored_tokens": scored, "perplexity": ppl, "llamacpp": llamacpp})
     return 0
 
 

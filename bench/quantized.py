@@ -17,7 +17,6 @@ one, so after it the texts are compared by eye, not counted).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -142,10 +141,7 @@ def main(argv: list[str] | None = None) -> int:
           "against bf16 would hold at the same memory)")
     for fmt, entry in result["greedy_agreement"].items():
         print(f"\n[{fmt}] " + " | ".join(text.replace("\n", " ")[:80] for text in entry["texts"]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    kept = record.write(args.out.with_suffix(".record.json"))
-    print(f"\nwritten to {args.out}; the run's record to {kept}")
+    record.write_beside(args.out, result)
     return 0
 
 

@@ -11,7 +11,6 @@ The run's record (``records/``) goes beside the JSON (``bench_sampler_options.re
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -93,10 +92,7 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {args.rounds} rounds")
     rows = sampler_step_ms(args.batch, args.logprobs, args.rounds)
     print(record_table(record, rows).tables["sampler"].markdown())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2) + "\n")
-    kept = record.write(args.out.with_suffix(".record.json"))
-    print(f"\nwritten to {args.out}; the run's record to {kept}")
+    record.write_beside(args.out, rows)
     return 0
 
 

@@ -17,7 +17,6 @@ prompts are chat turns asking for what each grammar holds. The mask's share of t
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -97,10 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     record = Record.start("python -m bench.structured_output", vars(args))
     result = run(args)
     print(record_table(record, result).tables["steps"].markdown())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    kept = record.write(args.out.with_suffix(".record.json"))
-    print(f"\nwritten to {args.out}; the run's record to {kept}")
+    record.write_beside(args.out, result)
     return 0
 
 

@@ -99,6 +99,15 @@ class Record:
             "notes": self.notes,
         }
 
+    def write_beside(self, out: Path, result) -> Path:
+        """A benchmark's ending: its whole result as JSON at ``out``, this record beside it (``<out>.record.json``),
+        and where both went, printed. Returns the record's path."""
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        kept = self.write(out.with_suffix(".record.json"))
+        print(f"\nwritten to {out}; the run's record to {kept}")
+        return kept
+
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
