@@ -468,6 +468,14 @@ static void logprobs_one(const void* src, int dtype, int64_t V, float inv_t, int
     *logprob = x[token] == -FLT_MAX ? -INFINITY : (float)((double)(x[token] - m) * inv_t - log_total);
     int n = 0;  /* the top k so far, largest first; a token enters only above the k-th (ties keep index order) */
     for (int64_t i = 0; k > 0 && i < V; ++i) {
+#if defined(__AVX512F__)
+        /* Once k are kept, almost no token enters: 16 at a time are passed over with one compare. */
+        if (n == k && (i & 15) == 0 && i + 16 <= V &&
+            !_mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), _mm512_set1_ps(top_vals[k - 1]), _CMP_GT_OQ)) {
+            i += 15;
+            continue;
+        }
+#endif
         if (n == k && !(x[i] > top_vals[k - 1])) continue;
         int j = n < k ? n++ : k - 1;
         for (; j > 0 && top_vals[j - 1] < x[i]; --j) {
