@@ -111,7 +111,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = self.tokenizer.eos_token_ids
-        self.structured = StructuredOutputs(self.tokenizer.hf, config.model_shape.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer.hf, config.model_shape.vocab_size, self.eos_token_ids,
+                                            self.runner.num_threads or 1)
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # by sequence id
         self.groups = SequenceGroups()  # requests with n > 1

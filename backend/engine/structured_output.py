@@ -135,10 +135,12 @@ class StructuredOutputs:
     """The engine's grammars: one matcher per request that asked for structured output. Used by the thread that
     steps the engine (``add`` may run on the thread that adds requests; the tokenizer is built once, under a lock)."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int = 1) -> None:
         self._hf_tokenizer = hf_tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = list(eos_token_ids)
+        self._num_threads = max(1, num_threads)
+        self._executor = None  # llguidance's thread pool, for the masks of several rows at once
         self._tokenizer = None
         self._lock = threading.Lock()
         self._matchers: dict[str, Any] = {}
@@ -189,8 +191,16 @@ class StructuredOutputs:
         vocab = logits.shape[-1]
         words = (vocab + 31) // 32
         bitmask = np.empty((len(rows), words), dtype=np.int32)
-        for i, (_, matcher) in enumerate(rows):
-            matcher.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, words * 4)
+        if len(rows) > 1 and self._num_threads > 1:  # NOTE: between forwards the engine's cores are free for them
+            if self._executor is None:
+                from llguidance import LLExecutor
+
+                self._executor = LLExecutor(num_threads=self._num_threads)
+            self._executor.unsafe_compute_mask_ptr([(matcher, i) for i, (_, matcher) in enumerate(rows)],
+                                                   bitmask.ctypes.data, words * 4, len(rows))
+        else:
+            for i, (_, matcher) in enumerate(rows):
+                matcher.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, words * 4)
         forbidden = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab] == 0
         # NOTE: written through numpy on this thread alone: a torch masked_fill over [rows, vocab] is an OpenMP
         # region, and with the cores busy (other engines, a loaded machine) its threads' wake-up cost ms per step.
