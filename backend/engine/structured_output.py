@@ -9,7 +9,8 @@ thread that steps the engine) and pulls in a second runtime; the step here is 10
 per row is already small beside it.
 
 Where it runs in a step: after the forward, before the sampler, each sampled row whose request has a grammar gets
-its mask (one bit per token) and every token outside it becomes ``-inf``; after the token is chosen, the request's
+its mask (one bit per token; several rows' on the engine's threads at once) and every token outside it becomes
+``-inf``; after the token is chosen, the request's
 matcher consumes it. A request ends (finish reason ``stop``) once its grammar can take nothing more: the JSON object
 is closed, the choice is complete. EOS ends it earlier only where the grammar allows an end there. ``min_tokens`` and
 the EOS ban do not apply to a request with a grammar (the grammar says when the answer may end). A preempted request
