@@ -113,25 +113,6 @@ class StructuredOutputsParams:
         return LLMatcher.grammar_from_lark(self.grammar)
 
 
-def _neg_inf_bits() -> dict:
-    import torch
-
-    # -inf of each float dtype as the integer of the same width with the same bits (0xFF80, 0xFC00, 0xFF800000).
-    return {torch.bfloat16: (torch.int16, -0x80), torch.float16: (torch.int16, -0x400),
-            torch.float32: (torch.int32, -0x800000)}
-
-
-class _LazyBits(dict):
-    def __missing__(self, dtype):
-        self.update(_neg_inf_bits())
-        if dtype not in self:
-            raise TypeError(f"structured output masks logits of dtype bfloat16, float16 or float32; got {dtype}")
-        return self[dtype]
-
-
-_NEG_INF_BITS = _LazyBits()
-
-
 class StructuredOutputs:
     """The engine's grammars: one matcher per request that asked for structured output. Used by the thread that
     steps the engine (``add`` may run on the thread that adds requests; the tokenizer is built once, under a lock)."""
@@ -188,6 +169,7 @@ class StructuredOutputs:
         if not rows:
             return
         import numpy as np
+        import torch
 
         vocab = logits.shape[-1]
         words = (vocab + 31) // 32
@@ -206,7 +188,9 @@ class StructuredOutputs:
         # NOTE: written through numpy on this thread alone: a torch masked_fill over [rows, vocab] is an OpenMP
         # region, and with the cores busy (other engines, a loaded machine) its threads' wake-up cost ms per step.
         # The -inf goes in as its bit pattern, so the model's dtype (bf16 too, which numpy lacks) needs no copy.
-        int_dtype, neg_inf = _NEG_INF_BITS[logits.dtype]
+        # -inf of each float dtype as the integer of the same width with the same bits (0xFF80, 0xFC00, 0xFF800000)
+        int_dtype, neg_inf = {torch.bfloat16: (torch.int16, -0x80), torch.float16: (torch.int16, -0x400),
+                              torch.float32: (torch.int32, -0x800000)}[logits.dtype]
         values = logits.view(int_dtype).numpy()
         for i, (row, _) in enumerate(rows):
             np.putmask(values[row], forbidden[i], neg_inf)
