@@ -21,6 +21,9 @@ REQUEST_SUCCESS = "llm_request_success_total"  # labelled by finish_reason too
 PROMPT_TOKENS = "llm_prompt_tokens_total"
 GENERATION_TOKENS = "llm_generation_tokens_total"
 PREEMPTIONS = "llm_preemptions_total"
+# vLLM's prefix-cache pair, in prompt tokens: hits / queries is the hit rate (a router's prefix affinity shows here)
+PREFIX_CACHE_QUERIES = "llm_prefix_cache_queries_total"
+PREFIX_CACHE_HITS = "llm_prefix_cache_hits_total"
 # Gauges
 NUM_REQUESTS_RUNNING = "llm_num_requests_running"
 NUM_REQUESTS_WAITING = "llm_num_requests_waiting"

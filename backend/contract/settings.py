@@ -18,6 +18,8 @@ MODEL_DIR_ENV_VAR = "MODEL"  # --model
 STALL_TIMEOUT_ENV_VAR = "STALL_TIMEOUT"  # --stall-timeout
 OPENAI_PORT_ENV_VAR = "OPENAI_PORT"  # the OpenAI frontend's --port
 API_KEY_ENV_VAR = "LLM_API_KEY"  # the OpenAI frontend's API key
+SERVED_MODELS_ENV_VAR = "LLM_SERVED_MODELS"  # --models
+MODEL_PARAMETERS_ENV_VAR = "LLM_MODEL_PARAMETERS"  # --parameter, space-separated KEY=VALUE
 
 # ---- the engine's kernels and weights (switches for tests and benchmarks) ---------------------------------------
 CPU_MARCH_ENV_VAR = "LLM_CPU_MARCH"  # -march of the C kernels (native)

@@ -58,6 +58,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     timings: RequestTimings | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at the sequence's last admission
     error: str | None = None  # on a final output that failed: the message its client gets (backend/contract/errors.py)
     # One per new token when the request asks (``SamplingParams.logprobs``): the sampled token's, then the likeliest.
     logprobs: list[dict[int, Logprob]] | None = None
@@ -303,6 +304,7 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             timings=request.timings,
             num_preemptions=request.num_preemptions,
+            num_cached_tokens=min(request.num_cached_tokens, request.num_prompt_tokens),
         )
 
     # ---- offline API ----------------------------------------------------------------------------------------

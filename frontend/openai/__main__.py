@@ -24,6 +24,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--triton-grpc", default=f"127.0.0.1:{os.environ.get('GRPC_PORT') or 8001}",
                    help="host:port of Triton's gRPC frontend (default: %(default)s, $GRPC_PORT)")
+    p.add_argument("--triton-metrics",
+                   default=f"http://127.0.0.1:{os.environ.get('METRICS_PORT') or 8002}/metrics",
+                   help="Triton's metrics page, read by /get_load (default: %(default)s, $METRICS_PORT)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=int(os.environ.get(OPENAI_PORT_ENV_VAR) or 9000),
                    help=f"port to listen on (default: %(default)s, ${OPENAI_PORT_ENV_VAR})")
@@ -41,7 +44,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        app = create_app(Settings(args.triton_grpc, args.model_dir, args.api_key))
+        app = create_app(Settings(args.triton_grpc, args.model_dir, args.api_key, args.triton_metrics))
     except (OSError, ValueError) as exc:
         print(f"frontend.openai: cannot load the chat template from {args.model_dir}: {exc}", file=sys.stderr)
         return 2

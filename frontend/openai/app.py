@@ -7,6 +7,7 @@
     POST /tokenize, /detokenize      vLLM's: a prompt or messages -> token ids and their count; token ids -> text
     GET  /health                     200 while Triton is live, else 503
     GET  /health/ready               200 while Triton is ready (every model loaded), else 503
+    GET  /get_load                   {"load": N}: the requests this replica holds (for routers that balance by load)
 
 With an API key configured, every ``/v1`` route wants ``Authorization: Bearer <key>`` (401 otherwise); the health
 routes stay open for probes. Every error, a bug included, is answered in OpenAI's body for that request only.
@@ -28,6 +29,7 @@ from openai.types import Model
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from backend.contract import names, prometheus
 from backend.engine.config import ModelShape
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest, bad_request
@@ -53,6 +55,7 @@ class Settings:
     triton_grpc_url: str
     model_dir: str
     api_key: str | None = None
+    triton_metrics_url: str | None = None  # Triton's metrics page, read by /get_load
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -63,6 +66,7 @@ def create_app(settings: Settings) -> FastAPI:
                   lifespan=bridge_lifespan(settings.triton_grpc_url))
     add_error_handlers(app)
     add_health_routes(app)
+    add_load_route(app, settings.triton_metrics_url)
     v1 = [Depends(api_key_check(settings.api_key))]
     shape = ModelShape.from_model_dir(settings.model_dir)
     add_model_routes(app, v1, int(time.time()), shape)
@@ -153,6 +157,24 @@ async def triton_health(bridge: TritonBridge, ready: bool) -> Response:
         return Response(status_code=200)
     state = "ready" if ready else "live"
     raise APIError(503, f"Triton at {bridge.url} is not {state}", "server_error", None, "service_unavailable")
+
+
+def add_load_route(app: FastAPI, metrics_url: str | None) -> None:
+    """``/get_load``: ``{"load": N}``, the requests this replica holds, for routers that balance by load (vLLM's and
+    SGLang's routers poll it for ``power_of_two``). N sums, over Triton's models, the requests in each engine
+    (running and waiting: ``llm_num_requests_running``, ``llm_num_requests_waiting``) and those still in Triton's
+    queue in front of a model (``nv_inference_pending_request_count``), so it counts every client's requests, not
+    just this frontend's. 503 while the metrics page does not answer."""
+
+    @app.get("/get_load")
+    async def get_load() -> JSONResponse:
+        series = await asyncio.to_thread(prometheus.read, metrics_url, 1.0) if metrics_url else None
+        if series is None:
+            raise APIError(503, f"Triton's metrics at {metrics_url} do not answer", "server_error", None,
+                           "service_unavailable")
+        held = (names.NUM_REQUESTS_RUNNING, names.NUM_REQUESTS_WAITING, names.PENDING_REQUESTS)
+        load = sum(sum(prometheus.by_model(series, name).values()) for name in held)
+        return JSONResponse({"load": int(load)})
 
 
 def add_model_routes(app: FastAPI, dependencies: list, created: int, shape: ModelShape) -> None:

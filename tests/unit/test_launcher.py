@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -201,6 +202,30 @@ def test_cli_passes_unknown_options_and_everything_after_dashes_to_tritonserver(
     )
     assert (args.http_port, args.grpc_port, args.metrics_port, args.model) == (18080, 18081, 8002, "models/other")
     assert extra == ["--model-control-mode", "explicit", "--load-model=upper", "--log-verbose", "1"]
+
+
+def test_served_repository_copies_only_the_named_models_with_their_parameters_set(monkeypatch):
+    from backend.triton.launcher import config_text
+    from backend.triton.launcher.serve import parse_args, served_repository
+
+    assert served_repository("model_repository", "", []) == Path("model_repository")  # nothing asked: no copy
+    monkeypatch.setenv("LLM_SERVED_MODELS", "llm_continuous")
+    monkeypatch.setenv("LLM_MODEL_PARAMETERS", "enable_prefix_caching=true max_num_seqs=4")
+    args, _ = parse_args(["--parameter", "block_size=32"])
+    copy = served_repository("model_repository", args.models, args.parameter)
+    try:
+        assert sorted(p.name for p in copy.iterdir()) == ["llm_continuous"]
+        config = config_text.load(copy / "llm_continuous" / "config.pbtxt")
+        assert [config_text.parameter(config, key) for key in ("enable_prefix_caching", "max_num_seqs", "block_size")] \
+            == ["true", "4", "32"]
+        shipped = config_text.load(Path("model_repository") / "llm_continuous" / "config.pbtxt")
+        assert config_text.parameter(shipped, "enable_prefix_caching") == "false"  # the shipped file is untouched
+    finally:
+        shutil.rmtree(copy)
+    with pytest.raises(LauncherError, match="no model llm_nope"):
+        served_repository("model_repository", "llm_continuous,llm_nope", [])
+    with pytest.raises(LauncherError, match="expected KEY=VALUE"):
+        served_repository("model_repository", "", ["enable_prefix_caching"])
 
 
 class _Launched(ChildProcess):

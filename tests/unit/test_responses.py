@@ -181,6 +181,18 @@ def test_a_finished_request_is_counted_under_the_unlabelled_names_and_by_its_pri
     assert metrics._of_level.keys() == {1}  # a level's series exist once one of its requests ended
 
 
+def test_prefix_cache_queries_and_hits_count_prompt_tokens_once_per_request():
+    FakeFamily.log = []
+    metrics = TritonMetrics(FakePb, "m")
+    FakeFamily.log.clear()
+    for cached in (0, 32):
+        metrics.on_finished(RequestOutput("r", "", [], finished=True, finish_reason="stop", num_prompt_tokens=40,
+                                          num_output_tokens=1, num_cached_tokens=cached), arrival=0.0)
+    counted = [(name, value) for name, kind, value in FakeFamily.log if name.startswith("llm_prefix_cache")]
+    assert counted == [("llm_prefix_cache_queries_total", 40), ("llm_prefix_cache_queries_total", 40),
+                       ("llm_prefix_cache_hits_total", 32)]
+
+
 # ---- what one engine output sends (send_output), without a server ---------------------------------------------
 
 

@@ -131,13 +131,16 @@ def check_ports(ports: Mapping[str, int], address: str) -> None:
 # ---- the OpenAI frontend --------------------------------------------------------------------------------
 
 
-def frontend_command(triton_grpc_url: str, host: str, port: int, model_dir: str | os.PathLike) -> list[str]:
-    """The command that runs the OpenAI-compatible frontend (``frontend/openai``) in front of Triton's gRPC port.
+def frontend_command(triton_grpc_url: str, host: str, port: int, model_dir: str | os.PathLike,
+                     triton_metrics_url: str | None = None) -> list[str]:
+    """The command that runs the OpenAI-compatible frontend (``frontend/openai``) in front of Triton's gRPC port
+    (``triton_metrics_url``: the metrics page its ``/get_load`` reads; default: the frontend's own).
 
     NOTE: a command, not an import: the frontend is a client of the server, a layer above this glue. Its one owner,
     for the launcher (``serve.py``) and for ``frontend.openai.process`` alike."""
+    metrics = ["--triton-metrics", triton_metrics_url] if triton_metrics_url else []
     return [sys.executable, "-m", "frontend.openai", "--triton-grpc", triton_grpc_url, "--host", host,
-            "--port", str(port), "--model-dir", str(model_dir)]
+            "--port", str(port), "--model-dir", str(model_dir), *metrics]
 
 
 # ---- the admin APIs --------------------------------------------------------------------------------------

@@ -16,18 +16,24 @@ Docker image calls it), ``TritonServer``, ``start_on_free_ports`` and ``copy_mod
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 from backend.contract.settings import (
     ADMIN_KEY_ENV_VAR,
     DEFAULT_MODEL,
     MODEL_DIR_ENV_VAR,
     MODEL_ENV_VAR,
+    MODEL_PARAMETERS_ENV_VAR,
     OPENAI_PORT_ENV_VAR,
+    SERVED_MODELS_ENV_VAR,
     STALL_TIMEOUT_ENV_VAR,
 )
 from backend.triton.launcher import shutdown, watchdog
@@ -50,6 +56,10 @@ __all__ = ["copy_model_repository", "main", "parse_args", "server_home", "start_
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
     return int(value) if value.strip() else default
+
+
+def _env_list(name: str) -> list[str]:
+    return os.environ.get(name, "").split()
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -99,6 +109,19 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "moves for this many seconds; longer than the longest engine step (default: $STALL_TIMEOUT or "
         "%(default)s; 0: never)",
     )
+    parser.add_argument(
+        "--models",
+        default=os.environ.get(SERVED_MODELS_ENV_VAR, ""),
+        help="serve only these models of the repository, comma-separated (default: $LLM_SERVED_MODELS, else all)",
+    )
+    parser.add_argument(
+        "--parameter",
+        action="append",
+        default=_env_list(MODEL_PARAMETERS_ENV_VAR),
+        metavar="KEY=VALUE",
+        help="set a parameter of every served model's config.pbtxt, e.g. enable_prefix_caching=true; repeatable "
+        "(default: $LLM_MODEL_PARAMETERS, space-separated)",
+    )
     # Which stub to look up; only for testing the "no stub for this Python" path.
     parser.add_argument("--python-version", default=None, help=argparse.SUPPRESS)
     args, unknown = parser.parse_known_args(argv)
@@ -109,7 +132,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra_args = parse_args(sys.argv[1:] if argv is None else argv)
     # Every option but this loop's own (--max-restarts, --openai-port, --stall-timeout) is one of TritonServer's
     # keywords.
-    own = ("max_restarts", "openai_port", "stall_timeout")
+    own = ("max_restarts", "openai_port", "stall_timeout", "models", "parameter")
+    shipped = args.model_repository
+    try:
+        args.model_repository = str(served_repository(shipped, args.models, args.parameter))
+    except (LauncherError, ValueError) as exc:
+        print(f"serve: error: {exc}", file=sys.stderr)
+        return 2
+    if args.model_repository != shipped:
+        atexit.register(shutil.rmtree, args.model_repository, ignore_errors=True)
     options = {name: value for name, value in vars(args).items() if name not in own}
 
     def new_server(env: Mapping[str, str] | None = None) -> TritonServer:
@@ -208,6 +239,27 @@ def _serve(server: TritonServer, new_server: Callable[..., TritonServer], args: 
     return status
 
 
+def served_repository(repository: str, models: str, parameters: Sequence[str]) -> Path:
+    """The repository to serve: ``repository`` itself, or, when only some models or changed parameters are asked
+    for, a copy with just those (a replica of a scale-out stack serving one model with prefix caching, say). The
+    copy lies in a fresh temporary folder: the shipped files are never edited."""
+    source = Path(repository)
+    if not models and not parameters:
+        return source
+    available = sorted(path.parent.name for path in source.glob("*/config.pbtxt"))
+    names = [name.strip() for name in models.split(",") if name.strip()] or available
+    unknown = sorted(set(names) - set(available))
+    if unknown:
+        raise LauncherError(f"--models: no model {', '.join(unknown)} in {source} (it has {', '.join(available)})")
+    settings = {}
+    for item in parameters:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise LauncherError(f"--parameter {item!r}: expected KEY=VALUE")
+        settings[key.strip()] = value.strip()
+    return copy_model_repository(tempfile.mkdtemp(prefix="llm-model-repository-"), names, settings, source=source)
+
+
 def _log(text: str) -> None:
     print(f"[serve] {text}", file=sys.stderr, flush=True)
 
@@ -217,7 +269,7 @@ def start_frontend(server: TritonServer, address: str, port: int) -> subprocess.
 
     It outlives restarts of tritonserver (each request opens its own stream) and is stopped after tritonserver has
     drained, so streams still running through it end with their last token."""
-    command = frontend_command(server.grpc_url, address, port, server.model)
+    command = frontend_command(server.grpc_url, address, port, server.model, server.metrics_url)
     return subprocess.Popen(command, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, start_new_session=True,
                             preexec_fn=die_with_parent)
 

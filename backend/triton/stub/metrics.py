@@ -47,6 +47,10 @@ class TritonMetrics:
         self._finished_by_reason: dict[str, Any] = {}
         self.prompt_tokens = family(names.PROMPT_TOKENS, "Prompt tokens processed", F.COUNTER).Metric(labels)
         self.generation_tokens = family(names.GENERATION_TOKENS, "Tokens generated", F.COUNTER).Metric(labels)
+        self.prefix_queries = family(names.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache",
+                                     F.COUNTER).Metric(labels)
+        self.prefix_hits = family(names.PREFIX_CACHE_HITS, "Prompt tokens the prefix cache served (not computed)",
+                                  F.COUNTER).Metric(labels)
         self.preemptions = family(names.PREEMPTIONS, "Sequences preempted (recompute)", F.COUNTER).Metric(labels)
         self.running = family(names.NUM_REQUESTS_RUNNING, "Sequences in the running batch", F.GAUGE).Metric(labels)
         self.waiting = family(names.NUM_REQUESTS_WAITING, "Requests waiting to be scheduled", F.GAUGE).Metric(labels)
@@ -109,6 +113,9 @@ class TritonMetrics:
             self._finished_by_reason[reason] = counter
         counter.increment(1)
         self.prompt_tokens.increment(output.num_prompt_tokens)
+        self.prefix_queries.increment(output.num_prompt_tokens)
+        if output.num_cached_tokens:
+            self.prefix_hits.increment(output.num_cached_tokens)
         self.generation_tokens.increment(output.num_output_tokens)
         level = self._level(priority)
         if output.num_preemptions:
