@@ -23,8 +23,9 @@
 #                  about 8 min on 2 cores, never in CI; then
 #                  make bench ARGS="--llamacpp .llamacpp/bin/llama-server" (llama.cpp beside the served engine;
 #                  add --quantization q4_1 for both on the Q4_1 weights, llama.cpp on the shipped Q4_1 GGUF)
-#   make docker    the CPU images: llm-batching-triton:cpu (what `make serve` runs, in a container) and
-#                  llm-batching-locust:latest; uses the Docker engine that answers, or provisions a private one
+#   make docker    the CPU images: llm-batching-triton:cpu (what `make serve` runs, in a container),
+#                  llm-batching-locust:latest, and the scale-out stack's llm-batching-router:latest (vLLM's router)
+#                  and llm-batching-balancer:latest (NGINX); uses the Docker engine that answers, or provisions one
 #                  (docker/engine.sh; `make docker-down` stops it). docker/README.md has the rest.
 #   make venv310   Python 3.10 test environment (the Docker image's Python), used by tests/unit/test_deploy.py
 #   make gpu-check one-shot check on a CUDA machine: kernels, engine vs HF, bandwidth, tok/s (reports/gpu_check.json)
@@ -34,7 +35,7 @@
 #                  older than 2.38 (loadtest/genai_perf/install.sh); used by
 #                  tests/server/test_openai_tools_and_disconnects.py
 # Overrides (also as environment variables): HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL ARGS PYTEST_ARGS TORCH
-#   TRITON_IMAGE LOCUST_IMAGE DOCKER_CA (make docker)
+#   TRITON_IMAGE LOCUST_IMAGE ROUTER_IMAGE BALANCER_IMAGE DOCKER_CA (make docker)
 #   TORCH=cpu      torch's CPU build from PyTorch's CPU wheel index (TORCH_CPU_INDEX), no CUDA libraries; the rest
 #                  from the normal index. Default (empty): the pins as they resolve: the CUDA 13 build on a public
 #                  Linux machine. Switching TORCH reinstalls torch (each choice has its own stamp file).
@@ -62,6 +63,8 @@ MODEL_STAMP := $(DEFAULT_MODEL)/.complete
 # (a PEM file, passed as the build secret "ca"; default: pip's own setting, $$PIP_CERT, when there is one).
 TRITON_IMAGE ?= llm-batching-triton:cpu
 LOCUST_IMAGE ?= llm-batching-locust:latest
+ROUTER_IMAGE ?= llm-batching-router:latest
+BALANCER_IMAGE ?= llm-batching-balancer:latest
 DOCKER_CA ?= $(PIP_CERT)
 DOCKER_BUILD = docker buildx build --load --network host $(if $(DOCKER_CA),--secret id=ca$(comma)src=$(DOCKER_CA))
 comma := ,
@@ -261,9 +264,11 @@ docker:
 				ln "$$wheel" docker/wheels/ 2>/dev/null || cp "$$wheel" docker/wheels/; fi; \
 		done; \
 	done; \
-	echo "building $(TRITON_IMAGE) and $(LOCUST_IMAGE) (DOCKER_HOST=$$DOCKER_HOST)"; \
+	echo "building $(TRITON_IMAGE), $(LOCUST_IMAGE), $(ROUTER_IMAGE), $(BALANCER_IMAGE) (DOCKER_HOST=$$DOCKER_HOST)"; \
 	$(DOCKER_BUILD) -f docker/Dockerfile --build-arg FLAVOR=cpu -t $(TRITON_IMAGE) .; \
-	$(DOCKER_BUILD) -f docker/locust.Dockerfile -t $(LOCUST_IMAGE) .
+	$(DOCKER_BUILD) -f docker/locust.Dockerfile -t $(LOCUST_IMAGE) .; \
+	$(DOCKER_BUILD) -f docker/router.Dockerfile -t $(ROUTER_IMAGE) .; \
+	$(DOCKER_BUILD) -f docker/balancer.Dockerfile -t $(BALANCER_IMAGE) .
 
 # Stops the private engine `make docker` started (if it did) and removes its data; an engine of the machine's own is
 # left alone.

@@ -98,6 +98,11 @@ class Workload:
     prompt_words: object  # a distribution: number of words in the prompt (about one token each)
     output_tokens: object  # a distribution: max_tokens, generated in full (ignore_eos)
     about: str
+    # Shared prefixes: each prompt starts with one of ``prefixes`` fixed texts of ``prefix_words`` words (a system
+    # prompt, a document asked about), then its own ``prompt_words``. What a prefix cache, and a router that sends a
+    # prefix where it is cached, can save.
+    prefixes: int = 0
+    prefix_words: int = 0
 
     def scaled(self, length_scale: float) -> "Workload":
         """Same shape, prompt and output lengths multiplied by ``length_scale`` (shorter runs: --quick, --smoke).
@@ -106,13 +111,18 @@ class Workload:
         """
         if length_scale == 1.0:
             return self
-        return Workload(
-            self.name, self.prompt_words.scaled(length_scale), self.output_tokens.scaled(length_scale), self.about
+        return replace(
+            self,
+            prompt_words=self.prompt_words.scaled(length_scale),
+            output_tokens=self.output_tokens.scaled(length_scale),
+            prefix_words=_scale(self.prefix_words, length_scale) if self.prefix_words else 0,
         )
 
     def describe(self) -> str:
+        prefix = f"one of {self.prefixes} shared {self.prefix_words}-word prefixes + " if self.prefixes else ""
         return (
-            f"{self.name}: prompt {self.prompt_words.describe()} words, output {self.output_tokens.describe()} tokens"
+            f"{self.name}: prompt {prefix}{self.prompt_words.describe()} words, "
+            f"output {self.output_tokens.describe()} tokens"
         )
 
 
@@ -132,6 +142,14 @@ WORKLOADS = {
             Uniform(16, 128),
             Mixture(((0.5, Uniform(16, 32)), (0.5, Uniform(192, 256)))),
             "half short answers, half long ones",
+        ),
+        Workload(
+            "shared_prefix",
+            Uniform(8, 32),
+            Uniform(16, 64),
+            "16 long prefixes shared by many requests (system prompts, documents): prefix caching and routing by prefix",
+            prefixes=16,
+            prefix_words=384,
         ),
     )
 }
@@ -227,4 +245,10 @@ def make_request(workload: Workload | MixedWorkload, index: int, seed: int = 0, 
     num_words = shape.prompt_words.sample(rng)
     max_tokens = shape.output_tokens.sample(rng)
     prompt = " ".join(rng.choice(WORDS) for _ in range(num_words))
+    prefix_words = getattr(shape, "prefix_words", 0)
+    if getattr(shape, "prefixes", 0):
+        group = rng.randrange(shape.prefixes)
+        prefix_rng = random.Random(f"{shape.name}:prefix:{seed}:{group}")  # the group's text, whatever the request
+        prompt = " ".join(prefix_rng.choice(WORDS) for _ in range(prefix_words)) + " " + prompt
+        num_words += prefix_words
     return RequestSpec(index, prompt, num_words, max_tokens)

@@ -33,6 +33,17 @@ FIXTURE = Path(__file__).parents[1] / "data" / "loadtest_results.json"
 
 
 @pytest.mark.timeout(10)
+def test_shared_prefix_prompts_start_with_one_of_the_workloads_prefixes():
+    workload = get_workload("shared_prefix")
+    specs = [make_request(workload, i) for i in range(400)]
+    heads = {" ".join(s.prompt.split()[: workload.prefix_words]) for s in specs}
+    assert len(heads) == workload.prefixes  # every prefix used, none made up
+    assert all(s.num_prompt_words == len(s.prompt.split()) > workload.prefix_words for s in specs)
+    assert make_request(workload, 7) == specs[7] and make_request(workload, 7, seed=1).prompt != specs[7].prompt
+    quarter = get_workload("shared_prefix", 0.25)
+    assert quarter.prefix_words == workload.prefix_words // 4 and quarter.prefixes == workload.prefixes
+
+
 def test_request_i_is_the_same_everywhere_and_long_tailed_is_long_tailed():
     workload = get_workload("long_tailed")
     assert make_request(workload, 7, seed=3) == make_request(workload, 7, seed=3)
@@ -52,7 +63,7 @@ def test_scaled_workloads_keep_their_shape():
     assert {(s.num_prompt_words, s.max_tokens) for s in small} == {(6, 13)}  # prompts scale with outputs
     with pytest.raises(ValueError, match="unknown workload"):
         get_workload("nope")
-    assert set(WORKLOADS) == {"constant", "uniform", "long_tailed", "bimodal"}
+    assert set(WORKLOADS) == {"constant", "uniform", "long_tailed", "bimodal", "shared_prefix"}
 
 
 def chunk(t: float, n: int = 1, reason: str | None = None) -> Chunk:
