@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import glob
+import inspect
 import json
 import os
 import re
@@ -37,6 +38,7 @@ from packaging.version import Version
 from backend.contract import server_args
 from backend.contract.settings import DEFAULT_MODEL
 from backend.engine.config import EngineConfig
+from backend.triton.launcher import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -54,6 +56,11 @@ PURE_MODULES = ("backend.engine.config", "backend.engine.request", "backend.engi
                 "backend.engine.scheduler", "backend.engine.stats")
 # Triton release yy.mm -> server 2.N: one minor version a month (24.01 is 2.42.0, 24.10 is 2.51.0).
 TRITON_RELEASE_ANCHOR = ((24, 1), 42)
+# The router in front of the replicas (docker/k8s/router.yaml): its image, and the policies its binary knows
+# (`vllm-router --help` of vllm-router 0.1.17, the version docker/router.Dockerfile installs).
+ROUTER_IMAGE = "llm-batching-router"
+ROUTER_POLICIES = {"random", "round_robin", "cache_aware", "kv_aware", "power_of_two", "consistent_hash",
+                   "sticky_least_loaded"}
 # The default model's shape (SmolLM2-135M-Instruct), for the KV-capacity example in docker/README.md.
 SMOLLM2_LAYERS, SMOLLM2_KV_HEADS, SMOLLM2_HEAD_DIM = 30, 3, 64
 
@@ -531,9 +538,13 @@ def check_locust_args(args: list[str] | str, services: dict[str, set[int]]) -> N
     args = shlex.split(args) if isinstance(args, str) else args  # Compose splits a string command the same way
     assert (ROOT / option(args, "-f")).is_file(), f"locustfile {option(args, '-f')} does not exist"
     if "--master" in args:
-        host = option(args, "--host")
-        match = re.fullmatch(r"http://([\w-]+):(\d+)", host)
-        assert match and int(match.group(2)) in services.get(match.group(1), set()), f"--host {host}: no such service"
+        for url_option in ("--host", "--openai-url"):
+            if url_option not in args:
+                continue
+            url = option(args, url_option)
+            match = re.fullmatch(r"http://([\w-]+):(\d+)", url)
+            reaches = match and int(match.group(2)) in services.get(match.group(1), set())
+            assert reaches, f"{url_option} {url}: no such service"
         assert option(args, "--model") in MODELS
     else:
         assert "--worker" in args
@@ -609,6 +620,32 @@ def service_ports(manifests: dict) -> dict[str, set[int]]:
             for (kind, name), doc in manifests.items() if kind == "Service"}
 
 
+def check_service(manifests: dict, name: str) -> None:
+    """The Service ``name`` selects its Deployment's pods and forwards to ports their container names, same numbers."""
+    service, deployment = manifests[("Service", name)], manifests[("Deployment", name)]
+    assert service["spec"]["selector"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    named_ports = {p["name"]: p["containerPort"] for p in container(deployment)["ports"]}
+    for port in service["spec"]["ports"]:
+        assert named_ports[port["targetPort"]] == port["port"], f"{name}: {port}"
+
+
+def options(args: list[str]) -> dict[str, str | None]:
+    """``--name value`` and ``--flag`` (None) of a command line; every word but the values is an option."""
+    found: dict[str, str | None] = {}
+    for word in args:
+        if word.startswith("--"):
+            found[word] = None
+        else:
+            assert found and found[next(reversed(found))] is None, f"{word!r} follows no option"
+            found[next(reversed(found))] = word
+    return found
+
+
+def openai_port(triton: dict) -> int:
+    (port,) = [p["containerPort"] for p in triton["ports"] if p["name"] == "openai"]
+    return port
+
+
 def test_kubernetes_triton_replicas_probes_gpu_and_shm():
     manifests = load_manifests()
     deployment = manifests[("Deployment", "triton")]
@@ -616,13 +653,18 @@ def test_kubernetes_triton_replicas_probes_gpu_and_shm():
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     triton = container(deployment)
     named_ports = {p["name"]: p["containerPort"] for p in triton["ports"]}
-    assert set(named_ports.values()) == {8000, 8001, 8002}
+    assert set(named_ports.values()) == {8000, 8001, 8002, 9000}
+    image_env = dict(a.split("=", 1) for k, a in dockerfile_instructions(DOCKERFILES["triton"]) if k == "ENV"
+                     for a in shlex.split(a) if "=" in a)
+    assert openai_port(triton) == int(image_env["OPENAI_PORT"]), "the port the image's launcher starts the frontend on"
 
     get = triton["startupProbe"]["httpGet"]
     assert get["path"] == "/v2/health/ready" and named_ports[get["port"]] == 8000
-    # Ready and live also see a dead engine (backend/triton/launcher/probe.py reads llm_engine_healthy).
+    # Ready and live also see a dead engine (backend/triton/launcher/probe.py reads llm_engine_healthy), and the
+    # OpenAI frontend the router sends requests to.
     for probe, kind in (("readinessProbe", "ready"), ("livenessProbe", "live")):
-        assert triton[probe]["exec"]["command"] == ["python3", "/opt/llm/backend/triton/launcher/probe.py", kind], probe
+        assert triton[probe]["exec"]["command"] == ["python3", "/opt/llm/backend/triton/launcher/probe.py", kind,
+                                                    "--openai-url", f"http://127.0.0.1:{openai_port(triton)}"], probe
         assert triton[probe]["timeoutSeconds"] >= 3, probe
 
     assert str(triton["resources"]["limits"]["nvidia.com/gpu"]) == "1"
@@ -633,9 +675,15 @@ def test_kubernetes_triton_replicas_probes_gpu_and_shm():
     image_user = [a for k, a in dockerfile_instructions(DOCKERFILES["triton"]) if k == "USER"][-1].split(":")[0]
     assert pod["spec"]["securityContext"]["runAsUser"] == int(image_user)
 
-    service = manifests[("Service", "triton")]
-    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-    assert {p["targetPort"] for p in service["spec"]["ports"]} <= set(named_ports)
+    check_service(manifests, "triton")
+
+
+def test_kubernetes_triton_disruption_budget_takes_one_replica_at_a_time():
+    manifests = load_manifests()
+    budget = manifests[("PodDisruptionBudget", "triton")]["spec"]
+    labels = manifests[("Deployment", "triton")]["spec"]["template"]["metadata"]["labels"]
+    assert budget["selector"]["matchLabels"].items() <= labels.items()
+    assert budget == {"maxUnavailable": 1, "selector": budget["selector"]}, "one at a time, whatever the replicas"
 
 
 def test_stopping_fits_the_exit_timeout_in_compose_and_kubernetes():
@@ -654,8 +702,60 @@ def test_stopping_fits_the_exit_timeout_in_compose_and_kubernetes():
     assert triton["args"] == cmd, "Kubernetes runs the image's own command"
     pre_stop = triton["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
-    assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + exit_timeout + 5
+    # After tritonserver, the launcher stops the OpenAI frontend, which it kills if it takes longer than this.
+    frontend_stop = inspect.signature(serve.stop_frontend).parameters["timeout"].default
+    assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + exit_timeout + frontend_stop + 5
     assert server_args.drain_grace(cmd) < exit_timeout  # the models end their requests before Triton gives up
+
+
+def test_kubernetes_router_finds_the_triton_pods_and_checks_their_frontends():
+    manifests = load_manifests()
+    router = container(manifests[("Deployment", "router")])
+    triton_pod = manifests[("Deployment", "triton")]["spec"]["template"]
+    args = options(router["args"])
+    named_ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+
+    assert args["--policy"] in ROUTER_POLICIES
+    assert "--disable-retries" not in args and int(args["--retry-max-retries"]) > 1
+    # Listening where the Service, the probes and Prometheus reach it (the router's defaults are loopback).
+    assert (args["--host"], int(args["--port"])) == ("0.0.0.0", named_ports["http"])
+    assert (args["--prometheus-host"], int(args["--prometheus-port"])) == ("0.0.0.0", named_ports["metrics"])
+    annotations = manifests[("Deployment", "router")]["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == named_ports["metrics"]
+    check_service(manifests, "router")
+    for probe, path in (("readinessProbe", "/readiness"), ("livenessProbe", "/liveness")):
+        assert router[probe]["httpGet"] == {"path": path, "port": "http"}, probe
+
+    # Its workers: the triton pods' OpenAI frontends, found in the router's own namespace.
+    assert "--service-discovery" in args and args["--service-discovery"] is None
+    key, value = args["--selector"].split("=")
+    assert triton_pod["metadata"]["labels"][key] == value
+    assert int(args["--service-discovery-port"]) == openai_port(container(manifests[("Deployment", "triton")]))
+    variable = re.fullmatch(r"\$\((\w+)\)", args["--service-discovery-namespace"]).group(1)
+    (env,) = [e for e in router["env"] if e["name"] == variable]
+    assert env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    # What it health-checks is a route of the frontend, the one that is 503 while Triton is not ready or drains.
+    from fastapi import FastAPI
+
+    from frontend.openai.app import add_health_routes
+
+    frontend = FastAPI()
+    add_health_routes(frontend)
+    assert args["--health-check-endpoint"] == "/health/ready" in {route.path for route in frontend.routes}
+
+
+def test_kubernetes_router_may_watch_the_pods_of_its_namespace():
+    """Service discovery lists and watches pods: the router's ServiceAccount is bound to a Role that allows it."""
+    manifests = load_manifests()
+    account = manifests[("Deployment", "router")]["spec"]["template"]["spec"]["serviceAccountName"]
+    assert ("ServiceAccount", account) in manifests
+    (binding,) = [doc for (kind, _), doc in manifests.items() if kind == "RoleBinding"
+                  and {"kind": "ServiceAccount", "name": account} in doc["subjects"]]
+    assert binding["roleRef"]["kind"] == "Role" and binding["roleRef"]["apiGroup"] == "rbac.authorization.k8s.io"
+    role = manifests[("Role", binding["roleRef"]["name"])]
+    allowed = {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    assert {("", "pods", verb) for verb in ("get", "list", "watch")} <= allowed
 
 
 def test_kubernetes_locust_master_and_workers_reach_their_services():
@@ -667,14 +767,50 @@ def test_kubernetes_locust_master_and_workers_reach_their_services():
     assert {5557, 8089} <= ports["locust-master"]
     master_labels = master["spec"]["template"]["metadata"]["labels"]
     assert manifests[("Service", "locust-master")]["spec"]["selector"].items() <= master_labels.items()
+    # The master streams OpenAI completions through the router; a worker runs only the user classes it names.
+    master_args = container(master)["args"]
+    assert option(master_args, "--openai-url") == f"http://router:{min(ports['router'])}"
+    assert "OpenAIStreamUser" in master_args
+    master_classes = {a for a in master_args if a.endswith("User")}
+    assert master_classes <= {a for a in container(worker)["args"] if a.endswith("User")}
+
+
+def compose_files() -> list[str]:
+    """Every Compose file in docker/ (the base, the CPU override, the scale-out stack where it exists)."""
+    return sorted(p.name for p in DOCKER.glob("compose*.yaml"))
 
 
 def test_images_are_the_same_in_compose_and_kubernetes():
-    compose_images = {s["image"].split(":")[0] for s in load_compose()["services"].values() if "build" in s}
+    compose_images = {s["image"].split(":")[0] for name in compose_files()
+                      for s in load_compose(name)["services"].values() if "build" in s}
     manifests = load_manifests()
     k8s_images = {container(doc)["image"] for (kind, _), doc in manifests.items() if kind == "Deployment"}
     kustomized = {i["name"] for i in yaml.safe_load((K8S / "kustomization.yaml").read_text())["images"]}
-    assert compose_images == k8s_images == kustomized == {"llm-batching-triton", "llm-batching-locust"}
+    assert k8s_images == kustomized == {"llm-batching-triton", "llm-batching-locust", ROUTER_IMAGE}
+    # NOTE: the router's image is built by the scale-out Compose stack, with docker/router.Dockerfile; until that
+    # file exists, Kubernetes alone names the image.
+    not_built = set() if (DOCKER / "router.Dockerfile").is_file() else {ROUTER_IMAGE}
+    assert compose_images <= k8s_images and k8s_images - compose_images <= not_built
+
+
+def test_kustomize_renders_the_manifests():
+    """kustomize itself (kubectl's) accepts kustomization.yaml and puts its images and replica counts in."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    result = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    rendered = {(doc["kind"], doc["metadata"]["name"]): doc for doc in yaml.safe_load_all(result.stdout)}
+    assert rendered.keys() == load_manifests().keys()
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    images = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in kustomization["images"]}
+    for replicas in kustomization["replicas"]:
+        assert rendered[("Deployment", replicas["name"])]["spec"]["replicas"] == replicas["count"]
+    for (kind, name), doc in rendered.items():
+        if kind == "Deployment":
+            assert container(doc)["image"] == images[container(load_manifests()[(kind, name)])["image"]], name
+    assert all(doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "llm-batching-triton"
+               for doc in rendered.values())
 
 
 def test_readme_kv_capacity_example_matches_the_model_configs():

@@ -85,6 +85,23 @@ def test_open_requests_and_failed_engines_are_read_from_the_metrics(pages):
     assert probe.check("ready", url, f"{url}/metrics") == "/v2/health/ready answered 400"
 
 
+def test_the_probe_checks_the_openai_frontend_only_when_given_its_url(pages):
+    url, table = pages
+    table.update({"/metrics": (200, "llm_engine_healthy{model=\"llm_continuous\"} 1\n"), "/v2/health/ready": (200, ""),
+                  "/v2/health/live": (200, "")})
+    assert probe.check("ready", url, f"{url}/metrics") is None
+    assert probe.check("ready", url, f"{url}/metrics", openai_url=url) == (
+        "the OpenAI frontend's /health/ready answered 404")
+    table["/health/ready"] = (503, "")  # the frontend while Triton drains
+    assert probe.check("ready", url, f"{url}/metrics", openai_url=url) == (
+        "the OpenAI frontend's /health/ready answered 503")
+    table["/health/ready"] = (200, "")
+    assert probe.check("ready", url, f"{url}/metrics", openai_url=url) is None
+    assert probe.check("live", url, f"{url}/metrics", openai_url=url) == "the OpenAI frontend's /health answered 404"
+    table["/health"] = (200, "")
+    assert probe.check("live", url, f"{url}/metrics", openai_url=url) is None
+
+
 HOLDER = """
 import socket, sys, time
 listener = socket.create_server(("127.0.0.1", 0))

@@ -2,14 +2,17 @@
 
     python3 backend/triton/launcher/probe.py ready  # no model stalled, /v2/health/ready answers 200, no engine failed
     python3 backend/triton/launcher/probe.py live   # /v2/health/live answers 200 and no model's engine has failed
+    python3 backend/triton/launcher/probe.py ready --openai-url http://127.0.0.1:9000   # and the OpenAI frontend's too
 
 Triton 2.51 keeps a Python model READY after its engine failed: the model then refuses every request with "the
 engine failed ...; restart the server" and sets ``llm_engine_healthy`` to 0 on the metrics port, but it cannot mark
 itself unready, so ``/v2/health/ready`` stays 200. These probes read that gauge too. Nor does Triton see a model
 whose queue stopped moving; the launcher's watchdog does (``watchdog.py``), and marks the server stalled until it
 has restarted it: ``ready`` reads that mark. Exit status 0 when healthy, 1 otherwise, with the reason on stdout
-(``kubectl describe pod`` shows it). New connections only: during a shutdown tritonserver refuses them, so the
-probes fail at once. Standard library only; run it as a file.
+(``kubectl describe pod`` shows it). With ``--openai-url`` the OpenAI-compatible frontend that the launcher starts
+beside tritonserver must answer too (``/health/ready`` or ``/health``: 200 while it reaches a ready or live Triton): a
+router that sends OpenAI requests to this server needs both. New connections only: during a shutdown tritonserver
+refuses them, so the probes fail at once. Standard library only; run it as a file.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ def failed_engines(metrics_text: str) -> list[str]:
     return sorted({s.labels.get("model", s.name) for s in series if s.name == ENGINE_HEALTHY and s.value == 0})
 
 
-def check(kind: str, url: str, metrics_url: str, timeout: float = 3.0) -> str | None:
-    """None when healthy, else why not."""
+def check(kind: str, url: str, metrics_url: str, timeout: float = 3.0, openai_url: str = "") -> str | None:
+    """None when healthy, else why not. ``openai_url``: the OpenAI frontend's base URL, to check it too ("": none)."""
     metrics_port = urllib.parse.urlsplit(metrics_url).port
     if kind == "ready" and metrics_port is not None and (stall := stalled(metrics_port)) is not None:
         return f"{stall}; the launcher restarts the server"
@@ -62,6 +65,11 @@ def check(kind: str, url: str, metrics_url: str, timeout: float = 3.0) -> str | 
     if failed:
         return (f"the engine of {', '.join(failed)} failed ({ENGINE_HEALTHY} 0); it refuses every request until "
                 "restarted")
+    if openai_url:
+        path = "/health/ready" if kind == "ready" else "/health"
+        status, _ = get(f"{openai_url.rstrip('/')}{path}", timeout)
+        if status != 200:
+            return f"the OpenAI frontend's {path} answered {status or 'nothing'}"
     return None
 
 
@@ -74,9 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="Triton's HTTP endpoint (default: %(default)s, from $HTTP_PORT)")
     parser.add_argument("--metrics-url", default=f"http://127.0.0.1:{metrics_port}/metrics",
                         help="default: %(default)s, from $METRICS_PORT")
+    parser.add_argument("--openai-url", default="",
+                        help="the OpenAI frontend's base URL, to check it too (default: not checked)")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request (default: %(default)s)")
     args = parser.parse_args(argv)
-    problem = check(args.kind, args.url, args.metrics_url, args.timeout)
+    problem = check(args.kind, args.url, args.metrics_url, args.timeout, args.openai_url)
     print(problem or f"{args.kind}: ok")
     return 1 if problem else 0
 
