@@ -90,6 +90,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "chat_template_kwargs": (None, {}),
     "documents": (None,),
     "mm_processor_kwargs": (None,),
+    # SGLang's, which vLLM's and SGLang's routers write into every request they forward, at these values.
+    "return_hidden_states": (None, False),
 }
 
 
@@ -132,6 +134,8 @@ class SamplingRequest(BaseModel):
     # vLLM's hints, accepted and ignored: nothing in the answer depends on them.
     cache_salt: str | None = None  # salts vLLM's prefix cache between tenants
     guided_decoding_backend: str | None = None  # which grammar library; this server has one (llguidance)
+    # SGLang's name for include_stop_str_in_output: vLLM's and SGLang's routers send it (false) in every request.
+    no_stop_trim: bool = False
     # vLLM's: a lower value is served earlier, 0 by default; sent as Triton's level (level_of_openai).
     priority: int = 0
     n: int | None = Field(None, ge=1)  # answers of the prompt (the models' n, up to their limit)
@@ -146,6 +150,7 @@ class SamplingRequest(BaseModel):
     return_tokens_as_token_ids: bool | None = None
     logits_processors: list[Any] | None = None
     guided_whitespace_pattern: str | None = None
+    return_hidden_states: bool | None = None
 
     def check_supported(self) -> None:
         """A 400 naming the first parameter the engine cannot honour."""
@@ -234,7 +239,7 @@ class SamplingRequest(BaseModel):
             "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty, "min_p": self.min_p,
             "logit_bias": self.logit_bias or None, "stop_token_ids": self.stop_token_ids or None,
-            "include_stop_str_in_output": self.include_stop_str_in_output or None,
+            "include_stop_str_in_output": self.include_stop_str_in_output or self.no_stop_trim or None,
             "skip_special_tokens": None if self.skip_special_tokens else False,
         }
         return {name: value for name, value in sent.items() if value is not None}
@@ -325,6 +330,11 @@ class ChatCompletionRequest(SamplingRequest):
     verbosity: str | None = None
     web_search_options: dict[str, Any] | None = None
     store: bool | None = None
+    # SGLang's reasoning switches, which the routers send in every chat request: hints, since the model has no
+    # reasoning part to separate, stream or leave out.
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    include_reasoning: bool | None = None
 
     def response_format_output(self) -> dict[str, Any] | None:
         """OpenAI's response_format as a structured output: ``json_object`` (any JSON object), ``json_schema`` (its

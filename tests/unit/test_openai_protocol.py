@@ -37,6 +37,27 @@ def test_neutral_values_of_unsupported_parameters_are_accepted():
     assert chat.max_tokens is None and chat.sampling_parameters == {"max_tokens": None}  # up to the context
 
 
+# What vLLM's router 0.1.17 forwarded to a replica for a plain request (captured in front of a stand-in worker).
+ROUTED_COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 4, "temperature": 0.0, "stream": True,
+                     "stream_options": {"include_usage": True}, "echo": False, "seed": 3, "no_stop_trim": False,
+                     "ignore_eos": True, "skip_special_tokens": True, "return_hidden_states": False, "priority": 0}
+ROUTED_CHAT = {"model": "m", "messages": MESSAGES, "stream": False, "max_tokens": 4, "logprobs": False,
+               "no_stop_trim": False, "ignore_eos": False, "continue_final_message": False,
+               "skip_special_tokens": True, "separate_reasoning": True, "stream_reasoning": True,
+               "return_hidden_states": False, "include_reasoning": True}
+
+
+def test_what_the_routers_add_to_a_request_changes_nothing_and_no_stop_trim_keeps_the_stop_string():
+    for request in (CompletionRequest(**ROUTED_COMPLETION), ChatCompletionRequest(**ROUTED_CHAT)):
+        request.check_supported()
+        assert "include_stop_str_in_output" not in (request.generation_request("x").sampling_parameters or {})
+    kept = CompletionRequest(**{**ROUTED_COMPLETION, "no_stop_trim": True, "stop": ["."]})
+    assert kept.generation_request("hi").sampling_parameters["include_stop_str_in_output"] is True
+    with pytest.raises(APIError) as refused:
+        CompletionRequest(**{**ROUTED_COMPLETION, "return_hidden_states": True}).check_supported()
+    assert refused.value.param == "return_hidden_states"
+
+
 @pytest.mark.parametrize("fields, expected", [
     ({"response_format": {"type": "json_object"}}, {"json_object": True}),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
