@@ -32,12 +32,15 @@ http {
     uwsgi_temp_path /tmp/nginx-uwsgi;
     scgi_temp_path /tmp/nginx-scgi;
     client_max_body_size 64m;
+    # zone: the open-connection counts shared by all worker processes, so least_conn sees every connection.
     upstream triton_http {
+        zone triton_http 64k;
         least_conn;
 $(servers "$TRITON_HTTP")
         keepalive 64;
     }
     upstream triton_grpc {
+        zone triton_grpc 64k;
         least_conn;
 $(servers "$TRITON_GRPC")
         keepalive 64;

@@ -68,6 +68,9 @@ PROMPT = "text_input"
 # llm_iterative). Triton writes it, so it carries no code: the one text of Triton's a reader may look for, read as
 # OVERLOADED.
 TRITON_QUEUE_FULL = "Exceeds maximum queue size"
+# Triton's refusal of a request for a model it has unloaded, as the stop does to every model before the server exits
+# (an explicit unload does it to one): read as SHUTTING_DOWN, a 503 that a router retries on another replica.
+TRITON_MODEL_UNLOADED = "has no available versions"
 
 _CODED = re.compile(r"\[([a-z_]+)(?::([A-Za-z0-9_.]+))?\] (.*)", re.DOTALL)
 _KINDS = {kind.value: kind for kind in ErrorKind}
@@ -88,13 +91,15 @@ class ParsedError:
 
 
 def parse(error_message: str) -> ParsedError | None:
-    """The kind, parameter and text of an error message; None for a message that carries no code and is not
-    :data:`TRITON_QUEUE_FULL` (not one of the models' errors)."""
+    """The kind, parameter and text of an error message; None for a message that carries no code and is not one of
+    Triton's own that are read (:data:`TRITON_QUEUE_FULL`, :data:`TRITON_MODEL_UNLOADED`)."""
     coded = _CODED.fullmatch(error_message)
     if coded is not None and coded[1] in _KINDS:
         return ParsedError(_KINDS[coded[1]], coded[3], coded[2])
     if TRITON_QUEUE_FULL in error_message:
         return ParsedError(ErrorKind.OVERLOADED, error_message)
+    if TRITON_MODEL_UNLOADED in error_message:
+        return ParsedError(ErrorKind.SHUTTING_DOWN, error_message)
     return None
 
 

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -84,16 +85,19 @@ def test_the_balancer_spreads_tritons_own_grpc_and_http_over_both_replicas(stack
     """NGINX in front of the replicas' Triton ports: tritonclient's gRPC streams and HTTP generate_stream, each
     connection to the replica with the fewest open ones."""
     before = stack.replica_counts()
-    request = GenerationRequest("The capital of France is", max_tokens=8, ignore_eos=True, temperature=0.0)
-    texts = set()
-    for protocol in ("grpc", "http"):
-        for _ in range(4):  # a client per request: the balancer places connections, not requests
-            with LLMClient(f"{LOCALHOST}:{stack.balancer_grpc}", stack.balancer_url, protocol=protocol) as client:
-                texts.add(client.generate(MODEL, request).text)
+    request = GenerationRequest("The capital of France is", max_tokens=32, ignore_eos=True, temperature=0.0)
+
+    def generate(protocol: str) -> str:
+        # A client each: the balancer places connections, and these are open at once (least connections).
+        with LLMClient(f"{LOCALHOST}:{stack.balancer_grpc}", stack.balancer_url, protocol=protocol) as client:
+            return client.generate(MODEL, request).text
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(generate, ["grpc", "http"] * 4))
     after = stack.replica_counts()
     served = {r: after[r][names.REQUEST_SUCCESS] - before[r][names.REQUEST_SUCCESS] for r in after}
     print(f"  balancer: finished per replica {served}")
-    assert len(texts) == 1  # greedy: both replicas give the same text
+    assert all(text.strip() for text in texts)  # (not one text: bf16 rounding moves with the batch's make-up)
     assert sum(served.values()) == 8 and all(count > 0 for count in served.values()), served
 
 
@@ -114,7 +118,7 @@ def test_docker_stop_of_a_replica_drains_it_without_an_error_to_any_client(stack
     seen = outcomes(raw)
     print(f"  docker stop {replica.service}: {stopped.get('seconds', 0):.1f} s, exit status "
           f"{stopped.get('state', {}).get('ExitCode')}; Locust {dict(seen)}")
-    assert stopped["state"]["ExitCode"] == 0
+    assert stopped["state"]["ExitCode"] == 0, stack.logs(replica.service)[-4000:]
     assert seen["error"] == 0, [r["error"] for r in raw["requests"] if r["error"]][:5]
     assert seen["ok"] > 0
     rejoin(stack, replica)

@@ -189,10 +189,13 @@ def test_every_kind_is_produced_somewhere():
     assert {kind for _, kind, _ in PRODUCED.values()} == set(ErrorKind)
 
 
-def test_tritons_full_queue_is_the_one_text_read_without_a_code():
+def test_tritons_full_queue_and_unloaded_model_are_the_texts_read_without_a_code():
     assert errors.parse(errors.TRITON_QUEUE_FULL) == errors.ParsedError(ErrorKind.OVERLOADED, errors.TRITON_QUEUE_FULL)
     error = api_error(errors.TRITON_QUEUE_FULL, "prompt")
     assert (error.status, error.type, error.code) == (429, "rate_limit_error", "model_overloaded")
+    unloaded = "Request for unknown model: 'llm_continuous' has no available versions"  # Triton 2.51's, as seen
+    error = api_error(unloaded, "prompt")
+    assert (error.status, error.code, error.message) == (503, "service_unavailable", unloaded)
     for other in ("the server is overloaded", "the server is shutting down", "[StatusCode.UNAVAILABLE] Socket closed",
                   "[no_such_kind] x", "[overloaded]no space", " [overloaded] leading space"):
         assert errors.parse(other) is None, other
