@@ -37,7 +37,6 @@ http {
         zone triton_http 64k;
         least_conn;
 $(servers "$TRITON_HTTP")
-        keepalive 64;
     }
     upstream triton_grpc {
         zone triton_grpc 64k;
@@ -50,8 +49,9 @@ $(servers "$TRITON_GRPC")
         location = /balancer/health { return 200 "ok\n"; }
         location / {
             proxy_pass http://triton_http;
+            # NOTE: no keep-alive to the replicas' HTTP port: an idle kept connection is one more a stopping
+            # replica must wait for or close; a generation outlasts a connect on the same host many times over.
             proxy_http_version 1.1;
-            proxy_set_header Connection "";
             proxy_buffering off;         # generate_stream's events as they come
             proxy_read_timeout 600s;
             proxy_next_upstream error timeout;

@@ -41,8 +41,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO_ROOT / "docker" / "compose.scale.yaml"
 LOCALHOST = "127.0.0.1"
 MODEL = names.CONTINUOUS
-# The replicas' exit timeout is 30 s (the image's CMD); docker stop waits this long before it kills.
-STOP_GRACE_S = 40
+# docker stop's wait before it kills: compose.scale.yaml's stop_grace_period (the drain delay, the 30-s exit timeout
+# and the frontend's stop).
+STOP_GRACE_S = 60
 
 
 def docker_host() -> str | None:

@@ -2,6 +2,8 @@
 models, the frontend and the kernels read them.
 """
 
+import signal
+
 # The model folder the repository prepares (`make model`) and serves when none is named, relative to the repository
 # root (the Makefile's DEFAULT_MODEL: tests/unit/test_launcher.py holds them equal).
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
@@ -19,9 +21,14 @@ STALL_TIMEOUT_ENV_VAR = "STALL_TIMEOUT"  # --stall-timeout
 OPENAI_PORT_ENV_VAR = "OPENAI_PORT"  # the OpenAI frontend's --port
 API_KEY_ENV_VAR = "LLM_API_KEY"  # the OpenAI frontend's API key
 SERVED_MODELS_ENV_VAR = "LLM_SERVED_MODELS"  # --models
+DRAIN_DELAY_ENV_VAR = "DRAIN_DELAY"  # --drain-delay
 MODEL_PARAMETERS_ENV_VAR = "LLM_MODEL_PARAMETERS"  # --parameter, space-separated KEY=VALUE
 
 # ---- the engine's kernels and weights (switches for tests and benchmarks) ---------------------------------------
 CPU_MARCH_ENV_VAR = "LLM_CPU_MARCH"  # -march of the C kernels (native)
 CPU_KERNELS_ENV_VAR = "LLM_CPU_KERNELS"  # "0": no C kernels
 WEIGHT_FILE_ENV_VAR = "LLM_WEIGHT_FILE"  # "0": no prepared-weights file
+
+# ---- between the launcher and the OpenAI frontend ----------------------------------------------------------------
+# The launcher's word to its frontend that the server is about to stop: /health/ready answers 503 from then on.
+DRAINING_SIGNAL = signal.SIGUSR1

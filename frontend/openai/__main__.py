@@ -1,8 +1,10 @@
 """Run the OpenAI-compatible frontend: ``python -m frontend.openai [--triton-grpc HOST:PORT] [--port 9000] ...``
 
 It starts without waiting for Triton (``/health`` and ``/health/ready`` answer 503 until Triton does), logs
-"Uvicorn running on http://HOST:PORT" once it listens, and stops cleanly on SIGTERM or Ctrl-C: no new connections,
-open streams get ``--shutdown-timeout`` seconds to finish, then their Triton requests are cancelled; exit status 0.
+"Uvicorn running on http://HOST:PORT" once it listens, answers 503 on ``/health/ready`` from SIGUSR1 on (the
+launcher's word that the server is about to stop) while it goes on serving, and stops cleanly on SIGTERM or
+Ctrl-C: no new connections, open streams get ``--shutdown-timeout`` seconds to finish, then their Triton requests
+are cancelled; exit status 0.
 """
 
 from __future__ import annotations
@@ -15,8 +17,14 @@ import sys
 
 import uvicorn
 
-from backend.contract.settings import API_KEY_ENV_VAR, DEFAULT_MODEL, MODEL_ENV_VAR, OPENAI_PORT_ENV_VAR
-from frontend.openai.app import Settings, create_app
+from backend.contract.settings import (
+    API_KEY_ENV_VAR,
+    DEFAULT_MODEL,
+    DRAINING_SIGNAL,
+    MODEL_ENV_VAR,
+    OPENAI_PORT_ENV_VAR,
+)
+from frontend.openai.app import Settings, create_app, start_draining
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,6 +63,7 @@ def main(argv=None) -> int:
     # found; with these, a stop it handled ends in exit status 0 rather than death by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    signal.signal(DRAINING_SIGNAL, lambda *_: start_draining(app))
     server.run()
     return 0 if server.started else 1
 

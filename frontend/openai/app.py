@@ -6,7 +6,8 @@
     POST /v1/chat/completions        messages, rendered with the model folder's chat template
     POST /tokenize, /detokenize      vLLM's: a prompt or messages -> token ids and their count; token ids -> text
     GET  /health                     200 while Triton is live, else 503
-    GET  /health/ready               200 while Triton is ready (every model loaded), else 503
+    GET  /health/ready               200 while Triton is ready (every model loaded) and the server is not about to
+                                     stop (``draining``), else 503
     GET  /get_load                   {"load": N}: the requests this replica holds (for routers that balance by load)
 
 With an API key configured, every ``/v1`` route wants ``Authorization: Bearer <key>`` (401 otherwise); the health
@@ -140,7 +141,9 @@ async def on_bug(request: Request, exc: Exception) -> JSONResponse:
 
 
 def add_health_routes(app: FastAPI) -> None:
-    """``/health``: Triton is live; ``/health/ready``: Triton is ready. 503 otherwise."""
+    """``/health``: Triton is live; ``/health/ready``: Triton is ready and the server is not draining
+    (:func:`start_draining`). 503 otherwise."""
+    app.state.draining = False
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -148,7 +151,16 @@ def add_health_routes(app: FastAPI) -> None:
 
     @app.get("/health/ready")
     async def ready(request: Request) -> Response:
+        if request.app.state.draining:
+            raise APIError(503, "this server is about to stop: send new requests elsewhere", "server_error", None,
+                           "service_unavailable")
         return await triton_health(bridge_of(request), ready=True)
+
+
+def start_draining(app: FastAPI) -> None:
+    """From now on ``/health/ready`` answers 503, so that routers and load balancers stop sending requests here;
+    every request that still comes is served (the launcher's ``--drain-delay``, before the stop)."""
+    app.state.draining = True
 
 
 async def triton_health(bridge: TritonBridge, ready: bool) -> Response:

@@ -104,6 +104,7 @@ def test_the_balancer_spreads_tritons_own_grpc_and_http_over_both_replicas(stack
 def test_docker_stop_of_a_replica_drains_it_without_an_error_to_any_client(stack, tmp_path):
     """SIGTERM: the replica answers 503 to new requests and to the router's health check while its open streams
     finish; the router sends what it refused to the other replica. No client sees an error."""
+    all_up(stack)
     replica = stack.replicas[0]
     stopped: dict = {}
 
@@ -128,6 +129,7 @@ def test_docker_kill_of_a_replica_loses_no_request_and_it_rejoins_after_restart(
     """SIGKILL: streams running on the killed replica end with an error that says so (never a hang); requests sent
     to it before the router noticed are retried on the live one; new requests go to the survivor within seconds;
     restarted, it takes requests again."""
+    all_up(stack)
     replica = stack.replicas[1]
     killed: dict = {}
 
@@ -157,6 +159,14 @@ def test_docker_kill_of_a_replica_loses_no_request_and_it_rejoins_after_restart(
     late = [r for r in raw["requests"] if r["t_start"] > killed["at"] + killed["left_rotation_s"]]
     assert late and all(r["ok"] for r in late)
     rejoin(stack, replica)
+
+
+def all_up(stack: ScaleStack) -> None:
+    """Every replica running and routed to (a test before may have failed with one down)."""
+    for replica in stack.replicas:
+        if not stack.state(replica.service)["Running"]:
+            run("docker", "start", stack.container(replica.service), env=stack.env)
+    stack.wait_routed(len(stack.replicas), timeout=300)
 
 
 def rejoin(stack: ScaleStack, replica) -> None:

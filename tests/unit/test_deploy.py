@@ -708,6 +708,12 @@ def test_stopping_fits_the_exit_timeout_in_compose_and_kubernetes():
     assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + exit_timeout + frontend_stop + 5
     assert server_args.drain_grace(cmd) < exit_timeout  # the models end their requests before Triton gives up
 
+    # The scale-out stack's replicas leave the router's rotation first (DRAIN_DELAY), then drain like the above.
+    for name, replica in load_compose("compose.scale.yaml")["services"].items():
+        if name.startswith("triton-"):
+            waited = float(replica["environment"]["DRAIN_DELAY"]) + exit_timeout + frontend_stop
+            assert float(replica["stop_grace_period"].removesuffix("s")) >= waited + 5, name
+
 
 def test_kubernetes_router_finds_the_triton_pods_and_checks_their_frontends():
     manifests = load_manifests()

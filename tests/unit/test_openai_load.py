@@ -1,4 +1,5 @@
-"""The frontend's ``/get_load``: what a router that balances by load (vLLM's and SGLang's ``power_of_two``) reads."""
+"""What routers read from the frontend: ``/get_load`` (vLLM's and SGLang's ``power_of_two``), and ``/health/ready``
+while the server drains."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from frontend.openai.app import Settings, create_app
+from frontend.openai.app import Settings, create_app, start_draining
 
 METRICS = """\
 # HELP llm_num_requests_running Sequences in the running batch
@@ -55,3 +56,12 @@ def test_load_is_503_while_the_metrics_do_not_answer(smollm2_dir):
         response = client.get("/get_load")
     assert response.status_code == 503
     assert "do not answer" in response.json()["error"]["message"]
+
+
+def test_draining_makes_readiness_503_while_requests_are_still_served(smollm2_dir, metrics_url):
+    app = create_app(Settings("127.0.0.1:1", str(smollm2_dir), triton_metrics_url=metrics_url))
+    with TestClient(app) as client:
+        start_draining(app)
+        ready = client.get("/health/ready")
+        assert ready.status_code == 503 and "about to stop" in ready.json()["error"]["message"]
+        assert client.get("/get_load").status_code == 200  # everything else goes on

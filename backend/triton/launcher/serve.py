@@ -23,12 +23,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from backend.contract.settings import (
     ADMIN_KEY_ENV_VAR,
     DEFAULT_MODEL,
+    DRAIN_DELAY_ENV_VAR,
+    DRAINING_SIGNAL,
     MODEL_DIR_ENV_VAR,
     MODEL_ENV_VAR,
     MODEL_PARAMETERS_ENV_VAR,
@@ -110,6 +113,13 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "%(default)s; 0: never)",
     )
     parser.add_argument(
+        "--drain-delay",
+        type=float,
+        default=float(os.environ.get(DRAIN_DELAY_ENV_VAR) or 0),
+        help="on SIGTERM, seconds the OpenAI frontend answers 503 on /health/ready while it still serves, before "
+        "the stop begins: a router in front stops sending here first (default: $DRAIN_DELAY or %(default)s)",
+    )
+    parser.add_argument(
         "--models",
         default=os.environ.get(SERVED_MODELS_ENV_VAR, ""),
         help="serve only these models of the repository, comma-separated (default: $LLM_SERVED_MODELS, else all)",
@@ -132,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra_args = parse_args(sys.argv[1:] if argv is None else argv)
     # Every option but this loop's own (--max-restarts, --openai-port, --stall-timeout) is one of TritonServer's
     # keywords.
-    own = ("max_restarts", "openai_port", "stall_timeout", "models", "parameter")
+    own = ("max_restarts", "openai_port", "stall_timeout", "models", "parameter", "drain_delay")
     shipped = args.model_repository
     try:
         args.model_repository = str(served_repository(shipped, args.models, args.parameter))
@@ -167,15 +177,27 @@ def _serve(server: TritonServer, new_server: Callable[..., TritonServer], args: 
     frontend = start_frontend(server, args.address, args.openai_port) if args.openai_port else None
 
     signals_received: list[int] = []
+    delayed_stop: list[threading.Timer] = []
 
     def forward(signum: int, _frame) -> None:
         # NOTE: the server has its own session, so the terminal's Ctrl-C reaches only us; we pass it on, to the stubs
         # too. First signal: let the server shut down cleanly. Second: stop waiting for it, stubs included.
         signals_received.append(signum)
-        if len(signals_received) == 1:
-            server.begin_stop(signum)
-        else:
+        if len(signals_received) > 1:
+            for timer in delayed_stop:
+                timer.cancel()
             server.kill()
+        elif frontend is not None and args.drain_delay > 0:
+            # Leave the router's rotation first: the frontend answers 503 on /health/ready from now on, while every
+            # request still gets served; the drain starts once routers have seen it, so none is refused meanwhile.
+            _log(f"leaving the rotation: /health/ready answers 503 for {args.drain_delay:g} s, then the stop")
+            frontend.send_signal(DRAINING_SIGNAL)
+            timer = threading.Timer(args.drain_delay, lambda: server.begin_stop(signum))
+            timer.daemon = True
+            delayed_stop.append(timer)
+            timer.start()
+        else:
+            server.begin_stop(signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
