@@ -8,6 +8,7 @@
 #                  ARGS="--workload mixed --priorities both" interactive users (--interactive-users, 2 per model) beside
 #                  --users batch users, each load without and with request priorities, a table per class and model
 #   make slo       highest load each model sustains within TTFT/TPOT p99 SLOs
+#   make scale     two replicas behind vLLM's router (Docker): cores split or not, routing policies, prefix hits
 #   make locust    Locust's web UI (:8089) against a running `make serve`, with the live batching tab
 #   make soak      clients that misbehave, every pattern on every model, 1 and 8 clients, 2,000 requests per pattern
 #                  and model; hours, never in CI (docs/server.md); report in reports/soak-<time>/
@@ -93,7 +94,7 @@ LLAMACPP_ISA_FLAGS := $(foreach pair,$(LLAMACPP_ISA),-D$(word 2,$(subst :, ,$(pa
 # OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment (or on make's command line) override it.
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL
 
-.PHONY: help perplexity docker docker-down venv venv310 aiperf-venv genai-perf-venv chromium model serve test test-unit compare slo locust \
+.PHONY: help perplexity scale docker docker-down venv venv310 aiperf-venv genai-perf-venv chromium model serve test test-unit compare slo locust \
 	bench bench-shared tables llamacpp soak gpu-check aiperf clean
 
 # `make` alone, or `make help`: the header above (targets and settings).
@@ -185,6 +186,11 @@ slo: model
 locust: venv
 	$(VENV)/bin/locust --config loadtest/locust.conf --host http://127.0.0.1:$(HTTP_PORT) --grpc-url 127.0.0.1:$(GRPC_PORT) \
 		--metrics-url http://127.0.0.1:$(METRICS_PORT)/metrics $(ARGS)
+
+# Several replicas behind vLLM's router (docker/compose.scale.yaml), measured on this machine: 2 x 1 core against
+# 1 x 2 cores, routing policies, prefix-cache hit rates (reports/scale/; docker/README.md).
+scale: docker
+	$(PY) -m loadtest.scale $(ARGS)
 
 soak: model
 	$(PY) -m loadtest.soak --model "$(MODEL)" $(ARGS)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -175,11 +176,16 @@ def rejoin(stack: ScaleStack, replica) -> None:
     run("docker", "start", stack.container(replica.service), env=stack.env)
     stack.wait_routed(len(stack.replicas), timeout=300)
     before = stack.replica_counts()[replica.service][names.REQUEST_SUCCESS]
-    for i in range(8):  # new prompts: cache_aware sends them where its tree is smallest, the restarted replica
-        body = {"model": MODEL, "prompt": f"Replica test {i}: the capital of France is", "max_tokens": 4,
-                "temperature": 0}
-        response = requests.post(f"{stack.router_url}/v1/completions", json=body, timeout=120)
-        assert response.status_code == 200, response.text
+
+    def complete(_) -> int:
+        body = {"model": MODEL, "prompt": f"{uuid.uuid4().hex} is not a word; the capital of France is",
+                "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+        return requests.post(f"{stack.router_url}/v1/completions", json=body, timeout=120).status_code
+
+    # At once: cache_aware sends work to the least loaded replica once the other holds 4 more (compose.scale.yaml).
+    with ThreadPoolExecutor(12) as pool:
+        statuses = list(pool.map(complete, range(12)))
+    assert statuses == [200] * 12, statuses
     after = stack.replica_counts()[replica.service][names.REQUEST_SUCCESS]
-    print(f"  {replica.service} rejoined in {time.monotonic() - t0:.1f} s and answered {after - before:.0f} of 8")
+    print(f"  {replica.service} rejoined in {time.monotonic() - t0:.1f} s and answered {after - before:.0f} of 12")
     assert after > before
