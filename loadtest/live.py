@@ -76,6 +76,7 @@ LEVEL_NAMES = {DEFAULT_PRIORITY_LEVEL: "default", **{c.priority: c.name for c in
 # The latency table (the page's, and its CSV's columns): key -> title.
 SUMMARY_COLUMNS = {
     "model": "Model",
+    "class": "Class",  # the mixed workload's: a row of the model's requests of one class (empty: all of them)
     "requests": "Requests",
     "failures": "Failures",
     "slo_met": "SLO met",
@@ -108,6 +109,7 @@ class Finished(NamedTuple):
     itl_max_ms: float | None
     e2e_ms: float | None
     slo_met: bool
+    traffic_class: str | None = None  # the mixed workload's class of the request
 
 
 class LatencyBook:
@@ -134,7 +136,7 @@ class LatencyBook:
         ok = bool(record["ok"])
         finished = Finished(
             t_end, ok, record["ttft_ms"], record["tpot_ms"], record["itl_max_ms"], record["e2e_ms"],
-            meets_slo(record, self.slo_ttft_ms, self.slo_tpot_ms),
+            meets_slo(record, self.slo_ttft_ms, self.slo_tpot_ms), record.get("class"),
         )  # fmt: skip
         with self._lock:
             self._finished[model].append(finished)
@@ -155,23 +157,30 @@ class LatencyBook:
         return out
 
     def summary(self) -> list[dict]:
-        """One row per model over every request so far (the keys of :data:`SUMMARY_COLUMNS`)."""
+        """One row per model over every request so far (the keys of :data:`SUMMARY_COLUMNS`), then, in a mixed
+        workload, one row per class of its requests (``class`` set; the model's own row has None)."""
         with self._lock:
             finished = {model: list(entries) for model, entries in self._finished.items()}
         rows = []
         for model in sorted(finished, key=names.model_order):
             entries = finished[model]
-            ok = [f for f in entries if f.ok]
-            met = sum(f.slo_met for f in entries)
-            row = {"model": model, "requests": len(entries), "failures": len(entries) - len(ok), "slo_met": met,
-                   "slo_met_pct": _number(100 * met / len(entries), 1) if entries else None}  # fmt: skip
-            for name in ("ttft", "tpot", "e2e"):
-                values = [getattr(f, f"{name}_ms") for f in ok if getattr(f, f"{name}_ms") is not None]
-                for q in (50, 99):
-                    row[f"{name}_p{q}_ms"] = _number(percentile(values, q), 1)
-            row["itl_max_p99_ms"] = _number(percentile([f.itl_max_ms for f in ok if f.itl_max_ms is not None], 99), 1)
-            rows.append(row)
+            rows.append(self._row(model, None, entries))
+            for name in [c.name for c in MIXED.classes if any(f.traffic_class == c.name for f in entries)]:
+                rows.append(self._row(model, name, [f for f in entries if f.traffic_class == name]))
         return rows
+
+    @staticmethod
+    def _row(model: str, traffic_class: str | None, entries: list[Finished]) -> dict:
+        ok = [f for f in entries if f.ok]
+        met = sum(f.slo_met for f in entries)
+        row = {"model": model, "class": traffic_class, "requests": len(entries), "failures": len(entries) - len(ok),
+               "slo_met": met, "slo_met_pct": _number(100 * met / len(entries), 1) if entries else None}  # fmt: skip
+        for name in ("ttft", "tpot", "e2e"):
+            values = [getattr(f, f"{name}_ms") for f in ok if getattr(f, f"{name}_ms") is not None]
+            for q in (50, 99):
+                row[f"{name}_p{q}_ms"] = _number(percentile(values, q), 1)
+        row["itl_max_p99_ms"] = _number(percentile([f.itl_max_ms for f in ok if f.itl_max_ms is not None], 99), 1)
+        return row
 
     def to_csv(self) -> str:
         out = io.StringIO()

@@ -230,7 +230,16 @@
   };
 
   function drawTable(d) {
-    const rows = Object.fromEntries(d.summary.map((r) => [r.model, r]));
+    const rows = Object.fromEntries(d.summary.filter((r) => !r.class).map((r) => [r.model, r]));
+    // The mixed workload's classes, under their model's row: the clients' figures of each class's requests.
+    const clientCells = (r) => [
+      fmt(r.requests), fmt(r.failures), r.slo_met_pct == null ? "–" : `${fmt(r.slo_met_pct)} %`,
+      fmt(r.ttft_p50_ms), fmt(r.ttft_p99_ms), fmt(r.tpot_p50_ms, 1), fmt(r.tpot_p99_ms, 1),
+      fmt(r.itl_max_p99_ms), fmt(r.e2e_p50_ms), fmt(r.e2e_p99_ms),
+    ];
+    const classRows = (model) => d.summary.filter((r) => r.model === model && r.class).map((r) =>
+      `<tr class="class-row" data-model="${model}" data-class="${r.class}"><td>&nbsp;&nbsp;${r.class}</td>` +
+      `<td colspan="5"></td>${clientCells(r).map((c) => `<td>${c}</td>`).join("")}</tr>`).join("");
     const head = `<tr><th></th><th class="group" colspan="5">now (server)</th>` +
       `<th class="group" colspan="10">every request so far (clients), ms</th></tr>` +
       "<tr><th>model</th><th>batch</th><th>running</th><th>waiting</th><th>KV used</th><th>tok/s</th>" +
@@ -242,13 +251,11 @@
       const used = latest(s.kv_used), total = latest(s.kv_total);
       const cells = [
         fmt(latest(s.batch), 2), fmt(latest(s.running)), fmt(sum(latest(s.waiting), latest(s.queued_in_triton))),
-        used == null ? "–" : `${fmt(used)} / ${fmt(total)}`, fmt(latest(s.tok_s)),
-        fmt(r.requests), fmt(r.failures), r.slo_met_pct == null ? "–" : `${fmt(r.slo_met_pct)} %`,
-        fmt(r.ttft_p50_ms), fmt(r.ttft_p99_ms), fmt(r.tpot_p50_ms, 1), fmt(r.tpot_p99_ms, 1),
-        fmt(r.itl_max_p99_ms), fmt(r.e2e_p50_ms), fmt(r.e2e_p99_ms),
+        used == null ? "–" : `${fmt(used)} / ${fmt(total)}`, fmt(latest(s.tok_s)), ...clientCells(r),
       ];
       const name = `<span class="swatch" style="background:${state.colors[model]}"></span>${model}`;
-      return `<tr data-model="${model}"><td>${name}</td>${cells.map((c) => `<td>${c}</td>`).join("")}</tr>`;
+      return `<tr data-model="${model}"><td>${name}</td>${cells.map((c) => `<td>${c}</td>`).join("")}</tr>` +
+        classRows(model);
     }).join("");
     document.getElementById("summary").innerHTML = head + body;
     drawLevelTable();

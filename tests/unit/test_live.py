@@ -102,7 +102,7 @@ def test_latency_table_counts_requests_once_and_keeps_percentiles_apart(tmp_path
     recent = book.recent_percentiles(now=1010.0)
     assert recent["llm_continuous"]["ttft_p50"] == 55.0 and recent["llm_dynamic"]["ttft_p50"] is None
     rows = list(csv.DictReader(book.to_csv().splitlines()))
-    assert [r["Model"] for r in rows] == ["llm_dynamic", "llm_continuous"]
+    assert [(r["Model"], r["Class"]) for r in rows] == [("llm_dynamic", ""), ("llm_continuous", "")]
     assert rows[1]["Requests"] == "11" and rows[1]["SLO met %"] == "81.8" and rows[1]["TTFT p99 (ms)"] == "99.1"
     book.reset()
     assert book.summary() == []
@@ -207,10 +207,19 @@ def test_page_shows_each_priority_level_apart(tmp_path, monkeypatch):
     monkeypatch.setattr(live, "scrape", lambda url, timeout=2.0: fake.text())
     view = live.LiveView(live.LatencyBook(2000, 100, window_s=5.0), "http://127.0.0.1:1/metrics",
                          models=["llm_continuous"], interval_s=0.25)  # fmt: skip
+    for i in range(10):  # what the clients measured, each request with its class
+        view.book.add("llm_continuous", record(ttft=100.0 + i, **{"class": "interactive"}), t_end=1000.0 + i)
+    view.book.add("llm_continuous", record(ttft=3000.0, **{"class": "batch"}), t_end=1010.0)
     with live.serve(view) as page:
         time.sleep(2.0)
         data = json.loads(urllib.request.urlopen(page.url + "data", timeout=10).read())
         dom = browse(page.url, tmp_path, "--dump-dom")
+    assert [(r["class"], r["requests"], r["ttft_p99_ms"]) for r in data["summary"]] == [
+        (None, 11, pytest.approx(2710.9)),
+        ("interactive", 10, pytest.approx(108.9)),
+        ("batch", 1, 3000.0),
+    ]
+    assert 'data-class="interactive"><td>&nbsp;&nbsp;interactive</td>' in dom and 'data-class="batch">' in dom
     assert data["levels"] == {"1": "interactive", "3": "batch"}
     series = data["series"]["llm_continuous"]
     assert series["ttft_ms@1"][-1] == pytest.approx(100.0) and series["ttft_ms@3"][-1] == pytest.approx(2000.0)
