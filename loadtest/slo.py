@@ -4,6 +4,7 @@
     python -m loadtest.slo --slo-ttft-ms 1000 --slo-tpot-ms 80 --users 1,2,4,8,16,32
     python -m loadtest.slo --url http://127.0.0.1:8000 --rates 0.5,1,2,4 # open loop: highest request rate
     python -m loadtest.slo --capacity                           # every model at its best seats: req/s within SLO
+    python -m loadtest.slo --workload mixed --priorities both   # batch users beside interactive ones, per batcher
 
 The tuning procedure of docs/batching.md (the design note on static, dynamic and continuous batching; its section on
 settings and tuning), automated: for each model, step the load up (closed-loop users, or Poisson arrival rates) and
