@@ -213,7 +213,9 @@ def verdict(row: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> str | None:
     broken = []
     if row["num_failed"]:
         broken.append(f"{row['num_failed']} failures")
-    if row["ttft_p99_ms"] is None or row["ttft_p99_ms"] > slo_ttft_ms:
+    if row.get("missed"):  # a class too sparse for a p99 whose few requests missed their targets too often
+        broken.append(row["missed"])
+    elif row["ttft_p99_ms"] is None or row["ttft_p99_ms"] > slo_ttft_ms:
         broken.append(f"TTFT p99 {fmt(row['ttft_p99_ms'], 'ms')} > {slo_ttft_ms:g} ms")
     if row["tpot_p99_ms"] is not None and row["tpot_p99_ms"] > slo_tpot_ms:
         broken.append(f"TPOT p99 {fmt(row['tpot_p99_ms'], 'ms')} > {slo_tpot_ms:g} ms")

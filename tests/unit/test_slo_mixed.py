@@ -80,6 +80,15 @@ def test_a_mixed_point_is_judged_by_the_interactive_class_alone():
     sparse = judge.row(mixed_run(num_interactive=10, jobs_per_user=6))
     assert sparse["not_measured"] == "interactive class: 10 requests in 20 s: too few to measure"
     assert sparse["ttft_p99_ms"] is None and sparse["batch_tok_per_s"] is None
+    # ... unless those few missed a target more often than a p99 on target allows: then the point breaks.
+    one_late = judge.row(mixed_run(num_interactive=10, late=1, jobs_per_user=6))
+    assert one_late["not_measured"] == sparse["not_measured"]  # one miss in ten could be the one in a hundred
+    two_late = judge.row(mixed_run(num_interactive=10, late=2, jobs_per_user=6))
+    assert two_late["not_measured"] is None and two_late["ttft_p99_ms"] is None
+    assert slo.verdict(two_late, 500.0, 100.0) == (
+        "2 of 10 interactive requests missed a target (too few for a p99, too many misses for one on target)"
+    )
+    assert slo_mixed.misses([record(0.0, [100.0, 900.0]), record(0.0, [600.0], cut=True)], 500.0, 100.0) == 2
     idle = judge.row(mixed_run(batch_users=0))  # the interactive class alone
     assert idle["batch_tok_per_s"] == 0.0 and slo.verdict(idle, 500.0, 100.0) is None
 
