@@ -121,7 +121,8 @@ def mixed_rows(results: list[dict]) -> list[dict]:
         best, broke = result["best"] or {}, result["first_violation"]
         rows.append({
             "model": result["model"], "priorities": "on" if result.get("priorities") else "off",
-            "batch_load": best.get("load", "none of the ladder"), "ttft_p99_ms": best.get("ttft_p99_ms"),
+            "batch_load": best.get("load", "none of the ladder" if broke else "no load point measured"),
+            "ttft_p99_ms": best.get("ttft_p99_ms"),
             "tpot_p99_ms": best.get("tpot_p99_ms"), "within_targets": best.get("within_targets"),
             "batch_tok_per_s": best.get("batch_tok_per_s"),
             "broke": f"{broke['load']}: {broke['why']}" if broke else None,

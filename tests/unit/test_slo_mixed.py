@@ -189,6 +189,8 @@ def test_make_slo_mixed_runs_each_pass_for_every_model_and_reports_the_highest_b
     kept = Record.read(out_dir / "record.json")
     assert kept.command == "make slo --workload mixed" and list(kept.tables) == ["mixed"]
     table = kept.tables["mixed"]
+    none = {"model": "m", "best": None, "first_violation": None, "not_measured": [{"load": "0 users"}], "rows": []}
+    assert slo_mixed.mixed_rows([none])[0]["batch_load"] == "no load point measured"
     assert [(r["model"], r["priorities"], r["batch_load"]) for r in table.rows] == [
         ("llm_dynamic", "off", "0 users"), ("llm_continuous", "off", "4 users"), ("llm_dynamic", "on", "2 users"),
         ("llm_continuous", "on", "4 users")]  # fmt: skip
