@@ -17,7 +17,7 @@ import dataclasses
 
 from loadtest import runner
 from loadtest.report import fmt
-from loadtest.stats import class_tok_per_s, started_in_window, summarize, summarize_classes
+from loadtest.stats import MIN_WINDOW_S, class_tok_per_s, started_in_window, summarize, summarize_classes
 from loadtest.workloads import MIXED
 from records.record import Column
 
@@ -60,6 +60,9 @@ class InteractiveClass:
         whole = summarize(run, self.plan.slo_ttft_ms, self.plan.slo_tpot_ms)
         interactive, batch = summarize_classes(run, self.classes)
         sparse = interactive["not_measured"] and f"{INTERACTIVE.name} class: {interactive['not_measured']}"
+        # NOTE: a window too short, or one ended by the request budget, gives nothing to judge; a point of too few
+        # requests in all is judged by its interactive class (a subset: too few there too).
+        unjudged = whole["not_measured"] and (whole["budget_spent"] or whole["window_s"] < MIN_WINDOW_S)
         row = {
             "model": run["model"],
             "load": run["load"],
@@ -76,10 +79,10 @@ class InteractiveClass:
             "batch_tok_per_s": class_tok_per_s(run, BATCH.name),
             "batch_requests": batch["num_requests"],
             "budget_spent": whole["budget_spent"],
-            "not_measured": whole["not_measured"] or sparse or None,
+            "not_measured": (whole["not_measured"] if unjudged else sparse) or None,
             "missed": None,
         }
-        if sparse and not whole["not_measured"]:
+        if sparse and not unjudged:
             interactive_requests = [r for r in started_in_window(run) if r.get("class") == INTERACTIVE.name]
             missed = misses(interactive_requests, self.plan.slo_ttft_ms, self.plan.slo_tpot_ms)
             if missed >= MISSES_THAT_BREAK:

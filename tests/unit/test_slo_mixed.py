@@ -89,6 +89,15 @@ def test_a_mixed_point_is_judged_by_the_interactive_class_alone():
         "2 of 10 interactive requests missed a target (too few for a p99, too many misses for one on target)"
     )
     assert slo_mixed.misses([record(0.0, [100.0, 900.0]), record(0.0, [600.0], cut=True)], 500.0, 100.0) == 2
+    # Too few requests in all (a batcher that makes every request slow) is judged the same way.
+    few = judge.row(mixed_run(num_interactive=10, late=2))
+    assert stats.summarize(mixed_run(num_interactive=10), 500.0, 100.0)["not_measured"] is not None
+    assert few["missed"] == two_late["missed"] and slo.verdict(few, 500.0, 100.0) == slo.verdict(two_late, 500, 100)
+    assert judge.row(mixed_run(num_interactive=10))["not_measured"].startswith("interactive class: 10 requests")
+    # A window too short to judge, or one the request budget ended, stays unmeasured whatever its requests say.
+    short = mixed_run(num_interactive=10, late=5)
+    short["window"] = (100.0, 104.0)
+    assert judge.row(short)["not_measured"] == "5 requests in 4 s: too few to measure"  # the point's, not the class's
     idle = judge.row(mixed_run(batch_users=0))  # the interactive class alone
     assert idle["batch_tok_per_s"] == 0.0 and slo.verdict(idle, 500.0, 100.0) is None
 
