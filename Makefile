@@ -7,7 +7,9 @@
 #                  ARGS="--quantization q4_1" (or int8) serves every model on those weights;
 #                  ARGS="--workload mixed --priorities both" interactive users (--interactive-users, 2 per model) beside
 #                  --users batch users, each load without and with request priorities, a table per class and model
-#   make slo       highest load each model sustains within TTFT/TPOT p99 SLOs
+#   make slo       highest load each model sustains within TTFT/TPOT p99 SLOs;
+#                  ARGS="--workload mixed --priorities both" the highest batch load (--users batch users beside
+#                  --interactive-users) at which the interactive class meets its targets, per batcher (about an hour)
 #   make scale     two replicas behind vLLM's router (Docker): cores split or not, routing policies, prefix hits
 #   make locust    Locust's web UI (:8089) against a running `make serve`, with the live batching tab
 #   make soak      clients that misbehave, every pattern on every model, 1 and 8 clients, 2,000 requests per pattern

@@ -89,16 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--max-users", type=int, default=64, help="users that carry the arrivals with --rates (default: %(default)s)"
     )
     p.add_argument("--workload", default="long_tailed", choices=WORKLOAD_NAMES)
-    p.add_argument(
-        "--interactive-users", type=int, default=2,
-        help="--workload mixed: interactive users per model at every load point, beside --users' batch users "
-        "(default: %(default)s)",
-    )
-    p.add_argument(
-        "--priorities", choices=["off", "on", "both"], default="off",
-        help="--workload mixed: send each class at its priority level (on), or run every load point without and "
-        "with them (both); on and both serve the models with scheduling_policy priority (default: %(default)s)",
-    )
+    runner.add_mixed_arguments(p)
     p.add_argument(
         "--length-scale",
         type=float,
@@ -136,12 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--dynamic-variants serve a copy of the repository; with --url, serve them on that server instead")
     if args.quantization and args.url:
         p.error("--quantization sets the served copies' configs; with --url, set it in that server's configs instead")
-    if args.workload != "mixed" and args.priorities != "off":
-        p.error("--priorities sets the levels of the mixed workload's classes: use it with --workload mixed")
-    if args.workload == "mixed" and args.rates:
-        p.error("--workload mixed is a closed loop (--users batch users beside --interactive-users); not --rates")
-    if args.interactive_users < 0:
-        p.error("--interactive-users cannot be negative")
+    runner.check_mixed_arguments(p, args)
     models = list(MODELS) if args.models is None else [m for m in args.models.split(",") if m]
     if args.variants and DYNAMIC not in models:
         p.error(f"--dynamic-variants are compared beside {DYNAMIC}: put it among --models")
@@ -198,10 +184,6 @@ def machine() -> str:
 
 def log(message: str) -> None:
     print(f"[compare {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-# The passes of each load point per --priorities: without priorities, with them, or the one and then the other.
-PASSES = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def sweep(
@@ -303,7 +285,7 @@ def main(argv=None) -> int:
                 "started_here": target.server is not None,
                 "model_folder": target.model_folder or "(the server's own)",
             }
-            runs = sweep(target, models, points, plan, out_dir, meta, PASSES[args.priorities])
+            runs = sweep(target, models, points, plan, out_dir, meta, runner.PRIORITY_PASSES[args.priorities])
     except Exception as exc:  # a clear message, not a traceback: the cause is almost always the server or a model
         print(f"compare: error: {exc}", file=sys.stderr)
         if not any(out_dir.iterdir()):

@@ -3,7 +3,10 @@
 One page, a point a second over the last five minutes, every model on shared time axes: sequences in each forward
 step (``llm_batch_size``: the mean per step), requests running and waiting (the engine's queue plus Triton's own,
 ``nv_inference_pending_request_count``, where the batcher models' requests wait), KV blocks used out of the pool,
-output tokens per second, and the clients' TTFT and TPOT p50/p99. The load-test process reads the metrics port
+output tokens per second, and the clients' TTFT and TPOT p50/p99. Per priority level (the ``llm_*_by_priority_*``
+series: the mixed workload's interactive class at level 1, its batch class at 3, a request that says nothing at 2), the
+mean queue time, TTFT and TPOT of the requests that ended in the last 20 s and their preemptions, so a mixed run
+shows each class apart. The load-test process reads the metrics port
 itself (:class:`LiveView`) and serves the page and its data from its own web server, so a browser talks to that one
 port only:
 
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from backend.contract import names
+from backend.contract.priority import DEFAULT_PRIORITY_LEVEL
 from loadtest.colors import color
 from loadtest.measure import meets_slo
 from loadtest.metrics import (
@@ -42,6 +46,7 @@ from loadtest.metrics import (
     steps_by_model,
 )
 from loadtest.stats import percentile
+from loadtest.workloads import MIXED
 
 PAGE_DIR = Path(__file__).with_name("live_page")
 WINDOW_S = 300.0  # the page shows the last five minutes
@@ -58,9 +63,20 @@ SERVER_KEYS = (
     "tokens_total", "steps_total", "seqs_total",
 )  # fmt: skip
 CLIENT_KEYS = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
+# Per priority level, from the ``*_by_priority`` families: the means (ms) of the requests of the level that ended in
+# the last LATENCY_WINDOW_S, their preemptions there, and the counters as read. A level's series is ``<key>@<level>``.
+LEVEL_HISTOGRAMS = {
+    "queue_ms": names.QUEUE_TIME_BY_PRIORITY,
+    "ttft_ms": names.TIME_TO_FIRST_TOKEN_BY_PRIORITY,
+    "tpot_ms": names.TIME_PER_OUTPUT_TOKEN_BY_PRIORITY,
+}
+LEVEL_KEYS = (*LEVEL_HISTOGRAMS, "preempt", "preempt_total", "ended_total")
+# What each level carries in this project's load tests: the mixed workload's classes, and the default level.
+LEVEL_NAMES = {DEFAULT_PRIORITY_LEVEL: "default", **{c.priority: c.name for c in MIXED.classes}}
 # The latency table (the page's, and its CSV's columns): key -> title.
 SUMMARY_COLUMNS = {
     "model": "Model",
+    "class": "Class",  # the mixed workload's: a row of the model's requests of one class (empty: all of them)
     "requests": "Requests",
     "failures": "Failures",
     "slo_met": "SLO met",
@@ -93,6 +109,7 @@ class Finished(NamedTuple):
     itl_max_ms: float | None
     e2e_ms: float | None
     slo_met: bool
+    traffic_class: str | None = None  # the mixed workload's class of the request
 
 
 class LatencyBook:
@@ -119,7 +136,7 @@ class LatencyBook:
         ok = bool(record["ok"])
         finished = Finished(
             t_end, ok, record["ttft_ms"], record["tpot_ms"], record["itl_max_ms"], record["e2e_ms"],
-            meets_slo(record, self.slo_ttft_ms, self.slo_tpot_ms),
+            meets_slo(record, self.slo_ttft_ms, self.slo_tpot_ms), record.get("class"),
         )  # fmt: skip
         with self._lock:
             self._finished[model].append(finished)
@@ -140,23 +157,30 @@ class LatencyBook:
         return out
 
     def summary(self) -> list[dict]:
-        """One row per model over every request so far (the keys of :data:`SUMMARY_COLUMNS`)."""
+        """One row per model over every request so far (the keys of :data:`SUMMARY_COLUMNS`), then, in a mixed
+        workload, one row per class of its requests (``class`` set; the model's own row has None)."""
         with self._lock:
             finished = {model: list(entries) for model, entries in self._finished.items()}
         rows = []
         for model in sorted(finished, key=names.model_order):
             entries = finished[model]
-            ok = [f for f in entries if f.ok]
-            met = sum(f.slo_met for f in entries)
-            row = {"model": model, "requests": len(entries), "failures": len(entries) - len(ok), "slo_met": met,
-                   "slo_met_pct": _number(100 * met / len(entries), 1) if entries else None}  # fmt: skip
-            for name in ("ttft", "tpot", "e2e"):
-                values = [getattr(f, f"{name}_ms") for f in ok if getattr(f, f"{name}_ms") is not None]
-                for q in (50, 99):
-                    row[f"{name}_p{q}_ms"] = _number(percentile(values, q), 1)
-            row["itl_max_p99_ms"] = _number(percentile([f.itl_max_ms for f in ok if f.itl_max_ms is not None], 99), 1)
-            rows.append(row)
+            rows.append(self._row(model, None, entries))
+            for name in [c.name for c in MIXED.classes if any(f.traffic_class == c.name for f in entries)]:
+                rows.append(self._row(model, name, [f for f in entries if f.traffic_class == name]))
         return rows
+
+    @staticmethod
+    def _row(model: str, traffic_class: str | None, entries: list[Finished]) -> dict:
+        ok = [f for f in entries if f.ok]
+        met = sum(f.slo_met for f in entries)
+        row = {"model": model, "class": traffic_class, "requests": len(entries), "failures": len(entries) - len(ok),
+               "slo_met": met, "slo_met_pct": _number(100 * met / len(entries), 1) if entries else None}  # fmt: skip
+        for name in ("ttft", "tpot", "e2e"):
+            values = [getattr(f, f"{name}_ms") for f in ok if getattr(f, f"{name}_ms") is not None]
+            for q in (50, 99):
+                row[f"{name}_p{q}_ms"] = _number(percentile(values, q), 1)
+        row["itl_max_p99_ms"] = _number(percentile([f.itl_max_ms for f in ok if f.itl_max_ms is not None], 99), 1)
+        return row
 
     def to_csv(self) -> str:
         out = io.StringIO()
@@ -236,10 +260,52 @@ def server_point(history: list[dict], sample: dict) -> dict:
         steps = histogram_rate(pair, names.BATCH_SIZE)
         # NOTE: no forward step in the interval means no sequence was in a batch: a zero, not a gap.
         point["steps_per_s"], point["batch"] = (steps[0][1], steps[0][2]) if steps else (0.0, 0.0)
-    tokens = counter_delta([history[0], sample], names.GENERATION_TOKENS)
+    oldest = history[-TOKEN_RATE_SAMPLES:][0]
+    tokens = counter_delta([oldest, sample], names.GENERATION_TOKENS)
     if tokens is not None and tokens >= 0:  # a counter that went back: the server restarted
-        point["tok_s"] = tokens / (sample["t"] - history[0]["t"])
+        point["tok_s"] = tokens / (sample["t"] - oldest["t"])
     return point
+
+
+def _level_key(name: str, level: str) -> str:
+    """The key of a ``*_by_priority`` series of ``level`` in a sample (``metrics.series_key``)."""
+    return f'{name}{{priority="{level}"}}'
+
+
+def levels_in(values: dict) -> list[str]:
+    """The priority levels a model's sample has ``*_by_priority`` series of (a level's appear as its first request
+    ends), in order."""
+    families = (*LEVEL_HISTOGRAMS.values(), names.PREEMPTIONS_BY_PRIORITY)
+    found = {key.split('{priority="', 1)[1].split('"', 1)[0] for key in values
+             if key.startswith(families) and '{priority="' in key}  # fmt: skip
+    return sorted(found, key=int)
+
+
+def level_points(history: list[dict], sample: dict, window_s: float = LATENCY_WINDOW_S) -> dict[str, dict]:
+    """Per priority level, one point from a model's sample and the samples before it (oldest first): the mean queue
+    time, TTFT and TPOT (ms) of the level's requests that ended in the last ``window_s`` (None: none ended), their
+    preemptions there (counted as a preempted request ends), and the counters as read (``preempt_total``, and
+    ``ended_total``: the requests of the level that had a first token)."""
+    values = sample["values"]
+    base = next((s for s in history if sample["t"] - window_s <= s["t"] < sample["t"]), None)
+    before = base["values"] if base is not None else None
+    points = {}
+    for level in levels_in(values):
+        point = {key: None for key in LEVEL_KEYS}
+        preempted = _level_key(names.PREEMPTIONS_BY_PRIORITY, level)
+        point["preempt_total"] = values.get(preempted)
+        point["ended_total"] = values.get(_level_key(f"{names.TIME_TO_FIRST_TOKEN_BY_PRIORITY}_count", level))
+        if before is not None:
+            # NOTE: a level's series are made when its first request ends: absent before, they were zero.
+            if preempted in values and values[preempted] >= before.get(preempted, 0.0):
+                point["preempt"] = values[preempted] - before.get(preempted, 0.0)
+            for key, name in LEVEL_HISTOGRAMS.items():
+                count, total = _level_key(f"{name}_count", level), _level_key(f"{name}_sum", level)
+                ended = values.get(count, 0.0) - before.get(count, 0.0)
+                if ended > 0:  # none ended: a gap; fewer than before: the server restarted
+                    point[key] = 1000 * (values.get(total, 0.0) - before.get(total, 0.0)) / ended
+        points[level] = point
+    return points
 
 
 def llm_models(series) -> set[str]:
@@ -267,9 +333,9 @@ class LiveView:
         self.window_s, self.interval_s = window_s, interval_s
         self.followers: list[RecordsFollower] = []
         self._ticks: collections.deque = collections.deque(maxlen=int(window_s / interval_s) + 1)
-        self._history: dict[str, collections.deque] = collections.defaultdict(
-            lambda: collections.deque(maxlen=TOKEN_RATE_SAMPLES)
-        )
+        # NOTE: enough samples for the tokens/s and for the priority levels' window.
+        kept = max(TOKEN_RATE_SAMPLES, math.ceil(self.book.window_s / interval_s) + 1)
+        self._history: dict[str, collections.deque] = collections.defaultdict(lambda: collections.deque(maxlen=kept))
         self._status: dict = {"url": None, "ok": None, "error": None, "since": None, "last_ok": None}
         self._steps: dict[str, float] | None = None  # every model's forward steps at the last read
         self._lock = threading.Lock()
@@ -322,7 +388,9 @@ class LiveView:
         for model in self.models or sorted(llm_models(series)):
             sample = {"t": now, "values": select(series, model, buckets=False)}
             if sample["values"]:
-                points[model] = server_point(list(self._history[model]), sample)
+                history = list(self._history[model])
+                points[model] = server_point(history, sample)
+                points[model]["levels"] = level_points(history, sample, self.book.window_s)
                 self._history[model].append(sample)
         self._set_status(url, ok=True, error=None, now=now)
         return points, under_load
@@ -346,12 +414,17 @@ class LiveView:
         for tick in ticks:
             seen.update(tick["server"] or (), tick["client"])
         models = sorted(seen, key=names.model_order)
-        series = {}
+        series, levels = {}, set()
         for model in models:
             server = [(tick["server"] or {}).get(model) or {} for tick in ticks]
             client = [tick["client"].get(model) or {} for tick in ticks]
             series[model] = {key: [_number(p.get(key)) for p in server] for key in SERVER_KEYS}
             series[model].update({key: [_number(c.get(key), 2) for c in client] for key in CLIENT_KEYS})
+            seen = sorted({level for p in server for level in p.get("levels", {})}, key=int)
+            levels.update(seen)
+            for level in seen:
+                at = [p.get("levels", {}).get(level) or {} for p in server]
+                series[model].update({f"{key}@{level}": [_number(a.get(key), 2) for a in at] for key in LEVEL_KEYS})
         return {
             "now": time.time(),
             "window_s": self.window_s,
@@ -361,6 +434,8 @@ class LiveView:
             "metrics": status,
             "models": models,
             "colors": {model: color(model) for model in models},
+            # The priority levels any shown model has series of, each with what it carries here.
+            "levels": {level: LEVEL_NAMES.get(int(level), f"level {level}") for level in sorted(levels, key=int)},
             "t": [round(tick["t"], 3) for tick in ticks],
             "series": series,
             # NOTE: models under load in the same second share the cores (backend/engine/shared_cores.py): the page

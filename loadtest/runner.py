@@ -146,6 +146,35 @@ def command_parser(prog: str, doc: str) -> argparse.ArgumentParser:
     return parser
 
 
+# The passes of each load point per --priorities: without priorities, with them, or the one and then the other.
+PRIORITY_PASSES = {"off": (False,), "on": (True,), "both": (False, True)}
+
+
+def add_mixed_arguments(parser: argparse.ArgumentParser) -> None:
+    """The mixed workload's options of a load command (``make compare``, ``make slo``): how many interactive users
+    stand beside each load point's batch users, and whether each class is sent at its priority level."""
+    parser.add_argument(
+        "--interactive-users", type=int, default=2,
+        help="--workload mixed: interactive users per model at every load point, beside --users' batch users "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--priorities", choices=list(PRIORITY_PASSES), default="off",
+        help="--workload mixed: send each class at its priority level (on), or run every load point without and "
+        "with them (both); on and both serve the models with scheduling_policy priority (default: %(default)s)",
+    )
+
+
+def check_mixed_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what :func:`add_mixed_arguments`' options cannot mean with the rest of the command line."""
+    if args.workload != "mixed" and args.priorities != "off":
+        parser.error("--priorities sets the levels of the mixed workload's classes: use it with --workload mixed")
+    if args.workload == "mixed" and args.rates:
+        parser.error("--workload mixed is a closed loop (--users batch users beside --interactive-users); not --rates")
+    if args.interactive_users < 0:
+        parser.error("--interactive-users cannot be negative")
+
+
 def engine_parameters(args: argparse.Namespace) -> dict[str, str]:
     """The engine parameters the command line sets on every served model (``--quantization``; ``--priorities``: the
     engine's ``scheduling_policy`` priority); {} when none."""

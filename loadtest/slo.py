@@ -4,6 +4,7 @@
     python -m loadtest.slo --slo-ttft-ms 1000 --slo-tpot-ms 80 --users 1,2,4,8,16,32
     python -m loadtest.slo --url http://127.0.0.1:8000 --rates 0.5,1,2,4 # open loop: highest request rate
     python -m loadtest.slo --capacity                           # every model at its best seats: req/s within SLO
+    python -m loadtest.slo --workload mixed --priorities both   # batch users beside interactive ones, per batcher
 
 The tuning procedure of docs/batching.md (the design note on static, dynamic and continuous batching; its section on
 settings and tuning), automated: for each model, step the load up (closed-loop users, or Poisson arrival rates) and
@@ -21,6 +22,10 @@ is open loop (Poisson arrival rates) and the answer is the request rate each sus
 ``--quantization q4_1`` (or ``int8``, ``bf16``) serves every model with that weight format: the engine parameter
 ``quantization`` set in a copy of the repository (``--capacity``'s copy, or one of its own), as ``make compare`` does.
 
+``--workload mixed`` finds, per model, the highest batch load at which the interactive class still meets its
+targets: ``--users`` counts the batch users beside ``--interactive-users`` interactive ones (``loadtest.slo_mixed``;
+``--priorities on|both`` as in ``make compare``).
+
 A point with too few requests in its measurement window (``loadtest.stats.not_measured``) is "not measured": it
 neither holds nor breaks. The ladder goes on past it, unless the request budget (--max-requests) ran out, which a
 higher load only spends sooner: then it stops there.
@@ -37,12 +42,12 @@ import time
 from pathlib import Path
 
 from backend.contract import prometheus
-from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOTAL
+from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOTAL, MODELS
 from backend.triton.launcher import config_text
-from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, runner
+from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, runner, slo_mixed
 from loadtest.report import fmt
 from loadtest.stats import summarize
-from loadtest.workloads import WORKLOADS, get_workload, make_request
+from loadtest.workloads import MIXED, WORKLOAD_NAMES, get_workload, make_request
 from records.record import Column, Record
 
 # The run-to-completion batch sizes tried in the capacity comparison (Triton's shipped 2 ms delay): one instance of 8,
@@ -54,6 +59,7 @@ CAPACITY_RATES = "0.5,1,1.5,2,3,4,6,8"
 # measured", and the ladder goes on).
 CAPACITY_DURATION_S = 60.0
 MAX_CAPACITY_SEATS = 256  # the engine's queue bound (max_queue_size) and the histogram's top bucket
+LADDER_USERS = "1,2,4,8,12,16,24,32"
 
 
 def capacity_seats(kv_blocks: int, block_size: int, workload_name: str, length_scale: float = 1.0) -> dict:
@@ -120,14 +126,26 @@ def capacity_repository(
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = runner.command_parser("python -m loadtest.slo", __doc__)
+    interactive = slo_mixed.INTERACTIVE
     p.add_argument(
-        "--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS, help="TTFT p99 limit (default: %(default)s)"
+        "--slo-ttft-ms", type=float, default=None,
+        help=f"TTFT p99 limit (default: {DEFAULT_SLO_TTFT_MS:g}; with --workload mixed, the {interactive.name} "
+        f"class's, {interactive.ttft_ms:g})",
     )
     p.add_argument(
-        "--slo-tpot-ms", type=float, default=DEFAULT_SLO_TPOT_MS, help="TPOT p99 limit (default: %(default)s)"
+        "--slo-tpot-ms", type=float, default=None,
+        help=f"TPOT p99 limit (default: {DEFAULT_SLO_TPOT_MS:g}; with --workload mixed, the {interactive.name} "
+        f"class's, {interactive.tpot_ms:g})",
     )
-    p.add_argument("--models", default=None, help="default: llm_dynamic,llm_continuous; with --capacity, all of them")
-    p.add_argument("--users", default="1,2,4,8,12,16,24,32", help="closed-loop ladder (default: %(default)s)")
+    p.add_argument(
+        "--models", default=None,
+        help="default: llm_dynamic,llm_continuous; with --capacity or --workload mixed, all of them",
+    )
+    p.add_argument(
+        "--users", default=None,
+        help=f"closed-loop ladder (default: {LADDER_USERS}; with --workload mixed, batch users: "
+        f"{slo_mixed.MIXED_USERS})",
+    )
     p.add_argument("--rates", default=None, help="open-loop ladder of Poisson arrival rates (req/s) instead of --users")
     p.add_argument(
         "--max-users",
@@ -144,19 +162,32 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"with --capacity: llm_dynamic's settings to try, INSTANCESxMAX_BATCH_SIZE@MAX_QUEUE_DELAY_US "
         f"(default: {CAPACITY_DYNAMIC})",
     )
-    p.add_argument("--workload", default="long_tailed", choices=sorted(WORKLOADS))
+    p.add_argument("--workload", default="long_tailed", choices=WORKLOAD_NAMES)
+    runner.add_mixed_arguments(p)
     p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument(
         "--duration",
         type=float,
         default=None,
-        help=f"seconds of load per point (default 30; {CAPACITY_DURATION_S:g} with --capacity)",
+        help=f"seconds of load per point (default 30; {CAPACITY_DURATION_S:g} with --capacity, "
+        f"{slo_mixed.MIXED_DURATION_S:g} with --workload mixed)",
     )
     p.add_argument("--max-requests", type=int, default=1000, help="at most this many requests per point")
     p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
     p.add_argument("--out", type=Path, default=runner.REPO_ROOT / "reports")
     args = p.parse_args(argv)
     args.variants = []
+    runner.check_mixed_arguments(p, args)
+    mixed = args.workload == MIXED.name
+    if mixed and args.capacity:
+        p.error("--capacity sizes the seats for one kind of request; --workload mixed has two")
+    defaults = {"slo_ttft_ms": DEFAULT_SLO_TTFT_MS, "slo_tpot_ms": DEFAULT_SLO_TPOT_MS, "users": LADDER_USERS}
+    if mixed:  # the interactive class's targets, a ladder of batch users, and every batcher
+        defaults = {"slo_ttft_ms": interactive.ttft_ms, "slo_tpot_ms": interactive.tpot_ms,
+                    "users": slo_mixed.MIXED_USERS, "duration": slo_mixed.MIXED_DURATION_S, "models": ",".join(MODELS)}
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.quantization and args.url:
         p.error("--quantization sets the served copies' configs; with --url, set it in that server's configs instead")
     if args.capacity:
@@ -182,20 +213,53 @@ def verdict(row: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> str | None:
     broken = []
     if row["num_failed"]:
         broken.append(f"{row['num_failed']} failures")
-    if row["ttft_p99_ms"] is None or row["ttft_p99_ms"] > slo_ttft_ms:
+    if row.get("missed"):  # a class too sparse for a p99 whose few requests missed their targets too often
+        broken.append(row["missed"])
+    elif row["ttft_p99_ms"] is None or row["ttft_p99_ms"] > slo_ttft_ms:
         broken.append(f"TTFT p99 {fmt(row['ttft_p99_ms'], 'ms')} > {slo_ttft_ms:g} ms")
     if row["tpot_p99_ms"] is not None and row["tpot_p99_ms"] > slo_tpot_ms:
         broken.append(f"TPOT p99 {fmt(row['tpot_p99_ms'], 'ms')} > {slo_tpot_ms:g} ms")
     return "; ".join(broken) or None
 
 
-def search(target, model: str, points: list[runner.LoadPoint], plan: runner.Plan, out_dir: Path, say=print) -> dict:
+class WholeLoad:
+    """How :func:`search` judges a load point of one kind of request: a row of every request that started in its
+    window (``loadtest.stats.summarize``). ``loadtest.slo_mixed.InteractiveClass`` judges a mixed one."""
+
+    def __init__(self, plan: runner.Plan) -> None:
+        self.plan = plan
+
+    def row(self, run: dict) -> dict:
+        return summarize(run, self.plan.slo_ttft_ms, self.plan.slo_tpot_ms)
+
+    @staticmethod
+    def figures(row: dict) -> str:
+        """A measured point as the ladder's progress line says it."""
+        return (
+            f"TTFT p99 {fmt(row['ttft_p99_ms'], 'ms')}, TPOT p99 {fmt(row['tpot_p99_ms'], 'ms')}, "
+            f"{row['output_tok_per_s']:.0f} tok/s, {row['num_failed']} failures"
+        )
+
+    @staticmethod
+    def best_figures(row: dict) -> str:
+        """The point that held, as the outcome line says it."""
+        return (
+            f"{row['output_tok_per_s']:.0f} tok/s, {row['req_per_s']:.2f} req/s, "
+            f"TTFT p99 {fmt(row['ttft_p99_ms'], 'ms')}, TPOT p99 {fmt(row['tpot_p99_ms'], 'ms')}"
+        )
+
+
+def search(
+    target, model: str, points: list[runner.LoadPoint], plan: runner.Plan, out_dir: Path, say=print, judge=None
+) -> dict:
     """Step up through ``points`` until one breaks the SLO; return the best that held, the first that broke and
-    those not measured."""
+    those not measured. ``judge`` (a :class:`WholeLoad` of ``plan`` by default) makes each run a row that
+    :func:`verdict` reads."""
+    judge = judge or WholeLoad(plan)
     best, broke, unmeasured, rows = None, None, [], []
     for point in points:
         run = runner.run_load_point(target, model, point, plan, out_dir)
-        row = summarize(run, plan.slo_ttft_ms, plan.slo_tpot_ms)
+        row = judge.row(run)
         rows.append(row)
         if row["not_measured"]:
             say(f"  {model} at {point.label}: not measured: {row['not_measured']}")
@@ -205,11 +269,7 @@ def search(target, model: str, points: list[runner.LoadPoint], plan: runner.Plan
             continue
         why = verdict(row, plan.slo_ttft_ms, plan.slo_tpot_ms)
         outcome = "ok" if why is None else f"BROKEN: {why}"
-        say(
-            f"  {model} at {point.label}: TTFT p99 {fmt(row['ttft_p99_ms'], 'ms')}, "
-            f"TPOT p99 {fmt(row['tpot_p99_ms'], 'ms')}, {row['output_tok_per_s']:.0f} tok/s, "
-            f"{row['num_failed']} failures -> {outcome}"
-        )
+        say(f"  {model} at {point.label}: {judge.figures(row)} -> {outcome}")
         if why is not None:
             broke = {"load": point.label, "why": why}
             break
@@ -217,14 +277,12 @@ def search(target, model: str, points: list[runner.LoadPoint], plan: runner.Plan
     return {"model": model, "best": best, "first_violation": broke, "not_measured": unmeasured, "rows": rows}
 
 
-def outcome_line(result: dict) -> str:
-    """One model's answer: the highest load that held, where the ladder broke or stopped, and what went unmeasured."""
+def outcome_line(result: dict, best_figures=WholeLoad.best_figures) -> str:
+    """One model's answer: the highest load that held, where the ladder broke or stopped, and what went unmeasured.
+    ``best_figures`` says the figures of the point that held (its judge's)."""
     best, broke, unmeasured = result["best"], result["first_violation"], result.get("not_measured", [])
     if best is not None:
-        parts = [
-            f"{best['load']} ({best['output_tok_per_s']:.0f} tok/s, {best['req_per_s']:.2f} req/s, "
-            f"TTFT p99 {fmt(best['ttft_p99_ms'], 'ms')}, TPOT p99 {fmt(best['tpot_p99_ms'], 'ms')})"
-        ]
+        parts = [f"{best['load']} ({best_figures(best)})"]
     else:
         parts = ["none of the ladder" if broke else "no load point measured"]
     if broke:
@@ -234,11 +292,13 @@ def outcome_line(result: dict) -> str:
     parts += [f"not measured at {point['load']}: {point['why']}" for point in unmeasured]
     if any(point["budget_spent"] for point in unmeasured):
         parts[-1] += " (raise --max-requests to measure higher loads)"
-    return f"{result['model']:16s} " + "; ".join(parts)
+    name = result["model"] + {None: "", False: ", priorities off", True: ", priorities on"}[result.get("priorities")]
+    return f"{name:16s} " + "; ".join(parts)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    mixed = args.workload == MIXED.name
     plan = runner.Plan(
         workload=args.workload,
         length_scale=args.length_scale,
@@ -248,12 +308,15 @@ def main(argv=None) -> int:
         protocol=args.protocol,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
+        interactive_users=args.interactive_users if mixed else 0,
     )
+    judge = slo_mixed.InteractiveClass if mixed else WholeLoad
     models = [m for m in args.models.split(",") if m]
     out_dir = args.out / ("slo-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
     out_dir.mkdir(parents=True, exist_ok=True)
     say = lambda msg: print(f"[slo {time.strftime('%H:%M:%S')}] {msg}", flush=True)  # noqa: E731
-    record = Record.start("make slo" + (" --capacity" if args.capacity else ""), vars(args))
+    variant = " --capacity" if args.capacity else " --workload mixed" if mixed else ""
+    record = Record.start("make slo" + variant, vars(args))
     capacity = None
     if args.capacity:
         try:
@@ -277,9 +340,13 @@ def main(argv=None) -> int:
         points = [runner.LoadPoint(max_users, float(r)) for r in args.rates.split(",")]
     else:
         points = [runner.LoadPoint(int(u)) for u in args.users.split(",")]
+    passes = runner.PRIORITY_PASSES[args.priorities]
     say(
         f"SLO: TTFT p99 <= {args.slo_ttft_ms:g} ms, TPOT p99 <= {args.slo_tpot_ms:g} ms; {', '.join(models)}; "
-        f"ladder {', '.join(p.label for p in points)}; {args.workload} workload; {args.duration:g} s per point; "
+        f"ladder {', '.join(p.label for p in points)}; {args.workload} workload"
+        + (f" ({args.interactive_users} interactive users beside the ladder's batch users; priorities "
+           f"{args.priorities})" if mixed else "")
+        + f"; {args.duration:g} s per point; "
         + (f"{args.quantization} weights" if args.quantization else "weights as configured")
     )
     try:
@@ -287,7 +354,15 @@ def main(argv=None) -> int:
             configs = runner.check_models(target, models)
             for model in models:
                 runner.warm_up(target, model)
-            results = [search(target, model, points, plan, out_dir, say) for model in models]
+            results = []
+            # NOTE: one pass after the other, as make compare runs them: a pass's ladders on one quiet stretch.
+            for priorities in passes:
+                pass_plan = dataclasses.replace(plan, priorities=priorities)
+                for model in models:
+                    if mixed:
+                        say(f"{model}, priorities {'on' if priorities else 'off'}:")
+                    result = search(target, model, points, pass_plan, out_dir, say, judge(pass_plan))
+                    results.append({**result, "priorities": priorities} if mixed else result)
     except Exception as exc:
         print(f"slo: error: {exc}", file=sys.stderr)
         return 1
@@ -295,19 +370,29 @@ def main(argv=None) -> int:
         result["config"] = runner.batcher_settings(configs[result["model"]])
     summary = {"plan": dataclasses.asdict(plan), "capacity": capacity, "quantization": args.quantization,
                "results": results}
+    if mixed:
+        summary["classes"] = slo_mixed.classes(plan.slo_ttft_ms, plan.slo_tpot_ms)
     (out_dir / "slo.json").write_text(json.dumps(summary, indent=1))
     record.settings.update({"capacity": capacity, "configs": {r["model"]: r["config"] for r in results}})
-    record.add_table("capacity", CAPACITY_COLUMNS, capacity_rows(results),
-                     title=f"within TTFT p99 <= {args.slo_ttft_ms:g} ms and TPOT p99 <= {args.slo_tpot_ms:g} ms")
-    record.notes.append(capacity_table(results, args.slo_ttft_ms, args.slo_tpot_ms).splitlines()[-1])
+    if mixed:
+        table = record.add_table("mixed", slo_mixed.MIXED_COLUMNS, slo_mixed.mixed_rows(results),
+                                 title=slo_mixed.mixed_title(plan))
+        record.notes.append(slo_mixed.mixed_title(plan))
+    else:
+        record.add_table("capacity", CAPACITY_COLUMNS, capacity_rows(results),
+                         title=f"within TTFT p99 <= {args.slo_ttft_ms:g} ms and TPOT p99 <= {args.slo_tpot_ms:g} ms")
+        record.notes.append(capacity_table(results, args.slo_ttft_ms, args.slo_tpot_ms).splitlines()[-1])
     record.write(out_dir / "record.json")
     print()
-    print(f"Highest load within TTFT p99 <= {args.slo_ttft_ms:g} ms and TPOT p99 <= {args.slo_tpot_ms:g} ms:")
+    if mixed:
+        print(f"Highest batch load with {slo_mixed.mixed_title(plan)}:")
+    else:
+        print(f"Highest load within TTFT p99 <= {args.slo_ttft_ms:g} ms and TPOT p99 <= {args.slo_tpot_ms:g} ms:")
     for result in results:
-        print(f"  {outcome_line(result)}")
-    if capacity:
+        print(f"  {outcome_line(result, judge.best_figures)}")
+    if capacity or mixed:
         print()
-        print(capacity_table(results, args.slo_ttft_ms, args.slo_tpot_ms))
+        print(table.markdown() if mixed else capacity_table(results, args.slo_ttft_ms, args.slo_tpot_ms))
     print(f"details: {out_dir / 'slo.json'}; the run's record: {out_dir / 'record.json'}")
     return 0
 

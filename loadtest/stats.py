@@ -130,6 +130,15 @@ def _arrived_in_window(requests: list[dict], start: float, end: float) -> tuple[
     return tokens, completed
 
 
+def class_tok_per_s(run: dict, traffic_class: str) -> float:
+    """The output tokens/s of one class of a mixed workload's run: its tokens that arrived in the window, over the
+    window. A rate of tokens, not of requests: a class of a few long requests gives one too (batch jobs), where
+    :func:`summarize_classes` finds too few requests to measure its latencies."""
+    start, end = run["window"]
+    requests = [r for r in run["requests"] if r.get("class") == traffic_class]
+    return _arrived_in_window(requests, start, end)[0] / max(end - start, 1e-9)
+
+
 # What a class's row keeps when its window is not measured.
 CLASS_COUNTS = ("model", "load", "priorities", "class", "priority", "num_requests", "num_failed", "not_measured")
 
@@ -141,7 +150,6 @@ def summarize_classes(run: dict, classes: list[dict]) -> list[dict]:
     (``within_targets``) and whether both p99s held (``targets_met``). A class too sparse in the window to measure
     says why, as a load point does (:func:`not_measured`)."""
     start, end = run["window"]
-    span = max(end - start, 1e-9)
     rows = []
     for c in classes:
         requests = [r for r in run["requests"] if r.get("class") == c["name"]]
@@ -155,7 +163,7 @@ def summarize_classes(run: dict, classes: list[dict]) -> list[dict]:
             "priority": c["priority"] if run.get("priorities") else None,
             "num_requests": len(measured),
             "num_failed": len(failed),
-            "output_tok_per_s": _arrived_in_window(requests, start, end)[0] / span,
+            "output_tok_per_s": class_tok_per_s(run, c["name"]),
             "ttft_p50_ms": percentile(ttft, 50),
             "ttft_p99_ms": percentile(ttft, 99),
             "tpot_p50_ms": percentile(tpot, 50),

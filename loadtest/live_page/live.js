@@ -22,17 +22,29 @@
     { id: "tpot", title: "TPOT, clients", unit: "ms, p99 solid, p50 dashed", client: true,
       value: (s, i) => s.tpot_p99[i], p50: (s, i) => s.tpot_p50[i] },
   ];
+  // Per priority level (the server's *_by_priority series): a line per model and level, the model's colour, the
+  // level's dash. `key` is the series' name before its "@<level>".
+  const LEVEL_CHARTS = [
+    { id: "level-queue", key: "queue_ms", title: "Queue time by priority level", unit: "ms, mean over the last " },
+    { id: "level-ttft", key: "ttft_ms", title: "TTFT by priority level, server", unit: "ms, mean over the last " },
+    { id: "level-tpot", key: "tpot_ms", title: "TPOT by priority level, server", unit: "ms, mean over the last " },
+    { id: "level-preempt", key: "preempt", title: "Preemptions by priority level",
+      unit: "counted as each preempted request ends, over the last " },
+  ];
+  const LEVEL_DASH = { 1: undefined, 2: [6, 4], 3: [2, 3] };
+  const levelDash = (level) => (level in LEVEL_DASH ? LEVEL_DASH[level] : [10, 3, 2, 3]);
   const state = { t: [], underLoad: [], series: {}, models: [], colors: {}, charts: [], windowS: 300, now: 0,
-    lastData: null };
+    lastData: null, levels: {}, latencyWindowS: 20 };
 
   if (EMBED) document.body.classList.add("embed");
 
   function merge(d) {
     const held = state.t.length;
     for (const model of d.models) {
-      if (!state.series[model]) {
-        state.series[model] = {};
-        for (const key of Object.keys(d.series[model])) state.series[model][key] = new Array(held).fill(null);
+      // A model seen later, or a priority level a model shows later: empty before.
+      state.series[model] = state.series[model] || {};
+      for (const key of Object.keys(d.series[model])) {
+        if (!state.series[model][key]) state.series[model][key] = new Array(held).fill(null);
       }
     }
     for (const [model, series] of Object.entries(state.series)) {
@@ -55,6 +67,7 @@
       }
     }
     Object.assign(state.colors, d.colors);
+    state.latencyWindowS = d.latency_window_s;
   }
 
   // From the first point (at least a minute back) to now, at most the server's window.
@@ -69,22 +82,48 @@
     return Math.max(300, el.clientWidth);
   }
 
+  // Every line of a chart: [label, uPlot series options, the column's values at point i].
+  function lines(spec) {
+    const out = [];
+    for (const model of state.models) {
+      const s = state.series[model];
+      const stroke = state.colors[model];
+      if (spec.levelKey) {
+        for (const level of Object.keys(state.levels)) {
+          const values = s[`${spec.levelKey}@${level}`];
+          if (!values) continue;
+          out.push({ name: `${model}/${level}`, values: (i) => values[i],
+            options: { label: `${model} ${state.levels[level]}`, stroke, width: 2, dash: levelDash(level) } });
+        }
+        continue;
+      }
+      out.push({ name: model, values: (i) => spec.value(s, i),
+        options: { label: spec.p50 ? `${model} p99` : model, stroke, width: 2 } });
+      if (spec.p50) {
+        out.push({ name: `${model}-p50`, values: (i) => spec.p50(s, i), p50: true,
+          options: { label: `${model} p50`, stroke, width: 1.5, dash: [6, 4] } });
+      }
+    }
+    return out;
+  }
+
   function buildCharts() {
     const root = document.getElementById("charts");
+    const byLevel = document.getElementById("level-charts");
     for (const chart of state.charts) chart.plot.destroy();
     root.innerHTML = "";
-    state.charts = CHARTS.map((spec) => {
+    byLevel.innerHTML = "";
+    const specs = [...CHARTS, ...LEVEL_CHARTS.map((spec) => ({ ...spec, levelKey: spec.key,
+      unit: `${spec.unit}${state.latencyWindowS} s; line per model and level` }))];
+    state.charts = specs.map((spec) => {
       const el = document.createElement("section");
       el.className = "chart";
       el.id = `chart-${spec.id}`;
       el.innerHTML = `<h3>${spec.title} <span class="unit">(${spec.unit})</span></h3>` +
         `<div class="plot"><div class="nodata"></div></div>`;
-      root.appendChild(el);
-      const series = [{}];
-      for (const model of state.models) {
-        series.push({ label: spec.p50 ? `${model} p99` : model, stroke: state.colors[model], width: 2 });
-        if (spec.p50) series.push({ label: `${model} p50`, stroke: state.colors[model], width: 1.5, dash: [6, 4] });
-      }
+      (spec.levelKey ? byLevel : root).appendChild(el);
+      const chartLines = lines(spec);
+      const series = [{}, ...chartLines.map((line) => line.options)];
       const plotEl = el.querySelector(".plot");
       const plot = new uPlot({
         width: chartWidth(plotEl),
@@ -101,18 +140,12 @@
         ],
         series,
       }, [[]], plotEl);
-      return { spec, el, plot };
+      return { spec, el, plot, lines: chartLines };
     });
   }
 
-  function columns(spec) {
-    const out = [state.t];
-    for (const model of state.models) {
-      const s = state.series[model];
-      out.push(state.t.map((_, i) => spec.value(s, i)));
-      if (spec.p50) out.push(state.t.map((_, i) => spec.p50(s, i)));
-    }
-    return out;
+  function columns(chartLines) {
+    return [state.t, ...chartLines.map((line) => state.t.map((_, i) => line.values(i)))];
   }
 
   // Why a chart has nothing to draw (null: it has). Server charts say so whenever the metrics port does not answer.
@@ -120,19 +153,19 @@
     if (!spec.client && d.metrics.ok === false) return `No data: cannot reach the metrics port (${d.metrics.url}).`;
     if (!spec.client && d.metrics.ok == null) return "No data yet: waiting for the server to start.";
     if (Object.values(counts).every((n) => n === 0)) {
+      if (spec.levelKey) return `No request has ended in the last ${state.latencyWindowS} s at any priority level.`;
       return spec.client ? "No request has finished in the window yet." : "No data yet from the metrics port.";
     }
     return null;
   }
 
   function drawCharts(d) {
-    for (const { spec, el, plot } of state.charts) {
-      const data = columns(spec);
+    for (const { spec, el, plot, lines: chartLines } of state.charts) {
+      const data = columns(chartLines);
       plot.setData(data);
       const counts = {};
-      state.models.forEach((model, m) => {
-        const column = data[1 + m * (spec.p50 ? 2 : 1)];
-        counts[model] = column.filter((v) => v != null).length;
+      chartLines.forEach((line, i) => {
+        if (!line.p50) counts[line.name] = data[1 + i].filter((v) => v != null).length;
       });
       el.dataset.points = Object.entries(counts).map(([model, n]) => `${model}:${n}`).join(" ");
       const reason = emptyReason(spec, d, counts);
@@ -144,6 +177,12 @@
   function drawLegend() {
     document.getElementById("legend").innerHTML = state.models
       .map((m) => `<span><span class="swatch" style="background:${state.colors[m]}"></span>${m}</span>`).join("");
+    document.getElementById("level-legend").innerHTML = Object.entries(state.levels).map(([level, name]) => {
+      const dash = levelDash(level);
+      return `<span data-level="${level}"><svg class="dash" width="30" height="6"><line x1="0" y1="3" x2="30" y2="3" ` +
+        `stroke="#333" stroke-width="2"${dash ? ` stroke-dasharray="${dash.join(" ")}"` : ""}/></svg>` +
+        `${name} (level ${level})</span>`;
+    }).join("");
   }
 
   function drawBanner(d) {
@@ -191,7 +230,16 @@
   };
 
   function drawTable(d) {
-    const rows = Object.fromEntries(d.summary.map((r) => [r.model, r]));
+    const rows = Object.fromEntries(d.summary.filter((r) => !r.class).map((r) => [r.model, r]));
+    // The mixed workload's classes, under their model's row: the clients' figures of each class's requests.
+    const clientCells = (r) => [
+      fmt(r.requests), fmt(r.failures), r.slo_met_pct == null ? "–" : `${fmt(r.slo_met_pct)} %`,
+      fmt(r.ttft_p50_ms), fmt(r.ttft_p99_ms), fmt(r.tpot_p50_ms, 1), fmt(r.tpot_p99_ms, 1),
+      fmt(r.itl_max_p99_ms), fmt(r.e2e_p50_ms), fmt(r.e2e_p99_ms),
+    ];
+    const classRows = (model) => d.summary.filter((r) => r.model === model && r.class).map((r) =>
+      `<tr class="class-row" data-model="${model}" data-class="${r.class}"><td>&nbsp;&nbsp;${r.class}</td>` +
+      `<td colspan="5"></td>${clientCells(r).map((c) => `<td>${c}</td>`).join("")}</tr>`).join("");
     const head = `<tr><th></th><th class="group" colspan="5">now (server)</th>` +
       `<th class="group" colspan="10">every request so far (clients), ms</th></tr>` +
       "<tr><th>model</th><th>batch</th><th>running</th><th>waiting</th><th>KV used</th><th>tok/s</th>" +
@@ -203,24 +251,50 @@
       const used = latest(s.kv_used), total = latest(s.kv_total);
       const cells = [
         fmt(latest(s.batch), 2), fmt(latest(s.running)), fmt(sum(latest(s.waiting), latest(s.queued_in_triton))),
-        used == null ? "–" : `${fmt(used)} / ${fmt(total)}`, fmt(latest(s.tok_s)),
-        fmt(r.requests), fmt(r.failures), r.slo_met_pct == null ? "–" : `${fmt(r.slo_met_pct)} %`,
-        fmt(r.ttft_p50_ms), fmt(r.ttft_p99_ms), fmt(r.tpot_p50_ms, 1), fmt(r.tpot_p99_ms, 1),
-        fmt(r.itl_max_p99_ms), fmt(r.e2e_p50_ms), fmt(r.e2e_p99_ms),
+        used == null ? "–" : `${fmt(used)} / ${fmt(total)}`, fmt(latest(s.tok_s)), ...clientCells(r),
       ];
       const name = `<span class="swatch" style="background:${state.colors[model]}"></span>${model}`;
-      return `<tr data-model="${model}"><td>${name}</td>${cells.map((c) => `<td>${c}</td>`).join("")}</tr>`;
+      return `<tr data-model="${model}"><td>${name}</td>${cells.map((c) => `<td>${c}</td>`).join("")}</tr>` +
+        classRows(model);
     }).join("");
     document.getElementById("summary").innerHTML = head + body;
+    drawLevelTable();
     document.getElementById("slo-ttft").textContent = fmt(d.slo.ttft_ms);
     document.getElementById("slo-tpot").textContent = fmt(d.slo.tpot_ms);
     document.getElementById("latency-window").textContent = fmt(d.latency_window_s);
   }
 
+  // Per model and priority level: the requests of the level that have ended and their preemptions (the server's
+  // counters), and the means over the last point's window.
+  function drawLevelTable() {
+    const head = `<tr><th></th><th></th><th class="group" colspan="2">so far (server)</th>` +
+      `<th class="group" colspan="4">the last ${fmt(state.latencyWindowS)} s (server)</th></tr>` +
+      "<tr><th>model</th><th>priority level</th><th>requests ended</th><th>preemptions</th>" +
+      "<th>queue time, ms</th><th>TTFT, ms</th><th>TPOT, ms</th><th>preemptions</th></tr>";
+    const rows = [];
+    for (const model of state.models) {
+      const s = state.series[model];
+      for (const [level, name] of Object.entries(state.levels)) {
+        if (!s[`ended_total@${level}`]) continue;
+        // NOTE: the counters as last read; the window's means as of the last point (none ended there: a dash).
+        const total = (key) => latest(s[`${key}@${level}`]);
+        const last = (key) => s[`${key}@${level}`][state.t.length - 1];
+        const cells = [fmt(total("ended_total")), fmt(total("preempt_total")), fmt(last("queue_ms")),
+          fmt(last("ttft_ms")), fmt(last("tpot_ms"), 1), fmt(last("preempt"))];
+        const label = `<span class="swatch" style="background:${state.colors[model]}"></span>${model}`;
+        rows.push(`<tr data-model="${model}" data-level="${level}"><td>${label}</td><td>${name} (${level})</td>` +
+          `${cells.map((c) => `<td>${c}</td>`).join("")}</tr>`);
+      }
+    }
+    document.getElementById("levels").innerHTML = head + rows.join("");
+  }
+
   function render(d) {
     const models = [...new Set([...state.models, ...d.models])];  // a model seen later goes last
-    if (models.length !== state.models.length) {
+    const levels = { ...state.levels, ...d.levels };
+    if (models.length !== state.models.length || Object.keys(levels).length !== Object.keys(state.levels).length) {
       state.models = models;
+      state.levels = levels;
       buildCharts();
       drawLegend();
     }

@@ -24,22 +24,9 @@ from loadtest import live
 from loadtest.metrics import parse_prometheus, scrape, select
 from loadtest.runner import LOCUSTFILE, REPO_ROOT
 from tests.server_harness import make_repository
-from tests.unit.test_live import MODELS, browse, chromium, page_state
+from tests.unit.test_live import MODELS, browse, chart_points, chromium, page_state
 
 SCREENSHOT = REPO_ROOT / "reports" / "live-view.png"
-
-
-# ---- the page in a browser ----------------------------------------------------------------------------------------
-
-
-def chart_points(dom: str) -> dict[str, dict[str, int]]:
-    """Per chart, the points each model's series has (the page writes them as ``data-points``)."""
-    out = {}
-    for part in dom.split('<section class="chart" id="chart-')[1:]:
-        chart, rest = part.split('"', 1)
-        points = rest.split('data-points="', 1)[1].split('"', 1)[0]
-        out[chart] = {m: int(n) for m, n in (item.split(":") for item in points.split())}
-    return out
 
 
 # ---- against a real server ----------------------------------------------------------------------------------------
@@ -160,9 +147,13 @@ def check_live_tab(server, web: str, tmp_path: Path) -> None:
     dom = browse(f"{web}/llm-live/", tmp_path, "--dump-dom")
     assert page_state(dom) == "live"
     points = chart_points(dom)
-    assert set(points) == {"batch", "running", "waiting", "kv", "tok_s", "ttft", "tpot"}
+    level_charts = {"level-queue", "level-ttft", "level-tpot", "level-preempt"}
+    assert set(points) == {"batch", "running", "waiting", "kv", "tok_s", "ttft", "tpot", *level_charts}
     for chart in ("batch", "kv", "tok_s", "ttft", "tpot"):
         assert all(points[chart][m] >= 3 for m in MODELS), (chart, points[chart])
+    # No request says its priority: every one is at the default level, a line per model.
+    assert all(set(points[chart]) == {f"{m}/2" for m in MODELS} for chart in level_charts), points
+    assert sum(points["level-ttft"].values()) >= 3, points["level-ttft"]
 
     # Locust counts requests once: 24 per model, and the tab's table agrees.
     def stopped():
@@ -172,6 +163,7 @@ def check_live_tab(server, web: str, tmp_path: Path) -> None:
     stats = wait_for(stopped, 120, "the request budget to be spent")
     counts = {row["name"]: row["num_requests"] for row in stats["stats"]}
     assert counts == {"llm_dynamic (e2e)": 24, "llm_continuous (e2e)": 24, "Aggregated": 48}
+
     # The server is idle now (its metrics no longer change): the page's next point must say exactly what they say.
     def idle_metrics():
         before = {m: select(parse_prometheus(scrape(server.metrics_url)), m, buckets=False) for m in MODELS}
@@ -183,13 +175,15 @@ def check_live_tab(server, web: str, tmp_path: Path) -> None:
     read_at = time.time()
     data = wait_for(lambda: (d := get_json(f"{web}/llm-live/data")) and d["t"][-1] > read_at + 0.1 and d, 10,
                     "a point after the server went idle")  # fmt: skip
-    assert data["metrics"]["ok"] is True and data["models"] == list(MODELS)
+    assert data["metrics"]["ok"] is True and data["models"] == list(MODELS) and data["levels"] == {"2": "default"}
     for model in MODELS:
         series, values = data["series"][model], port[model]
         for key, name in (("tokens_total", "llm_generation_tokens_total"), ("steps_total", "llm_batch_size_count"),
                           ("seqs_total", "llm_batch_size_sum"), ("kv_total", "llm_kv_blocks_total"),
                           ("kv_used", "llm_kv_blocks_used"), ("running", "llm_num_requests_running")):  # fmt: skip
             assert series[key][-1] == pytest.approx(values[name]), (model, key)
+        ended = 'llm_time_to_first_token_by_priority_seconds_count{priority="2"}'
+        assert series["ended_total@2"][-1] == values[ended] >= 24, model  # and the earlier tests' requests
         check_rates(data["t"], series)
         summary = next(row for row in data["summary"] if row["model"] == model)
         assert summary["requests"] == 24 and summary["failures"] == 0

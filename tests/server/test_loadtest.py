@@ -208,3 +208,37 @@ def test_capacity_is_sized_from_the_pool_a_server_of_a_written_copy_reports(tmp_
     assert (capacity["kv_blocks"], capacity["block_size"]) == (256, 8)
     assert said and "llm_continuous alone" in said[0]
     assert (tmp_path / "out" / "sizing" / "tritonserver.log").is_file()
+
+
+# ---- make slo --workload mixed: a short ladder against a real server ------------------------------------------------
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
+def test_slo_of_the_mixed_workload_end_to_end(tmp_path, tiny_llama_dir):
+    """``make slo --workload mixed --priorities on`` on the tiny Llama's llm_continuous: its own server (the served
+    copy ordering its queue by priority), a ladder of 0 and 1 batch users beside 2 interactive users, 8 s a point
+    (about a minute). The tiny model answers well within the interactive targets, so the whole ladder holds."""
+    source = make_repository(tmp_path / "source", models=("llm_continuous",))
+    argv = ["--workload", "mixed", "--priorities", "on", "--models", "llm_continuous", "--users", "0,1",
+            "--duration", "8", "--length-scale", "0.25", "--model-repository", str(source), "--model",
+            str(tiny_llama_dir), "--out", str(tmp_path / "out")]  # fmt: skip
+    assert slo.main(argv) == 0
+
+    (out_dir,) = (tmp_path / "out").iterdir()
+    summary = json.loads((out_dir / "slo.json").read_text())
+    (result,) = summary["results"]
+    assert (result["model"], result["priorities"], result["config"]["scheduling_policy"]) == (
+        "llm_continuous", True, "priority")
+    assert [row["load"] for row in result["rows"]] == ["0 users", "1 users"]
+    assert result["first_violation"] is None and result["best"]["load"] == "1 users", result["rows"]
+    best = result["best"]
+    assert best["num_requests"] >= 20 and best["within_targets"] == 1.0 and best["batch_tok_per_s"] > 0
+    assert result["rows"][0]["batch_tok_per_s"] == 0.0  # no batch user: the interactive class alone
+    # Each request was sent at its class's level.
+    records = (out_dir / "locust" / "llm_continuous_u1_priorities_requests.jsonl").read_text().splitlines()
+    levels = {(r["class"], r["priority"]) for r in map(json.loads, records) if "index" in r}
+    assert levels == {("interactive", 1), ("batch", 3)}
+    table = json.loads((out_dir / "record.json").read_text())["tables"]["mixed"]
+    assert [(r["model"], r["priorities"], r["batch_load"]) for r in table["rows"]] == [("llm_continuous", "on",
+                                                                                        "1 users")]

@@ -50,6 +50,17 @@ def page_state(dom: str) -> str:
     return dom.split('<body data-state="', 1)[1].split('"', 1)[0] if '<body data-state="' in dom else ""
 
 
+def chart_points(dom: str) -> dict[str, dict[str, int]]:
+    """Per chart, the points each of its lines has (the page writes them as ``data-points``: a model, or a model and
+    a priority level as ``model/level``)."""
+    out = {}
+    for part in dom.split('<section class="chart" id="chart-')[1:]:
+        chart, rest = part.split('"', 1)
+        points = rest.split('data-points="', 1)[1].split('"', 1)[0]
+        out[chart] = {m: int(n) for m, n in (item.split(":") for item in points.split())}
+    return out
+
+
 def record(t_start=100.0, ok=True, ttft=50.0, tpot=10.0, e2e=500.0, cut=False, **extra) -> dict:
     return {"t_start": t_start, "ok": ok, "cut": cut, "ttft_ms": ttft, "tpot_ms": tpot, "itl_max_ms": tpot and 2 * tpot,
             "e2e_ms": e2e, "error": None if ok else "error: no", **extra}  # fmt: skip
@@ -91,7 +102,7 @@ def test_latency_table_counts_requests_once_and_keeps_percentiles_apart(tmp_path
     recent = book.recent_percentiles(now=1010.0)
     assert recent["llm_continuous"]["ttft_p50"] == 55.0 and recent["llm_dynamic"]["ttft_p50"] is None
     rows = list(csv.DictReader(book.to_csv().splitlines()))
-    assert [r["Model"] for r in rows] == ["llm_dynamic", "llm_continuous"]
+    assert [(r["Model"], r["Class"]) for r in rows] == [("llm_dynamic", ""), ("llm_continuous", "")]
     assert rows[1]["Requests"] == "11" and rows[1]["SLO met %"] == "81.8" and rows[1]["TTFT p99 (ms)"] == "99.1"
     book.reset()
     assert book.summary() == []
@@ -125,4 +136,100 @@ def test_page_says_so_when_the_metrics_port_cannot_be_reached(tmp_path):
         dom = browse(page.url, tmp_path, "--dump-dom")
     assert page_state(dom) == "unreachable"
     assert f"Cannot reach the metrics port at http://127.0.0.1:{closed}/metrics" in dom
-    assert dom.count("No data: cannot reach the metrics port") == 5  # every server chart, not a flat line
+    # Every server chart, the five of each model and the four by priority level, not a flat line.
+    assert dom.count("No data: cannot reach the metrics port") == 9
+
+
+# ---- per priority level: the mixed workload's classes apart ---------------------------------------------------------
+
+
+def by_level(level: int, ended: float, ttft_s: float, queue_s: float, preempted: float) -> dict[str, float]:
+    """A model's ``*_by_priority`` series of ``level`` as a sample keeps them: ``ended`` requests so far, each with
+    this TTFT and queue time (and a TPOT of 50 ms), and ``preempted`` preemptions."""
+    key = lambda name: f'{name}{{priority="{level}"}}'  # noqa: E731
+    values = {key("llm_preemptions_by_priority_total"): preempted}
+    for name, seconds in (("llm_queue_time_by_priority_seconds", queue_s),
+                          ("llm_time_to_first_token_by_priority_seconds", ttft_s),
+                          ("llm_time_per_output_token_by_priority_seconds", 0.05)):  # fmt: skip
+        values.update({key(f"{name}_count"): ended, key(f"{name}_sum"): ended * seconds})
+    return values
+
+
+@pytest.mark.timeout(10)
+def test_a_level_point_is_the_mean_of_that_levels_requests_that_ended_in_the_window():
+    history = [
+        {"t": 70.0, "values": by_level(1, 2, 9.0, 9.0, 0)},  # before the window: left out
+        {"t": 81.0, "values": {**by_level(1, 10, 0.1, 0.01, 0)}},  # no batch job had ended yet
+        {"t": 95.0, "values": {**by_level(1, 15, 0.1, 0.01, 0), **by_level(3, 1, 2.0, 1.0, 0)}},
+    ]
+    # Since 81 s: ten more interactive requests, at 200 ms each (the mean moves from 100 ms); three batch jobs.
+    now = {"t": 100.0, "values": {**by_level(1, 20, 0.15, 0.01, 0), **by_level(3, 3, 2.0, 1.0, 2)}}
+    points = live.level_points(history, now, window_s=20.0)
+    assert list(points) == ["1", "3"]
+    interactive, batch = points["1"], points["3"]
+    assert interactive["ttft_ms"] == pytest.approx(1000 * (20 * 0.15 - 10 * 0.1) / 10)  # 200 ms
+    assert (interactive["queue_ms"], interactive["tpot_ms"]) == (pytest.approx(10.0), pytest.approx(50.0))
+    assert (interactive["preempt"], interactive["ended_total"]) == (0, 20)
+    # The batch level's series did not exist at 81 s: they were zero there.
+    assert (batch["ttft_ms"], batch["queue_ms"]) == (pytest.approx(2000.0), pytest.approx(1000.0))
+    assert (batch["preempt"], batch["preempt_total"]) == (2, 2)
+    quiet = live.level_points([now], {**now, "t": 101.0}, window_s=20.0)  # nothing ended since: gaps, not zeros
+    assert quiet["1"]["ttft_ms"] is None and quiet["3"]["preempt"] == 0 and quiet["3"]["ended_total"] == 3
+    assert live.level_points([], now)["1"]["ttft_ms"] is None  # no sample before: no window
+    assert live.level_points(history, {"t": 100.0, "values": {"llm_kv_blocks_total": 5}}) == {}
+
+
+class LevelsMetrics:
+    """A metrics port of llm_continuous whose interactive (level 1) and batch (level 3) requests end at every read:
+    two interactive requests of 100 ms TTFT and one batch job of 2 s, preempted once."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def text(self) -> str:
+        self.reads += 1
+        values = {**by_level(1, 2 * self.reads, 0.1, 0.01, 0), **by_level(3, self.reads, 2.0, 1.5, self.reads),
+                  "llm_kv_blocks_total": 64, "llm_batch_size_count": 10 * self.reads,
+                  "llm_batch_size_sum": 30 * self.reads}  # fmt: skip
+        return "".join(f"{labelled(key)} {value}\n" for key, value in values.items())
+
+
+def labelled(key: str, model: str = "llm_continuous") -> str:
+    """A sample's series key as the metrics port prints it, with its model's label."""
+    return key.replace("{", f'{{model="{model}",', 1) if "{" in key else f'{key}{{model="{model}"}}'
+
+
+@pytest.mark.timeout(120)
+def test_page_shows_each_priority_level_apart(tmp_path, monkeypatch):
+    """The live page of a mixed run with priorities: each chart by priority level has a line per level, and the
+    table a row per level, named by its class."""
+    fake = LevelsMetrics()
+    monkeypatch.setattr(live, "scrape", lambda url, timeout=2.0: fake.text())
+    view = live.LiveView(live.LatencyBook(2000, 100, window_s=5.0), "http://127.0.0.1:1/metrics",
+                         models=["llm_continuous"], interval_s=0.25)  # fmt: skip
+    for i in range(10):  # what the clients measured, each request with its class
+        view.book.add("llm_continuous", record(ttft=100.0 + i, **{"class": "interactive"}), t_end=1000.0 + i)
+    view.book.add("llm_continuous", record(ttft=3000.0, **{"class": "batch"}), t_end=1010.0)
+    with live.serve(view) as page:
+        time.sleep(2.0)
+        data = json.loads(urllib.request.urlopen(page.url + "data", timeout=10).read())
+        dom = browse(page.url, tmp_path, "--dump-dom")
+    assert [(r["class"], r["requests"], r["ttft_p99_ms"]) for r in data["summary"]] == [
+        (None, 11, pytest.approx(2710.9)),
+        ("interactive", 10, pytest.approx(108.9)),
+        ("batch", 1, 3000.0),
+    ]
+    assert 'data-class="interactive"><td>&nbsp;&nbsp;interactive</td>' in dom and 'data-class="batch">' in dom
+    assert data["levels"] == {"1": "interactive", "3": "batch"}
+    series = data["series"]["llm_continuous"]
+    assert series["ttft_ms@1"][-1] == pytest.approx(100.0) and series["ttft_ms@3"][-1] == pytest.approx(2000.0)
+    assert series["queue_ms@3"][-1] == pytest.approx(1500.0)
+    assert series["preempt_total@3"][-1] == len(data["t"])  # one read a point, a preemption a read
+    assert series["preempt@3"][-1] > 0 and series["preempt@1"][-1] == 0
+    assert page_state(dom) == "live"
+    points = chart_points(dom)
+    for chart in ("level-queue", "level-ttft", "level-tpot", "level-preempt"):
+        assert set(points[chart]) == {"llm_continuous/1", "llm_continuous/3"}, (chart, points[chart])
+        assert min(points[chart].values()) >= 3, (chart, points[chart])
+    assert 'data-level="1"><td><span class="swatch"' in dom and "<td>interactive (1)</td>" in dom
+    assert "<td>batch (3)</td>" in dom and "batch (level 3)" in dom  # the table and the legend

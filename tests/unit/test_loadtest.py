@@ -853,7 +853,7 @@ def test_compare_runs_the_mixed_workload_with_interactive_users_and_serves_prior
                                "--models", "llm_dynamic,llm_continuous", "--dynamic-variants", ""])
     plan, points = compare.make_plan(args)
     assert (plan.interactive_users, [p.users for p in points]) == (3, [4])  # --users counts the batch users
-    assert compare.PASSES[args.priorities] == (False, True)
+    assert runner.PRIORITY_PASSES[args.priorities] == (False, True)
     assert runner.engine_parameters(args) == {"scheduling_policy": "priority"}
     served = runner.repository_to_serve(args, tmp_path, args.models.split(","))
     assert config_text.parameter(config_text.load(served / "llm_dynamic" / "config.pbtxt"), "scheduling_policy") \
