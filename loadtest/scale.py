@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import time
 import uuid
@@ -192,6 +193,39 @@ class ScaleStack:
                                    f"{self.logs('router')[-3000:]}")
             time.sleep(0.5)
 
+    def locust(self, users: int, run_s: int, length_scale: float = 0.25) -> list[dict]:
+        """The stack's own Locust (its master and one worker, as the user's Compose file runs them) headless through
+        the router for ``run_s`` seconds; Locust's stats (its ``--json``), one entry per request name."""
+        (master_port,) = free_ports(1)
+        host = {"network_mode": "host", "ports": "RESET"}
+        master = shlex.split(yaml.safe_load(COMPOSE_FILE.read_text())["services"]["locust-master"]["command"])
+        classes = [a for a in master if a.endswith("User")]
+        services = {
+            "locust-master": {**host, "depends_on": "NONE", "command": [
+                "-f", "loadtest/locustfile.py", "--master", "--master-bind-host", LOCALHOST, "--master-bind-port",
+                str(master_port), "--headless", "--expect-workers", "1", "-u", str(users), "-r", str(users),
+                "--run-time", f"{run_s}s", "--stop-timeout", "60", "--host", self.balancer_url,
+                "--openai-url", self.router_url, "--model", MODEL, "--length-scale", f"{length_scale:g}", "--json",
+                *classes]},
+            "locust-worker": {"network_mode": "host", "command": [
+                *yaml.safe_load(COMPOSE_FILE.read_text())["services"]["locust-worker"]["command"][:3],
+                "--master-host", LOCALHOST, "--master-port", str(master_port), *classes]},
+        }
+        text = yaml.safe_dump({"services": services}, sort_keys=False)
+        override = self.workdir / f"{self.project}.locust.yaml"
+        override.write_text(text.replace("ports: RESET", "ports: !reset []").replace("depends_on: NONE",
+                                                                                      "depends_on: !reset []"))
+        compose = [*self.compose, "-f", str(override)]
+        env = {**self.env, "LOCUST_WORKERS": "1"}
+        run(*compose, "up", "-d", "--no-build", "--no-deps", "locust-master", "locust-worker", env=env, timeout=300)
+        master_id = run(*compose, "ps", "-a", "-q", "locust-master", env=env).stdout.split()[0]
+        code = int(run("docker", "wait", master_id, env=env, timeout=run_s + 180).stdout.strip())
+        out = run("docker", "logs", master_id, env=env)
+        run(*compose, "rm", "-f", "-s", "locust-master", "locust-worker", env=env, timeout=120, check=False)
+        if code != 0:
+            raise RuntimeError(f"Locust's master exited {code}:\n{out.stderr[-3000:]}")
+        return json.loads(out.stdout[out.stdout.index("["):])
+
     # ---- what the replicas and the router counted ----------------------------------------------------------------
 
     def replica_counts(self) -> dict[str, dict[str, float]]:
@@ -298,12 +332,12 @@ def main(argv=None) -> int:
         p.error("no Docker engine answers: run `make docker` first (it provisions one and builds the images)")
     env = {**os.environ, "DOCKER_HOST": host}
     args.out.mkdir(parents=True, exist_ok=True)
+    record = Record.start("python -m loadtest.scale", {k: str(v) if isinstance(v, Path) else v
+                                                      for k, v in vars(args).items()})
     rows = []
     for label, cpusets, policy in STACKS:
         if label in args.stacks:
             rows += measure_stack(label, cpusets, policy, args, env, args.out)
-    record = Record.start("python -m loadtest.scale", {k: str(v) if isinstance(v, Path) else v
-                                                      for k, v in vars(args).items()})
     table = record.add_table("stacks", COLUMNS, [{**{c.key: r.get(c.key) for c in COLUMNS},
                                                   "per_replica": " / ".join(map(str, r["per_replica"].values()))}
                                                  for r in rows])

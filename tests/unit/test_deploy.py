@@ -587,6 +587,45 @@ def test_prometheus_scrapes_tritons_metrics_port():
     assert "triton:8002" in targets and "triton" in services
 
 
+def test_scale_stack_wires_replicas_router_balancer_locust_and_prometheus():
+    """docker/compose.scale.yaml: every replica on its own cores, and each reached by the router, the balancer and
+    Prometheus; Locust's master and workers drive the router with user classes both know."""
+    services = load_compose("compose.scale.yaml")["services"]
+    replicas = sorted(name for name in services if name.startswith("triton-"))
+    assert len(replicas) >= 2
+    cpusets = [services[name]["cpuset"] for name in replicas]
+    assert len(set(cpusets)) == len(cpusets), f"replicas share cores: {cpusets}"
+    for name in replicas:
+        replica = services[name]
+        assert replica["image"] == "llm-batching-triton:cpu" and replica["shm_size"]
+        assert "SYS_PTRACE" in replica["cap_add"]  # the drain closes idle keep-alive connections (docs/server.md)
+        assert "command" not in replica  # the image's CMD, with its exit timeout
+    router = shlex.split(services["router"]["command"])
+    assert option(router, "--policy") in ROUTER_POLICIES
+    assert router[router.index("--worker-urls") + 1:][:len(replicas)] == [f"http://{r}:9000" for r in replicas]
+    assert option(router, "--health-check-endpoint") == "/health/ready"
+    balancer = services["balancer"]["environment"]
+    assert balancer["TRITON_HTTP"].split() == [f"{r}:8000" for r in replicas]
+    assert balancer["TRITON_GRPC"].split() == [f"{r}:8001" for r in replicas]
+    for name in ("router", "balancer"):
+        assert {r: {"condition": "service_healthy"} for r in replicas} == services[name]["depends_on"]
+
+    ports = {name: {int(str(p).split(":")[-1]) for p in s.get("ports", [])} for name, s in services.items()}
+    ports["locust-master"].add(5557)
+    for name in ("locust-master", "locust-worker"):
+        check_locust_args(services[name]["command"], ports)
+    master = shlex.split(services["locust-master"]["command"])
+    worker = services["locust-worker"]["command"]
+    assert option(master, "--openai-url") == "http://router:8080" and "OpenAIStreamUser" in master
+    # The locustfile leaves OpenAIStreamUser out of a process that does not name it: workers must name it too.
+    assert {a for a in master if a.endswith("User")} <= {a for a in worker if a.endswith("User")}
+
+    config = yaml.safe_load((DOCKER / "prometheus.scale.yml").read_text())
+    targets = {t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert targets == {f"{r}:8002" for r in replicas} | {"router:29000"}
+    assert option(router, "--prometheus-port") == "29000"
+
+
 def test_cpu_override_removes_the_gpu_reservation():
     override = load_compose("compose.cpu.yaml")
     triton = override["services"]["triton"]
