@@ -147,7 +147,7 @@ WORKLOADS = {
             "shared_prefix",
             Uniform(8, 32),
             Uniform(16, 64),
-            "16 long prefixes shared by many requests (system prompts, documents): prefix caching and routing by prefix",
+            "16 long prefixes shared by many requests (system prompts, documents): prefix caching, routing by prefix",
             prefixes=16,
             prefix_words=384,
         ),

@@ -359,20 +359,25 @@ class IterationDriver:
     step over exactly the requests Triton handed back now; the others are not stepped and keep their KV blocks.
 
     Outputs go to a request only while Triton has handed it in: the shutdown deadline and a broken engine end each
-    request when it is next handed in. A request Triton has not handed back for ``reap_after`` seconds is ended
-    and its blocks freed; Triton hands every request it holds back at the next iteration, so it let go of that one:
-    - its client cancelled it while it waited to be rescheduled (``client_cancelled`` says so): Triton answered it
-      itself, nothing more may be sent to it, and its final output goes to ``gone`` instead of the sink;
-    - otherwise Triton dropped it (2.51 refuses to reschedule a request whose sequence its reaper ended): the model
-      still holds its response sender, and its client gets the final error :data:`DROPPED` through the sink.
+    request when it is next handed in. Triton hands every request it holds back at its next iteration, so one it
+    has not handed back for a while was let go of; it is ended and its blocks freed:
+    - its client cancelled it while it waited to be rescheduled (``client_cancelled`` says so), after
+      ``cancelled_after`` seconds: Triton answered it itself, nothing more may be sent to it, and its final output
+      goes to ``gone`` instead of the sink;
+    - otherwise, after ``reap_after`` seconds (Triton's own idle time), Triton dropped it (2.51 refuses to
+      reschedule a request whose sequence its reaper ended): the model still holds its response sender, and its
+      client gets the final error :data:`DROPPED` through the sink. NOTE: not sooner: until Triton's idle time has
+      passed, a request not handed back may still come back (``oldest`` sometimes runs a subset of what it holds).
     One lock: :meth:`iterate` runs on Triton's thread, :meth:`reap` may run on a timer thread; sends never overlap.
     """
 
     def __init__(self, engine: LLMEngine, sink: OutputSink, gone: OutputSink, reap_after: float = 5.0,
                  after_step: Callable[[], None] = lambda: None,
-                 client_cancelled: Callable[[Collection[str]], Iterable[str]] = lambda ids: ids) -> None:
+                 client_cancelled: Callable[[Collection[str]], Iterable[str]] = lambda ids: ids,
+                 cancelled_after: float | None = None) -> None:
         self.engine = engine
         self.reap_after = reap_after
+        self._cancelled_after = cancelled_after
         self.fatal_error: BaseException | None = None
         self._sink = sink
         self._gone = gone
@@ -393,6 +398,11 @@ class IterationDriver:
                 return False
             self._last_seen[request_id] = time.monotonic()
             return True
+
+    @property
+    def cancelled_after(self) -> float:
+        """How long a request its client cancelled may go without being handed back (at most ``reap_after``)."""
+        return self.reap_after if self._cancelled_after is None else min(self._cancelled_after, self.reap_after)
 
     def is_open(self, request_id: str) -> bool:
         return request_id in self._last_seen
@@ -435,24 +445,27 @@ class IterationDriver:
             return unfinished
 
     def reap(self) -> None:
-        """End the requests Triton has not handed back for ``reap_after`` seconds (see the class)."""
+        """End the requests Triton let go of (see the class)."""
         with self._lock:
             if self._reap(time.monotonic()):
                 self._after_step()
 
     def _reap(self, now: float) -> list[str]:
-        stale = sorted(rid for rid, seen in self._last_seen.items() if now - seen > self.reap_after)
+        waiting = sorted(rid for rid, seen in self._last_seen.items() if now - seen > self.cancelled_after)
+        if not waiting:
+            return []
+        cancelled = sorted(self._client_cancelled(waiting))
+        dropped = [rid for rid in waiting if rid not in cancelled and now - self._last_seen[rid] > self.reap_after]
+        stale = cancelled + dropped
         if stale:
-            cancelled = set(self._client_cancelled(stale))
-            dropped = [rid for rid in stale if rid not in cancelled]
-            log.warning("ending %d requests Triton did not hand back for %.0f s: %d cancelled by their clients, "
-                        "%d dropped by Triton (answered with an error)", len(stale), self.reap_after,
-                        len(stale) - len(dropped), len(dropped))
+            log.warning("ending %d requests Triton did not hand back: %d cancelled by their clients (%.0f s), %d "
+                        "dropped by Triton (%.0f s; answered with an error)", len(stale), len(cancelled),
+                        self.cancelled_after, len(dropped), self.reap_after)
             for rid in stale:
                 self._last_seen.pop(rid)
-            end_all(self.engine, [rid for rid in stale if rid in cancelled],
-                    errors.message(ErrorKind.CANCELLED, f"not handed back by Triton within {self.reap_after:.0f} s"),
-                    FinishReason.ABORT, self._gone)
+            end_all(self.engine, cancelled, errors.message(
+                ErrorKind.CANCELLED, f"not handed back by Triton within {self.cancelled_after:.0f} s"),
+                FinishReason.ABORT, self._gone)
             end_all(self.engine, dropped, DROPPED, FinishReason.ERROR, self._sink)
         return stale
 

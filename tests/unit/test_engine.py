@@ -290,6 +290,20 @@ def test_iteration_driver_steps_whom_triton_hands_back_and_ends_the_rest_once(sm
     assert "gone" not in finals and gone["gone"].finish_reason == "abort" and kind_of(gone["gone"].error) is \
         ErrorKind.CANCELLED
     driver.reap_after = 3600
+    # A cancelled one is reaped after cancelled_after, well before Triton's idle time; one whose client did not
+    # cancel it may still come back until then.
+    driver._cancelled_after = 0.0
+    driver.add("cancelled-early", PROMPTS[0], GREEDY, None)
+    driver.add("held", PROMPTS[0], GREEDY, None)
+    driver._client_cancelled = lambda ids: [i for i in ids if i == "cancelled-early"]
+    driver.iterate(["cancelled-early", "held", "late", "later"])
+    driver.iterate(["late", "later"])
+    assert gone["cancelled-early"].finish_reason == "abort" and driver.is_open("held")
+    driver.iterate(["held", "late", "later"])
+    assert driver.is_open("held")
+    driver.iterate(["held"], cancelled=lambda ids: ids)
+    assert finals["held"].finish_reason == "abort"
+    driver._cancelled_after = None
     # One not handed back whose client did not cancel it was dropped by Triton: its client still gets a final error.
     driver._client_cancelled = lambda ids: []
     driver.add("dropped", PROMPTS[0], GREEDY, None)

@@ -17,7 +17,7 @@ When a client's cancel reaches Triton decides what happens to the sequence's slo
 - while the model holds the request: handed back (RELEASE_RESCHEDULE), Triton finds it cancelled in its queue,
   answers it itself (CANCELLED) and frees the slot at once;
 - between a release and the next batch (in the queue that forms it), or after a release for good (RELEASE_ALL) that
-  has not yet reached Triton: the slot stays taken until Triton's idle reaper (max_sequence_idle_microseconds, 5 s)
+  has not yet reached Triton: the slot stays taken until Triton's idle reaper (max_sequence_idle_microseconds, 30 s)
   frees it. With every slot taken, new requests wait in Triton's backlog, and one that waited longer than the idle
   time is ended by the reaper as soon as it gets a slot ("must specify the START flag" on the hand-back).
 Clients cancel in answer to what they receive, so what an execute() makes for a request is sent when the model
@@ -28,10 +28,16 @@ an execute() and whose client has cancelled it is handed back instead of release
 Triton to answer. What remains, a cancel in the few milliseconds between a release and the next batch, costs that
 slot the idle time.
 
-Triton hands every request it holds back at its next iteration. One not handed back for
-max_sequence_idle_microseconds is ended and its KV blocks freed (``IterationDriver``): if its client cancelled it
-while Triton held it, Triton answered it itself and nothing is sent (a second final response crashes tritonserver
-2.51); otherwise Triton dropped it, and its client gets an error that says the server lost it.
+Triton hands every request it holds back at its next iteration. One not handed back is ended and its KV blocks
+freed (``IterationDriver``): if its client cancelled it while Triton held it, after CANCELLED_AFTER_S: Triton
+answered it itself and nothing is sent (a second final response crashes tritonserver 2.51); otherwise, after
+max_sequence_idle_microseconds, Triton dropped it, and its client gets an error that says the server lost it.
+
+Triton 2.51 counts a sequence's idle time from its last request's arrival, and time in the backlog counts: a
+request that waited there longer than max_sequence_idle_microseconds is force-ended as soon as it gets a slot (so
+is one whose iteration took that long). The idle time (config.pbtxt) is therefore long, 30 s: it bounds the
+backlog's wait. Its cost, a slot kept that long after a cancel that fell between a release and the next batch, is
+rare. (At 5 s, 16 streams on 8 slots of a slow 2-core machine lost requests that waited in the backlog.)
 """
 
 import threading
@@ -52,6 +58,9 @@ from backend.triton.stub.served_model import ServedModel  # noqa: E402
 
 # Time from execute()'s return to sending what it made, when no execute() comes sooner (the module's docstring).
 SEND_AFTER_RELEASE_S = 0.005
+# How long a request its client cancelled may go without being handed back before its KV blocks are freed: Triton
+# answered it itself. Shorter than Triton's idle time (config.pbtxt), which bounds the backlog's wait instead.
+CANCELLED_AFTER_S = 5.0
 
 
 class TritonPythonModel(ServedModel, batching="iterative"):
@@ -59,7 +68,8 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         engine = LLMEngine(config)  # loaded on the thread that steps it: one OpenMP thread team
         reap_after = sequence_idle_seconds(self.model_config)
         self.driver = IterationDriver(engine, self._send, self.open.forget, reap_after,
-                                      after_step=self.observe_steps, client_cancelled=self.open.cancelled)
+                                      after_step=self.observe_steps, client_cancelled=self.open.cancelled,
+                                      cancelled_after=CANCELLED_AFTER_S)
         self.request_ids = {}  # Triton's correlation id -> engine request id, while the request is open
         self.reap_after = reap_after
         # Correlation ids whose request the driver ended while Triton held it (reaped, or every request ended by a
@@ -80,7 +90,7 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         self.unsent = {}  # request id -> outputs an execute() made for it, not sent yet
         self.released = set()  # requests released for good: what they made may be sent at any time
         self.returned = threading.Event()
-        threading.Thread(target=self._reaper, args=(reap_after,), name="reaper", daemon=True).start()
+        threading.Thread(target=self._reaper, args=(self.driver.cancelled_after,), name="reaper", daemon=True).start()
         threading.Thread(target=self._send_when_idle, name="sender", daemon=True).start()
         return engine
 
