@@ -13,8 +13,8 @@ One run, on one machine, of the questions docker/README.md's "Several replicas b
 Every stack is the user's Compose file with :class:`ScaleStack`'s override: the services on the host's network and
 free 127.0.0.1 ports (the private engine of docker/engine.sh has no bridge), Locust run from this virtual
 environment through the router's OpenAI API (loadtest.runner, as ``make compare`` runs it). The replicas' KV pools
-are made small enough (``--kv-cache-bytes``) that sixteen shared prefixes do not all fit in one: where a prefix is
-sent decides whether it is found. Writes ``scale.json`` and its record ``scale.record.json`` (records/README.md).
+are set by ``--kv-cache-bytes``: where a pool cannot hold all sixteen shared prefixes (96 MiB), where a prefix is
+sent decides whether it is found; where it can (the default), it does not. Writes ``scale.json`` and its record ``scale.record.json`` (records/README.md).
 """
 
 from __future__ import annotations
@@ -322,8 +322,8 @@ def main(argv=None) -> int:
     p.add_argument("--length-scale", type=float, default=0.5)
     p.add_argument("--workloads", nargs="+", default=["long_tailed", "shared_prefix"])
     p.add_argument("--kv-cache-bytes", type=int, default=192 * 2**20,
-                   help="each replica's KV pool (default: %(default)s, 192 MiB: about 550 blocks, fewer than the "
-                   "shared_prefix workload's 16 prefixes and 8 running sequences need at once)")
+                   help="each replica's KV pool (default: %(default)s, 192 MiB: about 550 blocks, enough for all of "
+                   "the shared_prefix workload's 16 prefixes; 96 MiB holds about half of them)")
     p.add_argument("--stacks", nargs="+", choices=[s[0] for s in STACKS], default=[s[0] for s in STACKS],
                    metavar="STACK", help="default: all of " + "; ".join(s[0] for s in STACKS))
     args = p.parse_args(argv)

@@ -22,7 +22,7 @@ hold a measured figure fails ``--check`` with its file and line. A measured figu
 or any number in a column whose header names a latency or a rate (``TTFT p50``, ``step ms``, ``tok/s``). A table of
 settings passes: its limits and defaults are bare numbers under headers such as ``default``.
 
-    python -m records.tables           # rewrite every marked table in README.md and docs/*.md
+    python -m records.tables           # rewrite every marked table in README.md, docs/*.md and docker/README.md
     python -m records.tables --check   # exit 1 if a table is not what its record gives, or a table outside the
                                        # markers holds a measured figure
 """
@@ -170,7 +170,8 @@ def regenerate(text: str, doc: Path, root: Path = REPO_ROOT) -> str:
 
 
 def documents(root: Path = REPO_ROOT) -> list[Path]:
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    docs = [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "docker" / "README.md"]
+    return [doc for doc in docs if doc.exists()]
 
 
 def stale(root: Path = REPO_ROOT) -> dict[Path, str]:
