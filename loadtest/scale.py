@@ -14,7 +14,8 @@ Every stack is the user's Compose file with :class:`ScaleStack`'s override: the 
 free 127.0.0.1 ports (the private engine of docker/engine.sh has no bridge), Locust run from this virtual
 environment through the router's OpenAI API (loadtest.runner, as ``make compare`` runs it). The replicas' KV
 pools are set by ``--kv-cache-bytes``: where a pool cannot hold all sixteen shared prefixes (96 MiB), where a
-prefix is sent decides whether it is found; where it can (the default), it does not. Writes ``scale.json`` and its record ``scale.record.json`` (records/README.md).
+prefix is sent decides whether it is found; where it can (the default), it does not. Writes ``scale.json`` and its
+record ``scale.record.json`` (records/README.md).
 """
 
 from __future__ import annotations
