@@ -15,6 +15,7 @@ the decode stack's use live in ``backend/engine``.
   :class:`DecodeStack` runs every layer of a small decode-only step in one call.
 - ``cpu_sample_rows``: the sampler's draw, one pass over each row.
 - ``cpu_token_logprobs``: the sampled tokens' log-probabilities and each row's top k, without a log-softmax.
+- ``cpu_apply_token_bitmask``: structured output's token masks written into the logits (-inf where forbidden).
 - The quantized projections' kernels (``linear_q4_1``, ``linear_int8``, ``linear_q8_0``, ``dequantize_weight``) are
   declared here and called from ``quantized_linear.py``, beside their torch twins.
 
@@ -146,6 +147,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sample_rows.restype = None
     lib.token_logprobs.argtypes = [ptr, i64, c_int, i64, ptr, i64, ptr, ptr, c_int, ptr, ptr, ptr, ptr, c_int]
     lib.token_logprobs.restype = None
+    lib.apply_token_bitmask.argtypes = [ptr, i64, c_int, i64, ptr, ptr, i64, i64]
+    lib.apply_token_bitmask.restype = None
     lib.linear_small.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, c_int]
     lib.linear_small.restype = c_int
     lib.linear_weight_packed.restype = c_int
@@ -535,6 +538,15 @@ def cpu_sample_rows(
             torch.get_num_threads(),
         )
     return out
+
+
+def cpu_apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask) -> None:
+    """-inf, in place, wherever row i of ``bitmask`` ([len(rows), words] int32, a bit per token, 1: allowed; a
+    numpy array) forbids a token of logits row ``rows[i]``; the caller checks :func:`supports_sampling` first."""
+    if rows:
+        row_ids = torch.tensor(rows, dtype=torch.int64)
+        _lib.apply_token_bitmask(logits.data_ptr(), logits.stride(0), _DTYPE_CODES[logits.dtype], logits.shape[1],
+                                 row_ids.data_ptr(), bitmask.ctypes.data, bitmask.shape[1], len(rows))
 
 
 def cpu_token_logprobs(

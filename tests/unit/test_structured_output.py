@@ -167,3 +167,45 @@ def test_the_mask_leaves_only_what_continues_the_grammar(tiny_llama_dir):
     token = tokenizer.hf.encode("yes")
     done = [outputs.accept("r", t) for t in token]
     assert done[-1] and not any(done[:-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_mask_write_equals_the_numpy_one(tiny_llama_dir, monkeypatch, dtype):
+    """cpu_apply_token_bitmask and the numpy write it replaces give the same logits, for any mask (words all
+    allowed, all forbidden, mixed; a vocabulary that ends inside a word) on strided rows among rows without one."""
+    import ctypes
+
+    import numpy as np
+
+    from backend.engine.tokenizer import load_tokenizer
+    from backend.kernels import cpu_kernels
+
+    if not cpu_kernels.supports_sampling(torch.zeros(1, 8)):
+        pytest.skip("no C kernels: the numpy write is the only one")
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    vocab = 1000 + 7  # not a multiple of 32
+    outputs = StructuredOutputs(tokenizer.hf, vocab, tokenizer.eos_token_ids)
+    words = (vocab + 31) // 32
+    gen = np.random.default_rng(0)
+    masks = gen.integers(-(2**31), 2**31, size=(2, words), dtype=np.int64).astype(np.int32)
+    masks[:, ::3] = -1  # every token allowed
+    masks[:, 1::3] = 0  # none
+
+    class Stub:  # the matcher's one call mask() makes: its row of the bitmask
+        def __init__(self, row):
+            self.row = row
+
+        def unsafe_compute_mask_ptr(self, address, size):
+            np.ctypeslib.as_array((ctypes.c_int32 * words).from_address(address))[:] = self.row
+
+    outputs._matchers = {"a": Stub(masks[0]), "b": Stub(masks[1])}
+    base = torch.randn(4, vocab + 9).to(dtype)[:, :vocab]  # strided rows
+    c_written = base.clone()
+    outputs.mask(c_written, ["a", "none", "b", "none2"])
+    monkeypatch.setattr(cpu_kernels, "supports_sampling", lambda logits: False)
+    numpy_written = base.clone()
+    outputs.mask(numpy_written, ["a", "none", "b", "none2"])
+    assert torch.equal(c_written, numpy_written)
+    assert torch.equal(c_written[1], base[1]) and torch.equal(c_written[3], base[3])
+    forbidden = np.unpackbits(masks.view(np.uint8), axis=1, bitorder="little")[:, :vocab] == 0
+    assert torch.equal(torch.isneginf(c_written[[0, 2]]), torch.from_numpy(forbidden))

@@ -505,3 +505,35 @@ void token_logprobs(const void* logits, int64_t stride, int dtype, int64_t V, co
         free(scratch.w);
     }
 }
+
+/*
+ * apply_token_bitmask (twin of the numpy write in backend/engine/structured_output.py): each of the R named rows of
+ * logits [*, V] (row stride `stride`) gets -inf wherever its grammar's bitmask (row i of `bitmask` [R, words], bit
+ * t % 32 of word t / 32, 1: allowed) has a 0. A word with no allowed token is written whole, one with every token
+ * allowed skipped, the rest bit by bit: a JSON state forbids nearly everything, a free-text one nearly nothing.
+ */
+void apply_token_bitmask(void* logits, int64_t stride, int dtype, int64_t V, const int64_t* rows,
+                         const int32_t* bitmask, int64_t words, int64_t R) {
+    for (int64_t i = 0; i < R; ++i) {
+        const uint32_t* mask = (const uint32_t*)(bitmask + i * words);
+        float* f32 = (float*)logits + rows[i] * stride;
+        uint16_t* bf16 = (uint16_t*)logits + rows[i] * stride;
+        for (int64_t w = 0; w * 32 < V; ++w) {
+            const int64_t t0 = w * 32, n = V - t0 < 32 ? V - t0 : 32;
+            uint32_t forbidden = ~mask[w];
+            if (n < 32) forbidden &= (1u << n) - 1;
+            if (forbidden == 0) continue;
+            if (forbidden == 0xFFFFFFFFu) {
+                if (dtype == DTYPE_BF16) for (int b = 0; b < 32; ++b) bf16[t0 + b] = 0xFF80;  /* -inf's bits */
+                else for (int b = 0; b < 32; ++b) f32[t0 + b] = -INFINITY;
+                continue;
+            }
+            while (forbidden) {
+                const int b = __builtin_ctz(forbidden);
+                forbidden &= forbidden - 1;
+                if (dtype == DTYPE_BF16) bf16[t0 + b] = 0xFF80;
+                else f32[t0 + b] = -INFINITY;
+            }
+        }
+    }
+}
