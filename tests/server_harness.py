@@ -32,6 +32,22 @@ TINY_SETTINGS = {"dtype": "float32", "max_model_len": "256", "num_kv_blocks": "2
 _servers: list[TritonServer] = []
 
 
+def docker_env_or_skip() -> dict:
+    """The environment for docker commands against the engine that answers (docker/engine.sh); without one, the
+    calling test or fixture is skipped, or fails on CI (where .ci/run provisions one)."""
+    import pytest
+
+    from loadtest.scale import docker_host
+
+    host = docker_host()
+    if host is None:
+        reason = "no Docker engine answers (bash docker/engine.sh up provisions one; .ci/run does)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason}; on CI it must")
+        pytest.skip(reason)
+    return {**os.environ, "DOCKER_HOST": host}
+
+
 def error_kind(message: str | None) -> ErrorKind | None:
     """The kind of a model's (or Triton's full-queue) error message, by its code; None for no error or another."""
     parsed = None if message is None else errors.parse(message)

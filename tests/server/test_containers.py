@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import threading
 import time
 import uuid
@@ -28,8 +27,9 @@ import requests
 import yaml
 
 from backend.triton.launcher.launch_options import free_ports
+from loadtest.scale import run
 from tests.server.test_shutdown import SHUTTING_DOWN, MetricsTrail, requests_of, start_locust, unload_times
-from tests.server_harness import LOCALHOST, REPO_ROOT
+from tests.server_harness import LOCALHOST, REPO_ROOT, docker_env_or_skip
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -43,30 +43,10 @@ STOP_GRACE_S = 40
 PROMPTS = ("The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):")
 
 
-def docker_host() -> str | None:
-    result = subprocess.run(["bash", str(REPO_ROOT / "docker" / "engine.sh"), "host"], capture_output=True, text=True,
-                            timeout=60)
-    return result.stdout.strip() or None if result.returncode == 0 else None
-
-
-def run(*args: str, env: dict, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(list(args), env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO_ROOT)
-    if check and result.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(args)} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
-
-
 @pytest.fixture(scope="module")
 def docker_env() -> dict:
     """The environment for docker commands, once ``make docker`` has built the CPU images."""
-    host = docker_host()
-    if host is None:
-        reason = "no Docker engine answers (bash docker/engine.sh up provisions one; .ci/run does)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{reason}; on CI it must")
-        pytest.skip(reason)
-    env = {**os.environ, "DOCKER_HOST": host}
+    env = docker_env_or_skip()
     t0 = time.monotonic()
     run("make", "docker", f"TRITON_IMAGE={TRITON_IMAGE}", f"LOCUST_IMAGE={LOCUST_IMAGE}", env=env, timeout=1800)
     print(f"\nmake docker: {time.monotonic() - t0:.1f} s")
