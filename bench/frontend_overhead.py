@@ -1,6 +1,7 @@
 """The OpenAI frontend's own cost, beside direct gRPC to the same Triton model, in one run (a benchmark, not a test).
 
-    python -m bench.frontend_overhead [--model-dir models/smollm2-135m-instruct] [--rounds 8] [--tokens 128]
+    python -m bench.frontend_overhead [--model-dir models/smollm2-135m-instruct] [--rounds 8] [--tokens 128] \
+        [--out reports/bench_frontend_overhead.json]
 
 Starts tritonserver (``llm_continuous`` only) and the frontend beside it, then at 1 and 8 concurrent streams sends
 rounds of requests (each exactly ``--tokens`` new tokens, ``ignore_eos``, greedy, the same prompt) straight to
@@ -9,7 +10,8 @@ per token), the two paths alternating (ABBA), so background load hits both alike
 this process and keep their connection between requests (a gRPC stream per thread, an HTTP connection per thread),
 as benchmark clients do; each request's clock starts when its client starts building it.
 Per round it takes the TTFT p50 (first token, or first content chunk) and the output tokens/s (tokens over the
-round's wall time); per concurrency it prints the median of the rounds, the gRPC baseline beside the frontend.
+round's wall time); per concurrency it prints the median of the rounds, the gRPC baseline beside the frontend. The
+run's record (``records/``) goes beside the JSON (``bench_frontend_overhead.record.json``), table ``overhead``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from client.schema import GenerationRequest, build_inputs
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.process import FrontendProcess
 from frontend.openai.protocol import ChatMessage
+from records.record import Column, Record
 
 MODEL = "llm_continuous"
 MESSAGES = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
@@ -129,6 +132,12 @@ def run_round(pool: ThreadPoolExecutor, send, concurrency: int) -> tuple[float, 
     return 1000 * statistics.median(r[0] for r in results), sum(r[1] for r in results) / wall
 
 
+COLUMNS = [Column("streams"), Column("grpc_ttft_ms", "TTFT p50 gRPC", "{:.1f} ms"),
+           Column("openai_ttft_ms", "TTFT p50 OpenAI", "{:.1f} ms"), Column("ttft_diff_ms", "difference", "{:+.1f} ms"),
+           Column("grpc_tok_s", "tok/s gRPC", "{:.1f}"), Column("openai_tok_s", "tok/s OpenAI", "{:.1f}"),
+           Column("tok_s_diff_pct", "difference", "{:+.1f} %")]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.frontend_overhead", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,7 +147,9 @@ def main(argv=None) -> None:
     p.add_argument("--concurrency", default="1,8")
     p.add_argument("--num-threads", type=int, default=None,
                    help="the engine's threads (default: every core); fewer leave cores to the clients and frontend")
+    p.add_argument("--out", type=Path, default=Path("reports/bench_frontend_overhead.json"))
     args = p.parse_args(argv)
+    record = Record.start("python -m bench.frontend_overhead", vars(args))
     prompt = ChatTemplate(args.model_dir).render([ChatMessage(**m) for m in MESSAGES])
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -170,12 +181,12 @@ def main(argv=None) -> None:
 
     print(f"\nmedians of {args.rounds} rounds per cell, {args.tokens} tokens per stream, {MODEL}, "
           f"{Path(args.model_dir).name}")
-    print("| streams | TTFT p50 gRPC | TTFT p50 OpenAI | difference | tok/s gRPC | tok/s OpenAI | difference |")
-    print("|---|---|---|---|---|---|---|")
-    for concurrency, cell in rows:
-        (g_ttft, g_tps), (o_ttft, o_tps) = cell["gRPC"], cell["OpenAI"]
-        print(f"| {concurrency} | {g_ttft:.1f} ms | {o_ttft:.1f} ms | {o_ttft - g_ttft:+.1f} ms "
-              f"| {g_tps:.1f} | {o_tps:.1f} | {100 * (o_tps / g_tps - 1):+.1f} % |")
+    table = [{"streams": concurrency, "grpc_ttft_ms": cell["gRPC"][0], "openai_ttft_ms": cell["OpenAI"][0],
+              "ttft_diff_ms": cell["OpenAI"][0] - cell["gRPC"][0], "grpc_tok_s": cell["gRPC"][1],
+              "openai_tok_s": cell["OpenAI"][1], "tok_s_diff_pct": 100 * (cell["OpenAI"][1] / cell["gRPC"][1] - 1)}
+             for concurrency, cell in rows]
+    print(record.add_table("overhead", COLUMNS, table).markdown())
+    record.write_beside(args.out, {"rows": table, "tokens": args.tokens, "rounds": args.rounds})
 
 
 if __name__ == "__main__":
