@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
-import subprocess
 import sys
 import threading
 import time
@@ -48,6 +46,7 @@ from backend.contract.names import (
     PENDING_REQUESTS,
 )
 from backend.contract.settings import DEFAULT_MODEL
+from backend.triton.launcher import crash
 from backend.triton.launcher.launch_options import free_ports
 from backend.triton.launcher.processes import process_names, tree_rss
 from backend.triton.launcher.server import start_on_free_ports
@@ -346,39 +345,7 @@ def plot(report: dict, path: Path) -> bool:
 
 def crash_lines(log: Path, count: int = 12) -> list[str]:
     """The server log's last lines, from its last "Signal (N) received." on if it has one (the crash and its stack)."""
-    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-    lines = [line for line in lines if "NVML" not in line]  # the container-less machine's one noisy line
-    signal = max((i for i, line in enumerate(lines) if line.startswith("Signal (")), default=None)
-    return lines[signal : signal + count] if signal is not None else lines[-count:]
-
-
-FRAME = re.compile(r"^\s*(\d+)# 0x([0-9A-Fa-f]+) in (\S+/bin/tritonserver)$")
-
-
-def crash_site(lines: list[str]) -> str | None:
-    """The tritonserver function that crashed, from the raw addresses of a "Signal (N) received." stack.
-
-    Triton prints addresses only, but the bundled binary keeps its symbols: frame 0 lies in its
-    ErrorSignalHandler, which gives the load address; the next tritonserver frame after libc's signal trampoline
-    is where the fault happened. None when the stack or the tools (nm, addr2line) are not there.
-    """
-    frames = [(int(m[1]), int(m[2], 16), m[3]) for m in map(FRAME.match, lines) if m]
-    if len(frames) < 2 or frames[0][0] != 0:
-        return None
-    binary = frames[0][2]
-    try:
-        symbols = subprocess.run(["nm", "-C", binary], capture_output=True, text=True, timeout=60).stdout
-        handler = next(
-            int(line.split()[0], 16) for line in symbols.splitlines() if line.endswith("::ErrorSignalHandler(int)")
-        )
-        base = (frames[0][1] - handler) & ~0xFFF
-        where = subprocess.run(
-            ["addr2line", "-f", "-C", "-e", binary, hex(frames[1][1] - base)],
-            capture_output=True, text=True, timeout=60,
-        ).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError, StopIteration, ValueError):
-        return None
-    return where[0] if where and where[0] != "??" else None
+    return crash.crash_lines(log.read_text(errors="replace").splitlines() if log.exists() else [], count)
 
 
 # ---- the command line -----------------------------------------------------------------------------------------
@@ -489,7 +456,7 @@ def main(argv=None) -> int:
     }
     if server_exit is not None:
         report["server_log_tail"] = crash_lines(out / "tritonserver.log")
-        report["server_crash_site"] = crash_site(report["server_log_tail"])
+        report["server_crash_site"] = crash.crash_site(report["server_log_tail"])
     report["checks"] = verdict(report, args)
     report["ok"] = all(report["checks"].values())
     report["samples"] = soak.samples

@@ -11,6 +11,7 @@ import itertools
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -87,6 +88,35 @@ class ServerFactory:
     def stop_all(self) -> None:
         for server in self.servers:
             server.stop()
+
+
+class ServerSlot:
+    """A module's shared server, started again when it died: a crash fails the test it happened in, not every test
+    after it. ``restart()`` is for a test that may try again after Triton 2.51's known gRPC-frontend crash
+    (``known_crash()``; docs/server.md, "A known crash in Triton 2.51"), as the soak does."""
+
+    def __init__(self, factory: ServerFactory, model_repository: Path, **start_kwargs) -> None:
+        self.factory, self.model_repository, self.start_kwargs = factory, model_repository, start_kwargs
+        self.server = factory.start(model_repository, **start_kwargs)
+
+    def live(self) -> TritonServer:
+        """The server, started again first if it is no longer running."""
+        return self.server if self.server.is_running else self.restart()
+
+    def restart(self) -> TritonServer:
+        self.server.stop()
+        self.server = self.factory.start(self.model_repository, **self.start_kwargs)
+        return self.server
+
+    def known_crash(self) -> str | None:
+        """Where the server crashed, when it is down with the known gRPC-frontend crash; None otherwise."""
+        from backend.triton.launcher import crash
+
+        try:
+            self.server.wait(timeout=5)  # a crashing server may still be writing its stack
+        except subprocess.TimeoutExpired:
+            return None
+        return crash.known_frontend_crash(self.server.output_lines())
 
 
 def make_repository(

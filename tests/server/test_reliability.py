@@ -19,6 +19,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import numpy as np
 import psutil
@@ -32,7 +33,7 @@ from backend.triton.launcher.processes import process_names, tree_rss
 from client.grpc_stream import generate, start_stream
 from client.schema import input_tensors, raw_input_values
 from loadtest.metrics import model_sample, scrape_metrics
-from tests.server_harness import REPO_ROOT, error_kind, make_repository
+from tests.server_harness import REPO_ROOT, ServerSlot, error_kind, make_repository
 
 pytestmark = [pytest.mark.server]
 MODELS = ("llm_dynamic", "llm_continuous")
@@ -90,10 +91,19 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
-def tiny_server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
-    """Both models on the tiny Llama with the shipped limits (queue 256, max_num_seqs 8)."""
+def tiny_slot(triton_server_factory, tiny_llama_dir, tmp_path_factory) -> ServerSlot:
+    """Both models on the tiny Llama with the shipped limits (queue 256, max_num_seqs 8), shared by the module."""
     repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository")
-    return triton_server_factory.start(repo, model=tiny_llama_dir)
+    return ServerSlot(triton_server_factory, repo, model=tiny_llama_dir)
+
+
+@pytest.fixture
+def tiny_server(tiny_slot):
+    """The module's server; a test it dies in fails for it, and the next test gets a new one."""
+    yield tiny_slot.live()
+    if not tiny_slot.server.is_running:
+        site = tiny_slot.known_crash() or "see the log tail"
+        pytest.fail(f"tritonserver died during this test ({site})")
 
 
 # ---- bad input: a clear error for that request only ------------------------------------------------------------
@@ -301,8 +311,24 @@ def test_unknown_keys_are_refused_wherever_they_appear(tiny_server):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tiny_server):
-    server = tiny_server
+def test_200_streams_cancelled_at_random_points_leave_nothing_behind(tiny_slot, tiny_server):
+    # NOTE: Triton 2.51's gRPC frontend can crash on a stream whose state it freed while a cancellation notice for it
+    # was still queued (docs/server.md, "A known crash in Triton 2.51"); 200 cancels hit it now and then. Such a run
+    # says nothing about this project's code: run again on a new server, at most twice. Any other failure or crash,
+    # or a third one, fails the test.
+    for attempt in range(3):
+        try:
+            cancel_200_streams_and_check(tiny_server)
+            return
+        except Exception:
+            site = tiny_slot.known_crash()
+            if site is None or attempt == 2:
+                raise
+            warnings.warn(f"tritonserver crashed in its gRPC frontend ({site}); cancelling again", stacklevel=1)
+            tiny_server = tiny_slot.restart()
+
+
+def cancel_200_streams_and_check(server) -> None:
     rng = random.Random(8)
     aborted_before = {m: metric(server, "llm_request_success_total", m, finish_reason="abort") for m in MODELS}
     cancelled = {m: 0 for m in MODELS}

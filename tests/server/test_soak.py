@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from backend.contract.names import ITERATIVE, MODELS
+from backend.triton.launcher import crash
 from tests.server_harness import REPO_ROOT, make_repository
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -50,7 +51,7 @@ def test_every_request_of_every_client_behaviour_ends_and_the_server_lets_go(tin
     for attempt in range(3):
         code, report = soak(tiny_llama_dir, tmp_path / f"soak-{attempt}")
         if report["checks"]["server_stayed_up"] or not (report.get("server_crash_site") or "").startswith(
-            ("triton::server::grpc::", "grpc_core::", "grpc::")
+            crash.KNOWN_FRONTEND_CRASH
         ):
             break
         warnings.warn(f"tritonserver crashed in its gRPC frontend ({report['server_crash_site']}); soaking again",

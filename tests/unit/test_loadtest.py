@@ -615,7 +615,8 @@ def test_soak_shows_the_crash_when_the_server_dies(tmp_path):
     assert soak.crash_lines(log, count=3) == ["line 27", "line 28", "line 29"]
 
 
-def test_soak_names_the_function_a_tritonserver_crash_happened_in():
+def test_a_tritonserver_crash_is_named_and_the_known_grpc_frontend_one_told_apart():
+    from backend.triton.launcher import crash
     from backend.triton.launcher.server_home import server_distribution
 
     binary = server_distribution()[0] / "bin" / "tritonserver"
@@ -624,12 +625,21 @@ def test_soak_names_the_function_a_tritonserver_crash_happened_in():
     handler = address["triton::server::(anonymous namespace)::ErrorSignalHandler(int)"]
     process = next(a for name, a in address.items() if name.startswith("triton::server::grpc::ModelStreamInferHandler"
                                                                          "::Process("))
+    elsewhere = next(a for name, a in address.items() if name.startswith("triton::server::HTTPAPIServer::"))
     base = 0x5618B9F7C000  # where the binary was loaded: any page-aligned address
-    stack = ["Signal (11) received.", f" 0# 0x{base + handler + 0xBD:016X} in {binary}",
-             " 1# 0x00007F0DB4E5A050 in /lib/x86_64-linux-gnu/libc.so.6",
-             f" 2# 0x{base + process + 0x3E:016X} in {binary}"]
-    assert soak.crash_site(stack).startswith("triton::server::grpc::ModelStreamInferHandler::Process(")
-    assert soak.crash_site(stack[:2]) is None and soak.crash_site(["Signal (11) received."]) is None
+
+    def stack(fault: int) -> list[str]:
+        return ["Signal (11) received.", f" 0# 0x{base + handler + 0xBD:016X} in {binary}",
+                " 1# 0x00007F0DB4E5A050 in /lib/x86_64-linux-gnu/libc.so.6",
+                f" 2# 0x{base + fault + 0x3E:016X} in {binary}"]
+
+    assert crash.crash_site(stack(process)).startswith("triton::server::grpc::ModelStreamInferHandler::Process(")
+    assert crash.crash_site(stack(process)[:2]) is None and crash.crash_site(["Signal (11) received."]) is None
+    log = ["I1205 12:23:05 started", "I1205 12:23:06 loaded", *stack(process), "I1205 pb_stub.cc Non-graceful"]
+    assert crash.known_frontend_crash(log).startswith("triton::server::grpc::ModelStreamInferHandler::Process(")
+    assert crash.crash_site(stack(elsewhere)).startswith("triton::server::HTTPAPIServer::")
+    assert crash.known_frontend_crash(stack(elsewhere)) is None
+    assert crash.known_frontend_crash(["I1205 12:23:05 started", "error: creating server: Internal"]) is None
 
 
 # ---- the soak's accounting ----------------------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from backend.contract.settings import (
     SERVED_MODELS_ENV_VAR,
     STALL_TIMEOUT_ENV_VAR,
 )
-from backend.triton.launcher import shutdown, watchdog
+from backend.triton.launcher import crash, shutdown, watchdog
 from backend.triton.launcher.launch_options import (
     ADMIN_HEADER,
     GRPC_HEADER_PREFIX,
@@ -237,6 +237,10 @@ def _serve(server: TritonServer, new_server: Callable[..., TritonServer], args: 
             break
         restarts += 1
         why = "was ended: a model stalled" if stalls else f"died by signal {-code}"
+        site = None if stalls else crash.crash_site(crash.crash_lines(server.output_lines()))
+        if site is not None:
+            known = site.startswith(crash.KNOWN_FRONTEND_CRASH)
+            why += f" in {site}" + (" (Triton 2.51's known gRPC-frontend race: docs/server.md)" if known else "")
         _log(f"tritonserver {why}; restarting it ({restarts} of {args.max_restarts})")
         server = new_server(env={ADMIN_KEY_ENV_VAR: server.admin_key})
         try:

@@ -253,9 +253,20 @@ class TritonServer(ChildProcess):
         except (urllib.error.URLError, OSError):
             return False
 
+    def metrics_ready(self) -> bool:
+        """Whether its metrics port answers; True for a server started with ``--allow-metrics false``."""
+        if (option_value(self.extra_args, "--allow-metrics") or "true").lower() in ("false", "0", "no", "off"):
+            return True
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
     def wait_ready(self, timeout: float | None = None) -> float:
-        """Block until ``/v2/health/ready`` answers 200 (at most ``timeout``, default ``ready_timeout`` s); return
-        seconds since start.
+        """Block until ``/v2/health/ready`` answers 200 and the metrics port answers too (tritonserver opens it tens
+        of milliseconds after HTTP, and the probes and watchdog read it), at most ``timeout`` (default
+        ``ready_timeout``) s; return seconds since start.
 
         Raises :class:`ServerError` with the server's own error lines if it exits first or times out.
         """
@@ -267,7 +278,7 @@ class TritonServer(ChildProcess):
             if self._process.poll() is not None:
                 self._drain_output()
                 raise ServerError(self._failure(f"tritonserver exited with status {self._process.returncode}"))
-            if self.is_ready():
+            if self.is_ready() and self.metrics_ready():
                 return time.monotonic() - self.started_at
             if time.monotonic() > deadline:
                 raise ServerError(self._failure(f"tritonserver was not ready after {timeout:.0f} s"))
