@@ -508,24 +508,34 @@ def test_a_full_queue_is_a_429_and_the_model_recovers(frontend, sdk, triton, mod
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", ["llm_continuous", "llm_dynamic"])
 def test_a_client_that_disconnects_mid_stream_cancels_its_triton_request(frontend, sdk, triton, model):
-    assert metric(triton, "llm_kv_blocks_used", model) == 0
-    generated_before = metric(triton, "llm_generation_tokens_total", model)
-    body = {"model": model, "prompt": "Tell me a long story", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True,
+    max_tokens = MAX_MODEL_LEN - 16
+    body = {"model": model, "prompt": "Tell me a long story", "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True}
-    with requests.post(f"{frontend.url}/v1/completions", json=body, stream=True, timeout=60) as r:
-        tokens = 0
-        for line in r.iter_lines():
-            tokens += line.startswith(b"data: {")
-            if tokens == 5:
-                break
-        assert metric(triton, "llm_kv_blocks_used", model) > 0
-    disconnected = time.monotonic()  # the connection is closed here
-    while metric(triton, "llm_kv_blocks_used", model) > 0:
-        assert time.monotonic() - disconnected < 5, "the request's KV blocks were not freed"
-        time.sleep(0.02)
-    freed_after = time.monotonic() - disconnected
-    generated = metric(triton, "llm_generation_tokens_total", model) - generated_before
-    assert generated < MAX_MODEL_LEN - 16, f"the request ran to its end ({generated} tokens)"
+    # NOTE: the server makes tokens whether or not this client reads them: a client starved of the CPU for a second
+    # on a loaded 2-core machine can find the whole answer made before it read its fifth event. Then there was
+    # nothing left to cancel, and the test asks again (at most twice more); any other outcome is judged at once.
+    for attempt in range(3):
+        assert metric(triton, "llm_kv_blocks_used", model) == 0
+        generated_before = metric(triton, "llm_generation_tokens_total", model)
+        with requests.post(f"{frontend.url}/v1/completions", json=body, stream=True, timeout=60) as r:
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith(b"data: {")
+                if events == 5:
+                    break
+            assert events == 5, f"the stream ended after {events} events"
+            blocks_held = metric(triton, "llm_kv_blocks_used", model)
+        disconnected = time.monotonic()  # the connection is closed here
+        while metric(triton, "llm_kv_blocks_used", model) > 0:
+            assert time.monotonic() - disconnected < 5, "the request's KV blocks were not freed"
+            time.sleep(0.02)
+        freed_after = time.monotonic() - disconnected
+        generated = metric(triton, "llm_generation_tokens_total", model) - generated_before
+        if blocks_held == 0 and generated == max_tokens and attempt < 2:
+            continue  # the answer was complete before the disconnect
+        assert blocks_held > 0, f"the request held no KV blocks while streaming ({generated} tokens made)"
+        assert generated < max_tokens, f"the request ran to its end ({generated} tokens)"
+        break
     print(f"{model}: KV blocks free {1000 * freed_after:.0f} ms after the disconnect, after {generated:.0f} tokens")
     assert_still_serves(sdk, model)
 

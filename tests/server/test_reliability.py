@@ -396,20 +396,28 @@ def test_an_http_stream_disconnect_cancels_the_request(tiny_server, model):
     """Triton 2.51 notices a closed /generate_stream connection and cancels the request: generation stops within
     a step or two instead of running to max_tokens."""
     server = tiny_server
-    aborted_before = metric(server, "llm_request_success_total", model, finish_reason="abort")
-    generated_before = metric(server, "llm_generation_tokens_total", model)
     body = {"text_input": "Tell me a long story", "max_tokens": 250, "ignore_eos": True, "stream": True}
-    with requests.post(f"{server.http_url}/v2/models/{model}/generate_stream", json=body, stream=True,
-                       timeout=60) as response:
-        events = 0
-        for line in response.iter_lines():
-            events += line.startswith(b"data:")
-            if events == 3:
-                break
-    after = wait_gauges_zero(server, [model])
-    assert all(v == 0 for v in after.values()), after
-    assert metric(server, "llm_request_success_total", model, finish_reason="abort") == aborted_before + 1
-    assert metric(server, "llm_generation_tokens_total", model) - generated_before < 250
+    # NOTE: a client starved of the CPU on a loaded machine can find the whole answer made before it read its third
+    # event (tests/server/test_openai.py's disconnect test says more): then the test asks again, at most twice more.
+    for attempt in range(3):
+        aborted_before = metric(server, "llm_request_success_total", model, finish_reason="abort")
+        generated_before = metric(server, "llm_generation_tokens_total", model)
+        with requests.post(f"{server.http_url}/v2/models/{model}/generate_stream", json=body, stream=True,
+                           timeout=60) as response:
+            events = 0
+            for line in response.iter_lines():
+                events += line.startswith(b"data:")
+                if events == 3:
+                    break
+        assert events == 3, f"the stream ended after {events} events"
+        after = wait_gauges_zero(server, [model])
+        assert all(v == 0 for v in after.values()), after
+        generated = metric(server, "llm_generation_tokens_total", model) - generated_before
+        if generated == 250 and attempt < 2:
+            continue  # the answer was complete before the disconnect
+        assert metric(server, "llm_request_success_total", model, finish_reason="abort") == aborted_before + 1
+        assert generated < 250
+        break
 
 
 # ---- security --------------------------------------------------------------------------------------------------
