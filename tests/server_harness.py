@@ -144,6 +144,17 @@ def make_repository(
     return dst
 
 
+def read_events(response, count: int, prefix: bytes = b"data:") -> None:
+    """Read a server-sent event stream (a ``requests`` response) up to its ``count``-th line starting with ``prefix``,
+    and stop there, the connection still open; fail if the stream ends first."""
+    events = 0
+    for line in response.iter_lines():
+        events += line.startswith(prefix)
+        if events == count:
+            return
+    raise AssertionError(f"the stream ended after {events} events")
+
+
 def servers_alive_since(t0: float) -> list[TritonServer]:
     """Servers that were running at some point after ``t0`` (``time.monotonic()``): the ones a test may have used."""
     return [s for s in _servers if s.started_at is not None and (s.stopped_at is None or s.stopped_at >= t0)]

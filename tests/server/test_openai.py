@@ -24,7 +24,7 @@ from frontend.openai.process import FrontendProcess
 from frontend.openai.protocol import ChatCompletionRequest
 from loadtest.metrics import model_sample, scrape_metrics
 from tests.server.test_loadtest import read_requests, run_locust
-from tests.server_harness import make_repository
+from tests.server_harness import make_repository, read_events
 
 MODELS = ("llm_static", "llm_dynamic", "llm_iterative", "llm_continuous")
 MAX_MODEL_LEN = 512
@@ -518,12 +518,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_triton_request(fronten
         assert metric(triton, "llm_kv_blocks_used", model) == 0
         generated_before = metric(triton, "llm_generation_tokens_total", model)
         with requests.post(f"{frontend.url}/v1/completions", json=body, stream=True, timeout=60) as r:
-            events = 0
-            for line in r.iter_lines():
-                events += line.startswith(b"data: {")
-                if events == 5:
-                    break
-            assert events == 5, f"the stream ended after {events} events"
+            read_events(r, 5, b"data: {")
             blocks_held = metric(triton, "llm_kv_blocks_used", model)
         disconnected = time.monotonic()  # the connection is closed here
         while metric(triton, "llm_kv_blocks_used", model) > 0:

@@ -33,7 +33,7 @@ from backend.triton.launcher.processes import process_names, tree_rss
 from client.grpc_stream import generate, start_stream
 from client.schema import input_tensors, raw_input_values
 from loadtest.metrics import model_sample, scrape_metrics
-from tests.server_harness import REPO_ROOT, ServerSlot, error_kind, make_repository
+from tests.server_harness import REPO_ROOT, ServerSlot, error_kind, make_repository, read_events
 
 pytestmark = [pytest.mark.server]
 MODELS = ("llm_dynamic", "llm_continuous")
@@ -404,12 +404,7 @@ def test_an_http_stream_disconnect_cancels_the_request(tiny_server, model):
         generated_before = metric(server, "llm_generation_tokens_total", model)
         with requests.post(f"{server.http_url}/v2/models/{model}/generate_stream", json=body, stream=True,
                            timeout=60) as response:
-            events = 0
-            for line in response.iter_lines():
-                events += line.startswith(b"data:")
-                if events == 3:
-                    break
-        assert events == 3, f"the stream ended after {events} events"
+            read_events(response, 3)
         after = wait_gauges_zero(server, [model])
         assert all(v == 0 for v in after.values()), after
         generated = metric(server, "llm_generation_tokens_total", model) - generated_before

@@ -52,7 +52,12 @@ def crash_site(lines: list[str]) -> str | None:
     return where[0] if where and where[0] != "??" else None
 
 
+def is_known_frontend_crash(site: str | None) -> bool:
+    """Whether a crash site (``crash_site``) is in the known gRPC-frontend race."""
+    return site is not None and site.startswith(KNOWN_FRONTEND_CRASH)
+
+
 def known_frontend_crash(lines: list[str]) -> str | None:
     """The crash site when the output ends in the known gRPC-frontend crash; None for any other ending."""
     site = crash_site(crash_lines(lines))
-    return site if site is not None and site.startswith(KNOWN_FRONTEND_CRASH) else None
+    return site if is_known_frontend_crash(site) else None

@@ -239,8 +239,9 @@ def _serve(server: TritonServer, new_server: Callable[..., TritonServer], args: 
         why = "was ended: a model stalled" if stalls else f"died by signal {-code}"
         site = None if stalls else crash.crash_site(crash.crash_lines(server.output_lines()))
         if site is not None:
-            known = site.startswith(crash.KNOWN_FRONTEND_CRASH)
-            why += f" in {site}" + (" (Triton 2.51's known gRPC-frontend race: docs/server.md)" if known else "")
+            why += f" in {site}"
+        if crash.is_known_frontend_crash(site):
+            why += " (Triton 2.51's known gRPC-frontend race: docs/server.md)"
         _log(f"tritonserver {why}; restarting it ({restarts} of {args.max_restarts})")
         server = new_server(env={ADMIN_KEY_ENV_VAR: server.admin_key})
         try:
