@@ -1,11 +1,16 @@
 """``bench.engine`` end to end on the tiny random Llama with the smallest settings: it runs and writes every
-key."""
+key; and the served column's reading of the server's CPU time."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+
+import pytest
 
 from bench import engine, engine_record, engine_table
+from bench.served import _cpu_seconds
 from records.record import Record
 
 
@@ -40,7 +45,7 @@ def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
         ("llm_continuous", b, t) for b in (1, 2) for t in (0.0, 1.0)}
     for run in served:
         assert run["itl_ms"] > 0 and run["ratio"] == run["itl_ms"] / run["offline_step_ms"]
-        assert run["client_cpu"] >= 0 and run["server_cpu"] > 0
+        assert run["client_cpu"] >= 0 and run["server_cpu"] > 0  # to the nanosecond: a server that decoded used some
     targets = {t["name"]: t for t in result["targets"]}
     assert len(targets) == len(result["targets"]) and all(t["met"] in (True, False, None) for t in targets.values())
     assert rows[0]["hf_tok_s"] > 0 and rows[0]["ratio"] > 0
@@ -83,3 +88,42 @@ def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
     assert [r["policy"] for r in record.tables["workload"].rows] == ["continuous", "static"]
     assert [r["verdict"] for r in record.tables["targets"].rows] == [
         {True: "met", False: "missed", None: "not judged"}[t["met"]] for t in result["targets"]]
+
+
+# A process that, once started and told to on stdin, burns 2 ms of CPU on a thread that then ends, says so, and waits
+# to be closed.
+_BURN = """
+import sys, threading, time
+
+def burn():
+    start = time.thread_time()
+    while time.thread_time() - start < 0.002:
+        pass
+
+print("ready", flush=True)
+sys.stdin.readline()
+worker = threading.Thread(target=burn)
+worker.start()
+worker.join()
+print("burnt", flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_server_cpu_counts_what_a_clock_tick_misses():
+    """2 ms of CPU, less than the 10 ms tick that /proc/PID/stat counts (a four-token run's server read 0.0 there),
+    burnt by a thread that has ended before the second reading; a process that is gone counts 0."""
+    child = subprocess.Popen([sys.executable, "-c", _BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        before = _cpu_seconds([child.pid])
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "burnt\n"
+        after = _cpu_seconds([child.pid])
+        assert 0.002 <= after - before < 30
+    finally:
+        child.kill()
+        child.wait()
+    assert _cpu_seconds([child.pid]) == 0.0
