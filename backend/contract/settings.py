@@ -18,6 +18,7 @@ SERVER_HOME_ENV_VAR = "TRITONSERVER_HOME"  # a tritonserver layout to use instea
 # ---- `make serve` and the container (each beside its command-line flag) -----------------------------------------
 MODEL_DIR_ENV_VAR = "MODEL"  # --model
 STALL_TIMEOUT_ENV_VAR = "STALL_TIMEOUT"  # --stall-timeout
+HANG_TIMEOUT_ENV_VAR = "HANG_TIMEOUT"  # --hang-timeout
 OPENAI_PORT_ENV_VAR = "OPENAI_PORT"  # the OpenAI frontend's --port
 API_KEY_ENV_VAR = "LLM_API_KEY"  # the OpenAI frontend's API key
 SERVED_MODELS_ENV_VAR = "LLM_SERVED_MODELS"  # --models

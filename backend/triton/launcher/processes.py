@@ -72,6 +72,14 @@ def is_alive(pid: int) -> bool:
     return state not in _ENDED
 
 
+def process_state(pid: int) -> str | None:
+    """Process ``pid``'s state letter as /proc shows it ("R" running, "S" asleep, "T" stopped, ...); None once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def cpu_seconds(pid: int) -> float | None:
     """CPU time process ``pid`` has used so far, all its threads, user and system; None once it is gone."""
     try:

@@ -6,8 +6,10 @@
 It starts one :class:`~backend.triton.launcher.server.TritonServer` (the binary from
 ``backend.triton.launcher.server_home``, the checks and admin flags of ``backend.triton.launcher.launch_options``),
 echoes its output, and starts it again on the same ports when it dies by a signal nobody sent it, or when the
-watchdog ended it because a model's queue stopped moving (``backend.triton.launcher.watchdog``; ``--stall-timeout``);
-both count toward ``--max-restarts``. Ctrl-C or SIGTERM stops it gracefully; a second one kills it with its stubs.
+watchdog ended it because a model's queue stopped moving (``--stall-timeout``) or because it answered nothing
+(``--hang-timeout``: a hung or SIGSTOPped tritonserver; ``backend.triton.launcher.watchdog``); all count toward
+``--max-restarts``. Ctrl-C or SIGTERM stops it gracefully, within its exit timeout and a margin whatever state
+tritonserver is in (``shutdown.stop`` then kills its process group); a second one kills it with its stubs at once.
 
 The launcher's parts are also importable from here, as they were before it was split by job: ``server_home`` (the
 Docker image calls it), ``TritonServer``, ``start_on_free_ports`` and ``copy_model_repository``.
@@ -32,6 +34,7 @@ from backend.contract.settings import (
     DEFAULT_MODEL,
     DRAIN_DELAY_ENV_VAR,
     DRAINING_SIGNAL,
+    HANG_TIMEOUT_ENV_VAR,
     MODEL_DIR_ENV_VAR,
     MODEL_ENV_VAR,
     MODEL_PARAMETERS_ENV_VAR,
@@ -113,6 +116,14 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         "%(default)s; 0: never)",
     )
     parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=float(os.environ.get(HANG_TIMEOUT_ENV_VAR) or watchdog.HANG_TIMEOUT_S),
+        help="restart tritonserver when /v2/health/live or its metrics port has answered nothing for this many "
+        f"seconds ({watchdog.MIN_FAILED_PROBES} probes in a row at least, {watchdog.PROBE_TIMEOUT_S:g} s each): a "
+        "hung or stopped process (default: $HANG_TIMEOUT or %(default)s; 0: never)",
+    )
+    parser.add_argument(
         "--drain-delay",
         type=float,
         default=float(os.environ.get(DRAIN_DELAY_ENV_VAR) or 0),
@@ -140,9 +151,9 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args, extra_args = parse_args(sys.argv[1:] if argv is None else argv)
-    # Every option but this loop's own (--max-restarts, --openai-port, --stall-timeout) is one of TritonServer's
+    # Every option but this loop's own (--max-restarts, --openai-port, --stall-timeout, ...) is one of TritonServer's
     # keywords.
-    own = ("max_restarts", "openai_port", "stall_timeout", "models", "parameter", "drain_delay")
+    own = ("max_restarts", "openai_port", "stall_timeout", "hang_timeout", "models", "parameter", "drain_delay")
     shipped = args.model_repository
     try:
         args.model_repository = str(served_repository(shipped, args.models, args.parameter))
@@ -226,34 +237,34 @@ def _serve(server: TritonServer, new_server: Callable[..., TritonServer], args: 
             flush=True,
         )
         stalls = []
-        if args.stall_timeout > 0:
+        if args.stall_timeout > 0 or args.hang_timeout > 0:
             stalls = watchdog.supervise(server.pid, server.metrics_url, args.metrics_port, args.stall_timeout,
-                                        stopping=lambda: bool(signals_received), log=_log)
+                                        stopping=lambda: bool(signals_received), log=_log,
+                                        live_urls=server.liveness_urls(), hang_timeout_s=args.hang_timeout)
         code = server.wait()
         # NOTE: a signal nobody here sent is a crash (the bundled Triton's gRPC frontend can crash under heavy
-        # stream cancellation; docs/server.md), and a stalled server was killed here. Come back on the same ports
-        # with the same admin key.
+        # stream cancellation; docs/server.md), and a stalled or hung server was killed here. Come back on the same
+        # ports with the same admin key.
         if signals_received or code >= 0 or restarts >= args.max_restarts:
             break
         restarts += 1
-        why = "was ended: a model stalled" if stalls else f"died by signal {-code}"
-        site = None if stalls else crash.crash_site(crash.crash_lines(server.output_lines()))
-        if site is not None:
-            why += f" in {site}"
-        if crash.is_known_frontend_crash(site):
-            why += " (Triton 2.51's known gRPC-frontend race: docs/server.md)"
-        _log(f"tritonserver {why}; restarting it ({restarts} of {args.max_restarts})")
+        _log(f"tritonserver {_why_it_ended(server, code, stalls)}; restarting it ({restarts} of {args.max_restarts})")
         server = new_server(env={ADMIN_KEY_ENV_VAR: server.admin_key})
         try:
             server.start()
         except LauncherError as exc:
             print(f"serve: error: {exc}", file=sys.stderr)
             return 2
+        if signals_received:  # a stop asked for while no server ran: this one stops too
+            server.begin_stop(signals_received[0])
     status = shutdown.exit_status(code, server.stop_result)
     if server.stop_result is not None and server.stop_result.forced is not None and status == 0:
         _log("the stop ended tritonserver (the forced line above): exit status 0")
+    elif server.stop_result is not None and server.stop_result.killed is not None:
+        _log(f"the stop killed tritonserver (the killed line above): exit status {status}")
     elif stalls and not signals_received:
-        _log(f"tritonserver was ended because a model stalled, and no restart is left (--max-restarts "
+        cause = "it hung" if isinstance(stalls[0], watchdog.Hang) else "a model stalled"
+        _log(f"tritonserver was ended because {cause}, and no restart is left (--max-restarts "
              f"{args.max_restarts}): exit status {status}")
     else:
         _log(f"tritonserver exited with status {status}")
@@ -264,6 +275,21 @@ def _serve(server: TritonServer, new_server: Callable[..., TritonServer], args: 
              "answer), or a client connection could not be closed, so the stop could not end a model that would not "
              "unload; see docs/server.md, \"Stopping the server\"")
     return status
+
+
+def _why_it_ended(server: TritonServer, code: int, ended: Sequence[watchdog.Stall | watchdog.Hang]) -> str:
+    """Why tritonserver ended (``ended``: what the watchdog killed it for, if it did), in words, with the function
+    that crashed when its output holds a crash's stack."""
+    if ended:
+        why = "was ended: it hung" if isinstance(ended[0], watchdog.Hang) else "was ended: a model stalled"
+    else:
+        why = f"died by signal {-code}"
+    site = crash.crash_site(crash.crash_lines(server.output_lines()))
+    if site is not None:
+        why += f" in {site}" if not ended else f" (after a crash in {site})"
+    if crash.is_known_frontend_crash(site):
+        why += " (Triton 2.51's known gRPC-frontend race: docs/server.md)"
+    return why
 
 
 def served_repository(repository: str, models: str, parameters: Sequence[str]) -> Path:

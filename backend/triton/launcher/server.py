@@ -255,13 +255,23 @@ class TritonServer(ChildProcess):
 
     def metrics_ready(self) -> bool:
         """Whether its metrics port answers; True for a server started with ``--allow-metrics false``."""
-        if (option_value(self.extra_args, "--allow-metrics") or "true").lower() in ("false", "0", "no", "off"):
+        if not shutdown.flag_enabled(self.extra_args, "--allow-metrics"):
             return True
         try:
             with urllib.request.urlopen(self.metrics_url, timeout=2) as response:
                 return response.status == 200
         except (urllib.error.URLError, OSError):
             return False
+
+    def liveness_urls(self) -> dict[str, str]:
+        """``name -> url`` of what answers while tritonserver runs: ``/v2/health/live`` and its metrics page (each one
+        only when it was not turned off: ``--allow-http false``, ``--allow-metrics false``)."""
+        urls = {}
+        if shutdown.flag_enabled(self.extra_args, "--allow-http"):
+            urls["/v2/health/live"] = f"{self.http_url}/v2/health/live"
+        if shutdown.flag_enabled(self.extra_args, "--allow-metrics"):
+            urls["the metrics port"] = self.metrics_url
+        return urls
 
     def wait_ready(self, timeout: float | None = None) -> float:
         """Block until ``/v2/health/ready`` answers 200 and the metrics port answers too (tritonserver opens it tens

@@ -24,7 +24,10 @@ response). If a model then cannot unload, the stop ends it: once tritonserver wa
 report "Found N live models"), no request is open in any model or in Triton's queue, no client is connected, and
 every stub left has sat idle for ``UNLOAD_IDLE_S``, it kills the stubs and tritonserver and logs one "forced:" line
 that names the models; :func:`exit_status` reports that exit as 0. A request still open, a crash, or anything else
-keeps tritonserver's own status. "No request open" is the models' own word (their gauges count a request from
+keeps tritonserver's own status. Whatever else happens (a hung or SIGSTOPped tritonserver that answers nothing and
+cannot act on the signal), the stop is bounded: a tritonserver that has not exited ``KILL_MARGIN_S`` after its own
+exit timeout is killed with its process group, with one "killed:" line, and reported as the SIGKILL it is.
+"No request open" is the models' own word (their gauges count a request from
 before its first step, so one whose step never returns too): Triton 2.51 counts no request of a decoupled Python
 model as in flight, and goes on to unload with one stuck in execute().
 
@@ -53,13 +56,14 @@ from pathlib import Path
 if not __package__:  # run as a file (python3 backend/triton/launcher/shutdown.py): put the project on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from backend.contract import names, prometheus  # noqa: E402
-from backend.contract.server_args import command_line, drain_grace, option_value  # noqa: E402
+from backend.contract.server_args import command_line, drain_grace, exit_timeout, option_value  # noqa: E402
 from backend.triton.launcher import watchdog  # noqa: E402
 from backend.triton.launcher.processes import (  # noqa: E402
     children,
     cpu_seconds,
     is_alive,
     kill_process_group,
+    process_state,
     stub_models,
 )
 
@@ -77,6 +81,9 @@ GRPC_IDLE_S = 2.5
 # unloading for stalled: a model that can unload does so within a second of the drain (its stub busy finalizing),
 # and this must fit, with the drain, inside the tests' 5-s exit timeout.
 UNLOAD_IDLE_S = 2.0
+# A tritonserver still there this long after its --exit-timeout-secs ran out cannot end by itself (hung, stopped):
+# it is killed with its process group. Its own exit after the timeout takes a second or two.
+KILL_MARGIN_S = 5.0
 IDLE_CPU_S = 0.05  # CPU time within which a process still counts as idle (a stuck stub's own threads use ~2 ms/s)
 POLL_S = 0.2
 _SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
@@ -91,6 +98,11 @@ Log = Callable[[str], None]
 def _port(args: Sequence[str], name: str, default: int) -> int:
     value = option_value(args, name)
     return int(value) if value is not None and value.isdigit() else default
+
+
+def flag_enabled(args: Sequence[str], flag: str) -> bool:
+    """Whether a tritonserver ``--allow-*`` flag is on in ``args`` (it is unless turned off)."""
+    return (option_value(args, flag) or "true").lower() not in ("false", "0", "no", "off")
 
 
 # ---- the signal -----------------------------------------------------------------------------------------------
@@ -232,10 +244,12 @@ class IdleClock:
 
 @dataclass(frozen=True)
 class StopResult:
-    """What :func:`stop` did, in words; ``forced`` is its line when it ended tritonserver itself."""
+    """What :func:`stop` did, in words; ``forced`` is its line when it ended tritonserver because a model could not
+    unload with nothing open, ``killed`` when it ended one that outlived its exit timeout."""
 
     summary: str
     forced: str | None = None
+    killed: str | None = None
 
 
 def exit_status(code: int, stopped: StopResult | None = None) -> int:
@@ -247,11 +261,12 @@ def exit_status(code: int, stopped: StopResult | None = None) -> int:
 
 
 def _end_stuck_unload(pid: int, output: Callable[[], Iterable[str]], metrics_url: str, ports: Sequence[int],
-                      poll: float) -> str | None:
-    """Until tritonserver ``pid`` exits: once its unloading stalls with nothing open (the module's docstring), kill
-    it with its stubs and return the line that says so. None when it exited by itself."""
+                      poll: float, deadline: float) -> str | None:
+    """Until tritonserver ``pid`` exits, at most until ``deadline`` (``time.monotonic()``): once its unloading stalls
+    with nothing open (the module's docstring), kill it with its stubs and return the line that says so. None when it
+    exited by itself, or the deadline came first."""
     clock = IdleClock()
-    while is_alive(pid):
+    while is_alive(pid) and time.monotonic() < deadline:
         stubs = stub_models(pid)
         cpu = {stub: used for stub in stubs if (used := cpu_seconds(stub)) is not None}
         idle = clock.update(cpu, time.monotonic())
@@ -277,7 +292,9 @@ def stop(pid: int, sig: int = signal.SIGTERM, *, host: str = "127.0.0.1", log: L
 
     ``output`` returns its latest output lines (its log: the shutdown reports). With it, and a tritonserver that
     leads its own process group (as the launcher and :func:`run` start it), this returns once tritonserver has
-    exited, ended here if a model could not unload; without, once its client connections are shut down."""
+    exited, ended here if a model could not unload; without, once its client connections are shut down. A
+    tritonserver that leads its process group and is still there ``KILL_MARGIN_S`` after its exit timeout is killed
+    with its group (``killed``), whatever state it is in."""
     args = command_line(pid)
     if not args:
         return StopResult("tritonserver had already exited")
@@ -285,6 +302,7 @@ def stop(pid: int, sig: int = signal.SIGTERM, *, host: str = "127.0.0.1", log: L
     http_port, grpc_port = _port(args, "--http-port", 8000), _port(args, "--grpc-port", 8001)
     metrics_url = f"http://{host}:{_port(args, '--metrics-port', 8002)}/metrics"
     t0 = time.monotonic()
+    kill_at = t0 + exit_timeout(args) + KILL_MARGIN_S
     signal_server(pid, sig)
     log(f"draining: new requests are refused; running ones may finish for {grace:.0f} s")
 
@@ -312,6 +330,7 @@ def stop(pid: int, sig: int = signal.SIGTERM, *, host: str = "127.0.0.1", log: L
     # only once idle: cutting a stream just after its last response is what trips 2.51's gRPC race (top of this
     # module), and a busy gRPC connection holds nothing up (its streams end, each new request is refused).
     closed = 0
+    message = None
     deadline = time.monotonic() + GRPC_IDLE_S + 2.0
     while is_alive(pid) and time.monotonic() < deadline:
         http, grpc = client_connections(pid, [http_port]), client_connections(pid, [grpc_port])
@@ -322,18 +341,36 @@ def stop(pid: int, sig: int = signal.SIGTERM, *, host: str = "127.0.0.1", log: L
         except ProcessLookupError:  # it exited meanwhile
             break
         except OSError as exc:
-            log(f"{drained}; cannot close the {len(http) + len(grpc)} client connections still open ({exc}): "
-                "tritonserver waits for them up to its --exit-timeout-secs")
-            return StopResult(drained)
+            message = (f"{drained}; cannot close the {len(http) + len(grpc)} client connections still open ({exc}): "
+                       "tritonserver waits for them up to its --exit-timeout-secs")
+            break
         time.sleep(poll)
-    message = f"{drained}; closed {closed} client connection{'s' * (closed != 1)} left open" if closed else drained
+    if message is None:
+        message = f"{drained}; closed {closed} client connection{'s' * (closed != 1)} left open" if closed else drained
     log(message)
     if output is None or not _leads_its_group(pid):
         return StopResult(message)
-    forced = _end_stuck_unload(pid, output, metrics_url, [http_port, grpc_port], poll)
+    forced = _end_stuck_unload(pid, output, metrics_url, [http_port, grpc_port], poll, kill_at)
     if forced is not None:
         log(forced)
-    return StopResult(message, forced)
+        return StopResult(message, forced)
+    killed = kill_if_left(pid, time.monotonic() - t0, sig)
+    if killed is not None:
+        log(killed)
+    return StopResult(message, killed=killed)
+
+
+def kill_if_left(pid: int, waited: float, sig: int) -> str | None:
+    """Kill tritonserver ``pid`` and its process group if it is still there; the line that says so (``waited``: the
+    seconds since ``sig`` was sent), or None when it had exited."""
+    if not is_alive(pid):
+        return None
+    state = process_state(pid)
+    kill_process_group(pid)
+    how = {"T": " (it was stopped: SIGSTOP)", "t": " (it was stopped by a debugger)", "D": " (it was stuck in the "
+           "kernel: uninterruptible sleep)"}.get(state or "", "")
+    return (f"killed: tritonserver had not exited {waited:.0f} s after {signal.Signals(sig).name}{how}; killed "
+            "it and its stubs (SIGKILL to its process group)")
 
 
 def _leads_its_group(pid: int) -> bool:
@@ -346,13 +383,19 @@ def _leads_its_group(pid: int) -> bool:
 # ---- running a server under this stop (the container) ---------------------------------------------------------
 
 
-def run(command: Sequence[str], log: Log | None = None, stall_timeout: float = watchdog.STALL_TIMEOUT_S) -> int:
+def run(command: Sequence[str], log: Log | None = None, stall_timeout: float = watchdog.STALL_TIMEOUT_S,
+        hang_timeout: float = watchdog.HANG_TIMEOUT_S) -> int:
     """Run ``command`` (tritonserver and its arguments), its output echoed; the first SIGTERM or SIGINT stops it
-    with :func:`stop`, a second one kills it. A model that stalls for ``stall_timeout`` s (0: never) ends it
-    (``watchdog.supervise``) with status 1, for the container's restart policy. Returns its exit status
-    (:func:`exit_status`)."""
+    with :func:`stop`, a second one kills it. A model that stalls for ``stall_timeout`` s, or a server that answers
+    nothing for ``hang_timeout`` s (0: never), ends it (``watchdog.supervise``) with status 1, for the container's
+    restart policy. Returns its exit status (:func:`exit_status`)."""
     log = log or (lambda text: print(f"[shutdown] {text}", file=sys.stderr, flush=True))
     metrics_port = _port(command, "--metrics-port", 8002)
+    live_urls = {}
+    if flag_enabled(command, "--allow-http"):
+        live_urls["/v2/health/live"] = f"http://127.0.0.1:{_port(command, '--http-port', 8000)}/v2/health/live"
+    if flag_enabled(command, "--allow-metrics"):
+        live_urls["the metrics port"] = f"http://127.0.0.1:{metrics_port}/metrics"
     process = subprocess.Popen(list(command), start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     recent: collections.deque[str] = collections.deque(maxlen=2000)  # what stop() reads tritonserver's reports from
     echo = threading.Thread(target=_echo, args=(process.stdout, recent), name="tritonserver-output", daemon=True)
@@ -377,9 +420,10 @@ def run(command: Sequence[str], log: Log | None = None, stall_timeout: float = w
     watchdog.clear_stalled(metrics_port)
     try:
         stalls = []
-        if stall_timeout > 0:
+        if stall_timeout > 0 or hang_timeout > 0:
             stalls = watchdog.supervise(process.pid, f"http://127.0.0.1:{metrics_port}/metrics", metrics_port,
-                                        stall_timeout, stopping=lambda: bool(received), log=log)
+                                        stall_timeout, stopping=lambda: bool(received), log=log,
+                                        live_urls=live_urls, hang_timeout_s=hang_timeout)
         code = process.wait()
         echo.join(5)
         if received:
@@ -387,7 +431,8 @@ def run(command: Sequence[str], log: Log | None = None, stall_timeout: float = w
     finally:
         watchdog.clear_stalled(metrics_port)
     if stalls and not received:
-        log("tritonserver was ended because a model stalled: exit status 1")
+        cause = "it hung" if isinstance(stalls[0], watchdog.Hang) else "a model stalled"
+        log(f"tritonserver was ended because {cause}: exit status 1")
         return 1
     return exit_status(code, stopped[0] if stopped else None)
 
@@ -408,6 +453,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             help="end tritonserver (exit status 1) when a model has requests pending in Triton's "
                             "queue and nothing it executes moves for this many seconds (default: %(default)s; 0: "
                             "never)")
+    run_parser.add_argument("--hang-timeout", type=float, default=watchdog.HANG_TIMEOUT_S,
+                            help="end tritonserver (exit status 1) when /v2/health/live or its metrics port has "
+                            "answered nothing for this many seconds (default: %(default)s; 0: never)")
     run_parser.add_argument("command", nargs=argparse.REMAINDER)
     stop_parser = sub.add_parser("stop", help="stop a running tritonserver gracefully")
     stop_parser.add_argument("--pid", type=int, required=True)
@@ -416,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         if not command:
             parser.error("run needs a command: run -- tritonserver ARGS...")
-        return run(command, stall_timeout=args.stall_timeout)
+        return run(command, stall_timeout=args.stall_timeout, hang_timeout=args.hang_timeout)
     stop(args.pid, log=lambda text: print(f"[shutdown] {text}", file=sys.stderr, flush=True))
     return 0
 

@@ -1,4 +1,5 @@
-"""Notice a model whose queue stops moving, say so, and end the server so that it can start again.
+"""Notice a model whose queue stops moving, or a tritonserver that stops answering, say so, and end the server so
+that it can start again.
 
 A model is stalled when Triton holds requests for it (``nv_inference_pending_request_count`` > 0) and nothing it does
 has moved for longer than a bound: no batch executed (``nv_inference_exec_count``), no engine step
@@ -13,6 +14,14 @@ The launcher (``serve.py``, and ``python -m backend.triton.launcher.shutdown run
 second it reads the metrics port; on a stall it writes a marker file, logs why, and kills tritonserver with its stubs,
 so every call the server held ends with an error at once; ``serve.py``'s restart loop then starts it again on the
 same ports.
+
+A tritonserver that no longer answers at all (a crash whose signal handler deadlocked: "Signal (11) received.",
+"malloc(): ... corrupted", then every thread asleep; or a SIGSTOPped process) moves no metric, and no reading of the
+metrics port comes back, so the stall watchdog cannot see it. :func:`supervise` therefore also probes liveness on
+threads of its own: ``/v2/health/live`` and the metrics port, each asked every ``PROBE_INTERVAL_S`` with a generous
+``PROBE_TIMEOUT_S``. When one of them has answered nothing for ``HANG_TIMEOUT_S`` (``MIN_FAILED_PROBES`` probes in a
+row at least), the server is hung (:class:`Hang`): marked, logged and killed like a stall, and restarted.
+
 The health probe (``probe.py``) reads the marker: the server reads not ready, with the reason, from the stall until
 the restarted server is ready. A marker, because the probe is one short call with one reading of the metrics: it
 cannot see that nothing moved for 30 s, and the one place that watches the metrics all along is the launcher.
@@ -23,8 +32,11 @@ Standard library only: ``probe.py`` and ``shutdown.py`` import this module when 
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Sequence
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +45,13 @@ from backend.triton.launcher.processes import is_alive, kill_process_group
 
 STALL_TIMEOUT_S = 30.0
 INTERVAL_S = 1.0
+# A tritonserver is hung when one of its liveness probes has answered nothing for HANG_TIMEOUT_S, at least
+# MIN_FAILED_PROBES probes in a row. Each probe waits PROBE_TIMEOUT_S: a busy server on two cores answers health and
+# metrics in milliseconds, so only a server that answers nothing at all fails three 5-s probes in a row.
+HANG_TIMEOUT_S = 15.0
+PROBE_TIMEOUT_S = 5.0
+PROBE_INTERVAL_S = 1.0
+MIN_FAILED_PROBES = 3
 # What moves while a model works through its requests.
 PROGRESS = (names.EXEC_COUNT, f"{names.BATCH_SIZE}_count", names.NUM_REQUESTS_RUNNING, names.NUM_REQUESTS_WAITING,
             names.REQUEST_SUCCESS)
@@ -47,6 +66,76 @@ class Stall:
     def __str__(self) -> str:
         return (f"{self.model} stalled: {self.num_pending} requests pending in Triton's queue and nothing executed "
                 f"for {self.seconds:.0f} s")
+
+
+@dataclass(frozen=True)
+class Hang:
+    """tritonserver's ``probe`` (what was asked: ``/v2/health/live``, the metrics port) answered nothing for
+    ``seconds``, ``num_failed`` probes in a row."""
+
+    probe: str
+    seconds: float
+    num_failed: int
+
+    def __str__(self) -> str:
+        return (f"tritonserver hung: {self.probe} answered nothing for {self.seconds:.0f} s ({self.num_failed} probes "
+                f"in a row)")
+
+
+class Liveness:
+    """Feed it the outcome of every probe of one endpoint (``probe``: its name); it says when the endpoint has
+    answered nothing for longer than ``bound_s``, ``min_failed`` probes in a row at least. Thread-safe: one thread
+    observes, another asks."""
+
+    def __init__(self, probe: str, bound_s: float = HANG_TIMEOUT_S, min_failed: int = MIN_FAILED_PROBES) -> None:
+        self.probe, self.bound_s, self.min_failed = probe, bound_s, min_failed
+        self._failing: tuple[float, int] | None = None  # (when the first failed probe of the run began, how many)
+
+    def observe(self, answered: bool, started: float) -> None:
+        """One probe's outcome; ``started``: when it was sent (``time.monotonic()``)."""
+        failing = self._failing
+        if answered:
+            self._failing = None
+        else:
+            self._failing = (started, 1) if failing is None else (failing[0], failing[1] + 1)
+
+    def hang(self, now: float) -> Hang | None:
+        failing = self._failing  # NOTE: one read: the probing thread replaces the tuple, never edits it
+        if failing is None or failing[1] < self.min_failed or now - failing[0] < self.bound_s:
+            return None
+        return Hang(self.probe, now - failing[0], failing[1])
+
+
+def answers(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether ``url`` answers 200 within ``timeout`` s (a new connection each time)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            response.read()
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def probe_liveness(urls: Mapping[str, str], bound_s: float, done: threading.Event,
+                   timeout: float = PROBE_TIMEOUT_S, interval: float = PROBE_INTERVAL_S) -> list[Liveness]:
+    """Probe every ``name -> url`` on a daemon thread of its own until ``done`` is set, each probe at most ``timeout``
+    s, one every ``interval`` s; returns their :class:`Liveness`, to be asked for a hang."""
+    watched = []
+    for name, url in urls.items():
+        liveness = Liveness(name, bound_s)
+
+        def loop(url: str = url, liveness: Liveness = liveness) -> None:
+            while not done.is_set():
+                started = time.monotonic()
+                answered = answers(url, timeout)
+                if done.is_set():
+                    return
+                liveness.observe(answered, started)
+                done.wait(max(0.0, interval - (time.monotonic() - started)))
+
+        threading.Thread(target=loop, name=f"liveness {name}", daemon=True).start()
+        watched.append(liveness)
+    return watched
 
 
 class Watchdog:
@@ -85,7 +174,7 @@ def marker_path(metrics_port: int) -> Path:
     return Path(tempfile.gettempdir()) / f"llm-serve-{metrics_port}.stalled"
 
 
-def mark_stalled(metrics_port: int, stalls: Sequence[Stall]) -> None:
+def mark_stalled(metrics_port: int, stalls: Sequence[Stall | Hang]) -> None:
     marker_path(metrics_port).write_text("; ".join(map(str, stalls)) + "\n")
 
 
@@ -105,19 +194,30 @@ def stalled(metrics_port: int) -> str | None:
 
 
 def supervise(pid: int, metrics_url: str, metrics_port: int, bound_s: float, stopping: Callable[[], bool],
-              log: Callable[[str], None]) -> list[Stall]:
-    """Watch tritonserver ``pid`` (the leader of its process group) until it exits or ``stopping()``; on a stall,
-    mark it not ready, log why and kill it with its stubs. Returns the stalls (none: it exited, or a stop began)."""
+              log: Callable[[str], None], live_urls: Mapping[str, str] | None = None,
+              hang_timeout_s: float = HANG_TIMEOUT_S) -> list[Stall | Hang]:
+    """Watch tritonserver ``pid`` (the leader of its process group) until it exits or ``stopping()``; on a stall
+    (``bound_s``; 0: not watched), or when one of ``live_urls`` (``name -> url``; none: not probed) has answered
+    nothing for ``hang_timeout_s`` (0: not probed), mark it not ready, log why and kill it with its stubs. Returns what
+    ended it (empty: it exited, or a stop began)."""
     watchdog = Watchdog(bound_s)
-    while is_alive(pid) and not stopping():
-        time.sleep(INTERVAL_S)
-        if stopping():  # NOTE: a draining server refuses what it still gets, and its queue may look stuck
-            break
-        stalls = watchdog.poll(metrics_url)
-        if stalls:
-            mark_stalled(metrics_port, stalls)
-            for stall in stalls:
-                log(str(stall))
-            kill_process_group(pid)  # every call it held ends now, with an error
-            return stalls
+    done = threading.Event()
+    probes = probe_liveness(live_urls, hang_timeout_s, done) if live_urls and hang_timeout_s > 0 else []
+    try:
+        while is_alive(pid) and not stopping():
+            time.sleep(INTERVAL_S)
+            if stopping():  # NOTE: a draining server refuses what it still gets, and its queue may look stuck
+                break
+            now = time.monotonic()
+            ended: list[Stall | Hang] = [hang for probe in probes if (hang := probe.hang(now)) is not None]
+            if not ended and bound_s > 0:
+                ended = watchdog.poll(metrics_url)
+            if ended and is_alive(pid) and not stopping():
+                mark_stalled(metrics_port, ended)
+                for reason in ended:
+                    log(str(reason))
+                kill_process_group(pid)  # every call it held ends now, with an error
+                return ended
+    finally:
+        done.set()
     return []
