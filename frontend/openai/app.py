@@ -11,7 +11,9 @@
     GET  /get_load                   {"load": N}: the requests this replica holds (for routers that balance by load)
 
 With an API key configured, every ``/v1`` route wants ``Authorization: Bearer <key>`` (401 otherwise); the health
-routes stay open for probes. Every error, a bug included, is answered in OpenAI's body for that request only.
+routes stay open for probes. While Triton is away (dead, restarting, or hung: ``triton_health.py`` probes it in the
+background) every route but ``/get_load`` answers 503 at once, and serves again once Triton is back. Every error, a
+bug included, is answered in OpenAI's body for that request only.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from frontend.openai.tokenize import (
     tokenize,
 )
 from frontend.openai.triton_bridge import TritonBridge
+from frontend.openai.triton_health import TritonHealth
 
 log = logging.getLogger("frontend.openai")
 OWNED_BY = "triton"
@@ -68,7 +71,7 @@ def create_app(settings: Settings) -> FastAPI:
     add_error_handlers(app)
     add_health_routes(app)
     add_load_route(app, settings.triton_metrics_url)
-    v1 = [Depends(api_key_check(settings.api_key))]
+    v1 = [Depends(api_key_check(settings.api_key)), Depends(triton_present)]
     shape = ModelShape.from_model_dir(settings.model_dir)
     add_model_routes(app, v1, int(time.time()), shape)
     add_generation_routes(app, v1, template)
@@ -77,14 +80,25 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 def bridge_lifespan(triton_grpc_url: str):
-    """The app's lifespan: a :class:`TritonBridge` in ``app.state.bridge`` while the app runs."""
+    """The app's lifespan: a :class:`TritonBridge` in ``app.state.bridge`` and Triton's background probe in
+    ``app.state.triton_health`` while the app runs. When Triton comes back as a new process, the bridge is made anew
+    (its channel would wait out gRPC's reconnection backoff; its streams died with the old process)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         app.state.bridge = TritonBridge(triton_grpc_url)
+        app.state.triton_health = health = TritonHealth(triton_grpc_url)
+
+        async def renew_bridge() -> None:
+            old, app.state.bridge = app.state.bridge, TritonBridge(triton_grpc_url)
+            await old.close()
+
+        probe = asyncio.create_task(health.run(renew_bridge), name="triton-health")
         try:
             yield
         finally:
+            probe.cancel()
+            await asyncio.gather(probe, return_exceptions=True)
             await app.state.bridge.close()
 
     return lifespan
@@ -92,6 +106,13 @@ def bridge_lifespan(triton_grpc_url: str):
 
 def bridge_of(request: Request) -> TritonBridge:
     return request.app.state.bridge
+
+
+async def triton_present(request: Request) -> None:
+    """The dependency of the routes that need Triton: 503 at once while the background probe finds it away."""
+    health: TritonHealth | None = getattr(request.app.state, "triton_health", None)
+    if health is not None and health.away:
+        raise APIError(503, f"{health.why_away()}; try again shortly", "server_error", None, "service_unavailable")
 
 
 def api_key_check(api_key: str | None):
@@ -145,11 +166,11 @@ def add_health_routes(app: FastAPI) -> None:
     (:func:`start_draining`). 503 otherwise."""
     app.state.draining = False
 
-    @app.get("/health")
+    @app.get("/health", dependencies=[Depends(triton_present)])
     async def health(request: Request) -> Response:
         return await triton_health(bridge_of(request), ready=False)
 
-    @app.get("/health/ready")
+    @app.get("/health/ready", dependencies=[Depends(triton_present)])
     async def ready(request: Request) -> Response:
         if request.app.state.draining:
             raise APIError(503, "this server is about to stop: send new requests elsewhere", "server_error", None,
