@@ -38,7 +38,8 @@ from packaging.version import Version
 from backend.contract import server_args
 from backend.contract.settings import DEFAULT_MODEL
 from backend.engine.config import EngineConfig
-from backend.triton.launcher import serve
+from backend.triton.launcher import probe as health_probe
+from backend.triton.launcher import serve, shutdown, watchdog
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -733,8 +734,12 @@ def test_stopping_fits_the_exit_timeout_in_compose_and_kubernetes():
     exit_timeout = float(server_args.option_value(cmd, "--exit-timeout-secs"))
     triton_service = load_compose()["services"]["triton"]
     assert "command" not in triton_service  # the image's CMD, with its exit timeout
+    # After tritonserver, the launcher stops the OpenAI frontend, which it kills if it takes longer than this.
+    frontend_stop = inspect.signature(serve.stop_frontend).parameters["timeout"].default
+    # A tritonserver that cannot exit (hung, stopped) is killed KILL_MARGIN_S after its exit timeout.
+    launcher_stop = exit_timeout + shutdown.KILL_MARGIN_S + frontend_stop
     grace = triton_service["stop_grace_period"]
-    assert grace.endswith("s") and float(grace[:-1]) >= exit_timeout + 5
+    assert grace.endswith("s") and float(grace[:-1]) >= launcher_stop + 5
 
     deployment = load_manifests()[("Deployment", "triton")]
     pod = deployment["spec"]["template"]["spec"]
@@ -742,16 +747,50 @@ def test_stopping_fits_the_exit_timeout_in_compose_and_kubernetes():
     assert triton["args"] == cmd, "Kubernetes runs the image's own command"
     pre_stop = triton["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
-    # After tritonserver, the launcher stops the OpenAI frontend, which it kills if it takes longer than this.
-    frontend_stop = inspect.signature(serve.stop_frontend).parameters["timeout"].default
-    assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + exit_timeout + frontend_stop + 5
+    assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + launcher_stop + 5
     assert server_args.drain_grace(cmd) < exit_timeout  # the models end their requests before Triton gives up
 
     # The scale-out stack's replicas leave the router's rotation first (DRAIN_DELAY), then drain like the above.
     for name, replica in load_compose("compose.scale.yaml")["services"].items():
         if name.startswith("triton-"):
-            waited = float(replica["environment"]["DRAIN_DELAY"]) + exit_timeout + frontend_stop
+            waited = float(replica["environment"]["DRAIN_DELAY"]) + launcher_stop
             assert float(replica["stop_grace_period"].removesuffix("s")) >= waited + 5, name
+
+
+def test_a_hung_server_fails_the_probes_in_time_and_is_restarted():
+    """A hung tritonserver accepts connections and answers nothing: the probe reports that within its own budget,
+    before Docker or Kubernetes cut it off; the launcher in the container restarts the server first (its hang
+    watchdog on), and the container is started again when the launcher gives up (compose's restart policy) or the
+    liveness probe keeps failing past the launcher's bound (Kubernetes)."""
+    healthcheck = dict(dockerfile_instructions(DOCKERFILES["triton"]))["HEALTHCHECK"]
+    options = dict(re.findall(r"--([a-z-]+)=(\S+)", healthcheck.split("CMD", 1)[0]))
+    assert health_probe.PROBE_BUDGET_S < _seconds(options["timeout"]), "the probe reports a hang before Docker kills it"
+    assert health_probe.REQUEST_TIMEOUT_S <= health_probe.PROBE_BUDGET_S
+
+    cmd = json.loads(dict(dockerfile_instructions(DOCKERFILES["triton"]))["CMD"])
+    env = " ".join(a for k, a in dockerfile_instructions(DOCKERFILES["triton"]) if k == "ENV")
+    assert "--hang-timeout" not in " ".join(cmd) and "HANG_TIMEOUT" not in env, "the hang watchdog at its default"
+    assert watchdog.HANG_TIMEOUT_S > 0 and serve.parse_args([])[0].hang_timeout == watchdog.HANG_TIMEOUT_S
+    # Never tripped by a busy server: several probes in a row, each waiting generously.
+    assert watchdog.MIN_FAILED_PROBES >= 3 and watchdog.PROBE_TIMEOUT_S >= 5
+    assert watchdog.HANG_TIMEOUT_S >= watchdog.MIN_FAILED_PROBES * watchdog.PROBE_TIMEOUT_S
+
+    triton_service = load_compose()["services"]["triton"]
+    assert triton_service["restart"] in ("always", "unless-stopped", "on-failure")
+    assert "healthcheck" not in triton_service or triton_service["healthcheck"].get("disable") is not True
+
+    triton = container(load_manifests()[("Deployment", "triton")])
+    for kind in ("readinessProbe", "livenessProbe"):
+        assert health_probe.PROBE_BUDGET_S < triton[kind]["timeoutSeconds"], kind
+    liveness = triton["livenessProbe"]
+    window = liveness["periodSeconds"] * liveness["failureThreshold"]
+    assert window > watchdog.HANG_TIMEOUT_S + watchdog.PROBE_TIMEOUT_S, "the launcher restarts a hung server first"
+
+
+def _seconds(duration: str) -> float:
+    """A Docker duration ("5s", "1m30s") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([\d.]+)(ms|h|m|s)", duration))
 
 
 def test_kubernetes_router_finds_the_triton_pods_and_checks_their_frontends():

@@ -12,7 +12,10 @@ has restarted it: ``ready`` reads that mark. Exit status 0 when healthy, 1 other
 (``kubectl describe pod`` shows it). With ``--openai-url`` the OpenAI-compatible frontend that the launcher starts
 beside tritonserver must answer too (``/health/ready`` or ``/health``: 200 while it reaches a ready or live Triton): a
 router that sends OpenAI requests to this server needs both. New connections only: during a shutdown tritonserver
-refuses them, so the probes fail at once. Standard library only; run it as a file.
+refuses them, so the probes fail at once. A hung tritonserver (a crash that never exited, a stopped process) accepts
+connections and answers nothing: every request waits at most ``--timeout``, and the whole probe at most ``--budget``
+(``PROBE_BUDGET_S``, under Docker's and Kubernetes' 5-s probe timeouts), so it reports the hang rather than being
+cut off. Standard library only; run it as a file.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -31,6 +35,9 @@ if not __package__:  # run as a file (backend/triton/launcher/probe.py, the cont
 from backend.contract.names import ENGINE_HEALTHY  # noqa: E402
 from backend.contract.prometheus import parse_prometheus  # noqa: E402
 from backend.triton.launcher.watchdog import stalled  # noqa: E402
+
+REQUEST_TIMEOUT_S = 3.0
+PROBE_BUDGET_S = 4.0  # all requests together: under the containers' probe timeouts (5 s)
 
 
 def get(url: str, timeout: float) -> tuple[int, str]:
@@ -50,15 +57,22 @@ def failed_engines(metrics_text: str) -> list[str]:
     return sorted({s.labels.get("model", s.name) for s in series if s.name == ENGINE_HEALTHY and s.value == 0})
 
 
-def check(kind: str, url: str, metrics_url: str, timeout: float = 3.0, openai_url: str = "") -> str | None:
-    """None when healthy, else why not. ``openai_url``: the OpenAI frontend's base URL, to check it too ("": none)."""
+def check(kind: str, url: str, metrics_url: str, timeout: float = REQUEST_TIMEOUT_S, openai_url: str = "",
+          budget: float = PROBE_BUDGET_S) -> str | None:
+    """None when healthy, else why not. ``openai_url``: the OpenAI frontend's base URL, to check it too ("": none).
+    Each request waits at most ``timeout`` s, all of them together at most ``budget`` s."""
     metrics_port = urllib.parse.urlsplit(metrics_url).port
     if kind == "ready" and metrics_port is not None and (stall := stalled(metrics_port)) is not None:
         return f"{stall}; the launcher restarts the server"
-    status, _ = get(f"{url.rstrip('/')}/v2/health/{kind}", timeout)
+    deadline = time.monotonic() + budget
+
+    def get_within(url: str) -> tuple[int, str]:
+        return get(url, max(0.1, min(timeout, deadline - time.monotonic())))
+
+    status, _ = get_within(f"{url.rstrip('/')}/v2/health/{kind}")
     if status != 200:
         return f"/v2/health/{kind} answered {status or 'nothing'}"
-    status, text = get(metrics_url, timeout)
+    status, text = get_within(metrics_url)
     if status != 200:
         return f"the metrics port ({metrics_url}) answered {status or 'nothing'}: cannot tell whether the engines run"
     failed = failed_engines(text)
@@ -67,7 +81,7 @@ def check(kind: str, url: str, metrics_url: str, timeout: float = 3.0, openai_ur
                 "restarted")
     if openai_url:
         path = "/health/ready" if kind == "ready" else "/health"
-        status, _ = get(f"{openai_url.rstrip('/')}{path}", timeout)
+        status, _ = get_within(f"{openai_url.rstrip('/')}{path}")
         if status != 200:
             return f"the OpenAI frontend's {path} answered {status or 'nothing'}"
     return None
@@ -84,9 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="default: %(default)s, from $METRICS_PORT")
     parser.add_argument("--openai-url", default="",
                         help="the OpenAI frontend's base URL, to check it too (default: not checked)")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds per request (default: %(default)s)")
+    parser.add_argument("--timeout", type=float, default=REQUEST_TIMEOUT_S,
+                        help="seconds per request (default: %(default)s)")
+    parser.add_argument("--budget", type=float, default=PROBE_BUDGET_S,
+                        help="seconds for all requests together (default: %(default)s)")
     args = parser.parse_args(argv)
-    problem = check(args.kind, args.url, args.metrics_url, args.timeout, args.openai_url)
+    problem = check(args.kind, args.url, args.metrics_url, args.timeout, args.openai_url, args.budget)
     print(problem or f"{args.kind}: ok")
     return 1 if problem else 0
 
