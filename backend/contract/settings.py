@@ -11,6 +11,7 @@ DEFAULT_MODEL = "models/smollm2-135m-instruct"
 # ---- set by the launcher, read by the models --------------------------------------------------------------------
 MODEL_ENV_VAR = "LLM_MODEL"  # the model folder; beats the config's `model` parameter
 SHARED_CORES_ENV_VAR = "LLM_SHARED_CORES"  # the registry file of the engines that share the cores
+STOP_BOARD_ENV_VAR = "LLM_STOP_BOARD"  # the directory where the frontend posts requests to stop (stop_board.py)
 FAULTS_ENV_VAR = "LLM_TEST_FAULTS"  # "1": the test-only fault injection parameter is read
 ADMIN_KEY_ENV_VAR = "TRITON_ADMIN_KEY"  # the key of Triton's model-control and shutdown endpoints
 SERVER_HOME_ENV_VAR = "TRITONSERVER_HOME"  # a tritonserver layout to use instead of the one made in .triton/

@@ -4,12 +4,17 @@
     generation = await bridge.generate("llm_continuous", GenerationRequest("Hi", max_tokens=8, stream=True))
     async for piece in generation:        # Piece: the new text, its token count, the finish reason at the end
         ...
-    await generation.aclose()             # cancels the Triton request if it has not ended (a client went away)
+    await generation.aclose()             # ends the Triton request if it has not ended (a client went away)
 
 ``tritonclient.grpc.aio``: one bidirectional stream per request on one shared channel, so nothing blocks the event
-loop and a request is cancelled by cancelling its stream (Triton's request cancellation; the models free its KV
-blocks at their next step). The request is the only message the stream carries; the models give every request
-exactly one final response, the one with a finish reason or an error, after which Triton closes the stream.
+loop. The request is the only message the stream carries; the models give every request exactly one final response,
+the one with a finish reason or an error, after which Triton closes the stream.
+
+A request whose client went away is not cancelled: cancelling a stream can crash Triton 2.51's gRPC frontend
+(docs/server.md, "A known crash in Triton 2.51"). Its id is posted on the server's stop board instead
+(``backend/contract/stop_board.py``): the model ends it before its next step, its KV blocks freed, and answers it
+with its final response; the stream, read to its end in the background, then closes the normal way. Only a server
+whose board this process cannot see (on another host or in another container) has its streams cancelled.
 
 The models answer every refusal and failure with a message that carries its kind as a code in front
 (backend/contract/errors.py, model_repository/README.md); :func:`api_error` maps that kind onto OpenAI's status, type
@@ -21,7 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import logging
 import time
+import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -30,11 +37,17 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.contract import errors
+from backend.contract.stop_board import StopBoard
 from client.schema import GenerationRequest, build_inputs
 from frontend.openai.logprobs import TokenLogprob, parse_logprobs
 from frontend.openai.protocol import APIError
 
-DRAIN_TIMEOUT_S = 5.0
+log = logging.getLogger(__name__)
+
+DRAIN_TIMEOUT_S = 5.0  # a finished request's stream: Triton closes it at once
+# A stopped request may wait in Triton's queue before a model sees the post (behind a static batch, in a backlog);
+# past this its stream is cancelled after all.
+STOP_TIMEOUT_S = 60.0
 
 
 def api_error(message: str, prompt_param: str) -> APIError:
@@ -70,11 +83,16 @@ class TritonGeneration:
     """One request in flight on its own gRPC stream; iterate it for :class:`Piece` s until the final one (once each of
     its ``n`` sequences has had its last)."""
 
-    def __init__(self, call, prompt_param: str, url: str, n: int = 1) -> None:
+    def __init__(self, call, prompt_param: str, url: str, n: int = 1, request_id: str = "",
+                 background: "BackgroundTasks | None" = None) -> None:
         self._call = call
         self._prompt_param = prompt_param
         self._url = url
         self.n = n
+        self.request_id = request_id  # the id Triton has for it: its name on the stop board
+        self._background = background or BackgroundTasks()
+        self._closed = False
+        self._read: asyncio.Future | None = None  # the stream's next response, being read
         self._decoders = [codecs.getincrementaldecoder("utf-8")() for _ in range(n)]  # one per sequence
         self._num_ended = 0
         self.finished = False
@@ -87,7 +105,7 @@ class TritonGeneration:
         if self.finished:
             raise StopAsyncIteration
         try:
-            result, error = await self._call.__anext__()
+            result, error = await self._next_response()
         except StopAsyncIteration:
             self.finished = True
             raise APIError(500, "Triton closed the stream before the final response", "server_error") from None
@@ -123,20 +141,77 @@ class TritonGeneration:
         )
 
     async def aclose(self) -> None:
-        """Cancel the request if it has not ended; otherwise let Triton close the stream (nothing is left to
-        cancel)."""
+        """End the request if it has not ended (the module's docstring: a post on the stop board, or a cancel where
+        there is no board) and read its stream to the end in the background. Returns at once."""
+        if self._closed:
+            return
+        self._closed = True
+        board = None
         if not self.finished:
             self.finished = True
-            self._call.cancel()
-            return
+            board = StopBoard.find(self._url)
+            if board is None or not board.post(self.request_id):
+                self._call.cancel()
+                return
+        self._background.run(self._read_to_end(board))
+
+    async def _read_to_end(self, board: StopBoard | None) -> None:
         try:
-            await asyncio.wait_for(self._drain(), DRAIN_TIMEOUT_S)
-        except (asyncio.TimeoutError, grpc.aio.AioRpcError):  # nothing is left to free
+            await asyncio.wait_for(self._drain(), DRAIN_TIMEOUT_S if board is None else STOP_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            if board is not None:
+                log.warning("request %s did not end within %.0f s of its stop; cancelling its stream",
+                            self.request_id, STOP_TIMEOUT_S)
             self._call.cancel()
+        except grpc.aio.AioRpcError:  # the stream broke (the server went away): nothing is left to free
+            pass
+        finally:
+            if board is not None:
+                board.withdraw(self.request_id)
+
+    async def _next_response(self):
+        """The stream's next response. NOTE: shielded, as grpc.aio cancels the whole call when the task reading it
+        is cancelled, and that is how a client's disconnect reaches this code (its handler's task is cancelled): the
+        read goes on, and the stream is read to its end after the stop (``aclose``)."""
+        if self._read is None:
+            self._read = asyncio.ensure_future(self._call.__anext__())
+        read = self._read
+        try:
+            return await asyncio.shield(read)
+        finally:
+            if read.done():
+                self._read = None
 
     async def _drain(self) -> None:
+        if self._read is not None:  # a read its reader stopped waiting for
+            try:
+                await self._read
+            except StopAsyncIteration:
+                return
         async for _ in self._call:
             pass
+
+
+class BackgroundTasks:
+    """The streams being read to their end after their clients went away: kept referenced until done, and waited
+    for (then cancelled) when the bridge closes."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def run(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self, timeout: float) -> None:
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
+            for task in pending:
+                task.cancel()
 
 
 class TritonBridge:
@@ -149,8 +224,10 @@ class TritonBridge:
         self.url = url
         self.client = grpcclient.InferenceServerClient(url)
         self._configs: dict[str, dict] = {}
+        self.background = BackgroundTasks()
 
-    async def close(self) -> None:
+    async def close(self, timeout: float = DRAIN_TIMEOUT_S) -> None:
+        await self.background.close(timeout)
         await self.client.close()
 
     async def is_live(self) -> bool:
@@ -199,12 +276,13 @@ class TritonBridge:
     async def generate(self, model: str, request: GenerationRequest, prompt_param: str) -> TritonGeneration:
         """Send ``request`` to ``model`` on a stream of its own."""
         inputs = build_inputs(request, await self.max_batch_size(model))
+        request_id = f"openai-{uuid.uuid4().hex}"
 
         async def one_request() -> AsyncIterator[dict]:
-            yield {"model_name": model, "inputs": inputs, "priority": request.priority or 0}
+            yield {"model_name": model, "inputs": inputs, "priority": request.priority or 0, "request_id": request_id}
 
         call = self.client.stream_infer(one_request())
-        return TritonGeneration(call, prompt_param, self.url, request.n or 1)
+        return TritonGeneration(call, prompt_param, self.url, request.n or 1, request_id, self.background)
 
 
 def _first(array):

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 
+from backend.contract.stop_board import StopBoard
 from backend.engine.batching import SHUTTING_DOWN
 from backend.engine.llm_engine import EngineSnapshot, RequestOutput
 from backend.engine.request import RequestTimings
@@ -93,6 +94,50 @@ def test_a_request_is_not_closed_while_its_client_is_asked_whether_it_cancelled(
     assert requests.cancelled() == []
     sender.closer.join(5)
     assert not sender.closed_meanwhile and len(requests) == 0
+
+
+def test_a_request_posted_on_the_stop_board_is_stopped_at_every_poll_without_asking_the_server(clock, tmp_path):
+    """The OpenAI frontend ends a request by posting its Triton id (backend/contract/stop_board.py), not by cancelling
+    its stream: every poll reads the board, between the timer's polls too, and asks no sender anything for it."""
+    board = StopBoard(tmp_path).clear()
+    requests = OpenRequests(pb=None, metrics=None, batched=False, stop_board=board)
+    running, waiting, other = FakeSender(), FakeSender(), FakeSender()
+    requests.add("r1", OpenRequest(running, stream=True, client_id="openai-1"))
+    requests.add("r2", OpenRequest(waiting, stream=True, client_id="openai-2"))
+    requests.add("r3", OpenRequest(other, stream=True))  # a client that gave no id
+    poll = CancellationPoll(requests, budget=0, streaming_every=0.05, all_every=0.25)
+    assert poll(["r1"]) == []  # the first poll asks every sender
+    asked = (running.asked, waiting.asked, other.asked)
+    board.post("openai-2")
+    board.post("openai-9")  # a request this model does not hold
+    clock.now += 0.001  # long before the timer's next poll
+    assert poll(["r1"]) == ["r2"]  # waiting requests too: the post names them all
+    assert (running.asked, waiting.asked, other.asked) == asked
+    assert requests.stopped(["r1"]) == [] and requests.stopped(["r1", "r2"]) == ["r2"]
+    requests.discard("r2")  # answered finally: no longer stopped, whatever the board says
+    assert poll(["r1"]) == [] and requests.stopped() == []
+
+
+def test_a_stopped_request_is_named_once_with_its_cancellation():
+    board_dir = {"openai-1"}
+
+    class Board:
+        def posted(self):
+            return frozenset(board_dir)
+
+    requests = OpenRequests(pb=None, metrics=None, batched=False, stop_board=Board())
+    requests.add("r1", OpenRequest(FakeSender(cancelled=True), stream=True, client_id="openai-1"))
+    assert CancellationPoll(requests, budget=0)(["r1"]) == ["r1"]
+
+
+def test_a_reused_client_id_names_the_latest_open_request_and_closing_an_older_one_keeps_it(tmp_path):
+    board = StopBoard(tmp_path).clear()
+    requests = OpenRequests(pb=None, metrics=None, batched=False, stop_board=board)
+    requests.add("old", OpenRequest(FakeSender(), stream=True, client_id="same"))
+    requests.add("new", OpenRequest(FakeSender(), stream=True, client_id="same"))
+    requests.discard("old")
+    board.post("same")
+    assert requests.stopped() == ["new"]
 
 
 class FakeMetric:

@@ -83,6 +83,9 @@ class FakeRequest:
     def parameters(self) -> str:
         return "{}"
 
+    def request_id(self) -> str:
+        return ""
+
 
 def fake_pb_utils() -> types.ModuleType:
     pb = types.ModuleType("triton_python_backend_utils")

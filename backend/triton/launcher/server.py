@@ -32,7 +32,14 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from backend.contract.server_args import option_value
-from backend.contract.settings import ADMIN_KEY_ENV_VAR, MODEL_ENV_VAR, SERVER_HOME_ENV_VAR, SHARED_CORES_ENV_VAR
+from backend.contract.settings import (
+    ADMIN_KEY_ENV_VAR,
+    MODEL_ENV_VAR,
+    SERVER_HOME_ENV_VAR,
+    SHARED_CORES_ENV_VAR,
+    STOP_BOARD_ENV_VAR,
+)
+from backend.contract.stop_board import StopBoard
 from backend.engine.shared_cores import remove_registry
 from backend.triton.launcher import shutdown
 from backend.triton.launcher.launch_options import (
@@ -119,6 +126,7 @@ class TritonServer(ChildProcess):
         self._stopper: threading.Thread | None = None
         self.stop_result: shutdown.StopResult | None = None  # what the graceful stop did, once it is over
         self._shared_cores: Path | None = None  # the registry its engines share the cores through
+        self.stop_board: StopBoard | None = None  # where a client on this host posts requests to stop early
 
     # -- addresses
 
@@ -191,6 +199,8 @@ class TritonServer(ChildProcess):
             env[MODEL_ENV_VAR] = str(self.model)
         if self._shared_cores is not None and SHARED_CORES_ENV_VAR not in env:  # one set by the user wins
             env[SHARED_CORES_ENV_VAR] = str(self._shared_cores)
+        if self.stop_board is not None:
+            env[STOP_BOARD_ENV_VAR] = str(self.stop_board.path)
         env.update(self.env)
         return env
 
@@ -207,6 +217,9 @@ class TritonServer(ChildProcess):
         fd, name = tempfile.mkstemp(prefix="llm-shared-cores-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         os.close(fd)
         self._shared_cores = Path(name)
+        # NOTE: at a place that follows from the gRPC port, so the OpenAI frontend finds it (and keeps it across a
+        # restart on the same ports); cleared, as posts for a server that died mean nothing to this one.
+        self.stop_board = StopBoard.for_port(self.grpc_port, {**os.environ, **self.env}).clear()
 
         if self.echo:
             stdout = subprocess.PIPE
@@ -397,6 +410,8 @@ class TritonServer(ChildProcess):
         self._group_ended = True
         if self._shared_cores is not None:
             remove_registry(self._shared_cores)
+        if self.stop_board is not None:
+            self.stop_board.remove()
 
     def stop(self, timeout: float = 45.0) -> int | None:
         """Stop gracefully (:meth:`begin_stop`), wait up to ``timeout`` s for tritonserver to exit (the models drain,

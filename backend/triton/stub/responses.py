@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from backend.contract.priority import DEFAULT_PRIORITY_LEVEL
+from backend.contract.stop_board import StopBoard
 from backend.engine.llm_engine import RequestOutput
 from backend.engine.request import FinishReason
 from backend.triton.stub.stream_interval import StreamPacer, StreamState
@@ -49,6 +50,7 @@ class OpenRequest:
     requested_outputs: frozenset[str] = frozenset()  # asked for (return_*: true): in every response
     n: int = 1  # sequences: with more than one, every response carries its ``index``
     priority: int = DEFAULT_PRIORITY_LEVEL  # Triton's level: the metrics' priority label
+    client_id: str = ""  # the id its client gave Triton (the stop board's name for it); "" when none
     # Made and not yet sent, by sequence index: texts, token ids and (when asked) log-probabilities, one per token
     # (non-streaming: the whole text).
     held: dict[int, tuple[list[str], list[int], list[dict]]] = field(default_factory=dict)
@@ -69,16 +71,19 @@ class OpenRequest:
 class OpenRequests:
     """The requests a model accepted and has not answered finally, by request id: the one place that sends.
 
-    ``send`` is the engine's sink (it runs on the thread that drives the engine); ``add`` and ``cancelled`` may run
-    on any thread.
+    ``send`` is the engine's sink (it runs on the thread that drives the engine); ``add``, ``cancelled`` and
+    ``stopped`` may run on any thread.
     """
 
-    def __init__(self, pb, metrics, batched: bool, pacer: StreamPacer | None = None) -> None:
+    def __init__(self, pb, metrics, batched: bool, pacer: StreamPacer | None = None,
+                 stop_board: StopBoard | None = None) -> None:
         self._pb = pb
         self._metrics = metrics
         self._batched = batched  # a model with max_batch_size > 0 answers with a batch dimension
         self.pacer = pacer or StreamPacer()
+        self.stop_board = stop_board
         self._open: dict[str, OpenRequest] = {}
+        self._by_client_id: dict[str, str] = {}  # client id -> request id, for the open requests that have one
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -87,6 +92,15 @@ class OpenRequests:
     def add(self, request_id: str, open_request: OpenRequest) -> None:
         with self._lock:
             self._open[request_id] = open_request
+            if open_request.client_id:
+                self._by_client_id[open_request.client_id] = request_id
+
+    def _close(self, request_id: str) -> OpenRequest | None:
+        """Under the lock: the request leaves the open ones."""
+        open_request = self._open.pop(request_id, None)
+        if open_request is not None and self._by_client_id.get(open_request.client_id) == request_id:
+            del self._by_client_id[open_request.client_id]
+        return open_request
 
     def rebind(self, request_id: str, sender) -> bool:
         """Send from now on through ``sender`` (iterative batching: each iteration hands the model a new request
@@ -99,14 +113,14 @@ class OpenRequests:
 
     def discard(self, request_id: str) -> None:
         with self._lock:
-            self._open.pop(request_id, None)
+            self._close(request_id)
 
     def send(self, output: RequestOutput) -> None:
         """Send what ``output`` means for its request, now or with the stream's next response (the pacer says); a
         final output closes the request (and is counted)."""
         with self._lock:
             if output.finished:
-                open_request = self._open.pop(output.request_id, None)
+                open_request = self._close(output.request_id)
             else:
                 open_request = self._open.get(output.request_id)
         if open_request is None:
@@ -133,7 +147,7 @@ class OpenRequests:
     def forget(self, output: RequestOutput) -> None:
         """Close a request without sending (Triton has let go of it: nothing may be sent); it is still counted."""
         with self._lock:
-            open_request = self._open.pop(output.request_id, None)
+            open_request = self._close(output.request_id)
         if open_request is not None and output.finished:
             self._metrics.on_finished(output, open_request.arrival, open_request.priority)
 
@@ -146,6 +160,20 @@ class OpenRequests:
             candidates = list(self._open.items()) if request_ids is None else \
                 [(rid, self._open[rid]) for rid in request_ids if rid in self._open]
             return [rid for rid, r in candidates if r.sender.is_cancelled()]
+
+    def stopped(self, request_ids: Iterable[str] | None = None) -> list[str]:
+        """Those of ``request_ids`` (default: every open request) posted on the stop board: their client asked
+        to end them without cancelling (``backend/contract/stop_board.py``). They get their final response like any
+        other request. One directory read; nothing asked of the server."""
+        posted = self.stop_board.posted() if self.stop_board is not None else ()
+        if not posted:
+            return []
+        with self._lock:
+            stopped = [self._by_client_id[cid] for cid in posted if cid in self._by_client_id]
+        if request_ids is None:
+            return stopped
+        asked = set(request_ids)
+        return [rid for rid in stopped if rid in asked]
 
 
 class CancellationPoll:
@@ -182,8 +210,14 @@ class CancellationPoll:
         self._asked_at: dict[str, float] = {}
 
     def __call__(self, request_ids: Iterable[str]) -> list[str]:
-        """The cancelled ones among ``request_ids`` (those being stepped) that were asked now, or among every open
-        request when that poll is due; [] when nothing was asked."""
+        """The open requests posted on the stop board (every time: it costs one directory read), and the cancelled
+        ones among ``request_ids`` (those being stepped) that were asked now, or among every open request when that
+        poll is due."""
+        stopped = self._open.stopped()
+        cancelled = self._cancelled(request_ids)
+        return stopped + [rid for rid in cancelled if rid not in stopped] if stopped else cancelled
+
+    def _cancelled(self, request_ids: Iterable[str]) -> list[str]:
         now = self._clock()
         since, self._last_poll = (0.0 if self._last_poll is None else now - self._last_poll), now
         if now >= self._next_all:

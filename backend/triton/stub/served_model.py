@@ -20,6 +20,7 @@ from collections.abc import Callable
 import triton_python_backend_utils as pb_utils
 
 from backend.contract import errors
+from backend.contract.stop_board import StopBoard
 from backend.engine.batching import SHUTTING_DOWN, EngineOverloaded, EngineUnavailable, engine_failed
 from backend.engine.config import EngineConfig, SamplingParams
 from backend.engine.llm_engine import LLMEngine
@@ -63,7 +64,8 @@ class ServedModel:
         self.metrics = TritonMetrics(pb_utils, self.name, instance_label(args, self.model_config))
         # A model with max_batch_size > 0 answers with a batch dimension.
         self.open = OpenRequests(pb_utils, self.metrics, batched=int(self.model_config.get("max_batch_size", 0)) > 0,
-                                 pacer=StreamPacer(stream_interval_from_triton(self.model_config)))
+                                 pacer=StreamPacer(stream_interval_from_triton(self.model_config)),
+                                 stop_board=StopBoard.from_env())
         self.failure: str | None = None  # set once the engine failed in a way no step can contain
         self.engine = self.start_engine(config)
         self.engine.fault_hook = self.faults
@@ -99,7 +101,8 @@ class ServedModel:
             return None
         request_id = uuid.uuid4().hex
         self.open.add(request_id, OpenRequest(sender, parsed.stream, arrival, parsed.omitted_outputs,
-                                              parsed.requested_outputs, parsed.params.n, priority=parsed.priority))
+                                              parsed.requested_outputs, parsed.params.n, priority=parsed.priority,
+                                              client_id=request.request_id()))
         if self.faults is not None:
             self.faults.watch(request_id, parsed.prompt)
         try:

@@ -213,7 +213,10 @@ class TritonPythonModel(ServedModel, batching="iterative"):
 
     def _cancelled(self, request_ids):  # before the step, under the driver's lock
         self.count_joined()
-        return self.open.cancelled(request_ids)
+        # A stopped request (the stop board) is not cancelled in Triton: it ends in this step and is released with
+        # its final response, as a finished one is.
+        stopped = self.open.stopped(request_ids)
+        return stopped + [rid for rid in self.open.cancelled(request_ids) if rid not in stopped]
 
     def _reaper(self, period):
         while not self.stopping.wait(period):
