@@ -1,9 +1,12 @@
-"""Fakes for the unit tests of the server glue: a clock moved by hand, the response side of
-``triton_python_backend_utils`` (which exists only inside a Triton stub): errors, output tensors, responses; and a
-Triton generation for the OpenAI frontend's answers."""
+"""Fakes for the unit tests of the server glue: a clock moved by hand, a port where no server answers, the response
+side of ``triton_python_backend_utils`` (which exists only inside a Triton stub): errors, output tensors, responses;
+and a Triton generation for the OpenAI frontend's answers."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,6 +23,17 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+@contextlib.contextmanager
+def closed_port(address: str = "127.0.0.1") -> Iterator[int]:
+    """A port on ``address`` that refuses every connection while the block runs: bound, never listening.
+
+    NOTE: held, not merely found free: a port that ``free_ports`` returned may be taken meanwhile by a server that
+    another test or process starts, and a client sent to it would find that server."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind((address, 0))
+        yield held.getsockname()[1]
 
 
 class FakeError:

@@ -12,7 +12,6 @@ import sys
 
 import pytest
 
-from backend.triton.launcher.launch_options import free_ports
 from client import (
     Chunk,
     GenerationRequest,
@@ -22,6 +21,7 @@ from client import (
     build_inputs,
     describe_batching,
 )
+from tests.fakes import closed_port
 from tests.server_harness import REPO_ROOT
 
 BOTH_PROTOCOLS = pytest.mark.parametrize("protocol", ["grpc", "http"])
@@ -113,18 +113,18 @@ def test_describe_batching_tells_the_modes_apart():
 @BOTH_PROTOCOLS
 @pytest.mark.timeout(30)
 def test_server_down_message(protocol):
-    port = free_ports(1)[0]
-    client = LLMClient(f"127.0.0.1:{port}", f"127.0.0.1:{port}", protocol=protocol)
-    down = rf"no Triton server at 127\.0\.0\.1:{port} — start one with `make serve`"
-    with pytest.raises(ServerUnavailable, match=down):
-        client.generate("llm_continuous", GenerationRequest("hi"))
-    with pytest.raises(ServerUnavailable):
-        client.models()
+    with closed_port() as port:
+        client = LLMClient(f"127.0.0.1:{port}", f"127.0.0.1:{port}", protocol=protocol)
+        down = rf"no Triton server at 127\.0\.0\.1:{port} — start one with `make serve`"
+        with pytest.raises(ServerUnavailable, match=down):
+            client.generate("llm_continuous", GenerationRequest("hi"))
+        with pytest.raises(ServerUnavailable):
+            client.models()
 
 
 @pytest.mark.timeout(60)
 def test_cli_server_down_exits_with_one_line():
-    port = free_ports(1)[0]
-    done = run_cli("generate", "--url", f"127.0.0.1:{port}", "hello")
+    with closed_port() as port:
+        done = run_cli("generate", "--url", f"127.0.0.1:{port}", "hello")
     assert done.returncode == 1
     assert done.stderr.strip() == f"client: error: no Triton server at 127.0.0.1:{port} — start one with `make serve`"

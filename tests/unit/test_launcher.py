@@ -87,10 +87,11 @@ def test_missing_model_repository(tmp_path):
 def test_port_in_use(tmp_path):
     repository = tmp_path / "repository"
     repository.mkdir()
-    http, grpc, metrics = free_ports(3)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
-        busy.bind((LOCALHOST, grpc))
+        busy.bind((LOCALHOST, 0))  # NOTE: a port found free and bound after could be taken in between
         busy.listen()
+        grpc = busy.getsockname()[1]
+        http, metrics = free_ports(2)
         result = run_launcher(*launcher_args(repository, fake_model_folder(tmp_path / "model"), [http, grpc, metrics]))
     assert result.returncode != 0
     assert f"gRPC port {grpc} on {LOCALHOST} is already in use" in result.stderr
@@ -163,9 +164,9 @@ def test_prepare_model_skips_a_complete_folder(tmp_path, fake_gguf, capsys):
     assert len(fake_gguf) == 1 and json.loads((out / ".complete").read_text())["dtype"] == "bfloat16"
     assert not list(out.parent.glob(".m.tmp-*"))
 
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # NOTE: CPU time, which a loaded machine does not stretch as it does the wall clock
     assert prepare_model.main(["--out", str(out)]) == 0
-    assert time.perf_counter() - t0 < 0.5
+    assert time.thread_time() - t0 < 0.5
     assert len(fake_gguf) == 1
     assert "already complete; skipped" in capsys.readouterr().out
 

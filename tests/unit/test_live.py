@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from backend.triton.launcher.launch_options import free_ports
 from loadtest import live
+from tests.fakes import closed_port
 
 MODELS = ("llm_dynamic", "llm_continuous")
 
@@ -44,6 +44,18 @@ def browse(url: str, tmp_path: Path, *flags: str, budget_ms: int = 4000) -> str:
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
+
+
+def wait_for_data(url: str, ready, timeout: float = 60.0) -> dict:
+    """The page's data once ``ready(data)`` holds, polled: the view reads on its own thread, which a loaded machine
+    may hold back for seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        data = json.loads(urllib.request.urlopen(url + "data", timeout=10).read())
+        if ready(data):
+            return data
+        assert time.monotonic() < deadline, f"the live view's data was not ready after {timeout:.0f} s: {data}"
+        time.sleep(0.1)
 
 
 def page_state(dom: str) -> str:
@@ -126,14 +138,13 @@ def test_records_follower_reads_complete_lines_as_the_files_grow(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_page_says_so_when_the_metrics_port_cannot_be_reached(tmp_path):
-    (closed,) = free_ports(1)  # nothing listens there
-    view = live.LiveView(live.LatencyBook(2000, 100), f"http://127.0.0.1:{closed}/metrics", models=list(MODELS))
-    with live.serve(view) as page:
-        time.sleep(2.5)
-        data = json.loads(urllib.request.urlopen(page.url + "data", timeout=10).read())
-        assert data["metrics"]["ok"] is False and "refused" in data["metrics"]["error"].lower()
-        assert data["models"] == list(MODELS) and all(v is None for v in data["series"]["llm_dynamic"]["batch"])
-        dom = browse(page.url, tmp_path, "--dump-dom")
+    with closed_port() as closed:
+        view = live.LiveView(live.LatencyBook(2000, 100), f"http://127.0.0.1:{closed}/metrics", models=list(MODELS))
+        with live.serve(view) as page:
+            data = wait_for_data(page.url, lambda d: d["metrics"]["ok"] is not None)  # it has tried the port
+            assert data["metrics"]["ok"] is False and "refused" in data["metrics"]["error"].lower()
+            assert data["models"] == list(MODELS) and all(v is None for v in data["series"]["llm_dynamic"]["batch"])
+            dom = browse(page.url, tmp_path, "--dump-dom")
     assert page_state(dom) == "unreachable"
     assert f"Cannot reach the metrics port at http://127.0.0.1:{closed}/metrics" in dom
     # Every server chart, the five of each model and the four by priority level, not a flat line.
@@ -211,8 +222,7 @@ def test_page_shows_each_priority_level_apart(tmp_path, monkeypatch):
         view.book.add("llm_continuous", record(ttft=100.0 + i, **{"class": "interactive"}), t_end=1000.0 + i)
     view.book.add("llm_continuous", record(ttft=3000.0, **{"class": "batch"}), t_end=1010.0)
     with live.serve(view) as page:
-        time.sleep(2.0)
-        data = json.loads(urllib.request.urlopen(page.url + "data", timeout=10).read())
+        data = wait_for_data(page.url, lambda d: len(d["t"]) >= 8)  # two seconds' reads on an idle machine
         dom = browse(page.url, tmp_path, "--dump-dom")
     assert [(r["class"], r["requests"], r["ttft_p99_ms"]) for r in data["summary"]] == [
         (None, 11, pytest.approx(2710.9)),

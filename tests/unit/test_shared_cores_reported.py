@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 
 import pytest
 
 from loadtest import live, report
 from loadtest.metrics import models_under_load, parse_prometheus, steps_by_model
+from tests.unit.test_live import wait_for_data
 
 
 def metrics_text(steps: dict[str, int]) -> str:
@@ -78,7 +78,7 @@ def test_the_live_page_says_two_models_are_under_load_at_once(monkeypatch, tmp_p
     monkeypatch.setattr(live, "scrape", scrape)
     view = live.LiveView(live.LatencyBook(2000, 100), "http://127.0.0.1:1/metrics", interval_s=0.2)
     with live.serve(view) as page:
-        time.sleep(1.5)
+        wait_for_data(page.url, lambda d: any(d["under_load"]))  # a second read has seen both step
         done = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                                f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=4000",
                                "--dump-dom", page.url], capture_output=True, text=True, timeout=120)

@@ -22,7 +22,7 @@ import pytest
 
 from backend.contract import prometheus, server_args
 from backend.triton.launcher import probe, processes, shutdown, watchdog
-from backend.triton.launcher.launch_options import free_ports
+from tests.fakes import closed_port
 from tests.server_harness import LOCALHOST, REPO_ROOT
 
 
@@ -73,7 +73,8 @@ def test_open_requests_and_failed_engines_are_read_from_the_metrics(pages):
     url, table = pages
     table["/metrics"] = (200, METRICS)
     assert shutdown.open_requests(f"{url}/metrics") == (3, 3)  # running + waiting; Triton's own queue
-    assert shutdown.open_requests(f"http://{LOCALHOST}:{free_ports(1)[0]}/metrics") is None
+    with closed_port(LOCALHOST) as port:
+        assert shutdown.open_requests(f"http://{LOCALHOST}:{port}/metrics") is None
     assert probe.failed_engines(METRICS) == ["llm_dynamic"]
 
     table["/v2/health/ready"] = (200, "")
@@ -138,10 +139,11 @@ def test_a_childs_client_connections_are_found_and_shut_down():
 def test_probe_and_stop_run_as_files_on_the_standard_library_alone():
     """The containers run the launcher's probe.py and shutdown.py as files, with no site-packages to rely on."""
     python = [sys.executable, "-I", "-S"]  # isolated, and no site-packages: the standard library alone
-    nobody = f"http://{LOCALHOST}:{free_ports(1)[0]}"
     launcher = REPO_ROOT / "backend" / "triton" / "launcher"
-    probe_run = subprocess.run([*python, str(launcher / "probe.py"), "live", "--url", nobody,
-                                "--metrics-url", f"{nobody}/metrics"], capture_output=True, text=True, timeout=30)
+    with closed_port(LOCALHOST) as port:
+        nobody = f"http://{LOCALHOST}:{port}"
+        probe_run = subprocess.run([*python, str(launcher / "probe.py"), "live", "--url", nobody,
+                                    "--metrics-url", f"{nobody}/metrics"], capture_output=True, text=True, timeout=30)
     assert (probe_run.returncode, probe_run.stdout.strip()) == (1, "/v2/health/live answered nothing"), probe_run.stderr
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
