@@ -41,10 +41,12 @@ def server(triton_server_factory, tiny_llama_dir, tmp_path_factory):
 # ---- perf_analyzer's gRPC stream, tensor by tensor ---------------------------------------------------------------
 
 
-def stream_infer(server, model: str, tensors: list[tuple[str, str, list]]) -> dict:
+def stream_infer(server, model: str, tensors: list[tuple[str, str, list]],
+                 connected: threading.Barrier | None = None) -> dict:
     """One request on a gRPC stream as perf_analyzer sends it: ``tensors`` are (name, datatype, values) with the
     model's batch dimension added, all five outputs requested, empty final response on, and to a sequence-batched
-    model a sequence of its own (a correlation id, START and END). Returns what came back."""
+    model a sequence of its own (a correlation id, START and END). Returns what came back. With ``connected``, the
+    request goes out once every thread that shares the barrier has its stream open."""
     lead = (1,) if BATCHED[model] else ()
     dtypes = {"BYTES": np.object_, "BOOL": np.bool_, "INT32": np.int32, "UINT64": np.uint64, "FP32": np.float32}
     inputs = []
@@ -70,6 +72,9 @@ def stream_infer(server, model: str, tensors: list[tuple[str, str, list]]) -> di
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         client.start_stream(callback=callback)
+        if connected is not None:
+            assert client.is_server_live()  # the channel is connected
+            connected.wait(60)
         sequence = {}
         if model in SEQUENCE_MODELS:
             sequence = {"sequence_id": next(_sequence_ids), "sequence_start": True, "sequence_end": True}
@@ -134,9 +139,12 @@ def test_perf_analyzers_sequences_are_served_side_by_side_on_llm_iterative(serve
     model = "llm_iterative"
     before = scrape_metrics(server.metrics_url)
     results: dict[int, dict] = {}
+    # NOTE: the streams are opened first, then the four requests go out together: on a loaded machine, opening a
+    # connection can take longer than a whole request of 12 tokens, and staggered requests never share a step.
+    connected = threading.Barrier(4)
 
     def stream(i: int) -> None:
-        results[i] = stream_infer(server, model, genai_perf_vllm(12 + i, deterministic=True))
+        results[i] = stream_infer(server, model, genai_perf_vllm(12 + i, deterministic=True), connected)
 
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
     for thread in threads:

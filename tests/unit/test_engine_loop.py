@@ -48,7 +48,11 @@ def test_the_loop_bounds_its_queue_and_every_request_gets_exactly_one_final_outp
     from backend.engine.batching import SHUTTING_DOWN, EngineOverloaded, EngineUnavailable
     from backend.engine.config import SamplingParams
 
-    engine, loop, finals = run_loop({**tiny_engine_config, "max_queue_size": 8})
+    # NOTE: the first step waits until the 40 have gone in: a submitter held back on a loaded machine would otherwise
+    # see requests finish and free seats meanwhile. The requests that step took (at most 4 seats) left the queue.
+    submitted = threading.Event()
+    engine, loop, finals = run_loop({**tiny_engine_config, "max_queue_size": 8},
+                                    fault_hook=lambda requests: submitted.wait(60))
     params = SamplingParams(max_tokens=200, ignore_eos=True)
     accepted, overloaded = [], 0
     for i in range(40):
@@ -58,6 +62,7 @@ def test_the_loop_bounds_its_queue_and_every_request_gets_exactly_one_final_outp
         except EngineOverloaded as exc:
             overloaded += 1
             assert kind_of(str(exc)) is ErrorKind.OVERLOADED and "max_queue_size=8" in str(exc)
+    submitted.set()
     assert 8 <= len(accepted) <= 8 + 4 and overloaded == 40 - len(accepted)
     loop.abort(accepted[0])
     loop.drain(0.5)  # refuse from now on; what is left after 0.5 s ends with SHUTTING_DOWN
