@@ -6,11 +6,13 @@ servers.
 
 from __future__ import annotations
 
+import http.server
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -23,6 +25,9 @@ from tests.server_harness import LOCALHOST
 
 def test_liveness_names_a_probe_silent_for_longer_than_the_bound_and_several_probes_in_a_row():
     live = watchdog.Liveness("/v2/health/live", bound_s=15, min_failed=3)
+    for t in range(0, 60, 5):  # still loading its models: it has never answered
+        live.observe(False, float(t))
+    assert live.hang(60.0) is None
     live.observe(True, 0.0)
     live.observe(False, 1.0)
     live.observe(False, 6.0)
@@ -42,27 +47,46 @@ def _sleeper() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
 
 
+class _AnswersOnce(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802
+        self.send_response(200)
+        self.end_headers()
+        self.server.answered.set()
+
+    def log_message(self, *args):
+        pass
+
+
 @pytest.mark.timeout(60)
-def test_supervise_kills_a_server_whose_probes_fail_and_marks_it(tmp_path, monkeypatch):
+def test_supervise_kills_a_server_whose_probes_fail_after_it_answered_and_marks_it(tmp_path, monkeypatch):
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    (nothing_listens,) = free_ports(1)
+    metrics = http.server.ThreadingHTTPServer((LOCALHOST, 0), _AnswersOnce)
+    metrics.answered = threading.Event()
+    threading.Thread(target=metrics.serve_forever, daemon=True).start()
+    port = metrics.server_address[1]
+    url = f"http://{LOCALHOST}:{port}/metrics"
+
+    def go_away() -> None:  # once it has answered, nothing listens any more
+        metrics.answered.wait(30)
+        metrics.shutdown()
+        metrics.server_close()
+
+    threading.Thread(target=go_away, daemon=True).start()
     server = _sleeper()
     logged: list[str] = []
     try:
         t0 = time.monotonic()
-        ended = watchdog.supervise(server.pid, f"http://{LOCALHOST}:{nothing_listens}/metrics", nothing_listens, 0,
-                                   stopping=lambda: False, log=logged.append,
-                                   live_urls={"the metrics port": f"http://{LOCALHOST}:{nothing_listens}/metrics"},
-                                   hang_timeout_s=2.0)
+        ended = watchdog.supervise(server.pid, url, port, 0, stopping=lambda: False, log=logged.append,
+                                   live_urls={"the metrics port": url}, hang_timeout_s=2.0)
         assert server.wait(10) == -signal.SIGKILL
     finally:
         server.kill()
         server.wait()
-    assert time.monotonic() - t0 < 30
+    assert metrics.answered.is_set() and time.monotonic() - t0 < 30
     (hang,) = ended
     assert isinstance(hang, watchdog.Hang) and hang.num_failed >= watchdog.MIN_FAILED_PROBES
     assert logged == [str(hang)] and "the metrics port answered nothing" in logged[0]
-    assert watchdog.stalled(nothing_listens) == str(hang)  # the probe reads not ready until the restart
+    assert watchdog.stalled(port) == str(hang)  # the probe reads not ready until the restart
 
 
 @pytest.mark.timeout(60)

@@ -83,20 +83,21 @@ class Hang:
 
 
 class Liveness:
-    """Feed it the outcome of every probe of one endpoint (``probe``: its name); it says when the endpoint has
-    answered nothing for longer than ``bound_s``, ``min_failed`` probes in a row at least. Thread-safe: one thread
-    observes, another asks."""
+    """Feed it the outcome of every probe of one endpoint (``probe``: its name); it says when the endpoint, once it
+    has answered (a server still loading its models has not), has answered nothing for longer than ``bound_s``,
+    ``min_failed`` probes in a row at least. Thread-safe: one thread observes, another asks."""
 
     def __init__(self, probe: str, bound_s: float = HANG_TIMEOUT_S, min_failed: int = MIN_FAILED_PROBES) -> None:
         self.probe, self.bound_s, self.min_failed = probe, bound_s, min_failed
         self._failing: tuple[float, int] | None = None  # (when the first failed probe of the run began, how many)
+        self._answered = False
 
     def observe(self, answered: bool, started: float) -> None:
         """One probe's outcome; ``started``: when it was sent (``time.monotonic()``)."""
         failing = self._failing
         if answered:
-            self._failing = None
-        else:
+            self._failing, self._answered = None, True
+        elif self._answered:
             self._failing = (started, 1) if failing is None else (failing[0], failing[1] + 1)
 
     def hang(self, now: float) -> Hang | None:
