@@ -48,6 +48,7 @@ DRAIN_TIMEOUT_S = 5.0  # a finished request's stream: Triton closes it at once
 # A stopped request may wait in Triton's queue before a model sees the post (behind a static batch, in a backlog);
 # past this its stream is cancelled after all.
 STOP_TIMEOUT_S = 60.0
+CANCEL_NO_BOARD = "no stop board of its server here"
 
 
 def api_error(message: str, prompt_param: str) -> APIError:
@@ -151,6 +152,7 @@ class TritonGeneration:
             self.finished = True
             board = StopBoard.find(self._url)
             if board is None or not board.post(self.request_id):
+                log.warning("%s: %s; cancelling its stream", self.request_id, CANCEL_NO_BOARD)
                 self._call.cancel()
                 return
         self._background.run(self._read_to_end(board))
@@ -160,8 +162,8 @@ class TritonGeneration:
             await asyncio.wait_for(self._drain(), DRAIN_TIMEOUT_S if board is None else STOP_TIMEOUT_S)
         except asyncio.TimeoutError:
             if board is not None:
-                log.warning("request %s did not end within %.0f s of its stop; cancelling its stream",
-                            self.request_id, STOP_TIMEOUT_S)
+                log.warning("%s: did not end within %.0f s of its stop; cancelling its stream", self.request_id,
+                            STOP_TIMEOUT_S)
             self._call.cancel()
         except grpc.aio.AioRpcError:  # the stream broke (the server went away): nothing is left to free
             pass
