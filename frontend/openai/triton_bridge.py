@@ -91,7 +91,7 @@ class TritonGeneration:
         self._url = url
         self.n = n
         self.request_id = request_id  # the id Triton has for it: its name on the stop board
-        self._background = background or BackgroundTasks()
+        self._background = background if background is not None else BackgroundTasks()
         self._closed = False
         self._read: asyncio.Future | None = None  # the stream's next response, being read
         self._decoders = [codecs.getincrementaldecoder("utf-8")() for _ in range(n)]  # one per sequence
