@@ -12,8 +12,14 @@
 #                  --interactive-users) at which the interactive class meets its targets, per batcher (about an hour)
 #   make scale     two replicas behind vLLM's router (Docker): cores split or not, routing policies, prefix hits
 #   make locust    Locust's web UI (:8089) against a running `make serve`, with the live batching tab
-#   make soak      clients that misbehave, every pattern on every model, 1 and 8 clients, 2,000 requests per pattern
-#                  and model; hours, never in CI (docs/server.md); report in reports/soak-<time>/
+#   make soak      clients that misbehave, every pattern on every model, 1 and 8 clients, a server per pattern and
+#                  number of clients: 2,000 requests per pattern on each batching model with 8 clients, 200 in the
+#                  other cells; it prints its expected duration first (under 2 h on 2 cores), never in CI
+#                  (docs/server.md); report in reports/soak-<time>/, its record kept in records/runs/soak-<cpu>.json;
+#                  ARGS=--estimate: the plan and its expected duration only
+#   make storm     a cancel storm: 20,000 streams of 64 tokens from 8 clients, each left after 0-8 chunks
+#                  (ARGS="--protocol openai": through the OpenAI frontend); crashes, hangs, recovery times, lost
+#                  requests (docs/server.md); its record kept in records/runs/storm-<protocol>-<cpu>.json
 #   make bench     offline engine benchmark (reports/bench.json, and the run's record reports/bench.record.json)
 #   make perplexity  each weight format's perplexity on a fixed text beside HF float32, and beside llama.cpp's
 #                  llama-perplexity on each format's GGUF once `make llamacpp` built them (reports/perplexity.json)
@@ -97,7 +103,7 @@ LLAMACPP_ISA_FLAGS := $(foreach pair,$(LLAMACPP_ISA),-D$(word 2,$(subst :, ,$(pa
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL
 
 .PHONY: help perplexity scale docker docker-down venv venv310 aiperf-venv genai-perf-venv chromium model serve test test-unit compare slo locust \
-	bench bench-shared tables llamacpp soak gpu-check aiperf clean
+	bench bench-shared tables llamacpp soak storm gpu-check aiperf clean
 
 # `make` alone, or `make help`: the header above (targets and settings).
 help:
@@ -196,6 +202,9 @@ scale: docker
 
 soak: model
 	$(PY) -m loadtest.soak --model "$(MODEL)" $(ARGS)
+
+storm: model
+	$(PY) -m loadtest.storm --model "$(MODEL)" $(ARGS)
 
 bench: model
 	$(PY) -m bench.engine --model "$(MODEL)" $(ARGS)

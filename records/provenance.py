@@ -10,6 +10,7 @@ import datetime as dt
 import importlib.metadata
 import os
 import platform
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -143,6 +144,14 @@ def provenance(measure_bandwidth: bool = True) -> dict:
         "os": f"{platform.system()} {platform.release()}",
         "versions": versions(),
     }
+
+
+def cpu_slug(cpu_fields: dict) -> str:
+    """How a kept record's file name names the CPU: its vendor's word and the line after it ('amd-epyc',
+    'intel-xeon'), or the model name's first two words."""
+    words = re.sub(r"\((?:r|tm)\)", " ", cpu_fields.get("model") or "unknown cpu", flags=re.I).lower().split()
+    start = next((i for i, word in enumerate(words) if word in ("amd", "intel")), 0)
+    return "-".join(re.sub(r"[^a-z0-9]+", "", word) for word in words[start:start + 2]) or "unknown"
 
 
 def cpu_label(cpu_fields: dict) -> str:

@@ -11,9 +11,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from records.provenance import provenance
+from records.provenance import REPO_ROOT, cpu_slug, provenance
 
 SCHEMA = 1
+RUNS = REPO_ROOT / "records" / "runs"
 
 
 def format_value(value, spec: str = "{}") -> str:
@@ -107,6 +108,11 @@ class Record:
         kept = self.write(out.with_suffix(".record.json"))
         print(f"\nwritten to {out}; the run's record to {kept}")
         return kept
+
+    def kept_path(self, name: str, runs: Path = RUNS) -> Path:
+        """Where this run's record is kept for the docs' tables: ``records/runs/<name>-<cpu>.json`` (the CPU as
+        :func:`records.provenance.cpu_slug` names it), one record per command and machine."""
+        return Path(runs) / f"{name}-{cpu_slug(self.provenance.get('cpu', {}))}.json"
 
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)

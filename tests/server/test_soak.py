@@ -2,8 +2,9 @@
 and with 8 clients at once, 8 short requests per cell, on the tiny random Llama (the text does not matter here, the
 accounting does). Every request must end as completed, cancelled or an error that says why, none lost; after each
 cell nothing may be pending in Triton or the engine, no KV block in use, and a full batch must be answered; and
-SIGTERM must stop the server with status 0 within its exit timeout. `make soak` runs the same with 500 requests per
-cell, twice over, on SmolLM2.
+SIGTERM must stop each pattern's server (one per number of clients) with status 0 within its exit timeout, the
+models it had to end by force counted per cell in the run's record. `make soak` runs the same with 1,000 requests
+per cell of 8 clients (100 with one client or on llm_static), twice over, on SmolLM2.
 """
 
 from __future__ import annotations
@@ -18,43 +19,49 @@ import pytest
 
 from backend.contract.names import ITERATIVE, MODELS
 from backend.triton.launcher import crash
+from loadtest.soak_patterns import PATTERNS
+from records.record import Record
 from tests.server_harness import REPO_ROOT, make_repository
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 REQUESTS = 8  # per cell: one for each of the 8 clients at once
 # Greedy answers of up to 8 tokens; cancelled ones ask for 150, which a prompt of 40 words leaves room for in the tiny
 # model's 256-token context.
-SOAK_ARGS = ["--requests", str(REQUESTS), "--clients", "1,8", "--rounds", "1", "--max-tokens", "8",
+SOAK_ARGS = ["--requests", str(REQUESTS), "--light-requests", str(REQUESTS), "--clients", "1,8", "--rounds", "1",
+             "--max-tokens", "8",
              "--long-tokens", "150", "--sequence-length", "4", "--request-timeout", "30", "--duration-limit", "60",
-             "--settle-timeout", "30", "--exit-timeout", "10"]
+             "--settle-timeout", "30", "--exit-timeout", "10", "--no-keep"]
 # What each pattern's requests must mostly come to, so that a soak that does not do what it says fails too.
 COMPLETE = ("fresh_stream_cancel_after_final", "long_lived_stream", "http_generate")
 CANCEL = ("cancel_mid_stream", "http_generate_stream_drop")
 
 
-def soak(tiny_llama_dir, out: Path) -> tuple[int, dict]:
+def soak(tiny_llama_dir, out: Path) -> tuple[int, dict, Record]:
     # NOTE: in its own process, as `make soak` runs it: the gRPC channels and threads this test process has
     # collected from earlier tests are not part of what is measured.
     repo = make_repository(out.parent / f"{out.name}-model_repository", models=MODELS)
     done = subprocess.run([sys.executable, "-m", "loadtest.soak", "--model", str(tiny_llama_dir),
                            "--model-repository", str(repo), "--out", str(out), *SOAK_ARGS],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1200)
     print(done.stdout[-12000:], done.stderr[-3000:])
-    return done.returncode, json.loads((out / "soak.json").read_text())
+    return done.returncode, json.loads((out / "soak.json").read_text()), Record.read(out / "record.json")
 
 
-@pytest.mark.timeout(1900)
+@pytest.mark.timeout(3700)  # up to three soaks of 16 servers each
 def test_every_request_of_every_client_behaviour_ends_and_the_server_lets_go(tiny_llama_dir, tmp_path):
     # NOTE: Triton 2.51's gRPC frontend can crash on a stream whose state it freed while a cancellation notice for it
     # was still queued (docs/server.md, "A known crash in Triton 2.51"). Such a run says nothing about this project's
     # code: soak again, at most twice. Any other crash, or a third one, fails the test.
     for attempt in range(3):
-        code, report = soak(tiny_llama_dir, tmp_path / f"soak-{attempt}")
-        if report["checks"]["server_stayed_up"] or not crash.is_known_frontend_crash(report.get("server_crash_site")):
+        code, report, record = soak(tiny_llama_dir, tmp_path / f"soak-{attempt}")
+        sites = [s.get("crash_site") for s in report["servers"] if s.get("died") is not None]
+        if report["checks"]["server_stayed_up"] or not all(map(crash.is_known_frontend_crash, sites)):
             break
-        warnings.warn(f"tritonserver crashed in its gRPC frontend ({report['server_crash_site']}); soaking again",
-                      stacklevel=1)
-    assert report["checks"]["server_stayed_up"], "\n".join(report["server_log_tail"])
+        warnings.warn(f"tritonserver crashed in its gRPC frontend ({sites}); soaking again", stacklevel=1)
+    assert report["checks"]["server_stayed_up"], [(s["pattern"], s["clients"], s.get("start_error"), s.get("log_tail"))
+                                                  for s in report["servers"] if s.get("died") is not None
+                                                  or s.get("start_error")]
+    assert len(report["servers"]) == 2 * len(PATTERNS)  # one per pattern and number of clients
     assert report["checks"]["every_cell_ran"], [(c["pattern"], c["clients"], c["model"]) for c in report["cells"]]
     cells = report["cells"]
     where = "{round}/{pattern}/x{clients}/{model}".format
@@ -91,7 +98,15 @@ def test_every_request_of_every_client_behaviour_ends_and_the_server_lets_go(tin
             else:
                 assert cell["completed"] == REQUESTS, (where(**cell), cell["error_reasons"])
 
-    shutdown = report["shutdown"]
-    assert report["checks"]["sigterm_exit_0_within_grace"], shutdown
-    assert report["checks"]["frontend_exit_0"], report["frontend_exit"]
+    assert report["checks"]["sigterm_exit_0_within_grace"], [s["stop"] for s in report["servers"]]
+    assert report["checks"]["frontend_exit_0"], [s["stop"]["frontend_exit"] for s in report["servers"]]
     assert report["ok"] and code == 0, report["checks"]
+
+    # The record the docs' tables are written from: a row per cell, each with its forced unloads out of its server's
+    # one stop (the models that stop named), and one per pattern.
+    rows = record.tables["cells"].rows
+    assert len(rows) == 2 * len(PATTERNS) * len(MODELS) and sum(r["requests"] for r in rows) == report["requests"]
+    for server in report["servers"]:
+        for row in (r for r in rows if (r["pattern"], r["clients"]) == (server["pattern"], server["clients"])):
+            assert row["forced"] == f"{int(row['model'] in server['stop']['forced_models'])}/1", (row, server)
+    assert [r["pattern"] for r in record.tables["patterns"].rows] == list(PATTERNS)

@@ -22,9 +22,10 @@ from backend.contract.errors import ErrorKind
 from backend.contract.priority import BATCH, INTERACTIVE
 from backend.triton.launcher import config_text
 from client.schema import Chunk
-from loadtest import compare, metrics, report, runner, slo, soak, soak_patterns, stats
+from loadtest import compare, metrics, report, runner, slo, soak, soak_patterns, soak_plan, stats
 from loadtest.measure import Measurement, StreamError
 from loadtest.runner import REPO_ROOT, LoadPoint, Plan, Target, batcher_settings, measurement_window
+from loadtest.served import Served, forced_models
 from loadtest.slo import verdict
 from loadtest.workloads import WORKLOAD_NAMES, WORKLOADS, deal_user, get_workload, make_request
 from records.record import Record
@@ -608,11 +609,19 @@ def test_capacity_table_sets_continuous_beside_the_best_dynamic_configuration():
 
 
 def test_soak_shows_the_crash_when_the_server_dies(tmp_path):
-    log = tmp_path / "tritonserver.log"
-    log.write_text("I1129 started\nSignal (11) received.\n 0# 0x1 in tritonserver\n 1# 0x2 in libc.so.6\n")
-    assert soak.crash_lines(log) == ["Signal (11) received.", " 0# 0x1 in tritonserver", " 1# 0x2 in libc.so.6"]
-    log.write_text("".join(f"line {i}\n" for i in range(30)))
-    assert soak.crash_lines(log, count=3) == ["line 27", "line 28", "line 29"]
+    served = Served(tmp_path, model=None, out=tmp_path, exit_timeout=10)
+    lines = ["I1129 started", "Signal (11) received.", " 0# 0x1 in tritonserver", " 1# 0x2 in libc.so.6"]
+    served.server = SimpleNamespace(output_lines=lambda: lines)
+    assert served.log_tail() == ["Signal (11) received.", " 0# 0x1 in tritonserver", " 1# 0x2 in libc.so.6"]
+    lines = [f"line {i}" for i in range(30)]
+    assert served.log_tail(count=3) == ["line 27", "line 28", "line 29"]
+
+
+def test_the_models_a_forced_stop_ended_are_read_from_its_line():
+    line = ("forced: tritonserver could not unload llm_static, llm_dynamic (most likely a request that Triton 2.51's "
+            "gRPC frontend never released: ...); no request was open and their 2 stubs sat idle for 2 s")
+    assert forced_models(line) == ("llm_dynamic", "llm_static")
+    assert forced_models(None) == () and forced_models("drained in 0.2 s") == ()
 
 
 def test_a_tritonserver_crash_is_named_and_the_known_grpc_frontend_one_told_apart():
@@ -723,12 +732,17 @@ def soak_cell(**changes) -> dict:
 def test_the_soak_verdict_fails_on_each_target(cell, failed):
     args = soak.parse_args(["--patterns", "http_generate", "--models", "llm_dynamic", "--clients", "8", "--rounds",
                             "1"])
-    report = {"cells": [cell], "server_exit_during_soak": None, "frontend_exit": "not started",
-              "rss": {"growth": None}, "shutdown": {"exit_status": 0, "exited_after_s": 2.0, "grace_s": 10.0}}
-    checks = soak.verdict(report, args)
+    groups = soak_plan.plan(args.patterns, args.clients, args.models, 8, 8)
+    stop = {"exit_status": 0, "exited_after_s": 2.0, "grace_s": 10.0, "frontend_exit": "not started",
+            "forced_models": ["llm_dynamic"]}  # a forced unload is counted, not failed
+    report = {"cells": [cell], "servers": [{"pattern": "http_generate", "clients": 8, "stop": stop,
+                                            "rss": {"growth": None}}]}
+    checks = soak.verdict(report, args, groups)
     assert [name for name, ok in checks.items() if not ok] == ([failed] if failed else [])
-    report["shutdown"] = {"exit_status": 1, "exited_after_s": 10.4, "grace_s": 10.0}  # "Exit timeout expired"
-    assert not soak.verdict(report, args)["sigterm_exit_0_within_grace"]
+    report["servers"][0]["stop"] = {**stop, "exit_status": 1, "exited_after_s": 10.4}  # "Exit timeout expired"
+    assert not soak.verdict(report, args, groups)["sigterm_exit_0_within_grace"]
+    report["servers"][0] = {**report["servers"][0], "stop": stop, "died": -11}
+    assert not soak.verdict(report, args, groups)["server_stayed_up"]
 
 
 def test_a_load_generator_that_will_not_exit_is_killed_and_the_run_goes_on():

@@ -174,3 +174,11 @@ def test_no_table_in_the_readme_and_docs_prints_a_figure_without_its_record():
     found = tables.unrecorded_figures()
     assert not found, "measured figures with no record (write them from a record, or remove them):\n" + "\n".join(
         found)
+
+
+def test_a_kept_record_is_named_after_its_command_and_cpu(tmp_path):
+    assert provenance.cpu_slug(provenance.cpu(AMD)) == "amd-epyc"
+    assert provenance.cpu_slug(provenance.cpu(INTEL)) == "intel-xeon"
+    assert provenance.cpu_slug({"model": "13th Gen Intel(R) Core(TM) i9-13900K"}) == "intel-core"
+    assert provenance.cpu_slug({}) == "unknown-cpu"
+    assert make_record(AMD, 1.0).kept_path("storm-grpc", tmp_path) == tmp_path / "storm-grpc-amd-epyc.json"
