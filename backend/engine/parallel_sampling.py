@@ -52,7 +52,7 @@ class SequenceGroup:
         return [
             Request(sequence_id(self.request_id, i), parent.prompt_token_ids,
                     dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i),
-                    parent.eos_token_ids, parent.timings.arrival)
+                    parent.eos_token_ids, parent.timings.arrival, parent.priority)
             for i in range(1, self.n)
         ]
 

@@ -251,3 +251,29 @@ def test_forked_blocks_are_never_leaked_double_owned_or_written_while_shared(ops
         manager.free(request)
     manager.check_invariants([])
     assert manager.num_free_blocks == manager.num_blocks
+
+
+@pytest.mark.parametrize("interactive_first", [True, False])
+def test_forked_sequences_keep_their_requests_priority_and_never_run_ahead_of_a_higher_level(tiny_llama_dir,
+                                                                                              interactive_first):
+    """An n=3 batch request (level 3) beside an interactive one (level 1) in a cache too small for both: its forks
+    carry level 3, so they are the ones preempted and the interactive request never waits behind them."""
+    small = LLMEngine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_threads=2, max_model_len=64,
+                                   block_size=16, num_kv_blocks=12, max_num_seqs=8, scheduling_policy="priority"))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    add = {"interactive": lambda: small.add_request("interactive", PROMPT + " a", params, priority=1),
+           "batch": lambda: small.add_request("batch", PROMPT, SamplingParams(**{**vars(params), "n": 3}),
+                                              priority=3)}
+    for name in (["interactive", "batch"] if interactive_first else ["batch", "interactive"]):
+        add[name]()
+    interactive_done = False
+    while small.has_unfinished():
+        for output in small.step():
+            interactive_done |= output.request_id == "interactive" and output.finished
+        requests = list(small.scheduler.requests.values())
+        assert all(r.priority == 3 for r in requests if r.request_id.startswith("batch"))
+        interactive = [r for r in requests if r.request_id == "interactive"]
+        if interactive and not interactive_done:
+            assert interactive[0].num_preemptions == 0, "the interactive request was preempted for a fork"
+    assert small.stats.num_preemptions > 0  # the cache was too small for both: someone had to wait
+    assert interactive_done and small.block_manager.num_free_blocks == small.block_manager.num_blocks
