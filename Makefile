@@ -14,7 +14,7 @@
 #   make locust    Locust's web UI (:8089) against a running `make serve`, with the live batching tab
 #   make soak      clients that misbehave, every pattern on every model, 1 and 8 clients, a server per pattern and
 #                  number of clients: 2,000 requests per pattern on each batching model with 8 clients, 200 in the
-#                  other cells; it prints its expected duration first (under 2 h on 2 cores), never in CI
+#                  other cells; it prints its expected duration first, never in CI
 #                  (docs/server.md); report in reports/soak-<time>/, its record kept in records/runs/soak-<cpu>.json;
 #                  ARGS=--estimate: the plan and its expected duration only
 #   make storm     a cancel storm: 20,000 streams of 64 tokens from 8 clients, each left after 0-8 chunks

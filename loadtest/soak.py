@@ -5,7 +5,8 @@ one final response (its answer or an error that says why), and the server must l
                             [--clients 1,8] [--rounds 2] [--estimate] [--model DIR] [--out DIR] [--keep]
 
 For each pattern (``loadtest/soak_patterns.py``) and each number of clients it starts a server of its own (the
-launcher's way, on free 127.0.0.1 ports; the OpenAI frontend beside it when the pattern needs it). On it, each model
+launcher's way, on free 127.0.0.1 ports; the OpenAI frontend beside it when the pattern needs it); the servers of
+one pattern run side by side (one client's cells mostly wait: ``soak_plan.side_by_side``). On each, each model
 in turn gets a *cell*: that many client threads send it the cell's requests (``--requests``, or ``--light-requests``
 for one client and for llm_static: ``loadtest/soak_plan.py``), none after ``--duration-limit`` seconds. Every request
 is accounted for as completed, cancelled, an error that says why, or lost. After each cell the model must settle
@@ -76,14 +77,13 @@ class Soak:
         self.cells: list[dict] = []
         self.servers: list[dict] = []
         self.samples: list[dict] = []
-        self.served: Served | None = None  # the server of the group running now
-        self.where: tuple[int, int] = (0, 0)  # (group, round) running now, for the samples
+        self.running: dict[int, tuple[Served, int]] = {}  # group -> its server and the round it runs, for the samples
         self.stop = threading.Event()
         self.t0 = time.monotonic()
 
     # -- one cell: a pattern, a number of clients, a model
 
-    def run_cell(self, target: Target, round_index: int, pattern: str, num_clients: int, model: str,
+    def run_cell(self, served: Served, target: Target, round_index: int, pattern: str, num_clients: int, model: str,
                  num_requests: int) -> dict:
         args = self.args
         accounts, budget = Accounts(), Budget(num_requests, args.duration_limit)
@@ -103,11 +103,10 @@ class Soak:
         for client in still_running:  # NOTE: its thread may still account them later; this cell's count is final
             client.lose_open("the client was still waiting when the cell ended")
         seconds = time.monotonic() - started
-        served = self.served
-        settled = self.settle(model)
+        settled = settle(served.metrics_url, [model], args.settle_timeout, lambda: served.is_running)
         answered, batch = full_batch(target, model) if served.is_running else (0, 0)
         if answered < batch:  # what it left pending, if anything, is this cell's
-            settled = self.settle(model)
+            settled = settle(served.metrics_url, [model], args.settle_timeout, lambda: served.is_running)
         return {
             "round": round_index,
             "pattern": pattern,
@@ -131,10 +130,6 @@ class Soak:
             "full_batch_after": [answered, batch],
         }
 
-    def settle(self, model: str) -> dict:
-        served = self.served
-        return settle(served.metrics_url, [model], self.args.settle_timeout, lambda: served.is_running)
-
     # -- one server: a pattern and a number of clients, every model, every round
 
     def run_group(self, index: int, group: soak_plan.Group) -> dict:
@@ -146,20 +141,19 @@ class Soak:
             server["start_s"] = round(served.start(), 1)
         except (ServerError, RuntimeError) as exc:
             server["start_error"] = str(exc)
-            stopped = served.stop()
-            server["stop"] = asdict(stopped)
+            server["stop"] = asdict(served.stop())
             return server
-        self.served = served
         target = Target(served.grpc_url, served.http_url, served.openai_url, args.request_timeout, args.max_tokens,
                         args.long_tokens, args.sequence_length)
         for round_index in range(args.rounds):
-            self.where = (index, round_index)
+            self.running[index] = (served, round_index)
             for model, num_requests in group.requests.items():
                 if not served.is_running:
                     break
-                cell = self.run_cell(target, round_index, group.pattern, group.clients, model, num_requests)
+                cell = self.run_cell(served, target, round_index, group.pattern, group.clients, model, num_requests)
                 self.cells.append(cell)
                 print(f"[soak] {soak_report.cell_line(cell)}; {self.progress()}", flush=True)
+        self.running.pop(index, None)
         if not served.is_running:
             server["died"] = served.server.returncode
             server["log_tail"] = served.log_tail()
@@ -167,33 +161,30 @@ class Soak:
             print(f"[soak] tritonserver exited ({server['died']}) during {group.name}; the next group gets a new "
                   "server", flush=True)
         server["rss"] = self.rss_report(index, served)
-        self.served = None
         stopping = time.monotonic()
-        stopped = served.stop()
+        server["stop"] = asdict(served.stop())
         server["stop_s"] = round(time.monotonic() - stopping, 1)
-        server["stop"] = asdict(stopped)
         print(f"[soak] server {soak_report.server_line(server)}", flush=True)
         return server
 
+    def run_group_into(self, index: int, found: dict[int, dict]) -> None:
+        group = self.groups[index]
+        try:
+            found[index] = self.run_group(index, group)
+        except Exception as exc:  # the soak goes on with the other groups; this one fails every_cell_ran
+            print(f"[soak] {group.name} failed: {type(exc).__name__}: {exc}", flush=True)
+            found[index] = {"pattern": group.pattern, "clients": group.clients, "start_error": f"soak: {exc}",
+                            "stop": {"exit_status": None, "exited_after_s": None, "grace_s": self.args.exit_timeout,
+                                     "forced": None, "forced_models": [], "frontend_exit": "not started"}}
+
     def progress(self) -> str:
-        """Time so far, and what is left as the estimate has it, scaled by how its cells so far compared."""
         elapsed = time.monotonic() - self.t0
-        text = f"{soak_plan.duration(elapsed)} so far"
-        if self.estimated is None:
-            return text
-        done = {(c["pattern"], c["clients"], c["model"], c["round"]) for c in self.cells}
-        expected_done = sum(self.estimated.by_cell.get(k[:3], 0.0) for k in done)
-        expected_all = self.args.rounds * sum(self.estimated.by_cell.values())
-        actual_done = sum(c["seconds"] + c["after_s"] for c in self.cells)
-        scale = actual_done / expected_done if expected_done else 1.0
-        left = (expected_all - expected_done) * scale
-        left += (len(self.groups) - len(self.servers)) * (self.estimated.seconds - expected_all) / len(self.groups)
-        return f"{text}, about {soak_plan.duration(max(0.0, left))} left"
+        expected = f" of about {soak_plan.duration(self.estimated.seconds)} expected" if self.estimated else ""
+        return f"{soak_plan.duration(elapsed)} so far{expected}"
 
     # -- sampling
 
-    def sample(self, served: Served) -> dict:
-        group, round_index = self.where
+    def sample(self, group: int, served: Served, round_index: int) -> dict:
         rss = tree_rss(served.pid)
         row = {"t": round(time.monotonic() - self.t0, 2), "group": group, "round": round_index,
                "rss_bytes": sum(rss.values()), "rss_by_pid": rss}
@@ -205,18 +196,25 @@ class Soak:
 
     def sampler(self) -> None:
         while not self.stop.is_set():
-            served = self.served
-            if served is not None and served.is_running:
-                self.samples.append(self.sample(served))
+            for group, (served, round_index) in list(self.running.items()):
+                if served.is_running:
+                    self.samples.append(self.sample(group, served, round_index))
             self.stop.wait(self.args.sample_interval)
 
     def run(self) -> float:
-        """Every group's server, cells and stop in turn; returns the seconds it took."""
+        """Pattern after pattern, its groups (one per number of clients) side by side, each on its own server;
+        returns the seconds it took."""
         sampler = threading.Thread(target=self.sampler, daemon=True)
         sampler.start()
         try:
-            for index, group in enumerate(self.groups):
-                self.servers.append(self.run_group(index, group))
+            for batch in soak_plan.side_by_side(self.groups):
+                found: dict[int, dict] = {}
+                threads = [threading.Thread(target=self.run_group_into, args=(i, found), daemon=True) for i in batch]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                self.servers += [found[i] for i in batch if i in found]
         finally:
             self.stop.set()
             sampler.join(10)
@@ -327,8 +325,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds a request may take to its final response (default: %(default)s)")
     parser.add_argument("--settle-timeout", type=float, default=30.0,
                         help="seconds a model may take to be idle after a cell (default: %(default)s)")
-    parser.add_argument("--exit-timeout", type=float, default=10.0,
-                        help="tritonserver's --exit-timeout-secs, the grace SIGTERM must end within")
+    parser.add_argument("--exit-timeout", type=float, default=30.0,
+                        help="tritonserver's --exit-timeout-secs, the grace SIGTERM must end within (default: "
+                        "Triton's and make serve's, %(default)s)")
     parser.add_argument("--sample-interval", type=float, default=1.0)
     parser.add_argument("--rss-growth-limit", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)

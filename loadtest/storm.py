@@ -33,6 +33,7 @@ import argparse
 import collections
 import itertools
 import json
+import queue
 import random
 import sys
 import threading
@@ -104,6 +105,7 @@ class Storm:
         self.failed: str | None = None  # the server could not be brought back: the clients stop
         self.epoch = 0  # restarts so far: a request that spans one was caught in a fall
         self.incidents: list[Incident] = []
+        self.falls: queue.Queue = queue.Queue()  # (kind, what ended it, an event set once it is handled)
         self.t0 = time.monotonic()
         self._numbers = itertools.count()
 
@@ -210,8 +212,8 @@ class Storm:
     # -- the monitor
 
     def monitor(self) -> None:
-        """Watch the server until the clients are done; after a crash, hang or stall, start it again (once the
-        clients are done, only note it: what the server holds is then measured on the server that fell)."""
+        """Watch the server until the clients are done; hand each fall (a crash, a hang, a stall) to the thread that
+        runs the storm, which starts the server again, and watch the new one."""
         args = self.args
         while not self.failed:
             server = self.served.server
@@ -224,7 +226,9 @@ class Storm:
                 probes_done.set()
             if kind is None:
                 return
-            self.recover(kind, ended, restart=not self.done.is_set())
+            handled = threading.Event()
+            self.falls.put((kind, ended, handled))
+            handled.wait()
 
     def watch(self, server, probes, stalls) -> tuple[str | None, list]:
         """Until ``server`` falls (its kind, and the hangs or stalls that ended it) or the clients are done with it
@@ -297,17 +301,31 @@ class Storm:
             thread.start()
         join_by = self.t0 + self.args.duration_limit + 2 * self.args.request_timeout + 60
         last_print = time.monotonic()
-        for thread in threads:
-            while thread.is_alive() and time.monotonic() < join_by:
-                thread.join(1.0)
-                if time.monotonic() - last_print >= PROGRESS_EVERY_S:
-                    last_print = time.monotonic()
-                    print(f"[storm] {self.progress()}", flush=True)
+        while any(thread.is_alive() for thread in threads) and time.monotonic() < join_by:
+            self.handle_falls(restart=True)
+            if time.monotonic() - last_print >= PROGRESS_EVERY_S:
+                last_print = time.monotonic()
+                print(f"[storm] {self.progress()}", flush=True)
         seconds = time.monotonic() - self.t0
         self.done.set()
-        monitor.join(30)
+        while monitor.is_alive():  # a fall it notices now is noted, and the server left as it fell
+            self.handle_falls(restart=False)
         self.clients_still_running = sum(thread.is_alive() for thread in threads)
         return seconds
+
+    def handle_falls(self, restart: bool) -> None:
+        """Wait a second for a fall the monitor noticed, and recover from it here.
+
+        NOTE: here, on the thread that runs the storm and outlives the server: a tritonserver gets SIGTERM when the
+        thread that started it ends (PR_SET_PDEATHSIG, backend/triton/launcher/server.py)."""
+        try:
+            kind, ended, handled = self.falls.get(timeout=1.0)
+        except queue.Empty:
+            return
+        try:
+            self.recover(kind, ended, restart=restart)
+        finally:
+            handled.set()
 
     def progress(self) -> str:
         elapsed = time.monotonic() - self.t0
