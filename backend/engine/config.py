@@ -10,6 +10,7 @@ part of the engine reads.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -20,9 +21,12 @@ from types import MappingProxyType
 from typing import Any, Literal
 
 from backend.contract.errors import InvalidRequest
+from backend.engine import architectures
 from backend.engine.shared_cores import CORE_SHARING, CoreSharing
 from backend.engine.structured_output import StructuredOutputsParams
 from backend.kernels.weight_format import WeightFormat
+
+log = logging.getLogger(__name__)
 
 Batching = Literal["continuous", "run_to_completion", "iterative"]
 BATCHING = ("continuous", "run_to_completion", "iterative")
@@ -55,12 +59,10 @@ def _parse_bool(value: Any) -> bool:
     raise ValueError(f"expected a boolean, got {value!r}")
 
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
-
 @dataclass(frozen=True)
 class ModelShape:
-    """The model's dimensions, from its Hugging Face ``config.json`` (read once, by :meth:`from_model_dir`)."""
+    """The model's dimensions, from its Hugging Face ``config.json`` (read once, by :meth:`from_model_dir`), which
+    must ask for nothing the forward does not compute (backend/engine/architectures.py)."""
 
     vocab_size: int
     hidden_size: int
@@ -72,13 +74,12 @@ class ModelShape:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    sliding_window: int | None = None  # positions a sliding layer attends to; None: every layer attends to all
     hf_config: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)  # the whole file, read-only
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
-        arch = (cfg.get("architectures") or ["LlamaForCausalLM"])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        architectures.check_supported(cfg)
         heads = cfg["num_attention_heads"]
         return cls(
             vocab_size=cfg["vocab_size"],
@@ -91,6 +92,7 @@ class ModelShape:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_window=architectures.sliding_window(cfg),
             hf_config=MappingProxyType(dict(cfg)),
         )
 
@@ -106,7 +108,8 @@ class ModelShape:
 class EngineConfig:
     """Everything the engine needs to know before it loads a model, as the user gives it.
 
-    ``max_model_len=None`` means "the model's own ``max_position_embeddings``"; the engine resolves it once
+    ``max_model_len=None`` means "the model's own ``max_position_embeddings``" (its ``sliding_window`` if smaller:
+    ``ModelShape.sliding_window``); the engine resolves it once
     (:meth:`resolve`), and every part reads the :class:`ResolvedConfig`. The KV pool is sized
     from ``num_kv_blocks`` if given, else from ``kv_cache_memory_bytes``, else on CUDA from what
     ``gpu_memory_utilization`` of the device's memory leaves once the weights and the activation peak of a forward
@@ -212,14 +215,25 @@ class EngineConfig:
         """This config against the model (``shape``, else read from ``model``): ``max_model_len`` filled in and
         checked against what the model supports. The engine calls this once; this config is left as it is."""
         shape = shape or ModelShape.from_model_dir(self.model)
-        model_max_len = shape.max_position_embeddings
+        model_max_len, window = shape.max_position_embeddings, shape.sliding_window
         max_model_len = self.max_model_len
         if max_model_len is None:
             max_model_len = model_max_len if self.enable_chunked_prefill else min(model_max_len,
                                                                                   self.max_num_batched_tokens)
+            if window is not None and window < max_model_len:
+                log.warning("max_model_len is %d, the model's sliding_window, not %d: the engine attends to every "
+                            "earlier token, which is the model's sliding-window attention only inside the window, so "
+                            "no sequence grows past it", window, max_model_len)
+                max_model_len = window
         elif max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings ({model_max_len})"
+            )
+        elif window is not None and max_model_len > window:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's sliding_window ({window}): the engine attends "
+                "to every earlier token, so past the window its output would not be the model's; set "
+                f"max_model_len <= {window}, or leave it unset (it is then {window})"
             )
         settings = {f.name: getattr(self, f.name) for f in fields(EngineConfig)}
         return ResolvedConfig(**{**settings, "max_model_len": max_model_len}, model_shape=shape)

@@ -40,11 +40,15 @@ def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.
     engine keeps points into it, so it can be let go). A tied embedding is looked up in the LM head's copy.
     With ``quantization`` the projections are held quantized: q4_1 as the GGUF holds them (``gguf_blocks``: its
     Q4_1 projections and Q8_0 embedding), else quantized here (q4_1's LM head in q8_0, as the shipped GGUF's)."""
+    read: set[str] = set()  # the checkpoint's tensors the forward reads: every other one is refused
+
     def take(name: str) -> torch.Tensor:
+        read.add(name)
         return w[name].to(dtype, copy=True)
 
     def linear(names: list[str], bias: torch.Tensor | None = None,
                quantize_to: WeightFormat | None = quantization) -> Linear:
+        read.update(names)
         stored = [(gguf_blocks or {}).get(name) for name in names] if quantization == WeightFormat.Q4_1 else [None]
         if all(s is not None and s[0] == stored[0][0] for s in stored):  # the GGUF's own blocks, rows stacked
             fmt = stored[0][0]
@@ -64,6 +68,7 @@ def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.
         out[f"{i}.gate"] = linear([p + "mlp.gate_proj.weight"])  # D -> I
         out[f"{i}.up"] = linear([p + "mlp.up_proj.weight"])  # D -> I
         out[f"{i}.down"] = linear([p + "mlp.down_proj.weight"])  # I -> D
+    read.add("model.embed_tokens.weight")
     embed = w["model.embed_tokens.weight"].to(dtype)  # (V, D)
     head = "model.embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight"
     # q4_1's LM head in q8_0: the shipped GGUF holds its token embedding (the tied head) in Q8_0
@@ -72,7 +77,20 @@ def prepare_weights(w: dict[str, torch.Tensor], shape: ModelShape, dtype: torch.
     if not shape.tie_word_embeddings or lm_head.layout is Layout.ONEDNN:  # its rows cannot be read back
         out["embed"] = embed.clone()
     out["final_norm"] = take("model.norm.weight")  # (D,)
+    _refuse_unread(set(w) - read, shape)
     return out
+
+
+def _refuse_unread(unread: set[str], shape: ModelShape) -> None:
+    """A tensor the forward does not read (a QK norm, an o_proj or MLP bias, a layer beyond ``num_hidden_layers``)
+    means the output would not be the model's: refused by name. Left alone, as HF's class leaves them: a tied
+    model's ``lm_head.weight`` and an old checkpoint's ``rotary_emb.inv_freq`` buffers."""
+    harmless = {"lm_head.weight"} if shape.tie_word_embeddings else set()  # HF ties it to the embedding
+    unread = sorted(name for name in unread - harmless if not name.endswith("rotary_emb.inv_freq"))
+    if unread:
+        shown = ", ".join(unread[:8]) + (f" and {len(unread) - 8} more" if len(unread) > 8 else "")
+        raise ValueError(f"the checkpoint holds {len(unread)} tensor(s) the engine's forward does not read, so its "
+                         f"output would not be the model's: {shown}")
 
 
 class Layer:
