@@ -123,7 +123,7 @@ def plot(report: dict, path: Path) -> bool:
 CELL_COLUMNS = [
     Column("pattern"), Column("clients"), Column("model"), Column("requests"),
     *(Column(k) for k in OUTCOMES),
-    Column("pending_after", "pending after"), Column("kv_after", "KV blocks after"),
+    Column("pending_after", "pending after", "{:g}"), Column("kv_after", "KV blocks after", "{:g}"),
     Column("full_batch_after", "full batch after"), Column("forced", "forced unload"),
     Column("exit_status", "exit status"), Column("load_s", "load s", "{:.0f}"),
     Column("after_s", "settling s", "{:.0f}"), Column("req_per_s", "req/s", "{:.1f}"),

@@ -346,8 +346,9 @@ STORM_COLUMNS = [
     Column("protocol"), Column("models"), Column("requests"), Column("disconnected"), Column("completed"),
     Column("errors"), Column("server_fell", "ended by a fall"), Column("lost"), Column("crashes"),
     Column("hangs", "hangs or stalls"), Column("crash_rate", "crashes per cancellation"),
-    Column("recovery_s", "recovery s (max)", "{:.1f}"), Column("pending_after", "pending after"),
-    Column("kv_after", "KV blocks after"), Column("exit_status", "exit status"), Column("forced", "forced unload"),
+    Column("recovery_s", "recovery s (max)", "{:.1f}"), Column("pending_after", "pending after", "{:g}"),
+    Column("kv_after", "KV blocks after", "{:g}"), Column("exit_status", "exit status"),
+    Column("forced", "forced unload"),
     Column("req_per_s", "req/s", "{:.1f}"), Column("seconds", "seconds", "{:.0f}"),
 ]
 INCIDENT_COLUMNS = [
@@ -355,7 +356,7 @@ INCIDENT_COLUMNS = [
     Column("known_frontend_crash", "Triton 2.51's known gRPC race"), Column("recovery_s", "recovery s", "{:.1f}"),
 ]
 MODEL_COLUMNS = [Column("model"), Column("requests"), *(Column(k) for k in OUTCOMES),
-                 Column("pending_after", "pending after"), Column("kv_after", "KV blocks after")]
+                 Column("pending_after", "pending after", "{:g}"), Column("kv_after", "KV blocks after", "{:g}")]
 
 
 def crash_rate(num_crashes: int, num_cancelled: int) -> str:
