@@ -186,8 +186,8 @@ class Soak:
 
     def sample(self, group: int, served: Served, round_index: int) -> dict:
         rss = tree_rss(served.pid)
-        row = {"t": round(time.monotonic() - self.t0, 2), "group": group, "round": round_index,
-               "rss_bytes": sum(rss.values()), "rss_by_pid": rss}
+        row = {"t": round(time.monotonic() - self.t0, 2), "group": group, "clients": self.groups[group].clients,
+               "round": round_index, "rss_bytes": sum(rss.values()), "rss_by_pid": rss}
         try:
             row["gauges"] = read_gauges(served.metrics_url, self.args.models)
         except (OSError, requests.RequestException) as exc:

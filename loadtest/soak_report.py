@@ -95,20 +95,28 @@ def plot(report: dict, path: Path) -> bool:
     except ImportError:
         return False
     samples = report["samples"]
-    t = [s["t"] for s in samples]
     fig, (ax_rss, ax_kv) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
-    ax_rss.plot(t, [s["rss_bytes"] / 2**20 for s in samples], ".", markersize=1)
+    # NOTE: the servers of a pattern run side by side: a series per number of clients, its servers one after another.
+    for num_clients in sorted({s["clients"] for s in samples}):
+        mine = [s for s in samples if s["clients"] == num_clients]
+        ax_rss.plot([s["t"] for s in mine], [s["rss_bytes"] / 2**20 for s in mine], ".", markersize=1,
+                    label=f"{num_clients} client{'s' * (num_clients > 1)}")
+    busiest = [s for s in samples if s["clients"] == max((s["clients"] for s in samples), default=0)]
+    for i, model in enumerate(report["models"]):
+        for number, group in enumerate(sorted({s["group"] for s in busiest})):  # a line per server
+            mine = [s for s in busiest if s["group"] == group]
+            ax_kv.plot([s["t"] for s in mine],
+                       [s.get("gauges", {}).get(model, {}).get(KV_BLOCKS_USED, float("nan")) for s in mine],
+                       color=f"C{i}", label=model if number == 0 else None)
     ax_rss.set_ylabel("tritonserver tree RSS (MiB)")
-    for model in report["models"]:
-        ax_kv.plot(t, [s.get("gauges", {}).get(model, {}).get(KV_BLOCKS_USED, float("nan")) for s in samples],
-                   label=model)
-    for server in report["servers"]:  # a faint line where each server starts
-        if server.get("t_start") is not None:
+    ax_rss.legend(loc="upper right", fontsize=7)
+    for server in report["servers"]:  # a faint line where each server of the most clients starts
+        if server.get("t_start") is not None and busiest and server["clients"] == busiest[0]["clients"]:
             for ax in (ax_rss, ax_kv):
                 ax.axvline(server["t_start"], color="lightgrey", linewidth=0.8)
-            ax_kv.annotate(f"{server['pattern']} x{server['clients']}", (server["t_start"], 1),
-                           xycoords=("data", "axes fraction"), rotation=90, fontsize=6, va="top")
-    ax_kv.set_ylabel("KV blocks in use")
+            ax_kv.annotate(server["pattern"], (server["t_start"], 1), xycoords=("data", "axes fraction"),
+                           rotation=90, fontsize=6, va="top")
+    ax_kv.set_ylabel("KV blocks in use (the most clients)")
     ax_kv.set_xlabel("seconds")
     ax_kv.legend(loc="upper right", fontsize=7)
     fig.suptitle(f"soak: {report['requests']} requests, {report['outcomes']}", fontsize=9)
