@@ -6,6 +6,7 @@ whose stubs it had to end by force (``backend/triton/launcher/shutdown.py``, ``S
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ READY_TIMEOUT_S = 600.0
 PORTS_FREE_TIMEOUT_S = 30.0  # how long a restart waits for the dead server's ports
 # The models named in the stop's "forced: tritonserver could not unload llm_dynamic, llm_static (most likely ..." line.
 FORCED_MODELS = re.compile(r"could not unload (.+?) \(")
+# NOTE: a start lays tritonserver's files out when they are missing or stale (server_home.py), in a folder named
+# after the process: two threads of one process laying them out at once remove each other's copy (seen: the soak's
+# two servers of a pattern, "No such file or directory: '__pycache__'"). The processes start one at a time.
+_STARTING = threading.Lock()
 # What a model must be back to once its clients are done: Triton's queue, the engine's requests, the KV cache.
 GAUGES = (PENDING_REQUESTS, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_BLOCKS_USED)
 
@@ -132,8 +137,10 @@ class Served:
         """Start tritonserver on free ports and the frontend (if asked), both ready; the seconds it took."""
         started = time.monotonic()
         self.num_starts += 1
-        self.server = start_on_free_ports(self.model_repository, model=self.model, log_path=self._log_path("triton"),
-                                          extra_args=self.server_args, ready_timeout=READY_TIMEOUT_S)
+        with _STARTING:
+            self.server = start_on_free_ports(self.model_repository, model=self.model,
+                                              log_path=self._log_path("triton"), extra_args=self.server_args,
+                                              ready_timeout=READY_TIMEOUT_S)
         self.server.__enter__()  # waits until ready; stops it and raises ServerError if it is not
         if self.openai:
             self.frontend = FrontendProcess(self.server.grpc_url, free_ports(1)[0],
@@ -156,7 +163,8 @@ class Served:
                                   extra_args=self.server_args, env={ADMIN_KEY_ENV_VAR: old.admin_key},
                                   log_path=self._log_path("triton"), ready_timeout=READY_TIMEOUT_S)
             try:
-                server.start()
+                with _STARTING:
+                    server.start()
                 break
             except PortInUse:  # the dead server's sockets are not released yet
                 if time.monotonic() - started > PORTS_FREE_TIMEOUT_S:
