@@ -198,10 +198,13 @@ class Storm:
             stream = sdk.completions.create(model=model, prompt=prompt, max_tokens=args.max_tokens, temperature=0.0,
                                             stream=True, extra_body={"ignore_eos": True})
             with stream:  # leaving the block closes the connection
-                got = sum(1 for _ in itertools.islice(stream, num_chunks))
-                if got == num_chunks:
+                chunks = list(itertools.islice(stream, num_chunks))
+                if len(chunks) == num_chunks:
                     return "disconnected", ""
-                return "lost", f"the stream ended after {got} of {num_chunks} chunks"
+                finish_reason = chunks[-1].choices[0].finish_reason if chunks and chunks[-1].choices else None
+                if finish_reason == "length":  # the whole answer came in fewer chunks
+                    return "completed", ""
+                return "lost", f"the stream ended after {len(chunks)} of {num_chunks} chunks ({finish_reason})"
         except openai.APITimeoutError:
             return "lost", f"no chunk within {args.request_timeout:g} s"
         except openai.APIConnectionError as exc:
