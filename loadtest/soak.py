@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import threading
@@ -187,7 +188,7 @@ class Soak:
     def sample(self, group: int, served: Served, round_index: int) -> dict:
         rss = tree_rss(served.pid)
         row = {"t": round(time.monotonic() - self.t0, 2), "group": group, "clients": self.groups[group].clients,
-               "round": round_index, "rss_bytes": sum(rss.values()), "rss_by_pid": rss}
+               "round": round_index, "load": os.getloadavg()[0], "rss_bytes": sum(rss.values()), "rss_by_pid": rss}
         try:
             row["gauges"] = read_gauges(served.metrics_url, self.args.models)
         except (OSError, requests.RequestException) as exc:
@@ -383,6 +384,7 @@ def main(argv=None) -> int:
         "requests": sum(c["requests"] for c in cells),
         "outcomes": {k: sum(c[k] for c in cells) for k in soak_report.OUTCOMES},
         "rss_growth_limit": args.rss_growth_limit,
+        "load_average": soak_report.load_average([s["load"] for s in soak.samples]),
         "servers": soak.servers,
         "cells": cells,
     }

@@ -91,8 +91,11 @@ class Rates:
         servers = record.tables["servers"].rows
         mean = lambda key: sum(r[key] or 0 for r in servers) / max(1, len(servers))  # noqa: E731
         p = record.provenance
+        machine = record.tables["machine"].rows[0] if "machine" in record.tables else {}
+        load = (f", a mean load average of {machine['load_mean']:.1f} on {machine['cpus']} CPUs"
+                if machine.get("load_mean") is not None else "")
         source = (f"{path.name} (commit {(p.get('commit') or '?')[:7]}, {p.get('date', '?')[:10]}, "
-                  f"{p.get('cpu', {}).get('model', '?')})")
+                  f"{p.get('cpu', {}).get('model', '?')}{load})")
         return cls(source, per_request, after_cell, mean("start_s"), mean("stop_s"))
 
     def cell_seconds(self, pattern: str, num_clients: int, model: str, requests: int) -> float | None:

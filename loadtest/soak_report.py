@@ -4,6 +4,7 @@ together) and one per pattern, from which ``records.tables`` writes docs/server.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from backend.contract.names import KV_BLOCKS_USED, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, PENDING_REQUESTS
@@ -214,6 +215,17 @@ def server_rows(report: dict) -> list[dict]:
     } for s in report["servers"]]
 
 
+MACHINE_COLUMNS = [Column("cpus", "CPUs"), Column("load_mean", "load average (mean)", "{:.1f}"),
+                   Column("load_max", "load average (max)", "{:.1f}")]
+
+
+def load_average(samples: list[float]) -> dict:
+    """The machine's 1-minute load average over a run (sampled every second): how busy it was besides the run, which
+    a reader of its rates needs (the soak and the storm on 2 CPUs share them with whatever else runs)."""
+    return {"cpus": os.cpu_count(), "load_mean": round(sum(samples) / len(samples), 2) if samples else None,
+            "load_max": round(max(samples), 2) if samples else None}
+
+
 def make_record(record: Record, report: dict) -> Record:
     rows = cell_rows(report)
     record.add_table("patterns", PATTERN_COLUMNS, pattern_rows(report, rows),
@@ -221,6 +233,7 @@ def make_record(record: Record, report: dict) -> Record:
     record.add_table("cells", CELL_COLUMNS, rows, "a cell's rounds together; forced unload: the stops that ended "
                      "this model by force / the stops of its server")
     record.add_table("servers", SERVER_COLUMNS, server_rows(report))
+    record.add_table("machine", MACHINE_COLUMNS, [report["load_average"]])
     record.notes.append(f"{report['requests']} requests in {report['duration_s']} s; checks: "
                         + ", ".join(f"{name} {'ok' if ok else 'FAILED'}" for name, ok in report["checks"].items()))
     return record

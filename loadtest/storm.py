@@ -33,6 +33,7 @@ import argparse
 import collections
 import itertools
 import json
+import os
 import queue
 import random
 import sys
@@ -47,6 +48,7 @@ from client.grpc_stream import start_stream
 from loadtest.served import Served, settle
 from loadtest.soak import names_list
 from loadtest.soak_patterns import WORDS, Budget, error_outcome, openai_error_outcome
+from loadtest.soak_report import load_average
 from records.provenance import cpu, cpu_slug
 from records.record import RUNS, Column, Record
 
@@ -106,6 +108,7 @@ class Storm:
         self.epoch = 0  # restarts so far: a request that spans one was caught in a fall
         self.incidents: list[Incident] = []
         self.falls: queue.Queue = queue.Queue()  # (kind, what ended it, an event set once it is handled)
+        self.loads: list[float] = []  # the machine's 1-minute load average, every second
         self.t0 = time.monotonic()
         self._numbers = itertools.count()
 
@@ -306,6 +309,7 @@ class Storm:
         last_print = time.monotonic()
         while any(thread.is_alive() for thread in threads) and time.monotonic() < join_by:
             self.handle_falls(restart=True)
+            self.loads.append(os.getloadavg()[0])
             if time.monotonic() - last_print >= PROGRESS_EVERY_S:
                 last_print = time.monotonic()
                 print(f"[storm] {self.progress()}", flush=True)
@@ -353,6 +357,7 @@ STORM_COLUMNS = [
     Column("kv_after", "KV blocks after", "{:g}"), Column("exit_status", "exit status"),
     Column("forced", "forced unload"),
     Column("req_per_s", "req/s", "{:.1f}"), Column("seconds", "seconds", "{:.0f}"),
+    Column("load_mean", "load average (mean)", "{:.1f}"), Column("cpus", "CPUs"),
 ]
 INCIDENT_COLUMNS = [
     Column("kind"), Column("at_s", "at s", "{:.0f}"), Column("after_requests", "after requests"), Column("detail"),
@@ -384,6 +389,7 @@ def storm_row(report: dict) -> dict:
         "kv_after": sum(g.get(KV_BLOCKS_USED, float("nan")) for g in after.values()),
         "exit_status": stop["exit_status"], "forced": ", ".join(stop["forced_models"]) or "none",
         "req_per_s": report["req_per_s"], "seconds": report["duration_s"],
+        **{key: report.get("load_average", {}).get(key) for key in ("load_mean", "cpus")},
     }
 
 
@@ -507,6 +513,7 @@ def main(argv=None) -> int:
         "incidents": [asdict(i) for i in storm.incidents],
         "after": settled["gauges"], "settled_after_s": settled["seconds"],
         "stop": asdict(stopped), "server_ready_s": round(ready_s, 1),
+        "load_average": load_average(storm.loads),
     }
     if stopped.exit_status not in (0, None):
         report["stop_crash_site"] = served.crash_site()

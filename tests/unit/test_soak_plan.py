@@ -48,7 +48,7 @@ def two_round_report() -> dict:
              for clients in (1, 8) for r in range(2) for model in (STATIC, DYNAMIC)]
     return {"patterns": ["fresh_stream_cancel_after_final"], "models": [STATIC, DYNAMIC], "servers": servers,
             "cells": cells, "requests": sum(c["requests"] for c in cells), "duration_s": 100.0,
-            "checks": {"no_request_lost": True}}
+            "checks": {"no_request_lost": True}, "load_average": {"cpus": 2, "load_mean": 1.5, "load_max": 3.0}}
 
 
 def test_a_cells_rounds_add_up_in_its_row_with_the_forced_unloads_of_its_server():
@@ -71,6 +71,7 @@ def test_the_expected_duration_comes_from_the_kept_records_rates(tmp_path):
     record.write(runs / "soak-amd-epyc.json")
     rates = soak_plan.find_rates("intel-xeon", runs)  # no record of this CPU: any kept one
     assert rates is not None and "soak-amd-epyc.json" in rates.source and "ccccccc" in rates.source
+    assert "a mean load average of 1.5 on 2 CPUs" in rates.source  # how busy the machine was besides the soak
     groups = soak_plan.plan(["fresh_stream_cancel_after_final"], [1, 8], [STATIC, DYNAMIC], 400, 100)
     estimated = soak_plan.estimate(groups, 2, rates)
     # 8 s per 40 requests with 8 clients, 4 s per 10 with one; 1 s after each cell; 23 s per server.
