@@ -3,13 +3,16 @@ while the server drains."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import threading
 
 import pytest
 from fastapi.testclient import TestClient
 
+from frontend.openai import app as app_module
 from frontend.openai.app import Settings, create_app, start_draining
+from frontend.openai.triton_health import TritonHealth
 
 METRICS = """\
 # HELP llm_num_requests_running Sequences in the running batch
@@ -58,7 +61,17 @@ def test_load_is_503_while_the_metrics_do_not_answer(smollm2_dir):
     assert "do not answer" in response.json()["error"]["message"]
 
 
-def test_draining_makes_readiness_503_while_requests_are_still_served(smollm2_dir, metrics_url):
+class PresentTriton(TritonHealth):
+    """The background probe as it reads while Triton answers: never away."""
+
+    async def run(self, on_back) -> None:
+        await asyncio.Event().wait()
+
+
+def test_draining_makes_readiness_503_while_requests_are_still_served(smollm2_dir, metrics_url, monkeypatch):
+    # NOTE: nothing listens at 127.0.0.1:1, and a probe that found that first (it raced the request on a loaded
+    # machine) answered readiness with "Triton refuses connections" instead of the drain's reason.
+    monkeypatch.setattr(app_module, "TritonHealth", PresentTriton)
     app = create_app(Settings("127.0.0.1:1", str(smollm2_dir), triton_metrics_url=metrics_url))
     with TestClient(app) as client:
         start_draining(app)
