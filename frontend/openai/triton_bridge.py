@@ -48,7 +48,6 @@ DRAIN_TIMEOUT_S = 5.0  # a finished request's stream: Triton closes it at once
 # A stopped request may wait in Triton's queue before a model sees the post (behind a static batch, in a backlog);
 # past this its stream is cancelled after all.
 STOP_TIMEOUT_S = 60.0
-CANCEL_NO_BOARD = "no stop board of its server here"
 
 
 def api_error(message: str, prompt_param: str) -> APIError:
@@ -152,7 +151,7 @@ class TritonGeneration:
             self.finished = True
             board = StopBoard.find(self._url)
             if board is None or not board.post(self.request_id):
-                log.warning("%s: %s; cancelling its stream", self.request_id, CANCEL_NO_BOARD)
+                log.warning("%s: no stop board of its server here; cancelling its stream", self.request_id)
                 self._call.cancel()
                 return
         self._background.run(self._read_to_end(board))
