@@ -13,6 +13,7 @@ MODEL_ENV_VAR = "LLM_MODEL"  # the model folder; beats the config's `model` para
 SHARED_CORES_ENV_VAR = "LLM_SHARED_CORES"  # the registry file of the engines that share the cores
 STOP_BOARD_ENV_VAR = "LLM_STOP_BOARD"  # the directory where the frontend posts requests to stop (stop_board.py)
 FAULTS_ENV_VAR = "LLM_TEST_FAULTS"  # "1": the test-only fault injection parameter is read
+FAULTS_RELEASE_ENV_VAR = "LLM_TEST_RELEASE"  # the file whose creation lets a test-only held step go on
 ADMIN_KEY_ENV_VAR = "TRITON_ADMIN_KEY"  # the key of Triton's model-control and shutdown endpoints
 SERVER_HOME_ENV_VAR = "TRITONSERVER_HOME"  # a tritonserver layout to use instead of the one made in .triton/
 

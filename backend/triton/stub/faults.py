@@ -8,7 +8,7 @@ import os
 import threading
 import time
 
-from backend.contract.settings import FAULTS_ENV_VAR
+from backend.contract.settings import FAULTS_ENV_VAR, FAULTS_RELEASE_ENV_VAR
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +32,15 @@ class FaultInjector:
     batcher models, so Triton's queue in front of it grows; llm_continuous's loop) until the process is killed.
     ``slow_step`` makes the step take ``SLOW_STEP_S`` longer, as a long prefill on a busy machine would (longer than
     Triton's sequence idle time in tests of llm_iterative: Triton then ends the sequence while the model holds it).
+    ``held_step`` holds the step until the test lets it go: it creates ``<file>.held`` (the step is held) and waits
+    until the file ``$LLM_TEST_RELEASE`` names exists, for at most ``HOLD_LIMIT_S``; a test then orders what happens
+    during a step by events, not by sleeps that a loaded machine outlasts.
     """
 
-    KINDS = ("step_error", "fatal_error", "stall", "slow_step")
+    KINDS = ("step_error", "fatal_error", "stall", "slow_step", "held_step")
     SLOW_STEP_S = 1.0
+    HOLD_LIMIT_S = 120.0
+    HOLD_POLL_S = 0.01
 
     def __init__(self, markers: dict[str, str]) -> None:
         unknown = sorted(set(markers) - set(self.KINDS))
@@ -74,8 +79,25 @@ class FaultInjector:
             self._never.wait()
         if "slow_step" in hits.values():
             time.sleep(self.SLOW_STEP_S)
-            hits = {rid: kind for rid, kind in hits.items() if kind != "slow_step"}
+        if "held_step" in hits.values():
+            self._hold(sorted(hits))
+        hits = {rid: kind for rid, kind in hits.items() if kind not in ("slow_step", "held_step")}
         if "fatal_error" in hits.values():
             raise InjectedFatalError(f"injected fatal engine fault (requests {sorted(hits)})")
         if hits:
             raise RuntimeError(f"injected step fault (requests {sorted(hits)})")
+
+    def _hold(self, request_ids: list[str]) -> None:
+        release = os.environ.get(FAULTS_RELEASE_ENV_VAR, "")
+        if not release:
+            log.warning("held_step without %s: the step goes on at once", FAULTS_RELEASE_ENV_VAR)
+            return
+        with open(release + ".held", "w"):
+            pass
+        deadline = time.monotonic() + self.HOLD_LIMIT_S
+        while not os.path.exists(release):
+            if time.monotonic() > deadline:
+                log.warning("held_step: %s did not appear within %.0f s; the step goes on (requests %s)",
+                            release, self.HOLD_LIMIT_S, request_ids)
+                return
+            time.sleep(self.HOLD_POLL_S)
