@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -45,6 +46,7 @@ REQUESTS, CONCURRENCY, INPUT_TOKENS, OUTPUT_TOKENS = 8, 2, 16, 12
 # vLLM's extra parameters, which the frontend honours: every answer is exactly OUTPUT_TOKENS long.
 EXACT_LENGTH = ["ignore_eos:true", f"min_tokens:{OUTPUT_TOKENS}"]
 MAX_MODEL_LEN = 512
+TOOL_TIMEOUT_S = 240  # a tool's run here takes seconds to a minute on a loaded machine
 # At most this many engine steps after a disconnect: a tenth of the 480 tokens the request asks for, so a request that
 # is not cancelled fails. How soon the cancel lands (a step or two here) is a timing, printed, not asserted.
 MAX_STEPS_AFTER = 48
@@ -75,9 +77,22 @@ def run_tool(command: list[str], server, model: str, expect_ok: bool = True) -> 
     # NOTE: both tools refuse a local tokenizer folder while the Hugging Face offline switches are set.
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
     env["PATH"] = f"{Path(command[0]).parent}{os.pathsep}{env.get('PATH', '')}"  # genai-perf runs perf_analyzer
-    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=500, env=env)
-    run_tool.output = done.stdout + done.stderr
-    assert (done.returncode == 0) == expect_ok, done.stdout[-3000:] + done.stderr[-3000:]
+    # A session of its own: on a timeout the tool's children (genai-perf's perf_analyzer) end with it.
+    tool = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        stdout, stderr = tool.communicate(timeout=TOOL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(tool.pid, signal.SIGKILL)
+        stdout, stderr = tool.communicate()
+        # Whose hang it was: the server's, when it still holds a request (its gauges), or the tool's own.
+        held = ("pending_request_count", "num_requests", "kv_blocks_used")
+        gauges = {name: value for name, value in scrape_metrics(server.metrics_url).items()
+                  if f'model="{model}"' in name and any(gauge in name for gauge in held)}
+        pytest.fail(f"{Path(command[0]).name} did not end within {TOOL_TIMEOUT_S} s; the server's gauges then: "
+                    f"{gauges}\n{stdout[-3000:]}{stderr[-3000:]}")
+    run_tool.output = stdout + stderr
+    assert (tool.returncode == 0) == expect_ok, stdout[-3000:] + stderr[-3000:]
     return generated_tokens(server, model) - before
 
 
