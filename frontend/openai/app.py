@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException
 
 from backend.contract import names, prometheus
 from backend.engine.config import ModelShape
+from frontend.openai import context_length
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest, bad_request
 from frontend.openai.serving import Answer
@@ -73,6 +74,7 @@ def create_app(settings: Settings) -> FastAPI:
     add_load_route(app, settings.triton_metrics_url)
     v1 = [Depends(api_key_check(settings.api_key)), Depends(triton_present)]
     shape = ModelShape.from_model_dir(settings.model_dir)
+    app.state.model_shape, app.state.tokenizer = shape, template.tokenizer  # for the requests' length checks
     add_model_routes(app, v1, int(time.time()), shape)
     add_generation_routes(app, v1, template)
     add_tokenizer_routes(app, v1, template, shape)
@@ -272,6 +274,7 @@ async def answer(raw: Request, kind: str, request: SamplingRequest, prompt: str)
     """The generation's answer: a stream of server-sent events, or the whole answer as JSON; a client that went away
     before either began gets nothing (``CLIENT_CLOSED_REQUEST``)."""
     bridge = bridge_of(raw)
+    await check_context_length(raw, request, prompt)
     if request.stream:
         # NOTE: once streaming, Starlette cancels the events when the client goes away; until the first token,
         # the watch here does.
@@ -289,6 +292,15 @@ async def answer(raw: Request, kind: str, request: SamplingRequest, prompt: str)
     if whole is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     return Response(whole.model_dump_json(exclude_unset=True), media_type="application/json")
+
+
+async def check_context_length(raw: Request, request: SamplingRequest, prompt: str) -> None:
+    """A 400 in tokens, naming the parameters as the client sent them, for a request the model's context cannot
+    hold (``context_length.py``); a 404 for a model Triton does not serve."""
+    config = await bridge_of(raw).model_config(request.model)
+    limit = max_model_len(config, raw.app.state.model_shape)
+    context_length.check_max_tokens(request.requested_max_tokens, request.max_tokens_param, limit)
+    await context_length.check_prompt(raw.app.state.tokenizer, prompt, request.PROMPT_PARAM, limit)
 
 
 async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T | None:

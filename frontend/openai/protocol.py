@@ -10,7 +10,7 @@ ignored (hints), and what is refused. Responses are the ``openai`` package's own
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict, Field
@@ -152,9 +152,15 @@ class SamplingRequest(BaseModel):
     guided_whitespace_pattern: str | None = None
     return_hidden_states: bool | None = None
 
+    # Parameters of NEUTRAL_VALUES that this kind of request honours at any value.
+    HONOURED: ClassVar[frozenset[str]] = frozenset()
+    PROMPT_PARAM: ClassVar[str] = "prompt"  # what carries the prompt in this kind of request (errors about the prompt name it)
+
     def check_supported(self) -> None:
         """A 400 naming the first parameter the engine cannot honour."""
         for name, neutral in NEUTRAL_VALUES.items():
+            if name in self.HONOURED:
+                continue
             value = getattr(self, name, None)
             if not any(_same(value, ok) for ok in neutral):
                 raise bad_request(
@@ -248,6 +254,15 @@ class SamplingRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    @property
+    def max_tokens_param(self) -> str:
+        """The name under which the client sent its output limit (errors name it so)."""
+        return "max_tokens"
+
+    def echoed(self, prompt: str) -> str:
+        """What the answer repeats of the prompt before the generated text (completions' ``echo``)."""
+        return ""
+
 
 def _same(value: Any, neutral: Any) -> bool:
     """Equal, and a bool only to a bool (``logprobs: true`` is not ``1``)."""
@@ -269,9 +284,20 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
     logprobs: int | None = Field(None, ge=0)
 
+    HONOURED: ClassVar[frozenset[str]] = frozenset({"echo"})
+
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs needs the prompt's log-probabilities, which this engine does not "
+                              "compute: send echo or logprobs, not both", param="echo", code="unsupported_parameter")
+
+    def echoed(self, prompt: str) -> str:
+        return prompt if self.echo else ""
 
     def prompt_text(self) -> str:
         prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
@@ -305,6 +331,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
+
+    PROMPT_PARAM: ClassVar[str] = "messages"
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -368,6 +396,10 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def num_logprobs(self) -> int | None:

@@ -55,6 +55,7 @@ class Answer:
     first: Piece
     id: str
     created: int
+    echo: str = ""  # the prompt, when a completion repeats it before its text
     _content_parts: dict[int, tuple[str, str]] = field(default_factory=dict, init=False, repr=False)  # by index
     # completions' logprobs: the text streamed so far, by index
     _text_offsets: dict[int, int] = field(default_factory=dict, init=False, repr=False)
@@ -62,15 +63,15 @@ class Answer:
     @classmethod
     async def start(cls, bridge: TritonBridge, kind, model: str, request: SamplingRequest, prompt: str) -> "Answer":
         """Send the request and wait for its first response: an error before any token raises :class:`APIError`."""
-        prompt_param = "messages" if kind == "chat" else "prompt"
-        generation = await bridge.generate(model, request.generation_request(prompt), prompt_param)
+        generation = await bridge.generate(model, request.generation_request(prompt), request.PROMPT_PARAM)
         try:
             first = await generation.__anext__()
         except BaseException:
             await generation.aclose()
             raise
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return cls(kind, model, request, generation, first, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+        return cls(kind, model, request, generation, first, f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
+                   request.echoed(prompt))
 
     # -- one JSON answer
 
@@ -86,7 +87,7 @@ class Answer:
         for piece in pieces:
             by_index.setdefault(piece.index, []).append(piece)
         k = self.request.num_logprobs
-        answers = [("".join(p.text for p in ps), ps[-1],
+        answers = [(self.echo + "".join(p.text for p in ps), ps[-1],
                     None if k is None else tuple(t for p in ps for t in p.logprobs))
                    for _, ps in sorted(by_index.items())]
         usage = usage_of([last for _, last, _ in answers])
@@ -113,6 +114,8 @@ class Answer:
             role = "".join(self._event(delta=ChoiceDelta(role="assistant", content=""), index=i,
                                        so_far=self._so_far(self.first, 0))
                            for i in range(self.generation.n)) if self.kind == "chat" else ""
+            if self.echo:  # the prompt first, in a chunk of its own for every choice
+                role = "".join(self._content(self.echo, i) for i in range(self.generation.n))
             piece, ended = self.first, []
             while True:
                 if piece.num_tokens or piece.text:

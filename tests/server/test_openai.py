@@ -246,6 +246,22 @@ def test_stop_strings_end_the_text_before_them(sdk, model):
 
 @pytest.mark.server
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", MODELS)
+def test_echo_repeats_the_prompt_before_the_completion_streamed_and_not(sdk, model):
+    prompt = "Once upon a time"
+    kwargs = dict(model=model, prompt=prompt, max_tokens=6, temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    plain = sdk.completions.create(**kwargs).choices[0].text
+    echoed = sdk.completions.create(**kwargs, echo=True)
+    assert echoed.choices[0].text == prompt + plain
+    assert echoed.usage.completion_tokens == 6  # the prompt is not counted as output
+    chunks = [c for c in sdk.completions.create(**kwargs, echo=True, stream=True) if c.choices]
+    assert chunks[0].choices[0].text == prompt  # first, in a chunk of its own
+    assert "".join(c.choices[0].text for c in chunks) == prompt + plain
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
 def test_no_delta_holds_half_a_character(sdk):
     # The random model's tokens include single bytes of multi-byte characters; a delta that cut one would show
     # U+FFFD where the whole text has the character.
@@ -365,7 +381,7 @@ BAD_REQUESTS = [
     ("chat", {"structured_outputs": {"regex": "("}}, "structured_outputs", None, "cannot be compiled"),
     ("completion", {"structured_outputs": {"choice": []}}, "structured_outputs", None, "list of 1 to"),
     ("completion", {"best_of": 3}, "best_of", "unsupported_parameter", ""),
-    ("completion", {"echo": True}, "echo", "unsupported_parameter", ""),
+    ("completion", {"echo": True, "logprobs": 1}, "echo", "unsupported_parameter", "echo with logprobs"),
     ("completion", {"suffix": "end"}, "suffix", "unsupported_parameter", ""),
     ("chat", {"temperature": 2.5}, "temperature", None, "less than or equal to 2"),
     ("chat", {"top_p": 0}, "top_p", None, "greater than 0"),
@@ -380,11 +396,18 @@ BAD_REQUESTS = [
      "messages.0.content.0.type", None, "'text'"),
     ("completion", {"prompt": ["one", "two"]}, "prompt", None, "one string"),
     ("completion", {"prompt": ""}, "prompt", None, "empty"),
-    ("completion", {"max_tokens": 5000}, "max_tokens", "context_length_exceeded", f"max_model_len ({MAX_MODEL_LEN})"),
+    # Lengths in tokens, each parameter named as the client sent it (vLLM's words).
+    ("completion", {"max_tokens": 5000}, "max_tokens", "context_length_exceeded",
+     f"'max_tokens' is too large: 5000. This model's maximum context length is {MAX_MODEL_LEN} tokens"),
+    ("chat", {"max_tokens": None, "max_completion_tokens": 5000}, "max_completion_tokens", "context_length_exceeded",
+     f"'max_completion_tokens' is too large: 5000. This model's maximum context length is {MAX_MODEL_LEN} tokens"),
     ("completion", {"prompt": "hello " * (MAX_MODEL_LEN + 10)}, "prompt", "context_length_exceeded",
-     f"max_model_len is {MAX_MODEL_LEN}"),
+     f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your request has"),
     ("chat", {"messages": [{"role": "user", "content": "hello " * (MAX_MODEL_LEN + 10)}]}, "messages",
-     "context_length_exceeded", f"max_model_len is {MAX_MODEL_LEN}"),
+     "context_length_exceeded", "input tokens, which leaves no room for output. Please reduce the length of the messages"),
+    # Beyond the models' own bound in bytes (16 per token of max_model_len): still counted in tokens.
+    ("chat", {"messages": [{"role": "user", "content": "Tell me about ünïcödé. " * 1000}]}, "messages",
+     "context_length_exceeded", f"maximum context length is {MAX_MODEL_LEN} tokens. However, your request has"),
 ]
 
 
