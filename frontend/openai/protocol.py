@@ -154,7 +154,7 @@ class SamplingRequest(BaseModel):
 
     # Parameters of NEUTRAL_VALUES that this kind of request honours at any value.
     HONOURED: ClassVar[frozenset[str]] = frozenset()
-    PROMPT_PARAM: ClassVar[str] = "prompt"  # what carries the prompt in this kind of request (errors about the prompt name it)
+    PROMPT_PARAM: ClassVar[str] = "prompt"  # what carries the prompt here (errors about the prompt name it)
 
     def check_supported(self) -> None:
         """A 400 naming the first parameter the engine cannot honour."""
