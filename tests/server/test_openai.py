@@ -399,12 +399,14 @@ BAD_REQUESTS = [
     # Lengths in tokens, each parameter named as the client sent it (vLLM's words).
     ("completion", {"max_tokens": 5000}, "max_tokens", "context_length_exceeded",
      f"'max_tokens' is too large: 5000. This model's maximum context length is {MAX_MODEL_LEN} tokens"),
-    ("chat", {"max_tokens": None, "max_completion_tokens": 5000}, "max_completion_tokens", "context_length_exceeded",
+    ("chat", {"max_tokens": None, "max_completion_tokens": 5000}, "max_completion_tokens",
+     "context_length_exceeded",
      f"'max_completion_tokens' is too large: 5000. This model's maximum context length is {MAX_MODEL_LEN} tokens"),
     ("completion", {"prompt": "hello " * (MAX_MODEL_LEN + 10)}, "prompt", "context_length_exceeded",
      f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your request has"),
     ("chat", {"messages": [{"role": "user", "content": "hello " * (MAX_MODEL_LEN + 10)}]}, "messages",
-     "context_length_exceeded", "input tokens, which leaves no room for output. Please reduce the length of the messages"),
+     "context_length_exceeded", "input tokens, which leaves no room for output. Please reduce the length of the "
+     "messages"),
     # Beyond the models' own bound in bytes (16 per token of max_model_len): still counted in tokens.
     ("chat", {"messages": [{"role": "user", "content": "Tell me about ünïcödé. " * 1000}]}, "messages",
      "context_length_exceeded", f"maximum context length is {MAX_MODEL_LEN} tokens. However, your request has"),
