@@ -8,6 +8,7 @@ Triton model, and so picks the batcher. One module per responsibility:
 - ``protocol.py``: the request models (pydantic), what the engine cannot honour, the mapping onto the models' inputs,
   and the OpenAI error body;
 - ``chat_template.py``: ``messages`` rendered with the model folder's own chat template;
+- ``tools.py``: chat's tools: the grammar each ``tool_choice`` holds the answer to, and the answer parsed into calls;
 - ``triton_bridge.py``: one request on its own async gRPC stream, and Triton's answers mapped to OpenAI's statuses;
 - ``serving.py``: the OpenAI responses and server-sent events for completions and chat;
 - ``app.py``: the FastAPI app and its routes; ``__main__.py``: the command line (uvicorn).

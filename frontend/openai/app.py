@@ -4,6 +4,7 @@
     GET  /v1/models/{model}
     POST /v1/completions             a prompt, as text
     POST /v1/chat/completions        messages, rendered with the model folder's chat template
+    POST /v1/responses               OpenAI's Responses API: text input rendered as chat's messages, nothing stored
     POST /tokenize, /detokenize      vLLM's: a prompt or messages -> token ids and their count; token ids -> text
     GET  /health                     200 while Triton is live, else 503
     GET  /health/ready               200 while Triton is ready (every model loaded) and the server is not about to
@@ -37,6 +38,7 @@ from backend.engine.config import ModelShape
 from frontend.openai import context_length
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest, bad_request
+from frontend.openai.responses_api import ResponseAnswer, ResponsesRequest, render
 from frontend.openai.serving import Answer
 from frontend.openai.tokenize import (
     ChatTokenizeRequest,
@@ -257,7 +259,8 @@ def add_tokenizer_routes(app: FastAPI, dependencies: list, template: ChatTemplat
 
 
 def add_generation_routes(app: FastAPI, dependencies: list, template: ChatTemplate) -> None:
-    """``/v1/completions`` (a prompt, as text) and ``/v1/chat/completions`` (messages, rendered with ``template``)."""
+    """``/v1/completions`` (a prompt, as text), ``/v1/chat/completions`` (messages, rendered with ``template``) and
+    ``/v1/responses`` (input rendered as chat's messages)."""
 
     @app.post("/v1/completions", dependencies=dependencies)
     async def completions(raw: Request) -> Response:
@@ -267,31 +270,38 @@ def add_generation_routes(app: FastAPI, dependencies: list, template: ChatTempla
     @app.post("/v1/chat/completions", dependencies=dependencies)
     async def chat_completions(raw: Request) -> Response:
         request = parse_body(ChatCompletionRequest, await raw.body())
-        return await answer(raw, "chat", request, template.render(request.messages))
+        return await answer(raw, "chat", request, template.render(request.messages, request.tool_calling))
+
+    @app.post("/v1/responses", dependencies=dependencies)
+    async def responses(raw: Request) -> Response:
+        request = parse_body(ResponsesRequest, await raw.body())
+        return await answer(raw, "response", request, render(template, request), ResponseAnswer.start)
 
 
-async def answer(raw: Request, kind: str, request: SamplingRequest, prompt: str) -> Response:
-    """The generation's answer: a stream of server-sent events, or the whole answer as JSON; a client that went away
-    before either began gets nothing (``CLIENT_CLOSED_REQUEST``)."""
+async def answer(raw: Request, kind: str, request: SamplingRequest, prompt: str, start=Answer.start) -> Response:
+    """The generation's answer (``start``: what sends it, the Responses API's or chat's and completions'): a stream of
+    server-sent events, or the whole answer as JSON; a client that went away before either began gets nothing
+    (``CLIENT_CLOSED_REQUEST``)."""
     bridge = bridge_of(raw)
     await check_context_length(raw, request, prompt)
     if request.stream:
         # NOTE: once streaming, Starlette cancels the events when the client goes away; until the first token,
         # the watch here does.
-        generation = await unless_disconnected(raw, Answer.start(bridge, kind, request.model, request, prompt))
+        generation = await unless_disconnected(raw, start(bridge, kind, request.model, request, prompt))
         if generation is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return StreamingResponse(generation.events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     async def whole():
-        generation = await Answer.start(bridge, kind, request.model, request, prompt)
+        generation = await start(bridge, kind, request.model, request, prompt)
         return await generation.whole()
 
     whole = await unless_disconnected(raw, whole())
     if whole is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return Response(whole.model_dump_json(exclude_unset=True), media_type="application/json")
+    # NOTE: by alias: the SDK's types name a field `schema_` where OpenAI's JSON says "schema"
+    return Response(whole.model_dump_json(exclude_unset=True, by_alias=True), media_type="application/json")
 
 
 async def check_context_length(raw: Request, request: SamplingRequest, prompt: str) -> None:

@@ -10,13 +10,17 @@ ignored (hints), and what is refused. Responses are the ``openai`` package's own
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from openai.types.shared import ErrorObject
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from backend.contract.priority import level_of_openai
 from client.schema import GenerationRequest
+
+if TYPE_CHECKING:
+    from frontend.openai.tools import ToolCalling
 
 MAX_SEED = 2**64 - 1  # the models' seed input is UINT64
 
@@ -61,9 +65,6 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, False, True),  # says nothing without tools
     "functions": (None, []),
     "function_call": (None, "none"),
     "modalities": (None, ["text"]),
@@ -198,6 +199,7 @@ class SamplingRequest(BaseModel):
             ("guided_choice", None if self.guided_choice is None else {"choice": self.guided_choice}),
             ("guided_grammar", None if self.guided_grammar is None else {"grammar": self.guided_grammar}),
             ("response_format", self.response_format_output()),
+            ("tools", None if self.tool_calling is None else self.tool_calling.structured_output()),
         ) if value is not None}
         if len(sent) > 1:
             raise bad_request(f"send one of {', '.join(sent)}: each asks for a structured output",
@@ -206,6 +208,10 @@ class SamplingRequest(BaseModel):
 
     def response_format_output(self) -> dict[str, Any] | None:
         return None  # chat's response_format
+
+    @property
+    def tool_calling(self) -> ToolCalling | None:
+        return None  # chat's tools
 
     def generation_request(self, prompt: str) -> GenerationRequest:
         """The models' inputs for ``prompt`` (model_repository/README.md's schema)."""
@@ -317,15 +323,43 @@ class TextPart(BaseModel):
     text: str
 
 
+class MessageFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    arguments: str  # JSON text
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageFunction
+
+
 class ChatMessage(BaseModel):
-    """A system, developer, user or assistant turn; content as text or text parts."""
+    """A system, developer, user, assistant or tool turn; content as text or text parts. An assistant turn may carry
+    the tool calls it made (its content null), a tool turn the result of the call ``tool_call_id`` names."""
 
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (null only in an assistant turn with tool_calls)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant turns, not to {self.role!r} ones")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError("a tool turn needs the tool_call_id of the call it answers (and only a tool turn has one)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
@@ -381,10 +415,20 @@ class ChatCompletionRequest(SamplingRequest):
         raise bad_request(f"response_format type {fmt.get('type')!r} is not supported; send 'text', 'json_object' "
                           "or 'json_schema'", param="response_format")
 
+    @cached_property
+    def tool_calling(self) -> ToolCalling | None:
+        """What tools and tool_choice ask of the answer; None when no tool may be called."""
+        from frontend.openai.tools import ToolCalling  # NOTE: here: tools.py builds on this module's messages
+
+        return ToolCalling.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.logprobs and self.tool_calling is not None:
+            raise bad_request("logprobs cannot be combined with tool calls (the answer is parsed into them): leave "
+                              "out logprobs, or send tool_choice: none", param="logprobs")
         self.structured_output()  # one at most, and a response_format this server knows
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:

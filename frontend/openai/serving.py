@@ -6,7 +6,9 @@ its token's log-probabilities when asked), a chunk with the ``finish_reason`` an
 when ``stream_options.include_usage`` asks (then every other chunk carries ``"usage": null``, or the counts so far
 with vLLM's ``continuous_usage_stats``), and ``data: [DONE]``. An error after the first token is sent as
 ``data: {"error": ...}`` before ``[DONE]``; one before it is an HTTP error (the first Triton response is awaited
-before the stream starts, so a refused request gets its status).
+before the stream starts, so a refused request gets its status). A chat answer that may call tools (tools.py) is
+parsed once whole: its stream holds the text and sends the answer, tool calls or content, in one delta before the
+finish chunk.
 
 With ``n`` > 1 the n choices are the models' n sequences, each response carrying its ``index``: streamed, each
 choice's chunks as they are made (a role chunk for every choice first, in chat) and its own finish chunk; whole, the
@@ -22,13 +24,14 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal
 
 from openai.types import Completion, CompletionChoice, CompletionUsage
-from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
 from frontend.openai.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
 from frontend.openai.protocol import APIError, SamplingRequest
+from frontend.openai.tools import Reply
 from frontend.openai.triton_bridge import Piece, TritonBridge, TritonGeneration
 
 DONE = "data: [DONE]\n\n"
@@ -63,12 +66,7 @@ class Answer:
     @classmethod
     async def start(cls, bridge: TritonBridge, kind, model: str, request: SamplingRequest, prompt: str) -> "Answer":
         """Send the request and wait for its first response: an error before any token raises :class:`APIError`."""
-        generation = await bridge.generate(model, request.generation_request(prompt), request.PROMPT_PARAM)
-        try:
-            first = await generation.__anext__()
-        except BaseException:
-            await generation.aclose()
-            raise
+        generation, first = await send(bridge, model, request, prompt)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return cls(kind, model, request, generation, first, f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
                    request.echoed(prompt))
@@ -92,10 +90,10 @@ class Answer:
                    for _, ps in sorted(by_index.items())]
         usage = usage_of([last for _, last, _ in answers])
         if self.kind == "chat":
-            choices = [ChatChoice(index=last.index, message=ChatCompletionMessage(role="assistant", content=text),
-                                  finish_reason=last.finish_reason,
+            replies = [self._reply(text, last.finish_reason) for text, last, _ in answers]
+            choices = [ChatChoice(index=last.index, message=reply.message(), finish_reason=reply.finish_reason,
                                   logprobs=None if logprobs is None else chat_logprobs(logprobs, k))
-                       for text, last, logprobs in answers]
+                       for (_, last, logprobs), reply in zip(answers, replies)]
             return ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model,
                                   choices=choices, usage=usage)
         choices = [CompletionChoice(index=last.index, text=text, finish_reason=last.finish_reason,
@@ -117,15 +115,25 @@ class Answer:
             if self.echo:  # the prompt first, in a chunk of its own for every choice
                 role = "".join(self._content(self.echo, i) for i in range(self.generation.n))
             piece, ended = self.first, []
+            # NOTE: a tool-calling answer is parsed once whole, so its text is held and sent in one delta at its end.
+            calling, held = self.request.tool_calling, {}
             while True:
-                if piece.num_tokens or piece.text:
+                if calling is not None:
+                    held[piece.index] = held.get(piece.index, "") + piece.text
+                elif piece.num_tokens or piece.text:
                     # NOTE: OpenAI's chunks carry no token ids, so clients (the Locust user, benchmark tools) count
                     # one token per chunk, as they would from OpenAI: a response of several tokens is its text and
                     # an empty chunk for each further token, in one write.
                     yield role + self._content_chunks(piece)
                     role = ""
                 if piece.finish_reason:
-                    yield role + self._event(finish_reason=piece.finish_reason, index=piece.index,
+                    finish_reason = piece.finish_reason
+                    if calling is not None:
+                        reply = calling.reply(held.pop(piece.index, ""), finish_reason)
+                        role += self._event(delta=reply.delta(), index=piece.index,
+                                            so_far=self._so_far(piece, piece.num_tokens))
+                        finish_reason = reply.finish_reason
+                    yield role + self._event(finish_reason=finish_reason, index=piece.index,
                                              so_far=self._so_far(piece, piece.num_tokens))
                     role = ""
                     ended.append(piece)
@@ -139,6 +147,11 @@ class Answer:
         finally:
             await self.generation.aclose()
         yield DONE
+
+    def _reply(self, text: str, finish_reason: str) -> Reply:
+        """A chat answer as the client gets it: parsed into tool calls when the request offers tools."""
+        calling = self.request.tool_calling
+        return Reply(text, (), finish_reason) if calling is None else calling.reply(text, finish_reason)
 
     def _content_chunks(self, piece: Piece) -> str:
         """One content chunk per token of ``piece``: its text in the first, each token's log-probabilities and the
@@ -201,6 +214,18 @@ class Answer:
             chunk = CompletionChunk(id=self.id, object="text_completion", created=self.created, model=self.model,
                                     choices=choices, **extra)
         return f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+
+async def send(bridge: TritonBridge, model: str, request: SamplingRequest,
+               prompt: str) -> tuple[TritonGeneration, Piece]:
+    """Send ``request`` for ``prompt`` to ``model`` and wait for its first response; an error before any token raises
+    :class:`APIError`, the generation closed."""
+    generation = await bridge.generate(model, request.generation_request(prompt), request.PROMPT_PARAM)
+    try:
+        return generation, await generation.__anext__()
+    except BaseException:
+        await generation.aclose()
+        raise
 
 
 def usage_of(lasts: list[Piece]) -> CompletionUsage:

@@ -28,3 +28,21 @@ def start_server(triton_server_factory):
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def frontend(triton, tiny_llama_dir, tmp_path_factory):
+    """The OpenAI frontend (its own process, as the CLI starts it) in front of the module's ``triton`` server."""
+    from tests.server.test_openai import start_frontend  # NOTE: here: the unit tier never imports the SDK tests
+
+    frontend = start_frontend(triton.grpc_url, tiny_llama_dir, tmp_path_factory.mktemp("frontend"))
+    yield frontend
+    assert frontend.stop() == 0, "SIGTERM must stop the frontend cleanly"
+
+
+@pytest.fixture(scope="module")
+def sdk(frontend):
+    """The official ``openai`` SDK on ``frontend``, without retries (a retry would hide an error)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{frontend.url}/v1", api_key="unused", max_retries=0, timeout=120)
