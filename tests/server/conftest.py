@@ -30,6 +30,16 @@ def start_server(triton_server_factory):
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def openai_triton(triton_server_factory, tiny_llama_dir, tmp_path_factory):
+    """The server behind the OpenAI frontend's tests (test_openai.py, test_openai_responses.py): started once for
+    both modules, which run one after the other."""
+    from tests.server.test_openai import openai_repository  # NOTE: here: the server's settings are that module's
+
+    repo = openai_repository(tmp_path_factory.mktemp("openai-repo") / "model_repository")
+    return triton_server_factory.start(repo, model=tiny_llama_dir)
+
+
 @pytest.fixture(scope="module")
 def frontend(triton, tiny_llama_dir, tmp_path_factory):
     """The OpenAI frontend (its own process, as the CLI starts it) in front of the module's ``triton`` server."""

@@ -47,12 +47,15 @@ ALTERNATING_TEMPLATE = (
 # ---- fixtures: one tiny server, frontends as the CLI starts them ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def triton(triton_server_factory, tiny_llama_dir, tmp_path_factory):
-    repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository",
-                           {"max_model_len": str(MAX_MODEL_LEN), "max_queue_size": str(QUEUE)},
+def openai_repository(path):
+    """The model repository of the OpenAI tests' server (``openai_triton``, tests/server/conftest.py)."""
+    return make_repository(path, {"max_model_len": str(MAX_MODEL_LEN), "max_queue_size": str(QUEUE)},
                            models=MODELS, dynamic_queue_size=QUEUE)
-    return triton_server_factory.start(repo, model=tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def triton(openai_triton):
+    return openai_triton
 
 
 def start_frontend(triton_grpc_url: str, model_dir, log_dir, api_key: str | None = None) -> FrontendProcess:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from loadtest.metrics import model_sample, scrape_metrics
 from tests.server.test_openai import MAX_MODEL_LEN, MESSAGES, MODELS, PERSON, wait_idle
-from tests.server_harness import make_repository, read_events
+from tests.server_harness import read_events
 
 pytestmark = pytest.mark.server
 GREEDY = {"temperature": 0.0}
@@ -30,10 +30,8 @@ class Person(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def triton(triton_server_factory, tiny_llama_dir, tmp_path_factory):
-    repo = make_repository(tmp_path_factory.mktemp("repo") / "model_repository",
-                           {"max_model_len": str(MAX_MODEL_LEN)}, models=MODELS)
-    return triton_server_factory.start(repo, model=tiny_llama_dir)
+def triton(openai_triton):
+    return openai_triton  # test_openai.py's server, started once for both modules
 
 
 def metric(triton, name: str, model: str) -> float:
