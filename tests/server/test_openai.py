@@ -552,7 +552,11 @@ def test_a_client_that_disconnects_mid_stream_has_its_triton_request_stopped_not
         generated_before = metric(triton, "llm_generation_tokens_total", model)
         with requests.post(f"{frontend.url}/v1/completions", json=body, stream=True, timeout=60) as r:
             read_events(r, 5, b"data: {")
-            blocks_held = metric(triton, "llm_kv_blocks_used", model)
+            # NOTE: read while connected; the gauge is published after the step that sent the tokens, so wait a moment
+            # for it (the request, not read from, may meanwhile run to its end: then the loop asks again).
+            held_by = time.monotonic() + 1.0
+            while (blocks_held := metric(triton, "llm_kv_blocks_used", model)) == 0 and time.monotonic() < held_by:
+                time.sleep(0.01)
         disconnected = time.monotonic()  # the connection is closed here
         while metric(triton, "llm_kv_blocks_used", model) > 0:
             assert time.monotonic() - disconnected < 5, "the request's KV blocks were not freed"
