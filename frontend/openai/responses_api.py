@@ -49,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.protocol import APIError, ChatMessage, SamplingRequest, _same, bad_request
-from frontend.openai.serving import send
+from frontend.openai.serving import every_piece, send
 from frontend.openai.triton_bridge import Piece, TritonBridge, TritonGeneration
 
 # The Responses API's parameters (and the SamplingRequest fields it has no use for) that this server honours at
@@ -265,12 +265,7 @@ class ResponseAnswer:
     # -- one JSON answer
 
     async def whole(self) -> Response:
-        pieces = [self.first]
-        try:
-            async for piece in self.generation:
-                pieces.append(piece)
-        finally:
-            await self.generation.aclose()
+        pieces = await every_piece(self.first, self.generation)
         return self.response("".join(p.text for p in pieces), pieces[-1])
 
     def response(self, text: str, last: Piece) -> Response:

@@ -75,12 +75,7 @@ class Answer:
 
     async def whole(self) -> ChatCompletion | Completion:
         """The whole answer (the models send it in one response when ``stream`` is false)."""
-        pieces = [self.first]
-        try:
-            async for piece in self.generation:
-                pieces.append(piece)
-        finally:
-            await self.generation.aclose()
+        pieces = await every_piece(self.first, self.generation)
         by_index: dict[int, list[Piece]] = {}
         for piece in pieces:
             by_index.setdefault(piece.index, []).append(piece)
@@ -226,6 +221,17 @@ async def send(bridge: TritonBridge, model: str, request: SamplingRequest,
     except BaseException:
         await generation.aclose()
         raise
+
+
+async def every_piece(first: Piece, generation: TritonGeneration) -> list[Piece]:
+    """``first`` and the rest of ``generation``'s responses; the generation closed after, whatever happened."""
+    pieces = [first]
+    try:
+        async for piece in generation:
+            pieces.append(piece)
+    finally:
+        await generation.aclose()
+    return pieces
 
 
 def usage_of(lasts: list[Piece]) -> CompletionUsage:
