@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from backend.triton.launcher import shutdown, watchdog
+from backend.triton.launcher import processes, shutdown, watchdog
 from backend.triton.launcher.launch_options import free_ports
 from tests.server.test_launcher import _tritonserver_child, group_members
 from tests.server_harness import LOCALHOST, REPO_ROOT, make_repository
@@ -198,7 +198,11 @@ def test_sigterm_ends_the_launcher_within_its_grace_while_tritonserver_is_stoppe
     try:
         time.sleep(1)
         os.kill(server, signal.SIGSTOP)
-        time.sleep(1)
+        time.sleep(1)  # the frontend's requests now hang on it; it is stopped once /proc says so (signals are async)
+        stopped_by = time.monotonic() + 10
+        while processes.process_state(server) != "T" and time.monotonic() < stopped_by:
+            time.sleep(0.05)
+        assert processes.process_state(server) == "T", processes.process_state(server)
         t0 = time.monotonic()
         launcher.process.send_signal(signal.SIGTERM)
         # The stop's own bound, the frontend's stop (at most 15 s), and a margin for a busy machine.

@@ -116,7 +116,12 @@ def test_the_stop_kills_a_stopped_server_with_its_group_after_its_exit_timeout()
         while len(processes.process_group_members(server.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(processes.process_group_members(server.pid)) == 2
+        # A stop takes effect only once the process is scheduled: until then a SIGTERM sent after it is pending beside
+        # it and delivered first (the lower number): the stand-in would just exit. Wait until /proc shows it stopped.
         server.send_signal(signal.SIGSTOP)
+        while processes.process_state(server.pid) != "T" and time.monotonic() < deadline + 10:
+            time.sleep(0.01)
+        assert processes.process_state(server.pid) == "T"
         t0 = time.monotonic()
         result = shutdown.stop(server.pid, log=logged.append, output=lambda: [])
         took = time.monotonic() - t0
