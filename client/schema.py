@@ -1,39 +1,23 @@
 """What goes over the wire and what comes back: the request, its input tensors, response chunks, the result.
 
-Names follow the models' I/O schema (model_repository/README.md), shared by every model the server loads.
+Names and types are the models' I/O schema (backend/contract/io_schema.py), shared by every model the server loads.
 Nothing here talks to a server.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-# Input name -> (Triton datatype, numpy dtype), as every model's config.pbtxt declares it (the inputs this client
-# sends).
-INPUT_TYPES: dict[str, tuple[str, Any]] = {
-    "text_input": ("BYTES", np.object_),
-    "max_tokens": ("INT32", np.int32),
-    "min_tokens": ("INT32", np.int32),
-    "temperature": ("FP32", np.float32),
-    "top_p": ("FP32", np.float32),
-    "top_k": ("INT32", np.int32),
-    "seed": ("UINT64", np.uint64),  # TensorRT-LLM's type; vLLM's seed travels in sampling_parameters
-    "stop": ("BYTES", np.object_),
-    "ignore_eos": ("BOOL", np.bool_),
-    "n": ("INT32", np.int32),
-    "stream": ("BOOL", np.bool_),
-    "sampling_parameters": ("BYTES", np.object_),
-    "exclude_input_in_output": ("BOOL", np.bool_),
-    "return_logprobs": ("BOOL", np.bool_),
-    "return_num_input_tokens": ("BOOL", np.bool_),
-    "return_num_output_tokens": ("BOOL", np.bool_),
-    "priority": ("UINT32", np.uint32),
-}
+from backend.contract import io_schema
+
+# The numpy type each wire datatype is built from.
+_NUMPY = {"BYTES": np.object_, "INT32": np.int32, "UINT32": np.uint32, "UINT64": np.uint64, "FP32": np.float32,
+          "BOOL": np.bool_}
 
 
 @dataclass
@@ -78,6 +62,14 @@ class GenerationRequest:
             values[name] = list(value) if name == "stop" else [value]
         return values
 
+
+
+# Input name -> (Triton datatype, numpy dtype) for the inputs this client sends (GenerationRequest's fields), as every
+# model declares them (backend/contract/io_schema.py).
+INPUT_TYPES: dict[str, tuple[str, Any]] = {
+    f.name: (io_schema.BY_NAME[f.name].wire_type, _NUMPY[io_schema.BY_NAME[f.name].wire_type])
+    for f in fields(GenerationRequest)
+}
 
 @dataclass(frozen=True)
 class Chunk:

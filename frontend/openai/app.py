@@ -34,7 +34,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from backend.contract import names, prometheus
-from backend.engine.config import ModelShape
 from frontend.openai import context_length
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest, bad_request
@@ -75,11 +74,10 @@ def create_app(settings: Settings) -> FastAPI:
     add_health_routes(app)
     add_load_route(app, settings.triton_metrics_url)
     v1 = [Depends(api_key_check(settings.api_key)), Depends(triton_present)]
-    shape = ModelShape.from_model_dir(settings.model_dir)
-    app.state.model_shape, app.state.tokenizer = shape, template.tokenizer  # for the requests' length checks
-    add_model_routes(app, v1, int(time.time()), shape)
+    app.state.tokenizer = template.tokenizer  # for the requests' length checks
+    add_model_routes(app, v1, int(time.time()))
     add_generation_routes(app, v1, template)
-    add_tokenizer_routes(app, v1, template, shape)
+    add_tokenizer_routes(app, v1, template)
     return app
 
 
@@ -214,12 +212,12 @@ def add_load_route(app: FastAPI, metrics_url: str | None) -> None:
         return JSONResponse({"load": int(load)})
 
 
-def add_model_routes(app: FastAPI, dependencies: list, created: int, shape: ModelShape) -> None:
+def add_model_routes(app: FastAPI, dependencies: list, created: int) -> None:
     """The models Triton serves and has ready, by their Triton names (``created``: when the frontend started), each
     with its ``max_model_len`` (as vLLM's model cards)."""
 
     async def card(bridge: TritonBridge, model: str) -> dict:
-        return model_card(model, created, max_model_len(await bridge.model_config(model), shape))  # 404 unless served
+        return model_card(model, created, max_model_len(await bridge.model_config(model)))  # 404 unless served
 
     @app.get("/v1/models", dependencies=dependencies)
     async def list_models(request: Request) -> JSONResponse:
@@ -232,7 +230,7 @@ def add_model_routes(app: FastAPI, dependencies: list, created: int, shape: Mode
         return JSONResponse(await card(bridge_of(request), model))
 
 
-def add_tokenizer_routes(app: FastAPI, dependencies: list, template: ChatTemplate, shape: ModelShape) -> None:
+def add_tokenizer_routes(app: FastAPI, dependencies: list, template: ChatTemplate) -> None:
     """vLLM's ``/tokenize`` (a prompt, or messages rendered as chat renders them) and ``/detokenize``."""
 
     async def model_max_len(bridge: TritonBridge, model: str | None) -> int:
@@ -241,7 +239,7 @@ def add_tokenizer_routes(app: FastAPI, dependencies: list, template: ChatTemplat
             if not ready:
                 raise APIError(503, "no model is ready", "server_error", None, "model_not_ready")
             model = ready[0]
-        return max_model_len(await bridge.model_config(model), shape)
+        return max_model_len(await bridge.model_config(model))
 
     @app.post("/tokenize", dependencies=dependencies)
     async def tokenize_route(raw: Request) -> JSONResponse:
@@ -308,7 +306,7 @@ async def check_context_length(raw: Request, request: SamplingRequest, prompt: s
     """A 400 in tokens, naming the parameters as the client sent them, for a request the model's context cannot
     hold (``context_length.py``); a 404 for a model Triton does not serve."""
     config = await bridge_of(raw).model_config(request.model)
-    limit = max_model_len(config, raw.app.state.model_shape)
+    limit = max_model_len(config)
     context_length.check_max_tokens(request.requested_max_tokens, request.max_tokens_param, limit)
     await context_length.check_prompt(raw.app.state.tokenizer, prompt, request.PROMPT_PARAM, limit)
 

@@ -2,8 +2,8 @@
 
 Every model serves the same folder, so one tokenizer (the chat template's) answers for all of them. A prompt is
 tokenized as the models tokenize ``text_input``; a chat is rendered with the template first, as
-``/v1/chat/completions`` renders it. ``max_model_len`` is the engine's: the model's ``max_model_len`` parameter, or
-(unset) what the engine resolves it to against the model folder's ``config.json`` (``EngineConfig.resolve``).
+``/v1/chat/completions`` renders it. ``max_model_len`` is the engine's: each model publishes the value its engine
+resolved in its config's parameters when it loads (backend/contract/io_schema.py), and it is read from Triton.
 """
 
 from __future__ import annotations
@@ -12,12 +12,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from backend.engine.config import EngineConfig, ModelShape
+from backend.contract.io_schema import MAX_MODEL_LEN_PARAMETER, served_max_model_len
 from frontend.openai.chat_template import ChatTemplate
-from frontend.openai.protocol import ChatMessage, bad_request
-
-# The model's settings that decide its max_model_len when the parameter is unset.
-_MAX_MODEL_LEN_SETTINGS = ("max_model_len", "enable_chunked_prefill", "max_num_batched_tokens", "max_num_seqs")
+from frontend.openai.protocol import APIError, ChatMessage, bad_request
 
 
 class CompletionTokenizeRequest(BaseModel):
@@ -67,8 +64,12 @@ def detokenize(template: ChatTemplate, request: DetokenizeRequest) -> dict[str, 
     return {"prompt": template.tokenizer.decode(request.tokens)}
 
 
-def max_model_len(model_config: dict, model_shape: ModelShape) -> int:
-    """The served model's ``max_model_len``, from its config (config.pbtxt as JSON), resolved as its engine does."""
-    parameters = {k: v.get("string_value") for k, v in model_config.get("parameters", {}).items()}
-    settings = {k: parameters[k] for k in _MAX_MODEL_LEN_SETTINGS if parameters.get(k)}
-    return EngineConfig.from_dict(settings).resolve(model_shape).max_model_len
+def max_model_len(model_config: dict) -> int:
+    """The served model's ``max_model_len``, from its config as Triton serves it (JSON), where the model put the value
+    its engine resolved. A 500 for a model that publishes none: not one of this project's models."""
+    limit = served_max_model_len(model_config)
+    if limit is None:
+        raise APIError(500, f"model {model_config.get('name', '?')!r} publishes no {MAX_MODEL_LEN_PARAMETER} in its "
+                       "config: only this project's models (model_repository/) can be served here", "server_error",
+                       None, "internal_error")
+    return limit

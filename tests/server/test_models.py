@@ -14,6 +14,7 @@ import pytest
 import requests
 from tritonclient.grpc import InferenceServerClient
 
+from backend.contract import io_schema
 from backend.triton.launcher.launch_options import copy_model_repository
 from client import grpc_stream
 from client.grpc_stream import GrpcStream, start_stream
@@ -47,6 +48,20 @@ def metric(server, name: str, model: str) -> float:
 
 
 # ---- the schema over every protocol -------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_every_model_serves_the_declared_schema_and_its_max_model_len(server):
+    """config.pbtxt declares no inputs or outputs: each model adds backend/contract/io_schema.py's when it loads, and
+    the max_model_len its engine resolved (the shipped 2048), which Triton serves in the model's config."""
+    client = InferenceServerClient(server.grpc_url)
+    for model in ("llm_static", *MODELS):
+        config = client.get_model_config(model, as_json=True)["config"]
+        served = {t["name"]: (t["data_type"], [int(d) for d in t["dims"]], t.get("optional", False))
+                  for t in config["input"]}
+        assert served == {t.name: (t.data_type, list(t.dims), t.optional) for t in io_schema.INPUTS}, model
+        assert [t["name"] for t in config["output"]] == list(io_schema.OUTPUT_NAMES), model
+        assert io_schema.served_max_model_len(config) == 2048, model
 
 
 @pytest.mark.timeout(300)

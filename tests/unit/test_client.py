@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from client import (
@@ -56,16 +57,17 @@ def test_build_inputs_shapes_and_types(max_batch_size, batch_dims):
         assert inputs[name].shape() == [*batch_dims, *shape], name
 
 
-def test_input_types_match_every_served_model_config():
-    """The client's type table is what every model in model_repository/ declares (Triton refuses any other type)."""
-    import re
-
+def test_input_types_are_the_models_declared_ones():
+    """The client's type table is what every model declares (backend/contract/io_schema.py; Triton refuses any other
+    type), one entry per GenerationRequest field."""
+    from backend.contract import io_schema
     from client.schema import INPUT_TYPES
 
-    for config in sorted((REPO_ROOT / "model_repository").glob("*/config.pbtxt")):
-        declared = dict(re.findall(r'\{ name: "(\w+)", data_type: TYPE_(\w+)', config.read_text().split("output [")[0]))
-        for name, (datatype, _) in INPUT_TYPES.items():
-            assert declared.get(name, "").replace("STRING", "BYTES") == datatype, f"{config}: {name}"
+    assert set(INPUT_TYPES) <= set(io_schema.INPUT_NAMES) and "text_input" in INPUT_TYPES
+    for name, (datatype, dtype) in INPUT_TYPES.items():
+        assert datatype == io_schema.BY_NAME[name].wire_type, name
+        assert np.dtype(dtype).kind == {"BYTES": "O", "BOOL": "b", "FP32": "f", "INT32": "i", "UINT32": "u",
+                                        "UINT64": "u"}[datatype], name
 
 
 def test_request_values_leave_unset_inputs_out():

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from backend.contract import io_schema
 from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, MODELS, STATIC
 from backend.contract.priority import DEFAULT_PRIORITY_LEVEL, PRIORITY_LEVELS
 from backend.triton.launcher import config_text
 from backend.triton.launcher.launch_options import copy_model_repository
-from backend.triton.stub.responses import ALL_OUTPUTS
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "model_repository"
@@ -30,7 +30,7 @@ def test_every_shipped_config_reads_and_round_trips(path, tmp_path):
     assert config.name == path.parent.name and config.backend == "python"
     assert config.model_transaction_policy.decoupled
     assert config_text.parameter(config, "batching") in ("continuous", "run_to_completion", "iterative")
-    assert len(config.input) > 10 and {o.name for o in config.output} == ALL_OUTPUTS
+    assert not config.input and not config.output  # declared once: backend/contract/io_schema.py
     config_text.save(config, tmp_path / "config.pbtxt")
     assert config_text.load(tmp_path / "config.pbtxt") == config
 
@@ -123,11 +123,12 @@ def test_copy_model_repository_sets_parameters_and_leaves_an_unchanged_copy_as_i
 
 def test_the_dynamic_batchers_priority_levels_are_the_ones_the_priority_input_reads():
     """llm_dynamic's and llm_static's queues are ordered by Triton's priority with the levels that
-    backend/contract/priority.py owns; every model's engine orders its own queue by the same input."""
+    backend/contract/priority.py owns; every model's engine orders its own queue by the same input (an optional one,
+    backend/contract/io_schema.py)."""
     for name in (DYNAMIC, STATIC):
         batcher = config_text.dynamic_batching(config_text.load(SHIPPED / name / "config.pbtxt"))
         assert (batcher.priority_levels, batcher.default_priority_level) == (PRIORITY_LEVELS, DEFAULT_PRIORITY_LEVEL)
     for name in MODELS:
         config = config_text.load(SHIPPED / name / "config.pbtxt")
         assert config_text.parameter(config, "scheduling_policy") == "priority"
-        assert any(i.name == "priority" and i.optional for i in config.input)
+    assert io_schema.BY_NAME["priority"].optional

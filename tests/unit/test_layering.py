@@ -8,6 +8,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Each layer: the folders (relative to the repository) whose files belong to it, and the module prefixes that name it.
@@ -97,11 +99,18 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert [layer_of_module(m) for m in modules] == [2, 2, 4]
 
 
-def test_the_load_tests_import_nothing_of_the_engine():
-    """A load test learns what the server has (KV blocks, seats) from the server, not by importing the engine."""
-    found = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-             for path in sorted((ROOT / "loadtest").rglob("*.py")) if "__pycache__" not in path.parts
+@pytest.mark.parametrize("folder", ["loadtest", "frontend", "client"])
+def test_the_load_tests_the_frontend_and_the_client_import_nothing_of_the_engine(folder):
+    """They learn what the server has (KV blocks, seats, max_model_len) from the server, not by importing the engine.
+    The frontend and the client not even through the modules they import (their processes load no engine); the load
+    tests start servers through the launcher, which does."""
+    files = sorted(p for p in (ROOT / folder).rglob("*.py") if "__pycache__" not in p.parts)
+    assert files
+    found = [f"{path.relative_to(ROOT)}:{line} imports {module}" for path in files
              for line, module in imported_modules(path) if module.startswith("backend.engine")]
+    if folder != "loadtest":
+        found += [f"{folder} imports {module} through other modules" for module in sorted(imported_closure(files))
+                  if module.startswith("backend.engine")]
     assert not found, "\n".join(found)
 
 

@@ -1,11 +1,10 @@
-"""vLLM's /tokenize and /detokenize answers, and a served model's max_model_len as its engine resolves it, without a
-server."""
+"""vLLM's /tokenize and /detokenize answers, and a served model's max_model_len as the model publishes it, without a
+server (tests/unit/test_io_schema.py: what the model publishes)."""
 
 from __future__ import annotations
 
 import pytest
 
-from backend.engine.config import ModelShape
 from frontend.openai import tokenize as vllm
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.protocol import APIError
@@ -36,14 +35,10 @@ def test_detokenize_is_the_inverse_and_refuses_unknown_ids(template):
     assert error.value.param == "tokens"
 
 
-def test_max_model_len_is_the_parameter_or_what_the_engine_resolves():
-    shape = ModelShape(vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1,
-                       num_kv_heads=1, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=8192,
-                       tie_word_embeddings=True)
-    config = {"parameters": {"max_model_len": {"string_value": "2048"}, "model": {"string_value": "x"},
-                             "stream_interval": {"string_value": "4"}}}
-    assert vllm.max_model_len(config, shape) == 2048
-    assert vllm.max_model_len({"parameters": {}}, shape) == 8192
-    unchunked = {"parameters": {"enable_chunked_prefill": {"string_value": "false"},
-                                "max_num_batched_tokens": {"string_value": "1024"}}}
-    assert vllm.max_model_len(unchunked, shape) == 1024
+def test_max_model_len_is_what_the_model_published_in_its_config():
+    config = {"name": "llm_x", "parameters": {"max_model_len": {"string_value": "2048"}, "model": {"string_value": "x"},
+                                              "stream_interval": {"string_value": "4"}}}
+    assert vllm.max_model_len(config) == 2048
+    with pytest.raises(APIError) as error:  # a model of someone else's, which publishes none
+        vllm.max_model_len({"name": "other", "parameters": {}})
+    assert error.value.status == 500 and "'other' publishes no max_model_len" in str(error.value)

@@ -1,10 +1,12 @@
-"""The engine's settings from a Triton model config (config.pbtxt, as JSON), and the checks ``initialize()`` makes."""
+"""The engine's settings from a Triton model config (config.pbtxt, as JSON), what the model adds to that config when
+Triton loads it (``complete_config``), and the checks ``initialize()`` makes."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from backend.contract import io_schema
 from backend.contract.priority import DEFAULT_PRIORITY_LEVEL, PRIORITY_LEVELS
 from backend.contract.settings import MODEL_ENV_VAR
 from backend.engine.config import EngineConfig
@@ -31,6 +33,23 @@ def engine_config_from_triton(model_config: dict, model_dir: str) -> EngineConfi
     if not (path / "config.json").is_file():
         raise ValueError(f"model folder {path} has no config.json; prepare it with `make model` or set LLM_MODEL")
     return EngineConfig.from_dict(params)
+
+
+def complete_config(model_config, model_dir: str):
+    """What a model adds to its config when Triton loads it (``auto_complete_config``; ``model_config`` is
+    ``pb_utils.ModelConfig`` or a stand-in with its ``add_input``, ``add_output`` and ``as_dict``): the inputs and
+    outputs every model serves (backend/contract/io_schema.py; one that config.pbtxt declares too must agree with
+    it, or Triton refuses to load the model), and the ``max_model_len`` its engine will run with, resolved against the
+    model folder now, for the frontend to read from Triton. Returns ``model_config``."""
+    for tensor in io_schema.INPUTS:
+        model_config.add_input(tensor.as_input())
+    for tensor in io_schema.OUTPUTS:
+        model_config.add_output(tensor.as_output())
+    config = model_config.as_dict()
+    resolved = engine_config_from_triton(config, model_dir).resolve().max_model_len
+    # NOTE: the same value the engine resolves in initialize(): set explicitly, it resolves to itself.
+    config.setdefault("parameters", {})[io_schema.MAX_MODEL_LEN_PARAMETER] = {"string_value": str(resolved)}
+    return model_config
 
 
 def stream_interval_from_triton(model_config: dict) -> StreamInterval:

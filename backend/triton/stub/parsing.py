@@ -13,11 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from backend.contract import io_schema
 from backend.contract.errors import PROMPT, ContextLengthExceeded, InvalidRequest
 from backend.contract.priority import DEFAULT_PRIORITY_LEVEL, priority_level
 from backend.engine.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 
-# Inputs every model declares (model_repository/README.md). Anything else is refused by Triton itself.
+# The inputs that are sampling settings; every input is declared in backend/contract/io_schema.py (anything else is
+# refused by Triton itself).
 SAMPLING_INPUTS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "ignore_eos", "n")
 # Input names other Triton LLM backends use for a sampling setting (TensorRT-LLM's), sent as they are by their clients.
 SAMPLING_INPUT_ALIASES = {"min_length": "min_tokens"}
@@ -30,10 +32,7 @@ RETURN_INPUTS = {
 # vllm_backend's switch for the ``logprobs`` output, off unless asked: on, each token's log-probability (and, with
 # ``logprobs: k`` in sampling_parameters, the k likeliest tokens') comes with it.
 RETURN_LOGPROBS = "return_logprobs"
-ALL_INPUTS = (
-    "text_input", *SAMPLING_INPUTS, *SAMPLING_INPUT_ALIASES, "stop", "stream", "sampling_parameters",
-    "exclude_input_in_output", *RETURN_INPUTS, RETURN_LOGPROBS, "priority",
-)
+ALL_INPUTS = io_schema.INPUT_NAMES
 SAMPLING_KEYS = tuple(sorted(f.name for f in fields(SamplingParams)))
 # A prompt is refused before tokenising when its UTF-8 bytes exceed this many per token of max_model_len
 # (no tokenizer needs more), so a 10 MB text_input costs no tokenizer time and no memory spike.

@@ -25,14 +25,14 @@ from typing import Any
 
 import numpy as np
 
+from backend.contract import io_schema
 from backend.contract.priority import DEFAULT_PRIORITY_LEVEL
 from backend.contract.stop_board import StopBoard
 from backend.engine.llm_engine import RequestOutput
 from backend.engine.request import FinishReason
 from backend.triton.stub.stream_interval import StreamPacer, StreamState
 
-ALL_OUTPUTS = frozenset({"text_output", "output_ids", "index", "finish_reason", "num_input_tokens",
-                         "num_output_tokens", "logprobs"})
+ALL_OUTPUTS = frozenset(io_schema.OUTPUT_NAMES)
 # What every intermediate response of a stream carries; the other outputs only when asked for (``return_*: true``).
 INTERMEDIATE_OUTPUTS = frozenset({"text_output", "output_ids"})
 # Outputs in no response unless the request asked for them.

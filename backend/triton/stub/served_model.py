@@ -14,8 +14,10 @@ its message built by the contract (backend/contract/errors.py, the kind in front
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
@@ -29,6 +31,7 @@ from backend.triton.stub.metrics import TritonMetrics, instance_label
 from backend.triton.stub.model_config import (
     check_batcher,
     check_model,
+    complete_config,
     engine_config_from_triton,
     stream_interval_from_triton,
 )
@@ -53,6 +56,14 @@ class ServedModel:
     def __init_subclass__(cls, batching: str, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         cls.batching = batching
+
+    @classmethod
+    def auto_complete_config(cls, auto_complete_model_config):
+        """Triton calls this before ``initialize()``: the inputs and outputs every model serves and the engine's
+        ``max_model_len`` go into the model's config (``complete_config``), so config.pbtxt holds only what an operator
+        tunes. The model folder is the one that holds this ``model.py``."""
+        model_dir = Path(sys.modules[cls.__module__].__file__).parents[1]
+        return complete_config(auto_complete_model_config, str(model_dir))
 
     def initialize(self, args: dict) -> None:
         self.name = args["model_name"]
