@@ -42,7 +42,7 @@ class GenerationRequest:
     return_num_output_tokens: bool | None = None
     # Triton's level (1 the highest, 0 or None the default one: backend/contract/priority.py). Sent twice: as the
     # request's own Triton priority, which orders the dynamic batcher's queue, and as the ``priority`` input, which
-    # the engine reads (a Python model cannot read the first in Triton 2.51).
+    # the engine reads (a Python model cannot read the first in Triton 2.51: triton_workarounds.NO_REQUEST_PRIORITY).
     priority: int | None = None
 
     def __post_init__(self) -> None:

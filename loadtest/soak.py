@@ -15,7 +15,8 @@ waiting in the engine, no KV block in use; and it must answer a full batch (a re
 ``max_num_seqs`` seats, at once), which it cannot if it kept a seat for a request that is gone. The cells run
 ``--rounds`` times on the same server; then the frontend and tritonserver get SIGTERM: tritonserver must exit 0
 within its exit timeout, and the stop says which models it had to end by force (Triton 2.51's gRPC frontend never
-releases some requests cancelled right after their final response: docs/server.md, "Stopping the server"): each
+releases some requests cancelled right after their final response: docs/server.md, "Stopping the server";
+triton_workarounds.CANCEL_AFTER_FINAL_HOLDS_MODEL): each
 cell's count of such forced unloads is kept.
 
 Meanwhile it samples, every second, the resident memory of the tritonserver process tree (server + Python-backend

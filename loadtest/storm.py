@@ -361,7 +361,8 @@ STORM_COLUMNS = [
 ]
 INCIDENT_COLUMNS = [
     Column("kind"), Column("at_s", "at s", "{:.0f}"), Column("after_requests", "after requests"), Column("detail"),
-    Column("known_frontend_crash", "Triton 2.51's known gRPC race"), Column("recovery_s", "recovery s", "{:.1f}"),
+    Column("known_frontend_crash", "Triton 2.51's known gRPC race"),  # triton_workarounds.GRPC_CANCEL_RACE
+    Column("recovery_s", "recovery s", "{:.1f}"),
 ]
 MODEL_COLUMNS = [Column("model"), Column("requests"), *(Column(k) for k in OUTCOMES),
                  Column("pending_after", "pending after", "{:g}"), Column("kv_after", "KV blocks after", "{:g}")]

@@ -1,9 +1,10 @@
 """Every error a request can get, named once for every layer: the models produce them, the OpenAI frontend, the client
 and the load tests read them.
 
-An error reaches a client as its message alone (in Triton 2.51's Python backend ``pb_utils.TritonError(message)`` is
-all an error response carries: a gRPC stream passes the message on, HTTP /generate answers 400 with
-``{"error": message}`` whatever the error), so its kind travels at the front of the message, as a code in brackets:
+An error reaches a client as its message alone (in Triton 2.51's Python backend ``pb_utils.TritonError(message)`` is all
+an error response carries: a gRPC stream passes the message on, HTTP /generate answers 400 with ``{"error": message}``
+whatever the error: triton_workarounds.ERROR_IS_A_MESSAGE), so its kind travels at the front of the message, as a code
+in brackets:
 
     [overloaded] the server is overloaded: 12 requests are already waiting (max_queue_size=8); retry later
     [invalid_request:top_p] top_p must be in (0, 1]; got 2.0

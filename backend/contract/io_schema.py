@@ -75,7 +75,7 @@ INPUTS: tuple[Tensor, ...] = (
     _flag("return_finish_reason"),
     _flag("return_logprobs"),
     # Triton's level (1 is the highest, 0 the default one: backend/contract/priority.py), for the engine's scheduler
-    # and the metrics: the Python backend cannot read a request's own priority, which only Triton's batcher sees.
+    # and the metrics: the Python backend cannot read a request's own priority (triton_workarounds.NO_REQUEST_PRIORITY).
     Tensor("priority", "TYPE_UINT32"),
 )
 

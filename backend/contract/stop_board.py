@@ -1,7 +1,8 @@
 """The stop board: how a client on the server's host ends a request early without cancelling its gRPC stream.
 
 Triton 2.51's gRPC frontend can crash when a client cancels a stream (``ModelStreamInferHandler::Process``: the
-stream is freed while its cancellation notice is still queued; docs/server.md, "A known crash in Triton 2.51"). The
+stream is freed while its cancellation notice is still queued; docs/server.md, "A known crash in Triton 2.51";
+triton_workarounds.GRPC_CANCEL_RACE). The
 OpenAI frontend, which runs beside tritonserver, therefore never cancels: it posts the request's id (the ``id`` it
 gave Triton) on the board and keeps reading. Every model reads the board before each engine step; a posted request
 is aborted like a cancelled one (its KV blocks freed at once) but answered with its own final response

@@ -365,9 +365,10 @@ class IterationDriver:
       ``cancelled_after`` seconds: Triton answered it itself, nothing more may be sent to it, and its final output
       goes to ``gone`` instead of the sink;
     - otherwise, after ``reap_after`` seconds (Triton's own idle time), Triton dropped it (2.51 refuses to
-      reschedule a request whose sequence its reaper ended): the model still holds its response sender, and its
-      client gets the final error :data:`DROPPED` through the sink. NOTE: not sooner: until Triton's idle time has
-      passed, a request not handed back may still come back (``oldest`` sometimes runs a subset of what it holds).
+      reschedule a request whose sequence its reaper ended: triton_workarounds.NO_SEND_WHILE_TRITON_HOLDS): the
+      model still holds its response sender, and its client gets the final error :data:`DROPPED` through the sink.
+      NOTE: not sooner: until Triton's idle time has passed, a request not handed back may still come back
+      (``oldest`` sometimes runs a subset of what it holds).
     One lock: :meth:`iterate` runs on Triton's thread, :meth:`reap` may run on a timer thread; sends never overlap.
     """
 

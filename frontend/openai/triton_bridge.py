@@ -11,10 +11,10 @@ loop. The request is the only message the stream carries; the models give every 
 the one with a finish reason or an error, after which Triton closes the stream.
 
 A request whose client went away is not cancelled: cancelling a stream can crash Triton 2.51's gRPC frontend
-(docs/server.md, "A known crash in Triton 2.51"). Its id is posted on the server's stop board instead
-(``backend/contract/stop_board.py``): the model ends it before its next step, its KV blocks freed, and answers it
-with its final response; the stream, read to its end in the background, then closes the normal way. Only a server
-whose board this process cannot see (on another host or in another container) has its streams cancelled.
+(docs/server.md, "A known crash in Triton 2.51"; triton_workarounds.GRPC_CANCEL_RACE). Its id is posted on the server's
+stop board instead (``backend/contract/stop_board.py``): the model ends it before its next step, its KV blocks freed,
+and answers it with its final response; the stream, read to its end in the background, then closes the normal way. Only
+a server whose board this process cannot see (on another host or in another container) has its streams cancelled.
 
 The models answer every refusal and failure with a message that carries its kind as a code in front
 (backend/contract/errors.py, model_repository/README.md); :func:`api_error` maps that kind onto OpenAI's status, type

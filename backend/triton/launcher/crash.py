@@ -1,5 +1,6 @@
 """Reading a tritonserver crash from its output: the stack it printed, the function that faulted, and whether it is
-the bundled Triton 2.51's known gRPC-frontend race (docs/server.md, "A known crash in Triton 2.51").
+the bundled Triton 2.51's known gRPC-frontend race (docs/server.md, "A known crash in Triton 2.51";
+triton_workarounds.GRPC_CANCEL_RACE).
 
 ``make serve`` names the site when it restarts a crashed server, the soak reports it, and the tests that cancel many
 gRPC streams start a fresh server and run again when (and only when) the crash is that known one.

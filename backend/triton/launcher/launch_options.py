@@ -23,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 LOOPBACK = "127.0.0.1"
 
 ADMIN_HEADER = "admin-key"
-# NOTE: Triton 2.51 prefixes a gRPC restriction's header with this; "admin-key" alone is refused over gRPC.
+# NOTE: Triton prefixes a gRPC restriction's header with this; "admin-key" alone is refused over gRPC.
 GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
 # Requests to these could make the server open a name or a path (shared-memory regions, trace and log files) or
 # change what it logs. "model-repository" (load, unload, index) joins them when model control is on.

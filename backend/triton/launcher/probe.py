@@ -4,18 +4,18 @@
     python3 backend/triton/launcher/probe.py live   # /v2/health/live answers 200 and no model's engine has failed
     python3 backend/triton/launcher/probe.py ready --openai-url http://127.0.0.1:9000   # and the OpenAI frontend's too
 
-Triton 2.51 keeps a Python model READY after its engine failed: the model then refuses every request with "the
-engine failed ...; restart the server" and sets ``llm_engine_healthy`` to 0 on the metrics port, but it cannot mark
-itself unready, so ``/v2/health/ready`` stays 200. These probes read that gauge too. Nor does Triton see a model
-whose queue stopped moving; the launcher's watchdog does (``watchdog.py``), and marks the server stalled until it
-has restarted it: ``ready`` reads that mark. Exit status 0 when healthy, 1 otherwise, with the reason on stdout
-(``kubectl describe pod`` shows it). With ``--openai-url`` the OpenAI-compatible frontend that the launcher starts
-beside tritonserver must answer too (``/health/ready`` or ``/health``: 200 while it reaches a ready or live Triton): a
-router that sends OpenAI requests to this server needs both. New connections only: during a shutdown tritonserver
-refuses them, so the probes fail at once. A hung tritonserver (a crash that never exited, a stopped process) accepts
-connections and answers nothing: every request waits at most ``--timeout``, and the whole probe at most ``--budget``
-(``PROBE_BUDGET_S``, under Docker's and Kubernetes' 5-s probe timeouts), so it reports the hang rather than being
-cut off. Standard library only; run it as a file.
+Triton 2.51 keeps a Python model READY after its engine failed (triton_workarounds.READY_AFTER_ENGINE_FAILURE): the
+model then refuses every request with "the engine failed ...; restart the server" and sets ``llm_engine_healthy`` to 0
+on the metrics port, but it cannot mark itself unready, so ``/v2/health/ready`` stays 200. These probes read that gauge
+too. Nor does Triton see a model whose queue stopped moving; the launcher's watchdog does (``watchdog.py``), and marks
+the server stalled until it has restarted it: ``ready`` reads that mark. Exit status 0 when healthy, 1 otherwise, with
+the reason on stdout (``kubectl describe pod`` shows it). With ``--openai-url`` the OpenAI-compatible frontend that the
+launcher starts beside tritonserver must answer too (``/health/ready`` or ``/health``: 200 while it reaches a ready or
+live Triton): a router that sends OpenAI requests to this server needs both. New connections only: during a shutdown
+tritonserver refuses them, so the probes fail at once. A hung tritonserver (a crash that never exited, a stopped
+process) accepts connections and answers nothing: every request waits at most ``--timeout``, and the whole probe at most
+``--budget`` (``PROBE_BUDGET_S``, under Docker's and Kubernetes' 5-s probe timeouts), so it reports the hang rather than
+being cut off. Standard library only; run it as a file.
 """
 
 from __future__ import annotations

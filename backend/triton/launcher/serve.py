@@ -288,7 +288,7 @@ def _why_it_ended(server: TritonServer, code: int, ended: Sequence[watchdog.Stal
     if site is not None:
         why += f" in {site}" if not ended else f" (after a crash in {site})"
     if crash.is_known_frontend_crash(site):
-        why += " (Triton 2.51's known gRPC-frontend race: docs/server.md)"
+        why += " (Triton 2.51's known gRPC-frontend race: docs/server.md)"  # triton_workarounds.GRPC_CANCEL_RACE
     return why
 
 

@@ -2,9 +2,10 @@
 
 What tritonserver 2.51 does on SIGTERM (measured; tests/server/test_shutdown.py runs each case against a real server):
 
-- It tells its Python-backend stubs nothing. Our models learn of the shutdown only from the signal itself
-  (``ShutdownNotice``), so it must reach the stubs too: then they refuse new requests, finish the running ones and
-  end what is still running shortly before the exit timeout with "the server is shutting down".
+- It tells its Python-backend stubs nothing (triton_workarounds.SHUTDOWN_NOT_FORWARDED). Our models learn of the
+  shutdown only from the signal itself (``ShutdownNotice``), so it must reach the stubs too: then they refuse new
+  requests, finish the running ones and end what is still running shortly before the exit timeout with "the server is
+  shutting down".
 - HTTP: it stops accepting connections, then waits for every connection still open to close, up to
   ``--exit-timeout-secs``, and goes on serving requests on them meanwhile. A keep-alive client that stays connected
   holds it for the whole timeout; nothing is then left for the models to unload ("Exit timeout expired. Exiting
@@ -14,7 +15,8 @@ What tritonserver 2.51 does on SIGTERM (measured; tests/server/test_shutdown.py 
 - A gRPC request cancelled right after its final response (``stop_stream(cancel_requests=True)`` once the answer is
   complete) is now and then never released by 2.51's gRPC frontend, and it keeps its model loaded for good: every
   model kind, a ten-line model too. tritonserver then finds no inference in flight, unloads the other models and
-  logs "Found 1 live models" every second until the exit timeout, then exits 1.
+  logs "Found 1 live models" every second until the exit timeout, then exits 1
+  (triton_workarounds.CANCEL_AFTER_FINAL_HOLDS_MODEL).
 
 :func:`stop` does what is missing: it signals tritonserver and its stubs, waits until no request is open in any
 model (the metrics port) or the models' drain grace is over, then shuts down the client connections still open on
@@ -326,9 +328,10 @@ def stop(pid: int, sig: int = signal.SIGTERM, *, host: str = "127.0.0.1", log: L
         left = "?" if last is None else f"{last[0]:.0f} in the engines, {last[1]:.0f} queued"
         drained = f"drain ended at its {grace:.0f}-s limit (requests open: {left})"
 
-    # HTTP connections are closed whatever they do (tritonserver waits for each one). A gRPC connection is closed
-    # only once idle: cutting a stream just after its last response is what trips 2.51's gRPC race (top of this
-    # module), and a busy gRPC connection holds nothing up (its streams end, each new request is refused).
+    # HTTP connections are closed whatever they do (tritonserver waits for each one). A gRPC connection is closed only
+    # once idle: cutting a stream just after its last response is what trips 2.51's gRPC race
+    # (triton_workarounds.GRPC_CANCEL_RACE), and a busy gRPC connection holds nothing up (its streams end, each new
+    # request is refused).
     closed = 0
     message = None
     deadline = time.monotonic() + GRPC_IDLE_S + 2.0

@@ -62,6 +62,7 @@ class TritonMetrics:
         self._engine_healthy = family(
             names.ENGINE_HEALTHY, "1 while the engine serves; 0 once it failed and refuses every request "
             "(Triton 2.51 lets a Python model report this nowhere else)", F.GAUGE).Metric(labels)
+        # triton_workarounds.READY_AFTER_ENGINE_FAILURE: the launcher's probe reads this gauge
         self._engine_healthy.set(1)
         self._healthy = True
         self._gauge_values: dict[str, int] = {}  # each gauge's value as last set: an unchanged one costs no IPC

@@ -61,7 +61,8 @@ class ParsedRequest:
     omitted_outputs: frozenset[str] = frozenset()  # optional outputs the request turned off (return_*: false)
     requested_outputs: frozenset[str] = frozenset()  # asked for in every response, not just the final (return_*: true)
     # Triton's level (backend/contract/priority.py), from the optional ``priority`` input: the Python backend of
-    # Triton 2.51 cannot read a request's own priority, which only Triton's dynamic batcher sees.
+    # Triton 2.51 cannot read a request's own priority, which only Triton's dynamic batcher sees
+    # (triton_workarounds.NO_REQUEST_PRIORITY).
     priority: int = DEFAULT_PRIORITY_LEVEL
 
 

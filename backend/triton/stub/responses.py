@@ -155,7 +155,8 @@ class OpenRequests:
         """Those of ``request_ids`` (default: every open request) whose client cancelled. NOTE: ``is_cancelled()``
         is an IPC round trip (~35 us) per request. It is asked under the lock, so a request that another thread closes
         and answers meanwhile (a refusal in execute()) is never asked after its final response: asking then crashed
-        tritonserver 2.51 (Signal 11 in TRITONBACKEND_ResponseFactoryIsCancelled) during a burst of refusals."""
+        tritonserver 2.51 (Signal 11 in TRITONBACKEND_ResponseFactoryIsCancelled) during a burst of refusals
+        (triton_workarounds.CANCEL_CHECK_AFTER_FINAL)."""
         with self._lock:
             candidates = list(self._open.items()) if request_ids is None else \
                 [(rid, self._open[rid]) for rid in request_ids if rid in self._open]
@@ -192,8 +193,8 @@ class CancellationPoll:
     each asked every 5 steps or so; the cost stays near 1 % of the loop's time however large the batch, where the
     timer alone cost 2.6 % at 151 sequences and nothing at one.
     The responses themselves cannot leave that thread: sent from several threads at once, tritonserver 2.51 crashed
-    (Signal 11); sent from one other thread while the engine stepped, they competed with the forward for the two
-    cores (50 ms steps instead of 40 at 32 sequences).
+    (Signal 11; triton_workarounds.SINGLE_SENDER); sent from one other thread while the engine stepped, they competed
+    with the forward for the two cores (50 ms steps instead of 40 at 32 sequences).
     """
 
     ASK_COST_S = 35e-6  # one is_cancelled() until measured
@@ -298,7 +299,8 @@ def logprobs_json(logprobs: list[dict]) -> str:
 
 
 # NOTE: error responses carry Triton's default code: a decoupled model's errors reach clients as text only (gRPC
-# stream error_message; HTTP /generate answers 400 to every model error in 2.51), so the message says it all.
+# stream error_message; HTTP /generate answers 400 to every model error in 2.51), so the message says it all:
+# triton_workarounds.ERROR_IS_A_MESSAGE.
 def send_error(pb, sender, message: str) -> None:
     sender.send(
         pb.InferenceResponse(output_tensors=[], error=pb.TritonError(message)),

@@ -1,9 +1,10 @@
 """Requests that end a client's own sequence, served by the iterative model through a copy without the sequence.
 
 perf_analyzer (and genai-perf, which drives it) sends every request to a sequence-batched model as a sequence of its
-own: a correlation id with the START and END flags. Triton 2.51's iterative sequence batcher closes such a sequence
-when it schedules the request, so the model cannot hand it back for its next iteration: the rescheduled request is
-refused ("must specify the START flag on the first request of the sequence") and its client never gets an answer.
+own: a correlation id with the START and END flags (triton_workarounds.CLIENT_SEQUENCE_RELAY). Triton 2.51's
+iterative sequence batcher closes such a sequence when it schedules the request, so the model cannot hand it back for
+its next iteration: the rescheduled request is refused ("must specify the START flag on the first request of the
+sequence") and its client never gets an answer.
 
 :class:`SequenceRelay` serves such a request through a copy of itself that carries no sequence (the same inputs and
 outputs, sent to the same model over BLS) and a sequence of the relay's own: START alone, with a correlation id from

@@ -17,11 +17,12 @@ log = logging.getLogger(__name__)
 class ShutdownNotice:
     """Notice, inside a Python-backend stub process, that the server is shutting down: SIGTERM or SIGINT arrives.
 
-    Triton 2.51 tells a Python model nothing until it finalizes it, and by then the model can no longer respond
-    (and it finalizes a model only once every client stream that used it is closed). So whoever stops the server
-    signals the stubs too (``backend.triton.launcher.shutdown.stop``: the launcher, the container's entry, the
-    tests), and the model drains: it refuses new requests, lets the ones it has run for ``grace`` seconds, and then
-    ends the rest with "the server is shutting down" — before tritonserver's own ``--exit-timeout-secs`` runs out.
+    Triton 2.51 (triton_workarounds.SHUTDOWN_NOT_FORWARDED) tells a Python model nothing until it finalizes it, and by
+    then the model can no longer respond (and it finalizes a model only once every client stream that used it is
+    closed). So whoever stops the server signals the stubs too (``backend.triton.launcher.shutdown.stop``: the launcher,
+    the container's entry, the tests), and the model drains: it refuses new requests, lets the ones it has run for
+    ``grace`` seconds, and then ends the rest with "the server is shutting down" — before tritonserver's own
+    ``--exit-timeout-secs`` runs out.
     ``on_notice(grace)`` runs on a watcher thread.
 
     NOTE: the stub's own C handler ignores these signals. Python's replaces it; its C-level part writes the signal

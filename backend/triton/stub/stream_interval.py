@@ -36,7 +36,7 @@ SEND_BUDGET = 0.05
 # NOTE: at one stream a loaded machine measured a response at over 10 % of the step, yet grouping its tokens saved
 # nothing measurable (the round trip is mostly waiting for tritonserver to wake up); at 8 streams it saved 9-12 %.
 MIN_STREAMS_TO_GROUP = 8
-# One response's round trip until one is measured (Triton 2.51's Python backend, two small tensors, 2-core machine).
+# One response's round trip until one is measured (Triton's Python backend, two small tensors, 2-core machine).
 INITIAL_SEND_COST_S = 150e-6
 # The moving averages' weight of the newest step: a few steps to follow a change of batch, no jump on one odd step.
 SMOOTHING = 0.2

@@ -50,7 +50,8 @@ class TritonPythonModel(ServedModel, batching="continuous"):
     def finalize(self):
         # NOTE: Triton 2.51 finalizes a model only once every client stream that carried its requests is closed (an
         # unload waits for that; a shutdown waits up to --exit-timeout-secs): nobody is left to answer, and a
-        # response sent now can block, as the backend no longer reads them. So the loop stops without sending.
+        # response sent now can block, as the backend no longer reads them. So the loop stops without sending
+        # (triton_workarounds.NO_SEND_AT_FINALIZE).
         stopped = self.loop.shutdown(timeout=10, notify=False)
         self.observe_steps()
         message = "engine loop stopped" if stopped else "engine loop did not stop within 10 s"
