@@ -126,14 +126,17 @@ $(STAMP): requirements.txt pyproject.toml
 	@rm -f $(VENV)/.installed*
 	@touch $(STAMP)
 
-# Python 3.10 (the Triton image's Python) with pytest and hypothesis: tests/unit/test_deploy.py runs the scheduler and
-# block-manager tests under it when it exists. hypothesis 6.170+ needs Python 3.11.
+# Python 3.10 (the Triton image's Python) with pytest, hypothesis and pydantic: tests/unit/test_deploy.py runs the
+# scheduler and block-manager tests under it when it exists. hypothesis 6.170+ needs Python 3.11.
 venv310: $(STAMP310)
 
-$(STAMP310):
+# pydantic: the engine's SamplingParams validates with it (requirements.txt's pin, as the images have it). Rebuilt when
+# requirements.txt or this recipe changes (a .venv310 built before pydantic joined gets it).
+$(STAMP310): requirements.txt Makefile
 	@if [ -z "$(PYTHON310)" ]; then echo "note: no Python 3.10 found (set PYTHON310=...); its checks will be skipped" >&2; \
 	else test -x $(VENV310)/bin/python || $(PYTHON310) -m venv $(VENV310); \
-	$(VENV310)/bin/python -m pip install -q --disable-pip-version-check pytest==9.2.0 hypothesis==6.168.5 && \
+	$(VENV310)/bin/python -m pip install -q --disable-pip-version-check pytest==9.2.0 hypothesis==6.168.5 \
+		"$$(grep -x 'pydantic==.*' requirements.txt)" && \
 	touch $(STAMP310); fi
 
 # aiperf in its own environment (it needs numpy 2; the Triton stub's environment pins numpy<2).

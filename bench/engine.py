@@ -53,15 +53,15 @@ This module measures. Keys of the JSON file:
 ``workload``
     the same request mix (all at t=0, prompt and output lengths drawn with a fixed seed, ``ignore_eos``) run under
     both scheduling policies at the same ``max_num_seqs``: ``num_requests``, ``max_num_seqs``,
-    ``num_prompt_tokens``, ``num_output_tokens``; ``continuous_tok_s``, ``static_tok_s`` (output tokens / wall time)
-    and ``speedup`` (their ratio); ``continuous_mean_batch``, ``static_mean_batch`` (mean sequences per forward step,
-    from ``StepRecord.num_seqs``); ``fragmentation`` and ``static_fragmentation`` (KV internal fragmentation,
-    ``1 - sum(tokens in cache) / sum(blocks held * block_size)`` over running requests, summed over every step);
-    ``continuous_prefill_s``, ``continuous_decode_s``, ``static_prefill_s``, ``static_decode_s`` (wall time in steps
-    that carried prompt tokens, and in decode-only steps: where the time went); ``continuous_prefill_steps``,
-    ``static_prefill_steps`` (how many steps carried prompt tokens) and ``continuous_prefill_step_decodes``,
-    ``static_prefill_step_decodes`` (the decode rows those steps carried beside their chunks: a step carrying a
-    chunk also pays for them).
+    ``num_prompt_tokens``, ``num_output_tokens``, ``speedup`` (continuous / static output tokens/s), and one object
+    per policy, ``continuous`` and ``static``: ``tok_s`` (output tokens / wall time), ``mean_batch`` (mean sequences
+    per forward step, from ``StepRecord.num_seqs``), ``num_steps``, ``fragmentation`` (KV internal fragmentation,
+    ``1 - sum(tokens in cache) / sum(blocks held * block_size)`` over running requests, summed over every step),
+    ``num_output_tokens``, ``prefill_s`` and ``decode_s`` (wall time in steps that carried prompt tokens, and in
+    decode-only steps: where the time went), ``prefill_steps`` (how many steps carried prompt tokens) and
+    ``prefill_step_decodes`` (the decode rows those steps carried beside their chunks: a step carrying a chunk also
+    pays for them). See ``bench/engine_workload.py``, which also reads a result of the older flat shape
+    (``continuous_tok_s``, ``static_tok_s``, ...).
 ``mixed_steps`` (list, one entry per case of ``mixed_cases``)
     a step carrying a fresh prompt chunk and N decodes against a step of that chunk alone plus a decode step of the N
     rows alone, each a real engine step, the arms alternating: ``num_decodes``, ``chunk``, ``context`` (the decodes'
@@ -95,15 +95,17 @@ import torch  # noqa: E402
 
 from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
 from backend.engine.block_manager import BlockManager  # noqa: E402
-from backend.engine.config import WEIGHT_FORMATS, EngineConfig, ModelShape, SamplingParams  # noqa: E402
+from backend.engine.config import WEIGHT_FORMATS, EngineConfig, ModelShape  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.request import Request, RequestStatus  # noqa: E402
+from backend.engine.sampling_params import SamplingParams  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest, Scheduler  # noqa: E402
 from backend.engine.stats import StepRecord  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
 from bench.engine_record import add_tables  # noqa: E402
 from bench.engine_table import format_table  # noqa: E402
 from bench.engine_targets import judge_targets  # noqa: E402
+from bench.engine_workload import PolicyRun, WorkloadComparison  # noqa: E402
 from bench.engines import (  # noqa: E402
     blocks_for,
     build_engine,
@@ -290,7 +292,7 @@ def workload_requests(s: BenchSettings, vocab_size: int) -> list[tuple[list[int]
     return requests
 
 
-def run_workload(s: BenchSettings, policy: str, requests: list[tuple[list[int], int]]) -> dict:
+def run_workload(s: BenchSettings, policy: str, requests: list[tuple[list[int], int]]) -> PolicyRun:
     longest = s.workload_prompt_range[1] + max(s.workload_long_range[1], s.workload_short_range[1])
     engine = s.engine(max_num_seqs=s.workload_max_num_seqs, max_model_len=longest + 16, batching=policy, seed=s.seed)
     for i, (prompt, output_len) in enumerate(requests):
@@ -320,17 +322,17 @@ def run_workload(s: BenchSettings, policy: str, requests: list[tuple[list[int], 
         slots_held += sum(len(r.block_ids) for r in running) * block_size
     generated = engine.stats.num_generation_tokens
     del engine
-    return {
-        "tok_s": generated / busy,
-        "mean_batch": statistics.fmean(num_seqs),
-        "fragmentation": 1 - tokens_in_cache / slots_held if slots_held else 0.0,
-        "num_output_tokens": generated,
-        "num_steps": len(num_seqs),
-        "prefill_s": prefill_busy,
-        "decode_s": busy - prefill_busy,
-        "prefill_steps": prefill_steps,
-        "prefill_step_decodes": prefill_step_decodes,
-    }
+    return PolicyRun(
+        tok_s=generated / busy,
+        mean_batch=statistics.fmean(num_seqs),
+        num_steps=len(num_seqs),
+        fragmentation=1 - tokens_in_cache / slots_held if slots_held else 0.0,
+        num_output_tokens=generated,
+        prefill_s=prefill_busy,
+        decode_s=busy - prefill_busy,
+        prefill_steps=prefill_steps,
+        prefill_step_decodes=prefill_step_decodes,
+    )
 
 
 # ---- 3. scheduler cost --------------------------------------------------------------------------------------------
@@ -419,32 +421,16 @@ def run_bench(s: BenchSettings, log=print) -> dict:
     vocab = ModelShape.from_model_dir(s.model).vocab_size
     requests = workload_requests(s, vocab)
     cont = run_workload(s, "continuous", requests)
-    log(f"      continuous: {cont['tok_s']:.1f} tok/s, mean batch {cont['mean_batch']:.1f}")
+    log(f"      continuous: {cont.tok_s:.1f} tok/s, mean batch {cont.mean_batch:.1f}")
     stat = run_workload(s, "run_to_completion", requests)
-    log(f"      static: {stat['tok_s']:.1f} tok/s, mean batch {stat['mean_batch']:.1f}")
-    workload = {
-        "num_requests": len(requests),
-        "max_num_seqs": s.workload_max_num_seqs,
-        "num_prompt_tokens": sum(len(p) for p, _ in requests),
-        "num_output_tokens": cont["num_output_tokens"],
-        "continuous_tok_s": cont["tok_s"],
-        "static_tok_s": stat["tok_s"],
-        "speedup": cont["tok_s"] / stat["tok_s"],
-        "continuous_mean_batch": cont["mean_batch"],
-        "static_mean_batch": stat["mean_batch"],
-        "continuous_steps": cont["num_steps"],
-        "static_steps": stat["num_steps"],
-        "fragmentation": cont["fragmentation"],
-        "static_fragmentation": stat["fragmentation"],
-        "continuous_prefill_s": cont["prefill_s"],
-        "continuous_decode_s": cont["decode_s"],
-        "static_prefill_s": stat["prefill_s"],
-        "static_decode_s": stat["decode_s"],
-        "continuous_prefill_steps": cont["prefill_steps"],
-        "static_prefill_steps": stat["prefill_steps"],
-        "continuous_prefill_step_decodes": cont["prefill_step_decodes"],
-        "static_prefill_step_decodes": stat["prefill_step_decodes"],
-    }
+    log(f"      static: {stat.tok_s:.1f} tok/s, mean batch {stat.mean_batch:.1f}")
+    workload = WorkloadComparison(
+        num_requests=len(requests),
+        max_num_seqs=s.workload_max_num_seqs,
+        num_prompt_tokens=sum(len(p) for p, _ in requests),
+        continuous=cont,
+        static=stat,
+    )
 
     log(f"[3b/5] mixed steps against their parts: (decodes, chunk) {list(s.mixed_cases)} ...")
     mixed = mixed_step_breakdown(s.model, s.dtype, s.threads, list(s.mixed_cases), rounds=s.mixed_rounds,
@@ -468,7 +454,7 @@ def run_bench(s: BenchSettings, log=print) -> dict:
         "new_tokens": s.new_tokens, "torch": torch.__version__, "cpu_count": os.cpu_count(),
     }
     result = {"config": config, "fixed_batches": engine_rows, "memory_floor": floor, "served": served,
-              "workload": workload, "mixed_steps": mixed, "scheduler": scheduler}
+              "workload": workload.to_json(), "mixed_steps": mixed, "scheduler": scheduler}
     if llamacpp is not None:
         result["llamacpp"] = llamacpp
     log("[5/5] targets")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from backend.contract.names import CONTINUOUS
 from bench.engine_targets import TARGETS
+from bench.engine_workload import WorkloadComparison
 from records.record import Column, Record
 
 FIXED_BATCHES = [
@@ -60,13 +61,12 @@ def add_tables(record: Record, result: dict) -> Record:
                          "served_itl_ms": served_ms, "ratio": r["itl_ms"] / served_ms if served_ms else None,
                          "tok_s": r["tok_s"]})
         record.add_table("llamacpp", LLAMACPP, rows, title=f"llama.cpp {result['llamacpp']['version']}")
-    w = result["workload"]
+    w = WorkloadComparison.from_json(result["workload"])
     record.add_table("workload", WORKLOAD, [
-        {"policy": policy, "tok_s": w[f"{policy}_tok_s"], "mean_batch": w[f"{policy}_mean_batch"],
-         "steps": w[f"{policy}_steps"], "prefill_steps": w.get(f"{policy}_prefill_steps"),
-         "prefill_s": w.get(f"{policy}_prefill_s"), "decode_s": w.get(f"{policy}_decode_s"),
-         "speedup": w["speedup"] if policy == "continuous" else None}
-        for policy in ("continuous", "static")])
+        {"policy": policy, "tok_s": run.tok_s, "mean_batch": run.mean_batch, "steps": run.num_steps,
+         "prefill_steps": run.prefill_steps, "prefill_s": run.prefill_s, "decode_s": run.decode_s,
+         "speedup": w.speedup if policy == "continuous" else None}
+        for policy, run in w.runs()])
     if result.get("mixed_steps"):
         record.add_table("mixed_steps", MIXED_STEPS, [{c.key: r[c.key] for c in MIXED_STEPS}
                                                       for r in result["mixed_steps"]])

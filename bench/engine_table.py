@@ -8,6 +8,7 @@ from pathlib import Path
 from backend.contract.names import CONTINUOUS
 from backend.kernels.weight_format import WeightFormat
 from bench.engine_targets import TARGETS
+from bench.engine_workload import PolicyRun, WorkloadComparison
 from bench.mixed_steps import format_breakdown
 
 
@@ -121,26 +122,21 @@ def llamacpp(result: dict) -> list[str]:
 
 
 def workload(result: dict) -> list[str]:
-    w = result["workload"]
-
-    def policy_row(label: str, policy: str, fragmentation: str) -> str:
-        return (f"   {label:>10}  {w[f'{policy}_tok_s']:>12.1f}  {w[f'{policy}_mean_batch']:>10.1f}  "
-                f"{w[f'{policy}_steps']:>6}  {w[fragmentation]:>16.1%}  {w[f'{policy}_prefill_s']:>15.1f}"
-                f"  {_steps_and_rows(w, policy):>28}  {w[f'{policy}_decode_s']:>14.1f}")
-
+    w = WorkloadComparison.from_json(result["workload"])
     return [
-        f"3. Workload: {w['num_requests']} requests at t=0, {w['num_prompt_tokens']} prompt tokens, "
-        f"{w['num_output_tokens']} output tokens, max_num_seqs {w['max_num_seqs']}",
+        f"3. Workload: {w.num_requests} requests at t=0, {w.num_prompt_tokens} prompt tokens, "
+        f"{w.num_output_tokens} output tokens, max_num_seqs {w.max_num_seqs}",
         f"   {'policy':>10}  {'output tok/s':>12}  {'mean batch':>10}  {'steps':>6}  {'KV fragmentation':>16}"
         f"  {'prefill steps s':>15}  {'(steps, decode rows in them)':>28}  {'decode steps s':>14}",
-        policy_row("continuous", "continuous", "fragmentation"),
-        policy_row("static", "static", "static_fragmentation"),
-        f"   continuous / static: {w['speedup']:.2f}x",
+        *(_policy_row(policy, run) for policy, run in w.runs()),
+        f"   continuous / static: {w.speedup:.2f}x",
     ]
 
 
-def _steps_and_rows(w: dict, policy: str) -> str:
-    return f"({w[f'{policy}_prefill_steps']}, {w[f'{policy}_prefill_step_decodes']})"
+def _policy_row(policy: str, run: PolicyRun) -> str:
+    steps_and_rows = f"({run.prefill_steps}, {run.prefill_step_decodes})"
+    return (f"   {policy:>10}  {run.tok_s:>12.1f}  {run.mean_batch:>10.1f}  {run.num_steps:>6}  "
+            f"{run.fragmentation:>16.1%}  {run.prefill_s:>15.1f}  {steps_and_rows:>28}  {run.decode_s:>14.1f}")
 
 
 def mixed_steps(result: dict) -> list[str]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from backend.contract.names import CONTINUOUS
+from bench.engine_workload import WorkloadComparison
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def _mixed_step(result: dict) -> dict | None:
 
 
 def _workload_speedup(result: dict) -> dict:
-    return _entry("workload_speedup", result["workload"]["speedup"])
+    return _entry("workload_speedup", WorkloadComparison.from_json(result["workload"]).speedup)
 
 
 def _versus_llamacpp(result: dict) -> dict:

@@ -12,9 +12,10 @@ import random
 import statistics
 import time
 
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
 from backend.engine.linear import Linear
 from backend.engine.llm_engine import LLMEngine
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.stats import StepRecord
 from backend.kernels.weight_format import WeightFormat
 

@@ -155,7 +155,7 @@ def engine_vs_hf(model: Path, device, dry_run: bool) -> dict:
     from transformers import AutoModelForCausalLM
 
     from backend.engine.attention.triton_backend import TritonAttention
-    from backend.engine.config import SamplingParams
+    from backend.engine.sampling_params import SamplingParams
     from backend.engine.tokenizer import load_tokenizer
     from bench.engines import build_engine
 
@@ -302,7 +302,7 @@ def throughput(model: Path, device, dry_run: bool, deadline: float) -> dict:
 
     from backend.engine.attention import TorchAttention
     from backend.engine.attention.triton_backend import TritonAttention
-    from backend.engine.config import SamplingParams
+    from backend.engine.sampling_params import SamplingParams
     from bench.engines import blocks_for, build_engine
 
     batches = [1, 2] if dry_run else [1, 32, 128, 256]

@@ -20,8 +20,8 @@ import random
 import statistics
 from collections.abc import Callable
 
-from backend.engine.config import SamplingParams
 from backend.engine.llm_engine import LLMEngine
+from backend.engine.sampling_params import SamplingParams
 from bench.engines import build_engine
 
 ARMS = ("decode", "prefill", "mixed")

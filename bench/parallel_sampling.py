@@ -24,8 +24,8 @@ from backend.engine.openmp import set_wait_policy
 set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
 
 from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
-from backend.engine.config import SamplingParams  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.engine.sampling_params import SamplingParams  # noqa: E402
 from bench.engines import blocks_for, build_engine, random_prompts, warm_up  # noqa: E402
 from records.record import Column, Record  # noqa: E402
 

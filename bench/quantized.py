@@ -27,8 +27,9 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 import torch  # noqa: E402
 
 from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
-from backend.engine.config import WEIGHT_FORMATS, SamplingParams  # noqa: E402
+from backend.engine.config import WEIGHT_FORMATS  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
+from backend.engine.sampling_params import SamplingParams  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
 from bench.engines import fixed_batch_engine, held_weight_bytes, median_ms, random_prompts, timed_generate  # noqa: E402
 from records.record import Column, Record  # noqa: E402

@@ -23,8 +23,8 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 
 import torch  # noqa: E402
 
-from backend.engine.config import SamplingParams  # noqa: E402
 from backend.engine.sampler import Sampler  # noqa: E402
+from backend.engine.sampling_params import SamplingParams  # noqa: E402
 from records.record import Column, Record  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's

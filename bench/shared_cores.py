@@ -48,7 +48,7 @@ def _worker(conn, model: str, batch: int, registry: str, passive: bool) -> None:
     from backend.engine.openmp import set_wait_policy
 
     set_wait_policy()  # NOTE: before torch is imported, as in every process that builds an engine
-    from backend.engine.config import SamplingParams
+    from backend.engine.sampling_params import SamplingParams
     from backend.engine.shared_cores import CoreRegistry, SharedCores
     from bench.engines import build_engine
 

@@ -25,7 +25,7 @@ from backend.engine.openmp import set_wait_policy
 set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime reads the wait policy once
 
 from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
-from backend.engine.config import SamplingParams  # noqa: E402
+from backend.engine.sampling_params import SamplingParams  # noqa: E402
 from bench.engines import fixed_batch_engine, median_ms, timed_generate  # noqa: E402
 from records.record import Column, Record  # noqa: E402
 

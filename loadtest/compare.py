@@ -48,7 +48,7 @@ from pathlib import Path
 
 from backend.contract.names import DYNAMIC, MODELS
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, live, report, runner
-from loadtest.stats import summarize
+from loadtest.stats import LoadPointRow
 from loadtest.workloads import WORKLOAD_NAMES, MixedWorkload, get_workload
 from records.record import Record
 
@@ -210,15 +210,15 @@ def sweep(
         t0 = time.perf_counter()
         run = runner.run_load_point(target, model, point, dataclasses.replace(plan, priorities=priorities), out_dir)
         runs.append(run)
-        row = summarize(run, plan.slo_ttft_ms, plan.slo_tpot_ms)
-        if row["not_measured"]:
-            log(f"    not measured: {row['not_measured']} ({time.perf_counter() - t0:.0f} s)")
+        row = LoadPointRow.summarize(run, plan.slo_ttft_ms, plan.slo_tpot_ms)
+        if not row.measured:
+            log(f"    not measured: {row.not_measured} ({time.perf_counter() - t0:.0f} s)")
             continue
         log(
-            f"    {row['num_requests']} requests, {row['req_per_s']:.2f} req/s, "
-            f"{row['output_tok_per_s']:.0f} tok/s, "
-            f"TTFT p99 {report.fmt(row['ttft_p99_ms'], 'ms')}, TPOT p99 {report.fmt(row['tpot_p99_ms'], 'ms')}, "
-            f"failures {row['num_failed']}, loadgen CPU {report.fmt(row['loadgen_cpu_mean'], '{:.0f}%')} "
+            f"    {row.num_requests} requests, {row.req_per_s:.2f} req/s, "
+            f"{row.output_tok_per_s:.0f} tok/s, "
+            f"TTFT p99 {report.fmt(row.ttft_p99_ms, 'ms')}, TPOT p99 {report.fmt(row.tpot_p99_ms, 'ms')}, "
+            f"failures {row.num_failed}, loadgen CPU {report.fmt(row.loadgen_cpu_mean, '{:.0f}%')} "
             f"({time.perf_counter() - t0:.0f} s)"
         )
     return runs
@@ -230,7 +230,8 @@ def write_record(record: Record, built: dict, meta: dict, out_dir: Path) -> Path
     columns = report.record_columns()
     keys = {c.key for c in columns}
     record.settings.update({"workload": meta["workload"], "configs": meta.get("configs"), "slo": meta["slo"]})
-    record.add_table("load_points", columns, [{k: v for k, v in row.items() if k in keys} for row in built["rows"]],
+    record.add_table("load_points", columns, [{k: v for k, v in row.to_json().items() if k in keys}
+                                              for row in built["rows"]],
                      title="Every model at every load point")
     if built.get("class_rows"):
         record.add_table("classes", report.class_record_columns(), report.class_record_rows(built["class_rows"]),

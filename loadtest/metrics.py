@@ -19,8 +19,6 @@ from __future__ import annotations
 import threading
 import time
 
-import requests
-
 from backend.contract import names
 from backend.contract.prometheus import Series, by_model, parse_prometheus, scrape
 
@@ -57,25 +55,6 @@ def models_under_load(first: dict[str, float], last: dict[str, float]) -> list[s
     """The models that ran forward steps between two readings of :func:`steps_by_model`: those under load then.
     More than one means their engines shared the cores (``backend/engine/shared_cores.py``)."""
     return sorted(model for model, steps in last.items() if steps > first.get(model, steps))
-
-
-def scrape_metrics(metrics_url: str) -> dict[str, float]:
-    """The ``llm_*`` samples of Triton's metrics port, keyed by name with labels as printed (``requests`` errors
-    propagate)."""
-    series = parse_prometheus(requests.get(metrics_url, timeout=10).text)
-    return {printed(s): s.value for s in series if s.name.startswith(names.METRIC_PREFIX)}
-
-
-def printed(series: Series) -> str:
-    """``name{label="value",...}`` as the metrics port prints it (labels in its order)."""
-    if not series.labels:
-        return series.name
-    return series.name + "{" + ",".join(f'{k}="{v}"' for k, v in series.labels.items()) + "}"
-
-
-def model_sample(samples: dict[str, float], name: str, model: str) -> float:
-    """``name{model="..."}`` from :func:`scrape_metrics`'s samples; NaN when absent."""
-    return samples.get(f'{name}{{model="{model}"}}', float("nan"))
 
 
 class CpuMeter:

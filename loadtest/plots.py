@@ -13,24 +13,24 @@ import numpy as np  # noqa: E402
 from backend.contract import names  # noqa: E402
 from loadtest import metrics  # noqa: E402
 from loadtest.colors import color  # noqa: E402
-from loadtest.stats import batch_size_distribution, is_measured, started_in_window  # noqa: E402
+from loadtest.stats import LoadPointRow, batch_size_distribution, started_in_window  # noqa: E402
 
 
-def _x(row: dict) -> float:
-    return row["arrival_rate"] or row["users"]
+def _x(row: LoadPointRow) -> float:
+    return row.arrival_rate or row.users
 
 
-def _x_label(rows: list[dict]) -> str:
+def _x_label(rows: list[LoadPointRow]) -> str:
     return (
         "offered load (requests/s, Poisson)"
-        if any(r["arrival_rate"] for r in rows)
+        if any(r.arrival_rate for r in rows)
         else "concurrent users (closed loop)"
     )
 
 
-def _load_axis(ax, rows: list[dict]) -> None:
+def _load_axis(ax, rows: list[LoadPointRow]) -> None:
     """Ticks at the measured load points (1, 4, 8, 16 users), on a log-2 axis when they span a wide range."""
-    xs = sorted({_x(r) for r in rows if is_measured(r)})
+    xs = sorted({_x(r) for r in rows if r.measured})
     if xs and xs[0] > 0 and xs[-1] / xs[0] >= 4:
         ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [f"{x:g}" for x in xs])
@@ -39,11 +39,12 @@ def _load_axis(ax, rows: list[dict]) -> None:
     ax.set_xlabel(_x_label(rows))
 
 
-def _by_model(rows: list[dict]) -> dict[str, list[dict]]:
+def _by_model(rows: list[LoadPointRow]) -> dict[str, list[LoadPointRow]]:
     """The measured rows per model, by load; a point whose window was not measured has nothing to plot."""
-    grouped: dict[str, list[dict]] = {}
-    for row in filter(is_measured, rows):
-        grouped.setdefault(row["model"], []).append(row)
+    grouped: dict[str, list[LoadPointRow]] = {}
+    for row in rows:
+        if row.measured:
+            grouped.setdefault(row.model, []).append(row)
     return {m: sorted(rs, key=_x) for m, rs in grouped.items()}
 
 
@@ -54,15 +55,15 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def throughput_vs_load(rows: list[dict], path: Path) -> Path:
+def throughput_vs_load(rows: list[LoadPointRow], path: Path) -> Path:
     fig, (ax_tok, ax_req) = plt.subplots(1, 2, figsize=(11, 4))
     for model, rs in _by_model(rows).items():
         xs = [_x(r) for r in rs]
-        ax_tok.plot(xs, [r["output_tok_per_s"] for r in rs], "o-", color=color(model), label=model)
-        ax_req.plot(xs, [r["req_per_s"] for r in rs], "o-", color=color(model), label=f"{model} completed")
+        ax_tok.plot(xs, [r.output_tok_per_s for r in rs], "o-", color=color(model), label=model)
+        ax_req.plot(xs, [r.req_per_s for r in rs], "o-", color=color(model), label=f"{model} completed")
         ax_req.plot(
             xs,
-            [r["goodput_req_per_s"] for r in rs],
+            [r.goodput_req_per_s for r in rs],
             "s--",
             color=color(model),
             alpha=0.6,
@@ -78,13 +79,15 @@ def throughput_vs_load(rows: list[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
-def latency_vs_load(rows: list[dict], path: Path, slo_ttft_ms: float, slo_tpot_ms: float) -> Path:
+def latency_vs_load(rows: list[LoadPointRow], path: Path, slo_ttft_ms: float, slo_tpot_ms: float) -> Path:
     fig, (ax_ttft, ax_tpot) = plt.subplots(1, 2, figsize=(11, 4))
     for model, rs in _by_model(rows).items():
         xs = [_x(r) for r in rs]
-        for q, style in ((50, "o-"), (99, "^--")):
-            ax_ttft.plot(xs, [_s(r[f"ttft_p{q}_ms"]) for r in rs], style, color=color(model), label=f"{model} p{q}")
-            ax_tpot.plot(xs, [r[f"tpot_p{q}_ms"] for r in rs], style, color=color(model), label=f"{model} p{q}")
+        p50 = ([_s(r.ttft_p50_ms) for r in rs], [r.tpot_p50_ms for r in rs])
+        p99 = ([_s(r.ttft_p99_ms) for r in rs], [r.tpot_p99_ms for r in rs])
+        for q, style, (ttft, tpot) in ((50, "o-", p50), (99, "^--", p99)):
+            ax_ttft.plot(xs, ttft, style, color=color(model), label=f"{model} p{q}")
+            ax_tpot.plot(xs, tpot, style, color=color(model), label=f"{model} p{q}")
     ax_ttft.axhline(slo_ttft_ms / 1000, color="red", lw=0.8, ls=":", label="SLO (p99)")
     ax_tpot.axhline(slo_tpot_ms, color="red", lw=0.8, ls=":", label="SLO (p99)")
     ax_ttft.set(title="Time to first token", ylabel="seconds (log)", yscale="log")

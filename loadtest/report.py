@@ -26,11 +26,11 @@ from loadtest.runner import BF16, weight_format
 from loadtest.stats import (
     MIN_REQUESTS,
     MIN_WINDOW_S,
+    ClassRow,
+    LoadPointRow,
     headline,
     headline_point,
-    is_measured,
     ratio,
-    summarize,
     summarize_classes,
 )
 from records.record import Column, format_value
@@ -53,7 +53,7 @@ def batching_of(model: str) -> str | None:
     return {STATIC: "static", BASELINE: "dynamic", ITERATIVE: "iterative", CANDIDATE: "continuous"}.get(model)
 
 
-# (heading, row key, format) for the per-load-point table.
+# (heading, row key, format) for the per-load-point table: the key is a field of LoadPointRow and a key of its JSON.
 COLUMNS = [
     ("model", "model", "{}"),
     ("load", "load", "{}"),
@@ -87,40 +87,42 @@ def record_columns() -> list[Column]:
     return [Column(key, heading, spec) for heading, key, spec in COLUMNS]
 
 
-def table_rows(rows: list[dict]) -> list[list[str]]:
+def table_rows(rows: list[LoadPointRow]) -> list[list[str]]:
     """One line per row; a row whose window was not measured says so, with the reason, where its rate would be."""
     out = []
     for row in rows:
-        cells = [fmt(row.get(key), spec) for _, key, spec in COLUMNS]
-        if not is_measured(row):
-            cells[2] = f"not measured: {row['not_measured']}"
+        cells = [fmt(getattr(row, key), spec) for _, key, spec in COLUMNS]
+        if not row.measured:
+            cells[2] = f"not measured: {row.not_measured}"
         out.append(cells)
     return out
 
 
-def comparison_rows(rows: list[dict], baseline: str = BASELINE, candidate: str = CANDIDATE) -> list[list[str]]:
+def comparison_rows(
+    rows: list[LoadPointRow], baseline: str = BASELINE, candidate: str = CANDIDATE
+) -> list[list[str]]:
     """Per load point, the candidate beside the baseline: ratios of throughput and latency (or why there are none)."""
     out = []
-    by_load: dict[tuple, dict[str, dict]] = {}
+    by_load: dict[tuple[float, int], dict[str, LoadPointRow]] = {}
     for row in rows:
-        by_load.setdefault((row["arrival_rate"], row["users"]), {})[row["model"]] = row
+        by_load.setdefault(row.load_key, {})[row.model] = row
     for load in sorted(by_load):
         base, cand = by_load[load].get(baseline), by_load[load].get(candidate)
         if base is None or cand is None:
             continue
-        unmeasured = [f"{r['model']}: {r['not_measured']}" for r in (cand, base) if not is_measured(r)]
+        unmeasured = [f"{r.model}: {r.not_measured}" for r in (cand, base) if not r.measured]
         if unmeasured:
-            out.append([cand["load"], "not measured (" + "; ".join(unmeasured) + ")"] + ["–"] * 6)
+            out.append([cand.load, "not measured (" + "; ".join(unmeasured) + ")"] + ["–"] * 6)
             continue
         out.append([
-            cand["load"],
-            fmt(ratio(cand["output_tok_per_s"], base["output_tok_per_s"]), "{:.2f}x"),
-            fmt(ratio(cand["req_per_s"], base["req_per_s"]), "{:.2f}x"),
-            fmt(ratio(base["ttft_p50_ms"], cand["ttft_p50_ms"]), "{:.1f}x"),
-            fmt(ratio(base["ttft_p99_ms"], cand["ttft_p99_ms"]), "{:.1f}x"),
-            fmt(ratio(base["tpot_p99_ms"], cand["tpot_p99_ms"]), "{:.2f}x"),
-            fmt(ratio(base["e2e_p99_ms"], cand["e2e_p99_ms"]), "{:.1f}x"),
-            f"{fmt(cand['goodput_req_per_s'], '{:.2f}')} vs {fmt(base['goodput_req_per_s'], '{:.2f}')}",
+            cand.load,
+            fmt(ratio(cand.output_tok_per_s, base.output_tok_per_s), "{:.2f}x"),
+            fmt(ratio(cand.req_per_s, base.req_per_s), "{:.2f}x"),
+            fmt(ratio(base.ttft_p50_ms, cand.ttft_p50_ms), "{:.1f}x"),
+            fmt(ratio(base.ttft_p99_ms, cand.ttft_p99_ms), "{:.1f}x"),
+            fmt(ratio(base.tpot_p99_ms, cand.tpot_p99_ms), "{:.2f}x"),
+            fmt(ratio(base.e2e_p99_ms, cand.e2e_p99_ms), "{:.1f}x"),
+            f"{fmt(cand.goodput_req_per_s, '{:.2f}')} vs {fmt(base.goodput_req_per_s, '{:.2f}')}",
         ])  # fmt: skip
     return out
 
@@ -154,7 +156,7 @@ CLASS_COLUMNS = [
 ]
 
 
-def class_record_rows(rows: list[dict]) -> list[dict]:
+def class_record_rows(rows: list[ClassRow]) -> list[dict]:
     """:func:`stats.summarize_classes`'s rows as the table prints them: the pass as on/off (with the level sent),
     whether both p99s held as yes/no, and a class not measured with its reason in place of its tokens/s."""
     out = []
@@ -176,7 +178,7 @@ def class_record_columns() -> list[Column]:
     return [Column("model", "model")] + [Column(key, heading, spec) for heading, key, spec in CLASS_COLUMNS]
 
 
-def class_tables(rows: list[dict]) -> list[dict]:
+def class_tables(rows: list[ClassRow]) -> list[dict]:
     """One table per model, in the report's order: its load points, each pass and each class, as printed."""
     printed = class_record_rows(rows)
     return [{"model": model, "rows": [[fmt(r[key], spec) for _, key, spec in CLASS_COLUMNS]
@@ -243,7 +245,7 @@ def build(results: dict, out_dir: Path) -> dict:
     runs = [run for run in every_run if bool(run.get("priorities")) == first_pass]
     class_rows = [row for run in every_run for row in summarize_classes(run, meta["classes"])] \
         if meta.get("classes") else []
-    rows = [summarize(run, meta["slo"]["ttft_ms"], meta["slo"]["tpot_ms"]) for run in runs]
+    rows = [LoadPointRow.summarize(run, meta["slo"]["ttft_ms"], meta["slo"]["tpot_ms"]) for run in runs]
     line = headline(rows, BASELINE, CANDIDATE, meta.get("max_num_seqs"))
     timeline_runs = _timeline_runs(runs, rows, meta.get("max_num_seqs"))
     images = _plots(meta, runs, rows, timeline_runs, out_dir)
@@ -253,7 +255,8 @@ def build(results: dict, out_dir: Path) -> dict:
     markdown = render_markdown(context)
     (out_dir / "report.md").write_text(markdown)
     (out_dir / "report.html").write_text(render_html(markdown, out_dir))
-    summary = {"headline": line, "rows": rows, **({"class_rows": class_rows} if class_rows else {})}
+    summary = {"headline": line, "rows": [row.to_json() for row in rows],
+               **({"class_rows": class_rows} if class_rows else {})}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return {
         "rows": rows,
@@ -265,14 +268,16 @@ def build(results: dict, out_dir: Path) -> dict:
     }
 
 
-def _plots(meta: dict, runs: list[dict], rows: list[dict], timeline_runs: list[dict], out_dir: Path) -> dict:
+def _plots(
+    meta: dict, runs: list[dict], rows: list[LoadPointRow], timeline_runs: list[dict], out_dir: Path
+) -> dict:
     """Draw the PNGs into ``out_dir``: against load for every row, over time for ``timeline_runs`` (if any)."""
     slo = meta["slo"]
     images = {
         "throughput": plots.throughput_vs_load(rows, out_dir / "throughput_vs_load.png"),
         "latency": plots.latency_vs_load(rows, out_dir / "latency_vs_load.png", slo["ttft_ms"], slo["tpot_ms"]),
         "e2e": plots.e2e_distribution(
-            [run for run, row in zip(runs, rows) if is_measured(row)], out_dir / "e2e_latency_cdf.png"
+            [run for run, row in zip(runs, rows) if row.measured], out_dir / "e2e_latency_cdf.png"
         ),
     }
     if timeline_runs:
@@ -294,12 +299,12 @@ def _seats(meta: dict) -> dict[str, int]:
     return seats
 
 
-def _timeline_runs(runs: list[dict], rows: list[dict], max_num_seqs: int | None) -> list[dict]:
+def _timeline_runs(runs: list[dict], rows: list[LoadPointRow], max_num_seqs: int | None) -> list[dict]:
     """The measured runs at the headline load point, one per model, for the time plots."""
-    measured = {(r["model"], r["arrival_rate"], r["users"]) for r in rows if is_measured(r)}
+    measured = {(r.model, *r.load_key) for r in rows if r.measured}
     pair = headline_point(rows, BASELINE, CANDIDATE, max_num_seqs)
     if pair is not None:
-        key = (pair[0]["arrival_rate"], pair[0]["users"])
+        key = pair[0].load_key
     elif measured:
         key = max((rate, users) for _, rate, users in measured)
     else:
@@ -313,7 +318,7 @@ def _timeline_runs(runs: list[dict], rows: list[dict], max_num_seqs: int | None)
 
 
 def _context(
-    meta: dict, runs: list[dict], rows: list[dict], line: str, images: dict, timeline_runs: list[dict]
+    meta: dict, runs: list[dict], rows: list[LoadPointRow], line: str, images: dict, timeline_runs: list[dict]
 ) -> dict:
     """Everything report.md.j2 states, computed from the results; the template holds the words."""
     formats = weight_formats(meta)
@@ -331,17 +336,17 @@ def _context(
         "column_header": [c[0] for c in COLUMNS],
         "load_points": table_rows(rows),
         "slo": meta["slo"],
-        "unmeasured": [row for row in rows if not is_measured(row)],
+        "unmeasured": [row for row in rows if not row.measured],
         "min_requests": MIN_REQUESTS,
         "min_window_s": MIN_WINDOW_S,
         "images": {key: Path(path).name for key, path in images.items()},
         "timeline": _timeline(rows, timeline_runs) if timeline_runs else None,
         "loadgen": _loadgen(rows),
-        "errors": sorted({e for r in rows for e in r["errors"]})[:20],
+        "errors": sorted({e for r in rows for e in r.errors})[:20],
     }
 
 
-def _mixed(meta: dict, runs: list[dict], class_rows: list[dict], first_pass: bool) -> dict:
+def _mixed(meta: dict, runs: list[dict], class_rows: list[ClassRow], first_pass: bool) -> dict:
     """What the mixed workload's section states: the classes, the passes run, each model's queue policy as served,
     and a table per model."""
     passes = sorted({bool(run.get("priorities")) for run in runs})
@@ -386,10 +391,10 @@ def _setup(meta: dict, runs: list[dict]) -> dict:
     }
 
 
-def _beside(rows: list[dict]) -> list[dict]:
+def _beside(rows: list[LoadPointRow]) -> list[dict]:
     """Continuous set beside each other compared model: one table per model that shares a load point with it."""
     sections = []
-    for other in sorted({row["model"] for row in rows} - {CANDIDATE}, key=model_order):
+    for other in sorted({row.model for row in rows} - {CANDIDATE}, key=model_order):
         beside = comparison_rows(rows, other, CANDIDATE)
         if beside:
             short = short_name(other)
@@ -403,14 +408,14 @@ def _beside(rows: list[dict]) -> list[dict]:
     return sections
 
 
-def _timeline(rows: list[dict], timeline_runs: list[dict]) -> dict:
+def _timeline(rows: list[LoadPointRow], timeline_runs: list[dict]) -> dict:
     """What the plotted load point shows: each model's steps, and what its way of deciding the batch cost it."""
     load = timeline_runs[0]["load"]
-    at = {r["model"]: r for r in rows if r["load"] == load and is_measured(r)}
-    cont = at.get(CANDIDATE)
+    at = {r.model: r for r in rows if r.load == load and r.measured}
+    cont, iterative = at.get(CANDIDATE), at.get(ITERATIVE)
     share = None
-    if cont is not None and ITERATIVE in at and at[ITERATIVE]["output_tok_per_s"] and cont["output_tok_per_s"]:
-        share = at[ITERATIVE]["output_tok_per_s"] / cont["output_tok_per_s"]
+    if cont is not None and iterative is not None and iterative.output_tok_per_s and cont.output_tok_per_s:
+        share = iterative.output_tok_per_s / cont.output_tok_per_s
     return {
         "load": load,
         "with_static": any(run["model"] == STATIC for run in timeline_runs),
@@ -421,28 +426,28 @@ def _timeline(rows: list[dict], timeline_runs: list[dict]) -> dict:
     }
 
 
-def _steps(rows: list[dict], timeline_runs: list[dict]) -> list[dict]:
+def _steps(rows: list[LoadPointRow], timeline_runs: list[dict]) -> list[dict]:
     """What the server's own counters say at the plotted load: batch size times steps per second."""
     steps = []
     for run in timeline_runs:
-        row = next(r for r in rows if r["model"] == run["model"] and r["load"] == run["load"])
-        if row["steps_per_s"] and row["mean_batch_size"]:
+        row = next(r for r in rows if r.model == run["model"] and r.load == run["load"])
+        if row.steps_per_s and row.mean_batch_size:
             steps.append({
                 "model": run["model"],
-                "steps_per_s": row["steps_per_s"],
-                "step_ms": 1000 / row["steps_per_s"],
-                "batch": row["mean_batch_size"],
-                "sequence_steps": row["steps_per_s"] * row["mean_batch_size"],
+                "steps_per_s": row.steps_per_s,
+                "step_ms": 1000 / row.steps_per_s,
+                "batch": row.mean_batch_size,
+                "sequence_steps": row.steps_per_s * row.mean_batch_size,
             })  # fmt: skip
     return steps
 
 
-def _decision_costs(rows: list[dict], at: dict[str, dict]) -> list[dict]:
+def _decision_costs(rows: list[LoadPointRow], at: dict[str, LoadPointRow]) -> list[dict]:
     """Per model measured at the plotted load (``at``), the figures that show what deciding its batch costs:
     static beside continuous at the lowest load, iterative's hand-back per iteration."""
-    measured = [r for r in rows if is_measured(r)]
-    lowest = min(((r["arrival_rate"], r["users"]) for r in measured), default=None)
-    low = {r["model"]: r for r in measured if (r["arrival_rate"], r["users"]) == lowest}
+    measured = [r for r in rows if r.measured]
+    lowest = min((r.load_key for r in measured), default=None)
+    low = {r.model: r for r in measured if r.load_key == lowest}
     costs = []
     for model in sorted(at, key=model_order):
         row, batching = at[model], batching_of(model)
@@ -452,18 +457,18 @@ def _decision_costs(rows: list[dict], at: dict[str, dict]) -> list[dict]:
         if batching == "static" and model in low and CANDIDATE in low:
             cost.update(low=low[model], low_continuous=low[CANDIDATE])
         elif batching == "iterative":
-            gap = row.get("mean_iteration_gap_ms")
-            step = 1000 / row["steps_per_s"] if row.get("steps_per_s") else None
+            gap = row.mean_iteration_gap_ms
+            step = 1000 / row.steps_per_s if row.steps_per_s else None
             cost.update(gap_ms=gap, step_ms=step, gap_percent=100 * gap / step if gap is not None and step else None)
         costs.append(cost)
     return costs
 
 
-def _loadgen(rows: list[dict]) -> dict | None:
+def _loadgen(rows: list[LoadPointRow]) -> dict | None:
     """Locust's CPU (mean range, peak) and the server's, per load point, in percent of one core; None: not measured."""
-    cpu = [r["loadgen_cpu_mean"] for r in rows if r.get("loadgen_cpu_mean") is not None]
-    peak = [r["loadgen_cpu_max"] for r in rows if r.get("loadgen_cpu_max") is not None]
-    server = [r["server_cpu_mean"] for r in rows if r.get("server_cpu_mean") is not None]
+    cpu = [r.loadgen_cpu_mean for r in rows if r.loadgen_cpu_mean is not None]
+    peak = [r.loadgen_cpu_max for r in rows if r.loadgen_cpu_max is not None]
+    server = [r.server_cpu_mean for r in rows if r.server_cpu_mean is not None]
     if not cpu:
         return None
     return {"mean": (min(cpu), max(cpu)), "peak": max(peak), "server": (min(server), max(server)) if server else None}

@@ -161,16 +161,6 @@ class ScaleStack:
     def down(self) -> None:
         run(*self.compose, "down", "-t", "5", "-v", env=self.env, timeout=180, check=False)
 
-    def container(self, service: str) -> str:
-        ids = run(*self.compose, "ps", "-a", "-q", service, env=self.env).stdout.split()
-        if len(ids) != 1:
-            raise RuntimeError(f"{service}: expected one container, found {ids}")
-        return ids[0]
-
-    def state(self, service: str) -> dict:
-        return json.loads(run("docker", "inspect", "--format", "{{json .State}}", self.container(service),
-                              env=self.env).stdout)
-
     def logs(self, service: str) -> str:
         result = run(*self.compose, "logs", "--no-color", service, env=self.env, check=False)
         return result.stdout + result.stderr

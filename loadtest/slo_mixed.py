@@ -17,7 +17,7 @@ import dataclasses
 
 from loadtest import runner
 from loadtest.report import fmt
-from loadtest.stats import MIN_WINDOW_S, class_tok_per_s, started_in_window, summarize, summarize_classes
+from loadtest.stats import MIN_WINDOW_S, LoadPointRow, class_tok_per_s, started_in_window, summarize_classes
 from loadtest.workloads import MIXED
 from records.record import Column
 
@@ -57,19 +57,19 @@ class InteractiveClass:
         self.classes = classes(plan.slo_ttft_ms, plan.slo_tpot_ms)
 
     def row(self, run: dict) -> dict:
-        whole = summarize(run, self.plan.slo_ttft_ms, self.plan.slo_tpot_ms)
+        whole = LoadPointRow.summarize(run, self.plan.slo_ttft_ms, self.plan.slo_tpot_ms)
         interactive, batch = summarize_classes(run, self.classes)
         sparse = interactive["not_measured"] and f"{INTERACTIVE.name} class: {interactive['not_measured']}"
         # NOTE: a window too short, or one ended by the request budget, gives nothing to judge; a point of too few
         # requests in all is judged by its interactive class (a subset: too few there too).
-        unjudged = whole["not_measured"] and (whole["budget_spent"] or whole["window_s"] < MIN_WINDOW_S)
+        unjudged = whole.not_measured and (whole.budget_spent or whole.window_s < MIN_WINDOW_S)
         row = {
             "model": run["model"],
             "load": run["load"],
             "users": run["users"],
             "priorities": bool(run.get("priorities")),
             "num_requests": interactive["num_requests"],
-            "num_failed": whole["num_failed"],  # NOTE: either class's: a server failing batch jobs holds nothing
+            "num_failed": whole.num_failed,  # NOTE: either class's: a server failing batch jobs holds nothing
             "ttft_p50_ms": interactive["ttft_p50_ms"],
             "ttft_p99_ms": interactive["ttft_p99_ms"],
             "tpot_p50_ms": interactive["tpot_p50_ms"],
@@ -78,8 +78,8 @@ class InteractiveClass:
             "interactive_tok_per_s": interactive["output_tok_per_s"],
             "batch_tok_per_s": class_tok_per_s(run, BATCH.name),
             "batch_requests": batch["num_requests"],
-            "budget_spent": whole["budget_spent"],
-            "not_measured": (whole["not_measured"] if unjudged else sparse) or None,
+            "budget_spent": whole.budget_spent,
+            "not_measured": (whole.not_measured if unjudged else sparse) or None,
             "missed": None,
         }
         if sparse and not unjudged:

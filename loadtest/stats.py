@@ -14,6 +14,10 @@ counts and says why, and the tables, plots, headline and ``make slo`` report it 
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+from typing import TypedDict
+
 import numpy as np
 
 from backend.contract import names
@@ -108,6 +112,73 @@ def summarize(run: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> dict:
     return row
 
 
+@dataclass(frozen=True)
+class LoadPointRow:
+    """What one load point measured, as the report's tables, plots and headline read it: :func:`summarize`'s row,
+    typed. Its fields are the row's keys in the row's order, so :meth:`to_json` gives back the very dict
+    (``summary.json`` and the run's record keep it). Every figure is None when the window was not measured."""
+
+    model: str
+    load: str
+    users: int
+    arrival_rate: float
+    window_s: float
+    num_requests: int
+    num_failed: int
+    num_failed_total: int
+    num_unfinished: int
+    req_per_s: float | None
+    output_tok_per_s: float | None
+    goodput_req_per_s: float | None
+    goodput_fraction: float | None
+    mean_output_tokens: float | None
+    errors: list[str]
+    budget_spent: bool
+    ttft_p50_ms: float | None
+    tpot_p50_ms: float | None
+    e2e_p50_ms: float | None
+    ttft_p90_ms: float | None
+    tpot_p90_ms: float | None
+    e2e_p90_ms: float | None
+    ttft_p99_ms: float | None
+    tpot_p99_ms: float | None
+    e2e_p99_ms: float | None
+    # what the server's metrics said over the window (server_view)
+    mean_batch_size: float | None
+    steps_per_s: float | None
+    mean_running: float | None
+    mean_waiting: float | None
+    mean_queued_in_triton: float | None
+    mean_kv_blocks_used: float | None
+    mean_waiting_total: float | None
+    max_kv_blocks_used: float | None
+    kv_blocks_total: float | None
+    preemptions: float | None
+    mean_iteration_gap_ms: float | None
+    # CPU in percent of one core (cpu_view)
+    loadgen_cpu_mean: float | None
+    loadgen_cpu_max: float | None
+    server_cpu_mean: float | None
+    server_cpu_max: float | None
+    not_measured: str | None
+
+    @classmethod
+    def summarize(cls, run: dict, slo_ttft_ms: float, slo_tpot_ms: float) -> LoadPointRow:
+        return cls(**summarize(run, slo_ttft_ms, slo_tpot_ms))
+
+    @property
+    def measured(self) -> bool:
+        return not self.not_measured
+
+    @property
+    def load_key(self) -> tuple[float, int]:
+        """(arrival rate, users): the load point, the same for every model run at it."""
+        return self.arrival_rate, self.users
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 def _outcomes(measured: list[dict]) -> tuple[list, list, list, list, list]:
     """The requests that finished, were cut off and failed, and the TTFTs and TPOTs they give."""
     ok = [r for r in measured if r["ok"]]
@@ -139,11 +210,19 @@ def class_tok_per_s(run: dict, traffic_class: str) -> float:
     return _arrived_in_window(requests, start, end)[0] / max(end - start, 1e-9)
 
 
+# A class's row, as summary.json keeps it ("class" is a keyword: hence the functional form).
+ClassRow = TypedDict("ClassRow", {
+    "model": str, "load": str, "priorities": bool, "class": str, "priority": "int | None", "num_requests": int,
+    "num_failed": int, "output_tok_per_s": "float | None", "ttft_p50_ms": "float | None",
+    "ttft_p99_ms": "float | None", "tpot_p50_ms": "float | None", "tpot_p99_ms": "float | None",
+    "within_targets": "float | None", "targets_met": "bool | None", "not_measured": "str | None",
+})  # fmt: skip
+
 # What a class's row keeps when its window is not measured.
 CLASS_COUNTS = ("model", "load", "priorities", "class", "priority", "num_requests", "num_failed", "not_measured")
 
 
-def summarize_classes(run: dict, classes: list[dict]) -> list[dict]:
+def summarize_classes(run: dict, classes: list[dict]) -> list[ClassRow]:
     """A mixed workload's run, one row per traffic class (``classes``: each class as
     ``workloads.TrafficClass.describe`` keeps it): its output tokens/s, TTFT and TPOT p50/p99 over the window as
     :func:`summarize` takes them, and for a class with latency targets the share of its requests within both
@@ -181,10 +260,6 @@ def summarize_classes(run: dict, classes: list[dict]) -> list[dict]:
             row = {key: (value if key in CLASS_COUNTS else None) for key, value in row.items()}
         rows.append(row)
     return rows
-
-
-def is_measured(row: dict) -> bool:
-    return not row.get("not_measured")
 
 
 def server_view(samples: list[dict], start: float, end: float) -> dict:
@@ -242,15 +317,16 @@ def batch_size_distribution(run: dict) -> dict[str, float]:
 
 
 def headline_point(
-    rows: list[dict], baseline: str, candidate: str, max_num_seqs: int | None = None
-) -> tuple[dict, dict] | None:
+    rows: list[LoadPointRow], baseline: str, candidate: str, max_num_seqs: int | None = None
+) -> tuple[LoadPointRow, LoadPointRow] | None:
     """The rows of ``baseline`` and ``candidate`` at the saturation point where both were measured: the highest load
     with no more users than ``max_num_seqs`` (every user fits in the batch at once; beyond that every model queues),
     else the highest load.
     """
-    by_load = {}
-    for row in filter(is_measured, rows):
-        by_load.setdefault((row["arrival_rate"], row["users"]), {})[row["model"]] = row
+    by_load: dict[tuple[float, int], dict[str, LoadPointRow]] = {}
+    for row in rows:
+        if row.measured:
+            by_load.setdefault(row.load_key, {})[row.model] = row
     common = [key for key, models in by_load.items() if baseline in models and candidate in models]
     fitting = [(rate, users) for rate, users in common if not rate and max_num_seqs and users <= max_num_seqs]
     if not common:
@@ -266,24 +342,25 @@ def ratio(numerator, denominator) -> float | None:
 
 
 def headline(
-    rows: list[dict], baseline: str = names.DYNAMIC, candidate: str = names.CONTINUOUS, max_num_seqs: int | None = None
+    rows: list[LoadPointRow], baseline: str = names.DYNAMIC, candidate: str = names.CONTINUOUS,
+    max_num_seqs: int | None = None,
 ) -> str:
     """E.g. ``continuous vs dynamic at 8 users: 2.7x output tokens/s, 14x lower TTFT p99``."""
     pair = headline_point(rows, baseline, candidate, max_num_seqs)
     if pair is None:
         return f"no load point measured both {baseline} and {candidate}"
     base, cand = pair
-    tok = ratio(cand["output_tok_per_s"], base["output_tok_per_s"])
-    ttft = ratio(base["ttft_p99_ms"], cand["ttft_p99_ms"])
-    good = ratio(cand["goodput_req_per_s"], base["goodput_req_per_s"])
-    parts = [f"{_x(tok)} output tokens/s ({cand['output_tok_per_s']:.0f} vs {base['output_tok_per_s']:.0f})"]
+    tok = ratio(cand.output_tok_per_s, base.output_tok_per_s)
+    ttft = ratio(base.ttft_p99_ms, cand.ttft_p99_ms)
+    good = ratio(cand.goodput_req_per_s, base.goodput_req_per_s)
+    parts = [f"{_x(tok)} output tokens/s ({cand.output_tok_per_s:.0f} vs {base.output_tok_per_s:.0f})"]
     if ttft is not None:
-        parts.append(f"{_x(ttft)} lower TTFT p99 ({_s(cand['ttft_p99_ms'])} vs {_s(base['ttft_p99_ms'])})")
+        parts.append(f"{_x(ttft)} lower TTFT p99 ({_s(cand.ttft_p99_ms)} vs {_s(base.ttft_p99_ms)})")
     if good is not None:
         parts.append(f"{_x(good)} goodput")
-    elif cand["goodput_req_per_s"] and not base["goodput_req_per_s"]:
-        parts.append(f"goodput {cand['goodput_req_per_s']:.2f} vs 0 req/s")
-    return f"{names.short_name(candidate)} vs {names.short_name(baseline)} at {cand['load']}: " + ", ".join(parts)
+    elif cand.goodput_req_per_s and not base.goodput_req_per_s:
+        parts.append(f"goodput {cand.goodput_req_per_s:.2f} vs 0 req/s")
+    return f"{names.short_name(candidate)} vs {names.short_name(baseline)} at {cand.load}: " + ", ".join(parts)
 
 
 def _x(value: float | None) -> str:

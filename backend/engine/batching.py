@@ -28,9 +28,9 @@ from concurrent.futures import Future
 
 from backend.contract import errors
 from backend.contract.errors import ErrorKind
-from backend.engine.config import SamplingParams
 from backend.engine.llm_engine import LLMEngine, RequestOutput
 from backend.engine.request import FinishReason
+from backend.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

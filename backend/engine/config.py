@@ -1,29 +1,27 @@
-"""Engine and sampling configuration: validating dataclasses with vLLM's parameter names, and the model's shape.
+"""Engine configuration: a validating dataclass with vLLM's parameter names, and the model's shape.
 
-They raise ``ValueError`` with a message a user can act on; ``assert`` would vanish under ``python -O``. A request's
-settings that the engine cannot take raise the contract's ``InvalidRequest`` (a ``ValueError`` that names the
-parameter, backend/contract/errors.py), which the client gets as its error. The engine resolves the user's
-:class:`EngineConfig` once, against the model's :class:`ModelShape`, into a frozen :class:`ResolvedConfig` that every
-part of the engine reads.
+It raises ``ValueError`` with a message a user can act on; ``assert`` would vanish under ``python -O``. The engine
+resolves the user's :class:`EngineConfig` once, against the model's :class:`ModelShape`, into a frozen
+:class:`ResolvedConfig` that every part of the engine reads. A request's own settings are ``SamplingParams``
+(backend/engine/sampling_params.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, Literal
+from types import MappingProxyType, UnionType
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from backend.contract.errors import InvalidRequest
+from pydantic import TypeAdapter, ValidationError
+
 from backend.engine import architectures
 from backend.engine.shared_cores import CORE_SHARING, CoreSharing
-from backend.engine.structured_output import StructuredOutputsParams
 from backend.kernels.weight_format import WeightFormat
 
 log = logging.getLogger(__name__)
@@ -47,16 +45,10 @@ GGUF_BLOCKS = Path("quantized") / "gguf_blocks.safetensors"
 # Default KV pool on a CPU when neither a block count nor a byte budget is given (vLLM's CPU backend uses 4 GiB).
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
-
-def _parse_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"expected a boolean, got {value!r}")
+# The settings' scalar types, converted from text ("8", "true", "0.9") by pydantic's lax rules (the ones a
+# request's sampling settings follow); the name says what a setting of that type must be.
+_SCALARS = {bool: (TypeAdapter(bool), "true or false"), int: (TypeAdapter(int), "an integer"),
+            float: (TypeAdapter(float), "a number")}
 
 
 @dataclass(frozen=True)
@@ -249,23 +241,12 @@ class EngineConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> EngineConfig:
         """Build from string-valued settings (Triton ``parameters``, environment, CLI). Unknown keys are refused."""
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(values) - set(known))
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown engine parameter(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        kwargs: dict[str, Any] = {}
-        for name, raw in values.items():
-            kind = str(known[name].type)
-            if raw is None or (isinstance(raw, str) and raw.strip() == "" and "None" in kind):
-                kwargs[name] = None
-            elif kind.startswith("bool"):
-                kwargs[name] = _parse_bool(raw)
-            elif kind.startswith("int"):
-                kwargs[name] = _parse_int(name, raw)
-            elif kind.startswith("float"):
-                kwargs[name] = float(raw)
-            else:
-                kwargs[name] = str(raw)
+        types = get_type_hints(cls)
+        kwargs = {name: _setting(name, types[name], raw) for name, raw in values.items()}
         if kwargs.get("model"):
             kwargs["model"] = os.path.expanduser(kwargs["model"])
         return cls(**kwargs)
@@ -298,199 +279,24 @@ def parse_quantization(value: Any) -> WeightFormat | None:
     return WeightFormat.parse(value, QUANTIZATIONS, "quantization", also="or none")
 
 
-def _parse_int(name: str, raw: Any) -> int:
-    if isinstance(raw, int) and not isinstance(raw, bool):
-        return raw  # NOTE: not through float: a 64-bit seed would lose its low bits
-    if isinstance(raw, str) and re.fullmatch(r"\s*[-+]?\d+\s*", raw):
-        return int(raw)
+def _setting(name: str, hint: Any, raw: Any) -> Any:
+    """One setting as given (text, or already its type) -> the field's type: a bool, int or float by pydantic's
+    conversion, None for an empty optional one; any other type (a name: dtype, device, batching, quantization...) as
+    text, which ``__post_init__`` checks and explains."""
+    members = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+    kind = next((m for m in members if m is not type(None)), hint)
+    given = raw.strip() if isinstance(raw, str) else raw
+    if raw is None or (given == "" and type(None) in members):
+        return None
+    if kind not in _SCALARS:
+        return str(raw)
+    adapter, what = _SCALARS[kind]
     try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be an integer; got {raw!r}") from None
-    if not value.is_integer():
-        raise ValueError(f"{name} must be an integer; got {raw!r}")
-    return int(value)
+        return adapter.validate_python(given)
+    except ValidationError:
+        raise ValueError(f"{name} must be {what}; got {raw!r}") from None
 
 
 def _positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
-
-
-# Limits that protect the server from a single request (docs/server.md, "What a request may ask for").
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_LOGIT_BIAS_TOKENS = 1024
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit, and vLLM's default max_logprobs
-MAX_N = 16  # answers of one prompt (parallel sampling), each one sequence of the batch
-
-
-@dataclass
-class SamplingParams:
-    """Per-request generation settings, named as in vLLM.
-
-    ``temperature == 0`` means greedy. ``top_k == 0``, ``top_p == 1`` and ``min_p == 0`` disable those filters.
-    ``max_tokens=None`` means "until the model's length limit". ``min_tokens``: EOS, ``stop_token_ids`` and stop
-    strings cannot end the request before this many tokens were generated (as in vLLM: those tokens are not sampled).
-    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, over the generated tokens), ``repetition_penalty``
-    (vLLM's, over prompt and generated tokens; 1 = off) and ``logit_bias`` (token id -> added to its logit) apply to
-    greedy requests too (backend/engine/logits_processors.py).
-    """
-
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    logprobs: int | None = None  # the sampled token's log-probability and this many likeliest tokens' (None: none)
-    include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
-    skip_special_tokens: bool = True  # special tokens (EOS, chat markers) are left out of the text
-    structured_outputs: StructuredOutputsParams | None = None  # backend/engine/structured_output.py
-
-    # Parallel sampling: n answers of one prompt, computed once (backend/engine/parallel_sampling.py). vLLM's
-    # best_of (sample more, return the n likeliest) is not offered: it would need each sequence's log probability.
-    n: int = 1
-
-    def __post_init__(self) -> None:
-        self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
-            raise InvalidRequest("n", f"n must be an integer from 1 to {MAX_N}; got {self.n!r}")
-        if self.max_tokens is not None:
-            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-                raise InvalidRequest("max_tokens", f"max_tokens must be a positive integer; got {self.max_tokens!r}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise InvalidRequest("min_tokens", f"min_tokens must be an integer >= 0; got {self.min_tokens!r}")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidRequest("min_tokens",
-                                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        temperature = self.temperature
-        if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
-            raise InvalidRequest("temperature",
-                                 f"temperature must be a finite number >= 0 (0 = greedy); got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequest("top_p", f"top_p must be in (0, 1]; got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequest("top_k", f"top_k must be an integer >= 0 (0 = disabled); got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequest("seed", f"seed must be an integer; got {self.seed!r}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
-            raise InvalidRequest("seed", f"seed must fit in 64 bits (from -2**63 to 2**64 - 1); got {self.seed}")
-        if self.seed is not None and self.seed + self.n - 1 >= 2**64:  # sequence i samples with seed + i
-            raise InvalidRequest("seed", f"seed + n - 1 must fit in 64 bits (up to 2**64 - 1); got {self.seed}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest("stop", f"at most {MAX_STOP_STRINGS} stop strings are allowed; got {len(self.stop)}")
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise InvalidRequest("stop", f"stop strings must be non-empty strings; got {s!r}")
-            if len(s) > MAX_STOP_STRING_CHARS:
-                raise InvalidRequest("stop",
-                                     f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters; got {len(s)}")
-        self._check_logits_settings()
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise InvalidRequest("logprobs", f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (the likeliest "
-                                             f"tokens to return beside the sampled one); got {self.logprobs!r}")
-        self.temperature = float(self.temperature)
-        self.top_p = float(self.top_p)
-
-    def _check_logits_settings(self) -> None:
-        """The settings that adjust the logits (their ranges as OpenAI's and vLLM's)."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _number(value) or not -2.0 <= value <= 2.0:
-                raise InvalidRequest(name, f"{name} must be a number in [-2, 2]; got {value!r}")
-            setattr(self, name, float(value))
-        if not _number(self.repetition_penalty) or self.repetition_penalty <= 0.0:
-            raise InvalidRequest("repetition_penalty",
-                                 f"repetition_penalty must be a number > 0 (1 = off); got {self.repetition_penalty!r}")
-        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequest("min_p", f"min_p must be in [0, 1] (0 = off); got {self.min_p!r}")
-        self.repetition_penalty, self.min_p = float(self.repetition_penalty), float(self.min_p)
-        if not isinstance(self.logit_bias, dict):
-            raise InvalidRequest("logit_bias", f"logit_bias must map token ids to biases; got {self.logit_bias!r}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
-            raise InvalidRequest("logit_bias", f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens; "
-                                               f"got {len(self.logit_bias)}")
-        for token, bias in self.logit_bias.items():
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                raise InvalidRequest("logit_bias", f"logit_bias keys must be token ids (integers >= 0); got {token!r}")
-            if not _number(bias) or not -100.0 <= bias <= 100.0:
-                raise InvalidRequest("logit_bias", f"logit_bias values must be in [-100, 100]; got {bias!r} "
-                                                   f"for token {token}")
-        self.logit_bias = {token: float(bias) for token, bias in self.logit_bias.items()}
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    def check_token_ids(self, vocab_size: int) -> None:
-        """Refuse token ids this model does not have (the sampler indexes its logits with them)."""
-        for name, ids in (("logit_bias", self.logit_bias), ("stop_token_ids", self.stop_token_ids)):
-            beyond = [t for t in ids if not 0 <= t < vocab_size]
-            if beyond:
-                raise InvalidRequest(name, f"{name} names token id {beyond[0]}; this model's token ids are "
-                                           f"0 to {vocab_size - 1}")
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether the sampler adjusts this request's logits before the draw (logits_processors.py)."""
-        return self.has_penalties or bool(self.logit_bias) or (self.min_p > 0.0 and not self.greedy)
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> SamplingParams:
-        known = {f.name for f in fields(cls)}
-        if "best_of" in raw:
-            raise InvalidRequest("best_of", "best_of is not supported: each of the n answers is returned; send n "
-                                            "alone")
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise InvalidRequest(None, f"unknown sampling parameter(s): {', '.join(unknown)}; "
-                                       f"known: {', '.join(sorted(known))}")
-        kw: dict[str, Any] = {}
-        for key, value in raw.items():
-            try:
-                kw[key] = _sampling_value(key, value)
-            except ValueError as exc:
-                raise InvalidRequest(key, str(exc)) from None
-        return cls(**kw)
-
-
-def _sampling_value(key: str, value: Any) -> Any:
-    """One sampling setting as sent (numbers may be strings, as genai-perf sends them) -> its type."""
-    if key in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "n") and value is not None:
-        return _parse_int(key, value)
-    if key in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key} must be a number; got {value!r}") from None
-    if key in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-        return _parse_bool(value)
-    if key == "stop":
-        return [value] if isinstance(value, str) else list(value or [])
-    if key == "stop_token_ids":
-        return [_parse_int(key, v) for v in (value or [])]
-    if key == "logit_bias" and isinstance(value, dict):  # JSON keys are strings
-        return {_parse_int(key, token): bias for token, bias in value.items()}
-    if key == "logit_bias" and value is None:
-        return {}
-    return value
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

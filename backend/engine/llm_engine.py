@@ -17,13 +17,14 @@ import torch
 from backend.contract import errors
 from backend.contract.errors import PROMPT, ErrorKind, InvalidRequest
 from backend.engine.block_manager import BlockManager
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
 from backend.engine.detokenizer import IncrementalDetokenizer
 from backend.engine.model_runner import ModelRunner
 from backend.engine.openmp import check_wait_policy
 from backend.engine.parallel_sampling import Fork, SequenceGroups
 from backend.engine.request import FinishReason, Request, RequestTimings
 from backend.engine.sampler import Sampler, TokenLogprobs
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from backend.engine.shared_cores import SharedCores
 from backend.engine.stats import EngineStats, StepTimes

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.config import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

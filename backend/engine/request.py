@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from backend.contract.errors import InvalidRequest
-from backend.engine.config import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.config import SamplingParams
 from backend.engine.logits_processors import LogitsAdjustments
+from backend.engine.sampling_params import SamplingParams
 from backend.kernels import cpu_kernels
 
 

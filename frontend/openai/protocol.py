@@ -17,12 +17,18 @@ from openai.types.shared import ErrorObject
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from backend.contract.priority import level_of_openai
+from backend.contract.sampling_ranges import SAMPLING_RANGES
 from client.schema import GenerationRequest
 
 if TYPE_CHECKING:
     from frontend.openai.tools import ToolCalling
 
-MAX_SEED = 2**64 - 1  # the models' seed input is UINT64
+
+
+def _ranged(name: str, default: Any = None) -> Any:
+    """A sampling field with the engine's range for ``name`` (backend/contract/sampling_ranges.py): one table of
+    bounds for both, so a value this accepts is never refused by the engine for its range."""
+    return Field(default, **SAMPLING_RANGES[name].bounds)
 
 
 # ---- errors -----------------------------------------------------------------------------------------------------
@@ -102,10 +108,11 @@ class SamplingRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    max_tokens: int | None = _ranged("max_tokens")
+    temperature: float | None = _ranged("temperature")
+    top_p: float | None = _ranged("top_p")
+    # NOTE: from 0, not the engine's -2**63: the seed travels in the models' UINT64 input (client/schema.py).
+    seed: int | None = Field(None, ge=0, le=SAMPLING_RANGES["seed"].hi)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -113,14 +120,14 @@ class SamplingRequest(BaseModel):
     user: str | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = _ranged("presence_penalty")
+    frequency_penalty: float | None = _ranged("frequency_penalty")
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> -100 to 100; the engine checks them
     # vLLM's extra sampling parameters.
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    min_tokens: int = Field(0, ge=0)
+    top_k: int | None = _ranged("top_k")  # -1 or 0: off
+    min_p: float | None = _ranged("min_p")
+    repetition_penalty: float | None = _ranged("repetition_penalty")
+    min_tokens: int = _ranged("min_tokens", 0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -139,7 +146,7 @@ class SamplingRequest(BaseModel):
     no_stop_trim: bool = False
     # vLLM's: a lower value is served earlier, 0 by default; sent as Triton's level (level_of_openai).
     priority: int = 0
-    n: int | None = Field(None, ge=1)  # answers of the prompt (the models' n, up to their limit)
+    n: int | None = _ranged("n")  # answers of the prompt (the models' n, up to their limit)
     # OpenAI's and vLLM's, honoured only at their neutral value (NEUTRAL_VALUES).
     use_beam_search: bool | None = None
     length_penalty: float | None = None
@@ -284,11 +291,11 @@ class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt, as text."""
 
     prompt: str | list[str]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's and vLLM's default for completions
+    max_tokens: int | None = _ranged("max_tokens", 16)  # OpenAI's and vLLM's default for completions
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = _ranged("logprobs")
 
     HONOURED: ClassVar[frozenset[str]] = frozenset({"echo"})
 
@@ -369,9 +376,9 @@ class ChatCompletionRequest(SamplingRequest):
     PROMPT_PARAM: ClassVar[str] = "messages"
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = _ranged("max_tokens")
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = _ranged("logprobs")
     echo: bool | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None

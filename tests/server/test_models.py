@@ -19,7 +19,7 @@ from backend.triton.launcher.launch_options import copy_model_repository
 from client import grpc_stream
 from client.grpc_stream import GrpcStream, start_stream
 from client.schema import input_tensors, raw_input_values
-from loadtest.metrics import model_sample, scrape_metrics
+from tests.metrics_port import model_sample, scrape_metrics
 
 pytestmark = [pytest.mark.server, pytest.mark.smollm2]
 MODELS = ("llm_dynamic", "llm_continuous", "llm_iterative")

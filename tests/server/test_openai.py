@@ -22,7 +22,7 @@ from client import grpc_stream
 from frontend.openai.chat_template import ChatTemplate
 from frontend.openai.process import FrontendProcess
 from frontend.openai.protocol import ChatCompletionRequest
-from loadtest.metrics import model_sample, scrape_metrics
+from tests.metrics_port import model_sample, scrape_metrics
 from tests.server.test_loadtest import read_requests, run_locust
 from tests.server_harness import make_repository, read_events
 
@@ -373,7 +373,7 @@ BAD_REQUESTS = [
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "logprobs": True}, "logprobs", None,
      "cannot be combined with tool calls"),
     ("chat", {"top_logprobs": 3}, "top_logprobs", None, "needs logprobs"),
-    ("chat", {"logprobs": True, "top_logprobs": 21}, "logprobs", None, "from 0 to 20"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", None, "less than or equal to 20"),
     ("chat", {"presence_penalty": 2.5}, "presence_penalty", None, "less than or equal to 2"),
     ("chat", {"logit_bias": {"50256": -101}}, "logit_bias", None, "[-100, 100]"),
     ("chat", {"logit_bias": {"999999": 1}}, "logit_bias", None, "token id 999999"),
@@ -388,7 +388,7 @@ BAD_REQUESTS = [
     ("completion", {"best_of": 3}, "best_of", "unsupported_parameter", ""),
     ("completion", {"echo": True, "logprobs": 1}, "echo", "unsupported_parameter", "echo with logprobs"),
     ("completion", {"suffix": "end"}, "suffix", "unsupported_parameter", ""),
-    ("chat", {"temperature": 2.5}, "temperature", None, "less than or equal to 2"),
+    ("chat", {"temperature": -0.5}, "temperature", None, "greater than or equal to 0"),
     ("chat", {"top_p": 0}, "top_p", None, "greater than 0"),
     ("chat", {"max_tokens": 0}, "max_tokens", None, "greater than or equal to 1"),
     ("chat", {"seed": -1}, "seed", None, ""),

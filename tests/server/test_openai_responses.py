@@ -15,7 +15,7 @@ import pytest
 import requests
 from pydantic import BaseModel, Field
 
-from loadtest.metrics import model_sample, scrape_metrics
+from tests.metrics_port import model_sample, scrape_metrics
 from tests.server.test_openai import MAX_MODEL_LEN, MESSAGES, MODELS, PERSON, wait_idle
 from tests.server_harness import read_events
 
@@ -115,7 +115,7 @@ BAD_REQUESTS = [
     ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": MAX_MODEL_LEN}, "max_output_tokens"),
-    ({"temperature": 3}, "temperature"),
+    ({"temperature": -1}, "temperature"),
     ({"frobnicate": True}, "frobnicate"),
 ]
 

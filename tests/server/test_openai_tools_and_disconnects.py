@@ -34,7 +34,7 @@ import pytest
 
 from backend.triton.launcher.launch_options import free_ports
 from frontend.openai.process import FrontendProcess
-from loadtest.metrics import model_sample, scrape_metrics
+from tests.metrics_port import model_sample, scrape_metrics
 from tests.server_harness import REPO_ROOT, make_repository
 
 pytestmark = pytest.mark.server

@@ -32,7 +32,7 @@ from backend.triton.launcher import config_text, probe
 from backend.triton.launcher.processes import process_names, tree_rss
 from client.grpc_stream import generate, start_stream
 from client.schema import input_tensors, raw_input_values
-from loadtest.metrics import model_sample, scrape_metrics
+from tests.metrics_port import model_sample, scrape_metrics
 from tests.server_harness import REPO_ROOT, ServerSlot, error_kind, make_repository, read_events
 
 pytestmark = [pytest.mark.server]
@@ -154,7 +154,7 @@ def bad_grpc_requests(model: str) -> list[tuple[str, dict, tuple[str, ...]]]:
         ("temperature NaN", {"prompt": "Hi", "temperature": float("nan")}, ("temperature", "finite number")),
         ("top_p 0", {"prompt": "Hi", "top_p": 0.0}, ("top_p must be in (0, 1]",)),
         ("top_p above 1", {"prompt": "Hi", "top_p": 1.5}, ("top_p must be in (0, 1]",)),
-        ("top_k negative", {"prompt": "Hi", "top_k": -1}, ("top_k must be an integer >= 0",)),
+        ("top_k below -1", {"prompt": "Hi", "top_k": -2}, ("top_k must be an integer >= -1",)),
         ("malformed sampling_parameters", {"prompt": "Hi", "sampling_parameters": '{"max_tokens": 4,'},
          ("sampling_parameters is not valid JSON",)),
         ("sampling_parameters not an object", {"prompt": "Hi", "sampling_parameters": "[4]"},
@@ -190,7 +190,7 @@ BAD_HTTP_REQUESTS = [
     ("temperature NaN", {"text_input": "Hi", "sampling_parameters": '{"temperature": NaN}'}, 400,
      ("temperature must be a finite number",)),
     ("top_p above 1", {"text_input": "Hi", "top_p": 2.0}, 400, ("top_p must be in (0, 1]",)),
-    ("top_k negative", {"text_input": "Hi", "top_k": -3}, 400, ("top_k must be an integer >= 0",)),
+    ("top_k below -1", {"text_input": "Hi", "top_k": -3}, 400, ("top_k must be an integer >= -1",)),
     ("malformed sampling_parameters", {"text_input": "Hi", "sampling_parameters": "{not json"}, 400,
      ("sampling_parameters is not valid JSON",)),
     ("too many stop strings", {"text_input": "Hi", "sampling_parameters": json.dumps({"stop": ["a"] * 40})}, 400,

@@ -10,6 +10,7 @@ Skipped where no Docker engine answers, except under ``CI=true``, where it fails
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -108,9 +109,9 @@ def test_docker_stop_of_a_replica_drains_it_without_an_error_to_any_client(stack
     def stop(_t0: float) -> None:
         time.sleep(8)
         t = time.monotonic()
-        run("docker", "stop", "-t", str(STOP_GRACE_S), stack.container(replica.service), env=stack.env,
+        run("docker", "stop", "-t", str(STOP_GRACE_S), container(stack, replica.service), env=stack.env,
             timeout=STOP_GRACE_S + 30)
-        stopped.update(seconds=time.monotonic() - t, state=stack.state(replica.service))
+        stopped.update(seconds=time.monotonic() - t, state=container_state(stack, replica.service))
 
     raw = load(stack, tmp_path, run_s=30, during=stop)
     seen = outcomes(raw)
@@ -133,7 +134,7 @@ def test_docker_kill_of_a_replica_loses_no_request_and_it_rejoins_after_restart(
     def kill(t0: float) -> None:
         time.sleep(8)
         killed["at"] = time.time()
-        run("docker", "kill", stack.container(replica.service), env=stack.env)
+        run("docker", "kill", container(stack, replica.service), env=stack.env)
         killed["done"] = time.time()  # a stream the router sent it while the kill was under way may break too
         deadline = time.monotonic() + 30
         while f"{LOCALHOST}:{replica.openai_port}" in "".join(stack.healthy_workers()):
@@ -160,18 +161,32 @@ def test_docker_kill_of_a_replica_loses_no_request_and_it_rejoins_after_restart(
     rejoin(stack, replica)
 
 
+def container(stack: ScaleStack, service: str) -> str:
+    """The id of the Compose service's one container."""
+    ids = run(*stack.compose, "ps", "-a", "-q", service, env=stack.env).stdout.split()
+    if len(ids) != 1:
+        raise RuntimeError(f"{service}: expected one container, found {ids}")
+    return ids[0]
+
+
+def container_state(stack: ScaleStack, service: str) -> dict:
+    """``docker inspect``'s ``State`` of the service's container (``Running``, ``ExitCode``, ...)."""
+    return json.loads(run("docker", "inspect", "--format", "{{json .State}}", container(stack, service),
+                          env=stack.env).stdout)
+
+
 def all_up(stack: ScaleStack) -> None:
     """Every replica running and routed to (a test before may have failed with one down)."""
     for replica in stack.replicas:
-        if not stack.state(replica.service)["Running"]:
-            run("docker", "start", stack.container(replica.service), env=stack.env)
+        if not container_state(stack, replica.service)["Running"]:
+            run("docker", "start", container(stack, replica.service), env=stack.env)
     stack.wait_routed(len(stack.replicas), timeout=300)
 
 
 def rejoin(stack: ScaleStack, replica) -> None:
     """Start ``replica`` again: the router routes to it once it is healthy, and it answers requests."""
     t0 = time.monotonic()
-    run("docker", "start", stack.container(replica.service), env=stack.env)
+    run("docker", "start", container(stack, replica.service), env=stack.env)
     stack.wait_routed(len(stack.replicas), timeout=300)
     before = stack.replica_counts()[replica.service][names.REQUEST_SUCCESS]
 

@@ -17,7 +17,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from loadtest.metrics import scrape_metrics
+from tests.metrics_port import scrape_metrics
 from tests.server_harness import REPO_ROOT, make_repository
 
 pytestmark = pytest.mark.server

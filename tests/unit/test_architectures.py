@@ -16,8 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from backend.engine.config import EngineConfig, ModelShape, SamplingParams
+from backend.engine.config import EngineConfig, ModelShape
 from backend.engine.llm_engine import LLMEngine
+from backend.engine.sampling_params import SamplingParams
 
 VOCAB = 512  # ids below it decode with the SmolLM2 tokenizer the models borrow
 MAX_POSITIONS = 128

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from bench import engine, engine_record, engine_table
+from bench.engine_workload import PolicyRun, WorkloadComparison
 from bench.served import _cpu_seconds
 from records.record import Record
 
@@ -51,14 +52,16 @@ def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
     assert rows[0]["hf_tok_s"] > 0 and rows[0]["ratio"] > 0
     assert rows[1]["hf_tok_s"] is None and rows[1]["ratio"] is None  # skipped: not in hf_batches
 
-    workload = result["workload"]
-    for key in ("continuous_tok_s", "static_tok_s", "speedup", "continuous_mean_batch", "static_mean_batch",
-                "fragmentation"):
-        assert isinstance(workload[key], float), key
-    assert 1 <= workload["static_mean_batch"] <= workload["continuous_mean_batch"] <= 2
-    assert 0 <= workload["fragmentation"] < 1
+    workload = WorkloadComparison.from_json(result["workload"])
+    assert workload.to_json() == result["workload"]
+    for policy, run in workload.runs():
+        assert isinstance(run.tok_s, float) and isinstance(run.mean_batch, float), policy
+        assert isinstance(run.fragmentation, float), policy
+    assert isinstance(workload.speedup, float)
+    assert 1 <= workload.static.mean_batch <= workload.continuous.mean_batch <= 2
+    assert 0 <= workload.continuous.fragmentation < 1
 
-    assert workload["continuous_prefill_steps"] >= 1 and workload["continuous_prefill_step_decodes"] >= 0
+    assert workload.continuous.prefill_steps >= 1 and workload.continuous.prefill_step_decodes >= 0
 
     mixed = result["mixed_steps"]  # each arm checks that it ran the sequences and tokens it says
     assert [(r["num_decodes"], r["chunk"]) for r in mixed] == [(2, 8), (3, 40)]
@@ -88,6 +91,37 @@ def test_bench_runs_and_reports_documented_keys(tiny_llama_dir, tmp_path):
     assert [r["policy"] for r in record.tables["workload"].rows] == ["continuous", "static"]
     assert [r["verdict"] for r in record.tables["targets"].rows] == [
         {True: "met", False: "missed", None: "not judged"}[t["met"]] for t in result["targets"]]
+
+
+def test_the_workload_runs_each_policy_on_the_same_requests(tiny_llama_dir):
+    settings = engine.BenchSettings(
+        model=str(tiny_llama_dir), dtype="float32", threads=2, workload_requests=6, workload_prompt_range=(4, 24),
+        workload_short_range=(2, 4), workload_long_range=(8, 10), workload_long_share=0.3, workload_max_num_seqs=2,
+    )
+    requests = engine.workload_requests(settings, vocab_size=256)
+    runs = {policy: engine.run_workload(settings, policy, requests) for policy in ("continuous", "run_to_completion")}
+    cont, stat = runs["continuous"], runs["run_to_completion"]
+    assert cont.num_output_tokens == stat.num_output_tokens == sum(n for _, n in requests)  # ignore_eos
+    assert 1 <= stat.mean_batch <= cont.mean_batch <= 2 and 0 <= cont.fragmentation < 1
+    assert cont.prefill_steps >= 1 and cont.prefill_s + cont.decode_s > 0
+    comparison = WorkloadComparison(len(requests), 2, sum(len(p) for p, _ in requests), cont, stat)
+    assert comparison.speedup == cont.tok_s / stat.tok_s
+    assert WorkloadComparison.from_json(json.loads(json.dumps(comparison.to_json()))) == comparison
+
+
+def test_a_workload_of_the_older_flat_shape_reads_as_the_nested_one():
+    flat = {"num_requests": 4, "num_prompt_tokens": 100, "num_output_tokens": 50, "max_num_seqs": 8,
+            "continuous_tok_s": 100.0, "continuous_mean_batch": 4.0, "continuous_steps": 20, "fragmentation": 0.02,
+            "static_tok_s": 50.0, "static_mean_batch": 2.0, "static_steps": 40, "static_fragmentation": 0.03,
+            "speedup": 2.0, "continuous_prefill_s": 0.1, "continuous_decode_s": 0.4,
+            "continuous_prefill_steps": 4, "continuous_prefill_step_decodes": 6}  # static's phases: not measured
+    workload = WorkloadComparison.from_json(flat)
+    assert workload.continuous == PolicyRun(100.0, 4.0, 20, 0.02, 50, 0.1, 0.4, 4, 6)
+    assert workload.static == PolicyRun(50.0, 2.0, 40, 0.03, 50)
+    assert (workload.speedup, workload.num_output_tokens) == (flat["speedup"], 50)
+    nested = workload.to_json()
+    assert nested["continuous"]["tok_s"] == 100.0 and nested["static"]["prefill_s"] is None
+    assert WorkloadComparison.from_json(nested) == workload
 
 
 # A process that, once started and told to on stdin, burns 2 ms of CPU on a thread that then ends, says so, and waits

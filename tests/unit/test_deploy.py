@@ -8,8 +8,9 @@ base image's Triton release is the server version the other tests run, and the c
 and point at services, ports and files that exist.
 
 The Triton image runs the Python backend on Python 3.10, the project's virtual environment on 3.11. Every project
-file is compiled by a real Python 3.10, the pure-Python engine modules run a scheduling smoke under it, and (with
-``make venv310``) the scheduler and block-manager unit tests run under it too.
+file is compiled by a real Python 3.10, the pure-Python engine modules run a scheduling smoke under it (with pydantic,
+which ``SamplingParams`` validates with: ``make venv310``'s Python), and (with ``make venv310``) the scheduler and
+block-manager unit tests run under it too.
 """
 
 from __future__ import annotations
@@ -283,7 +284,7 @@ def test_triton_image_pins_meet_the_project_dependencies(image):
     block = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M).group(1)
     wanted = [Requirement(s) for s in re.findall(r'"([^"]+)"', block)]
     wanted += [Requirement("gguf"), Requirement("accelerate")]
-    server_side = {"torch", "numpy", "transformers", "safetensors", "tokenizers", "gguf", "accelerate"}
+    server_side = {"torch", "numpy", "transformers", "safetensors", "tokenizers", "gguf", "accelerate", "pydantic"}
     for requirement in wanted:
         name = normalize(requirement.name)
         if name not in server_side:
@@ -969,6 +970,18 @@ def python310() -> str:
     return python
 
 
+@pytest.fixture(scope="module")
+def engine_python310(python310: str) -> str:
+    """A Python 3.10 with what the pure engine modules import besides the standard library (pydantic, which
+    ``SamplingParams`` validates with, as the image has it): ``make venv310``'s, else ``python310`` if it has it."""
+    venv = ROOT / ".venv310" / "bin" / "python"
+    for python in ([str(venv)] if venv.is_file() else []) + [python310]:
+        found = subprocess.run([python, "-I", "-c", "import pydantic"], capture_output=True, timeout=60)
+        if found.returncode == 0:
+            return python
+    pytest.skip("no Python 3.10 with pydantic (make venv310)")
+
+
 def project_files() -> list[Path]:
     files = [p for package in PROJECT_PACKAGES for p in (ROOT / package).rglob("*.py")]
     return sorted(p for p in files if "__pycache__" not in p.parts)
@@ -1000,8 +1013,9 @@ _SMOKE = """
 import json, re, sys
 sys.path.insert(0, sys.argv[1])
 from backend.engine.block_manager import BlockManager
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
 from backend.engine.request import Request
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 import backend.engine.stats
 
@@ -1035,9 +1049,9 @@ print(json.dumps({"python": sys.version.split()[0], "third_party": third_party, 
 """
 
 
-def test_pure_engine_modules_run_on_python310(python310):
+def test_pure_engine_modules_run_on_python310(engine_python310):
     configs = [str(ROOT / "model_repository" / m / "config.pbtxt") for m in MODELS]
-    result = subprocess.run([python310, "-I", "-c", _SMOKE, str(ROOT), *configs],
+    result = subprocess.run([engine_python310, "-I", "-c", _SMOKE, str(ROOT), *configs],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
@@ -1051,10 +1065,10 @@ def test_pure_engine_modules_run_on_python310(python310):
 @pytest.mark.slow
 def test_scheduler_and_block_manager_tests_pass_on_python310():
     """The property-based unit tests under 3.10, in the virtual environment ``make venv310`` builds (pytest,
-    hypothesis)."""
+    hypothesis, pydantic)."""
     python = ROOT / ".venv310" / "bin" / "python"
     if not python.is_file():
-        pytest.skip("no .venv310 (make venv310: Python 3.10 with pytest and hypothesis)")
+        pytest.skip("no .venv310 (make venv310: Python 3.10 with pytest, hypothesis and pydantic)")
     result = subprocess.run(
         [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/unit/test_scheduler.py",
          "tests/unit/test_block_manager.py"],

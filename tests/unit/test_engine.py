@@ -12,8 +12,9 @@ import torch
 
 from backend.contract import errors
 from backend.contract.errors import ErrorKind
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
+from backend.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.smollm2
 

@@ -46,7 +46,7 @@ def run_loop(config: dict, fault_hook=None):
 @pytest.mark.timeout(120)
 def test_the_loop_bounds_its_queue_and_every_request_gets_exactly_one_final_output(tiny_engine_config):
     from backend.engine.batching import SHUTTING_DOWN, EngineOverloaded, EngineUnavailable
-    from backend.engine.config import SamplingParams
+    from backend.engine.sampling_params import SamplingParams
 
     # NOTE: the first step waits until the 40 have gone in: a submitter held back on a loaded machine would otherwise
     # see requests finish and free seats meanwhile. The requests that step took (at most 4 seats) left the queue.
@@ -81,7 +81,7 @@ def test_the_loop_bounds_its_queue_and_every_request_gets_exactly_one_final_outp
 @pytest.mark.timeout(120)
 def test_a_fatal_engine_error_gives_every_open_request_a_final_error(tiny_engine_config):
     from backend.engine.batching import EngineUnavailable
-    from backend.engine.config import SamplingParams
+    from backend.engine.sampling_params import SamplingParams
     from backend.triton.stub.faults import FaultInjector
 
     faults = FaultInjector({"fatal_error": "<<boom>>"})

@@ -20,7 +20,8 @@ import json, os, sys, threading
 from backend.engine.openmp import set_wait_policy
 
 set_wait_policy()  # before torch loads, as every process that builds an engine does
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.batching import EngineLoop
 

@@ -17,9 +17,10 @@ from backend.contract import errors
 from backend.contract.errors import PROMPT, ErrorKind
 from backend.engine import batching
 from backend.engine.block_manager import BlockManager
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine, RequestOutput
 from backend.engine.request import Request
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from backend.triton.stub import sequence_relay
 from backend.triton.stub.parsing import MAX_PROMPT_BYTES_PER_TOKEN, RequestLimits, parse_request

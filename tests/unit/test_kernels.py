@@ -26,10 +26,11 @@ from backend import kernels
 from backend.engine.attention import CpuAttention, TorchAttention, select_attention_backend
 from backend.engine.attention.torch_backend import paged_decode_attention, prefill_attention, write_kv
 from backend.engine.attention.triton_backend import TritonAttention
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import ScheduledRequest
 from backend.kernels import cpu_kernels
 from backend.kernels._common import is_interpreted

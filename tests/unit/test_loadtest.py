@@ -264,7 +264,7 @@ def test_a_window_too_short_or_too_sparse_gives_no_figures(num_requests, window_
     assert (row["num_requests"], row["window_s"]) == (num_requests, pytest.approx(window_s))  # the counts stay
     figures = ("req_per_s", "output_tok_per_s", "goodput_req_per_s", "ttft_p99_ms", "tpot_p50_ms", "e2e_p99_ms")
     assert all(row[key] is None for key in figures)
-    cells = report.table_rows([row])[0]
+    cells = report.table_rows([stats.LoadPointRow(**row)])[0]
     assert cells[2] == f"not measured: {reason}" and set(cells[3:11]) == {"–"}
 
 
@@ -275,7 +275,10 @@ def test_a_normal_window_is_measured_even_when_its_budget_ran_out():
         assert row["not_measured"] is None and row["budget_spent"] == (stop_reason == "max_requests")
         assert (row["req_per_s"], row["output_tok_per_s"], row["ttft_p99_ms"]) == (2.0, 8.0, 50.0)
         assert verdict(row, 2000, 100) is None
-        assert report.table_rows([row])[0][2] == "2.00"
+        typed = stats.LoadPointRow.summarize(steady_run(40, 20.0, stop_reason), slo_ttft_ms=2000, slo_tpot_ms=100)
+        assert typed == stats.LoadPointRow(**row) and typed.measured
+        assert list(typed.to_json().items()) == list(row.items())  # summary.json and the record keep the same JSON
+        assert report.table_rows([typed])[0][2] == "2.00"
 
 
 @pytest.mark.timeout(10)
@@ -305,8 +308,8 @@ def test_report_marks_points_not_measured_and_leaves_them_out_of_the_plots(tmp_p
     built = report.build(results, tmp_path)
 
     assert built["headline"].startswith("continuous vs dynamic at 2 users:")  # the highest load with both measured
-    row = next(r for r in built["rows"] if r["model"] == "llm_dynamic" and r["users"] == 4)
-    reason = row["not_measured"]
+    row = next(r for r in built["rows"] if r.model == "llm_dynamic" and r.users == 4)
+    reason = row.not_measured
     assert reason.endswith("in 0.48 s: too few to measure")
     md = (tmp_path / "report.md").read_text()
     assert f"| llm_dynamic | 4 users | not measured: {reason} | – |" in md

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from backend.contract.errors import InvalidRequest
-from backend.engine.config import SamplingParams
 from backend.engine.logits_processors import LogitsAdjustments
 from backend.engine.sampler import Sampler
+from backend.engine.sampling_params import SamplingParams
 
 VOCAB = 64
 

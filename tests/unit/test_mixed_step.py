@@ -13,10 +13,11 @@ import random
 import pytest
 import torch
 
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.model_runner import ModelRunner
 from backend.engine.request import Request
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import ScheduledRequest
 from backend.kernels import cpu_kernels
 

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from backend.contract.errors import InvalidRequest
 from backend.engine.block_manager import BlockManager
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.request import FinishReason, Request, RequestStatus
+from backend.engine.sampling_params import SamplingParams
 
 PROMPT = "Once upon a time, in a small village at the edge of a great forest, there lived"
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

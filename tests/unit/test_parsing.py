@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from backend.contract.errors import InvalidRequest
-from backend.engine.config import MAX_STOP_STRINGS, SamplingParams
+from backend.contract.sampling_ranges import MAX_STOP_STRINGS
+from backend.engine.sampling_params import SamplingParams
 from backend.triton.stub.parsing import (
     MAX_PARAMETERS_BYTES,
     MAX_PROMPT_BYTES_PER_TOKEN,

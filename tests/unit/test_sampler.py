@@ -8,8 +8,8 @@ import collections
 import pytest
 import torch
 
-from backend.engine.config import SamplingParams
 from backend.engine.sampler import Sampler, logprob_rows, sample_rows
+from backend.engine.sampling_params import SamplingParams
 from backend.kernels import cpu_kernels
 
 VOCAB = 1000

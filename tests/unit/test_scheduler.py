@@ -7,8 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backend.engine.block_manager import BlockManager
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
 from backend.engine.request import FinishReason, Request, RequestStatus
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 0

@@ -203,7 +203,8 @@ import json, sys, threading, time
 from backend.engine.openmp import set_wait_policy
 
 set_wait_policy()
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.llm_engine import LLMEngine
 
 engine = LLMEngine(EngineConfig(model=sys.argv[1], dtype="float32", max_num_seqs=4, num_kv_blocks=64,

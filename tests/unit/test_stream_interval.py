@@ -13,8 +13,9 @@ import math
 
 import pytest
 
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine, RequestOutput
+from backend.engine.sampling_params import SamplingParams
 from backend.triton.stub.model_config import engine_config_from_triton, stream_interval_from_triton
 from backend.triton.stub.responses import OpenRequest, OpenRequests
 from backend.triton.stub.stream_interval import (

@@ -19,8 +19,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from backend.contract.errors import InvalidRequest
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.structured_output import StructuredOutputs, StructuredOutputsParams
 
 

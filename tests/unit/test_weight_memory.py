@@ -162,7 +162,7 @@ import json, sys
 from pathlib import Path
 from backend.engine.openmp import set_wait_policy
 set_wait_policy()
-from backend.engine.config import SamplingParams
+from backend.engine.sampling_params import SamplingParams
 from backend.engine.llm_engine import LLMEngine
 from tests.unit.test_weight_memory import bf16_config, memory_of
 

@@ -16,7 +16,8 @@ import numpy as np
 from backend.contract import io_schema
 from backend.contract.errors import PROMPT, ContextLengthExceeded, InvalidRequest
 from backend.contract.priority import DEFAULT_PRIORITY_LEVEL, priority_level
-from backend.engine.config import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from backend.contract.sampling_ranges import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+from backend.engine.sampling_params import SamplingParams
 
 # The inputs that are sampling settings; every input is declared in backend/contract/io_schema.py (anything else is
 # refused by Triton itself).

@@ -24,8 +24,9 @@ import triton_python_backend_utils as pb_utils
 from backend.contract import errors
 from backend.contract.stop_board import StopBoard
 from backend.engine.batching import SHUTTING_DOWN, EngineOverloaded, EngineUnavailable, engine_failed
-from backend.engine.config import EngineConfig, SamplingParams
+from backend.engine.config import EngineConfig
 from backend.engine.llm_engine import LLMEngine
+from backend.engine.sampling_params import SamplingParams
 from backend.triton.stub.faults import FaultInjector
 from backend.triton.stub.metrics import TritonMetrics, instance_label
 from backend.triton.stub.model_config import (
