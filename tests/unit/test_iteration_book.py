@@ -229,6 +229,22 @@ def test_a_request_the_driver_ended_while_triton_held_it_is_let_go_and_released_
     assert model.resumed == [] and model.book.let_go == {}
 
 
+def test_a_request_the_step_reaped_as_dropped_gets_its_error_when_the_step_is_done():
+    """The driver reaps inside an execute() too: a request Triton has not handed back for the idle time (Triton let go
+    of it; the model still holds its sender) gets its final error at the step's end, not never."""
+    model = Model()
+    first = new(7)
+    model.hand_in(first, now=0.0)
+    model.hand_back("r7", now=0.5)
+    model.book.returned()
+    other = new(8)
+    model.hand_in(other, now=31.0)
+    dropped = model.make("r7", finished=True)  # the step's reaper ended it with DROPPED: held, as every output is
+    made = model.make("r8")
+    assert model.hand_back("r8", now=31.5) == HandBack(rescheduled=[other], send=[dropped])
+    assert model.book.let_go == {7: 31.5} and model.book.unsent == {"r8": [made]}
+
+
 def test_a_request_ended_between_executes_and_handed_back_before_the_book_saw_it_is_released():
     model = Model()
     first = new(7)

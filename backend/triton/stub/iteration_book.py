@@ -36,7 +36,8 @@ Requests not handed back. Triton hands every request it holds back at its next i
 ended and its KV blocks freed (``IterationDriver``): if its client cancelled it while Triton held it, after
 CANCELLED_AFTER_S: Triton answered it itself and nothing is sent (a second final response crashes tritonserver 2.51);
 otherwise, after max_sequence_idle_microseconds, Triton dropped it, and its client gets an error that says the server
-lost it. The book remembers such a request as let go (and one handed back cancelled as cancelled by its client) for
+lost it, whether the driver's reaper or an execute()'s step ended it (then at the step's end: ``HandBack.send``). The
+book remembers such a request as let go (and one handed back cancelled as cancelled by its client) for
 twice the idle time, so that Triton handing it back after all is told apart from a client's next request.
 
 The idle time. Triton 2.51 counts a sequence's idle time from its last request's arrival, and time in the backlog
@@ -99,6 +100,9 @@ class HandBack:
     rescheduled: list[SequenceRequest] = field(default_factory=list)  # RELEASE_RESCHEDULE
     released: list[SequenceRequest] = field(default_factory=list)  # RELEASE_ALL
     forgotten: list[Output] = field(default_factory=list)  # final outputs to close without sending: Triton answers
+    # Final outputs the step made for requests Triton dropped (the driver reaped them: not handed in, Triton let go of
+    # them and the model still holds their senders), to send now, as the reaper's own answers are between executes.
+    send: list[Output] = field(default_factory=list)
 
 
 class IterationBook:
@@ -224,6 +228,8 @@ class IterationBook:
                 self.request_ids.pop(item.correlation_id, None)
                 self.released[request_id] = None
                 plan.released.append(item)
+        dropped = [rid for rid in self.unsent if rid not in self._handed and not self._is_open(rid)]
+        plan.send = [output for request_id in dropped for output in self.unsent.pop(request_id)]
         self._handed = {}
         # Requests the driver ended while Triton held them (reaped: Triton let go of them; or a failure) are
         # forgotten, and remembered as let go until Triton's own idle timeout has surely ended their sequences.

@@ -84,6 +84,7 @@ class TritonPythonModel(ServedModel, batching="iterative"):
             item.request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
         for item in done.released:
             item.request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL)
+        self._send_all(done.send)
 
     def _read(self, request):
         if self.relay.ends_client_sequence(request):  # its correlation id is its client's: the book never reads it
