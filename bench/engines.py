@@ -8,16 +8,36 @@ weights in ``dtype``), turned here into the engine's ``quantization`` (``None`` 
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
 
-from backend.engine.config import EngineConfig
+from backend.contract.settings import DEFAULT_MODEL
+from backend.engine.config import WEIGHT_FORMATS, EngineConfig
 from backend.engine.linear import Linear
 from backend.engine.llm_engine import LLMEngine
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.stats import StepRecord
 from backend.kernels.weight_format import WeightFormat
+
+
+def weight_formats_parser(description: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark across weight formats: ``--model`` and ``--formats`` (comma-separated names,
+    read by :func:`parse_formats`), ``--threads``; the benchmark adds its own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="comma-separated (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=2)
+    return parser
+
+
+def parse_formats(parser: argparse.ArgumentParser, formats: str) -> list[WeightFormat]:
+    """``--formats`` as weight formats; a name that is none exits through ``parser.error``."""
+    try:
+        return [WeightFormat.parse(name, WEIGHT_FORMATS, "--formats") for name in formats.split(",")]
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def engine_config(model: str, weight_format: WeightFormat | str | None = None, **settings) -> EngineConfig:

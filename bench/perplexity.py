@@ -20,7 +20,6 @@ llama.cpp's from the same run. The run's record (``records/``) goes beside ``--o
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 import subprocess
@@ -33,14 +32,12 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 
 import torch  # noqa: E402
 
-from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
-from backend.engine.config import WEIGHT_FORMATS  # noqa: E402
 from backend.engine.model_runner import ModelRunner  # noqa: E402
 from backend.engine.request import Request  # noqa: E402
 from backend.engine.scheduler import ScheduledRequest  # noqa: E402
 from backend.engine.tokenizer import load_tokenizer  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
-from bench.engines import blocks_for, engine_config  # noqa: E402
+from bench.engines import blocks_for, engine_config, parse_formats, weight_formats_parser  # noqa: E402
 from records.record import Column, Record  # noqa: E402
 
 DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "perplexity_text.txt"
@@ -158,20 +155,17 @@ def record_table(record: Record, ppl: dict[str, float], llamacpp: dict[str, floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="comma-separated (default: %(default)s)")
+    parser = weight_formats_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--path", choices=("prefill", "decode"), default="prefill",
                         help="score the engine's prefill (default) or its decode steps (the quantized kernels)")
     parser.add_argument("--out", type=Path, default=Path("reports/perplexity.json"))
     parser.add_argument("--llamacpp", type=Path, help="llama.cpp's llama-perplexity (make llamacpp builds it)")
     parser.add_argument("--gguf", default="", help="with --llamacpp: format=path pairs, comma-separated")
     args = parser.parse_args(argv)
+    formats = parse_formats(parser, args.formats)
     try:
-        formats = [WeightFormat.parse(name, WEIGHT_FORMATS, "--formats") for name in args.formats.split(",")]
         ggufs = parse_ggufs(args.gguf)
     except ValueError as exc:
         parser.error(str(exc))

@@ -26,12 +26,18 @@ set_wait_policy()  # NOTE: before anything imports torch, whose OpenMP runtime r
 
 import torch  # noqa: E402
 
-from backend.contract.settings import DEFAULT_MODEL  # noqa: E402
-from backend.engine.config import WEIGHT_FORMATS  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
 from backend.engine.sampling_params import SamplingParams  # noqa: E402
 from backend.kernels.weight_format import WeightFormat  # noqa: E402
-from bench.engines import fixed_batch_engine, held_weight_bytes, median_ms, random_prompts, timed_generate  # noqa: E402
+from bench.engines import (  # noqa: E402
+    fixed_batch_engine,
+    held_weight_bytes,
+    median_ms,
+    parse_formats,
+    random_prompts,
+    timed_generate,
+    weight_formats_parser,
+)
 from records.record import Column, Record  # noqa: E402
 
 PROMPTS = (
@@ -118,21 +124,15 @@ def record_table(record: Record, result: dict) -> Record:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--formats", default=",".join(WEIGHT_FORMATS), help="comma-separated (default: %(default)s)")
+    parser = weight_formats_parser(__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=lambda v: [int(b) for b in v.split(",")], default=[1, 8, 32, 64])
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--agreement-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=Path("reports/bench_quantized.json"))
     args = parser.parse_args(argv)
-    try:
-        args.formats = [WeightFormat.parse(name, WEIGHT_FORMATS, "--formats") for name in args.formats.split(",")]
-    except ValueError as exc:
-        parser.error(str(exc))
+    args.formats = parse_formats(parser, args.formats)
     if BF16 not in args.formats:
         args.formats = [BF16, *args.formats]  # the baseline
     record = Record.start("python -m bench.quantized", vars(args))

@@ -53,30 +53,49 @@ def batching_of(model: str) -> str | None:
     return {STATIC: "static", BASELINE: "dynamic", ITERATIVE: "iterative", CANDIDATE: "continuous"}.get(model)
 
 
-# (heading, row key, format) for the per-load-point table: the key is a field of LoadPointRow and a key of its JSON.
-COLUMNS = [
-    ("model", "model", "{}"),
-    ("load", "load", "{}"),
-    ("req/s", "req_per_s", "{:.2f}"),
-    ("output tok/s", "output_tok_per_s", "{:.1f}"),
-    ("TTFT p50", "ttft_p50_ms", "ms"),
-    ("TTFT p90", "ttft_p90_ms", "ms"),
-    ("TTFT p99", "ttft_p99_ms", "ms"),
-    ("TPOT p50", "tpot_p50_ms", "ms"),
-    ("TPOT p99", "tpot_p99_ms", "ms"),
-    ("E2E p50", "e2e_p50_ms", "ms"),
-    ("E2E p99", "e2e_p99_ms", "ms"),
-    ("requests", "num_requests", "{}"),
-    ("failures", "num_failed", "{}"),
-    ("cut off", "num_unfinished", "{}"),
-    ("goodput req/s", "goodput_req_per_s", "{:.2f}"),
-    ("within SLO", "goodput_fraction", "{:.0%}"),
-    ("mean batch", "mean_batch_size", "{:.2f}"),
-    ("steps/s", "steps_per_s", "{:.1f}"),
-    ("mean waiting", "mean_waiting_total", "{:.1f}"),
-    ("server CPU", "server_cpu_mean", "{:.0f}%"),
-    ("loadgen CPU", "loadgen_cpu_mean", "{:.0f}%"),
-]
+# The heading and format of each row key the tables show: the key is a field of LoadPointRow or ClassRow and a key of
+# its JSON.
+HEADINGS: dict[str, tuple[str, str]] = {
+    "model": ("model", "{}"),
+    "load": ("load", "{}"),
+    "req_per_s": ("req/s", "{:.2f}"),
+    "output_tok_per_s": ("output tok/s", "{:.1f}"),
+    "ttft_p50_ms": ("TTFT p50", "ms"),
+    "ttft_p90_ms": ("TTFT p90", "ms"),
+    "ttft_p99_ms": ("TTFT p99", "ms"),
+    "tpot_p50_ms": ("TPOT p50", "ms"),
+    "tpot_p99_ms": ("TPOT p99", "ms"),
+    "e2e_p50_ms": ("E2E p50", "ms"),
+    "e2e_p99_ms": ("E2E p99", "ms"),
+    "num_requests": ("requests", "{}"),
+    "num_failed": ("failures", "{}"),
+    "num_unfinished": ("cut off", "{}"),
+    "goodput_req_per_s": ("goodput req/s", "{:.2f}"),
+    "goodput_fraction": ("within SLO", "{:.0%}"),
+    "mean_batch_size": ("mean batch", "{:.2f}"),
+    "steps_per_s": ("steps/s", "{:.1f}"),
+    "mean_waiting_total": ("mean waiting", "{:.1f}"),
+    "server_cpu_mean": ("server CPU", "{:.0f}%"),
+    "loadgen_cpu_mean": ("loadgen CPU", "{:.0f}%"),
+    "priorities": ("priorities", "{}"),
+    "class": ("class", "{}"),
+    "within_targets": ("within targets", "{:.0%}"),
+    "targets_met": ("p99s on target", "{}"),
+}
+
+
+def _columns(*keys: str) -> list[tuple[str, str, str]]:
+    """(heading, row key, format) of each of ``keys``, in that order."""
+    return [(HEADINGS[key][0], key, HEADINGS[key][1]) for key in keys]
+
+
+# The per-load-point table.
+COLUMNS = _columns(
+    "model", "load", "req_per_s", "output_tok_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms",
+    "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "num_requests", "num_failed", "num_unfinished", "goodput_req_per_s",
+    "goodput_fraction", "mean_batch_size", "steps_per_s", "mean_waiting_total", "server_cpu_mean",
+    "loadgen_cpu_mean"
+)
 
 
 fmt = format_value
@@ -139,21 +158,11 @@ COMPARISON_HEADER = [
 ]
 
 
-# (heading, row key, format) for the mixed workload's table of each model: a line per load point, pass and class.
-CLASS_COLUMNS = [
-    ("load", "load", "{}"),
-    ("priorities", "priorities", "{}"),
-    ("class", "class", "{}"),
-    ("requests", "num_requests", "{}"),
-    ("failures", "num_failed", "{}"),
-    ("output tok/s", "output_tok_per_s", "{:.1f}"),
-    ("TTFT p50", "ttft_p50_ms", "ms"),
-    ("TTFT p99", "ttft_p99_ms", "ms"),
-    ("TPOT p50", "tpot_p50_ms", "ms"),
-    ("TPOT p99", "tpot_p99_ms", "ms"),
-    ("within targets", "within_targets", "{:.0%}"),
-    ("p99s on target", "targets_met", "{}"),
-]
+# The mixed workload's table of each model: a line per load point, pass and class.
+CLASS_COLUMNS = _columns(
+    "load", "priorities", "class", "num_requests", "num_failed", "output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms",
+    "tpot_p50_ms", "tpot_p99_ms", "within_targets", "targets_met"
+)
 
 
 def class_record_rows(rows: list[ClassRow]) -> list[dict]:

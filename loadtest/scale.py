@@ -63,6 +63,12 @@ def run(*args: str, env: dict, timeout: float = 120, check: bool = True) -> subp
     return result
 
 
+def _local_url(port_attribute: str, path: str = "") -> property:
+    """A URL property of a service of the stack: ``http://127.0.0.1:<port>`` and ``path``, the port read from the
+    attribute named ``port_attribute`` (every service listens on the host's loopback)."""
+    return property(lambda self: f"http://{LOCALHOST}:{getattr(self, port_attribute)}{path}")
+
+
 @dataclass
 class Replica:
     service: str
@@ -72,18 +78,17 @@ class Replica:
     metrics_port: int
     openai_port: int
 
-    @property
-    def openai_url(self) -> str:
-        return f"http://{LOCALHOST}:{self.openai_port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://{LOCALHOST}:{self.metrics_port}/metrics"
+    openai_url = _local_url("openai_port")
+    metrics_url = _local_url("metrics_port", "/metrics")
 
 
 class ScaleStack:
     """docker/compose.scale.yaml as a user runs it, moved onto the host's network and free 127.0.0.1 ports, with
     ``cpusets`` as its replicas (one replica per entry: ``("0", "1")`` is two replicas of one core each)."""
+
+    router_url = _local_url("router_port")
+    router_metrics_url = _local_url("router_metrics_port", "/metrics")
+    balancer_url = _local_url("balancer_http")
 
     def __init__(self, env: dict, workdir: Path, cpusets: tuple[str, ...] = ("0", "1"), policy: str = "cache_aware",
                  model_parameters: str = "enable_prefix_caching=true", models: str = MODEL) -> None:
@@ -103,18 +108,6 @@ class ScaleStack:
         override = self.workdir / f"{self.project}.override.yaml"
         override.write_text(self._override())
         self.compose = ["docker", "compose", "-p", self.project, "-f", str(COMPOSE_FILE), "-f", str(override)]
-
-    @property
-    def router_url(self) -> str:
-        return f"http://{LOCALHOST}:{self.router_port}"
-
-    @property
-    def router_metrics_url(self) -> str:
-        return f"http://{LOCALHOST}:{self.router_metrics_port}/metrics"
-
-    @property
-    def balancer_url(self) -> str:
-        return f"http://{LOCALHOST}:{self.balancer_http}"
 
     def _override(self) -> str:
         """The test's and the measurement's override: only addresses, ports and (for one replica) which replicas."""

@@ -5,6 +5,7 @@ whose stubs it had to end by force (``backend/triton/launcher/shutdown.py``, ``S
 
 from __future__ import annotations
 
+import argparse
 import re
 import threading
 import time
@@ -88,6 +89,16 @@ class Stopped:
                 and self.frontend_exit in (0, "not started"))
 
 
+def add_served_args(parser: argparse.ArgumentParser) -> None:
+    """The options of the server a soak or a storm starts (what :meth:`Served.from_args` reads)."""
+    parser.add_argument("--model", default=None, help="HF model folder (default: the repository's own setting)")
+    parser.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
+    parser.add_argument("--exit-timeout", type=float, default=30.0,
+                        help="tritonserver's --exit-timeout-secs, the grace SIGTERM must end within (default: "
+                        "Triton's and make serve's, %(default)s)")
+    parser.add_argument("--server-arg", action="append", default=[], help="extra tritonserver argument (repeatable)")
+
+
 class Served:
     """tritonserver serving ``model_repository`` (and, with ``openai``, the OpenAI frontend beside it), its logs in
     ``out`` named after ``name``. ``start()``, ``restart()`` after it died or was killed, ``stop()``."""
@@ -101,6 +112,12 @@ class Served:
         self.server: TritonServer | None = None
         self.frontend: FrontendProcess | None = None
         self.num_starts = 0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, *, out: Path, openai: bool, name: str) -> Served:
+        """The server :func:`add_served_args`' options describe."""
+        return cls(args.model_repository, model=args.model, out=out, exit_timeout=args.exit_timeout, openai=openai,
+                   server_args=args.server_arg, name=name)
 
     # -- addresses
 

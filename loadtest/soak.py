@@ -59,7 +59,7 @@ from backend.contract.names import (
 from backend.triton.launcher.processes import process_names, tree_rss
 from backend.triton.launcher.server import ServerError
 from loadtest import soak_plan, soak_report
-from loadtest.served import Served, read_gauges, settle
+from loadtest.served import Served, add_served_args, read_gauges, settle
 from loadtest.soak_patterns import PATTERNS, Accounts, Budget, Client, Target, full_batch, play
 from records.provenance import cpu, cpu_slug
 from records.record import Record
@@ -137,8 +137,7 @@ class Soak:
     def run_group(self, index: int, group: soak_plan.Group) -> dict:
         args = self.args
         server = {"pattern": group.pattern, "clients": group.clients, "t_start": round(time.monotonic() - self.t0, 2)}
-        served = Served(args.model_repository, model=args.model, out=self.out, exit_timeout=args.exit_timeout,
-                        openai=group.pattern in OPENAI_PATTERNS, server_args=args.server_arg, name=group.name)
+        served = Served.from_args(args, out=self.out, openai=group.pattern in OPENAI_PATTERNS, name=group.name)
         try:
             server["start_s"] = round(served.start(), 1)
         except (ServerError, RuntimeError) as exc:
@@ -321,8 +320,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="print the plan and its expected duration (from a kept soak record) and exit")
     parser.add_argument("--duration-limit", type=float, default=1800.0,
                         help="seconds after which a cell sends no new request (default: %(default)s)")
-    parser.add_argument("--model", default=None, help="HF model folder (default: the repository's own setting)")
-    parser.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
+    add_served_args(parser)  # --model, --model-repository, --exit-timeout, --server-arg
     parser.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"],
                         help="largest max_tokens of a request run to its end (default: %(default)s)")
     parser.add_argument("--long-tokens", type=int, default=DEFAULTS["long_tokens"],
@@ -333,16 +331,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds a request may take to its final response (default: %(default)s)")
     parser.add_argument("--settle-timeout", type=float, default=30.0,
                         help="seconds a model may take to be idle after a cell (default: %(default)s)")
-    parser.add_argument("--exit-timeout", type=float, default=30.0,
-                        help="tritonserver's --exit-timeout-secs, the grace SIGTERM must end within (default: "
-                        "Triton's and make serve's, %(default)s)")
     parser.add_argument("--sample-interval", type=float, default=1.0)
     parser.add_argument("--rss-growth-limit", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="report folder (default: reports/soak-<time>)")
     parser.add_argument("--keep", action=argparse.BooleanOptionalAction, default=None,
                         help="keep the run's record as records/runs/soak-<cpu>.json (default: only a full soak's)")
-    parser.add_argument("--server-arg", action="append", default=[], help="extra tritonserver argument (repeatable)")
     return parser.parse_args(argv)
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_USED, MODELS, PENDING_REQUESTS
 from backend.triton.launcher import crash, watchdog
 from client.grpc_stream import start_stream
-from loadtest.served import Served, settle
+from loadtest.served import Served, add_served_args, settle
 from loadtest.soak import names_list
 from loadtest.soak_patterns import WORDS, Budget, error_outcome, openai_error_outcome
 from loadtest.soak_report import load_average
@@ -471,15 +471,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-restarts", type=int, default=20, help="restarts before the storm gives up")
     parser.add_argument("--settle-timeout", type=float, default=30.0,
                         help="seconds the models may take to be idle after the storm (default: %(default)s)")
-    parser.add_argument("--exit-timeout", type=float, default=30.0,
-                        help="tritonserver's --exit-timeout-secs (default: Triton's and make serve's, %(default)s)")
-    parser.add_argument("--model", default=None, help="HF model folder (default: the repository's own setting)")
-    parser.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
+    add_served_args(parser)  # --model, --model-repository, --exit-timeout, --server-arg
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="report folder (default: reports/storm-<protocol>-<time>)")
     parser.add_argument("--keep", action=argparse.BooleanOptionalAction, default=None,
                         help="keep the record as records/runs/storm-<protocol>-<cpu>.json (default: a full storm's)")
-    parser.add_argument("--server-arg", action="append", default=[], help="extra tritonserver argument (repeatable)")
     return parser.parse_args(argv)
 
 
@@ -493,8 +489,7 @@ def main(argv=None) -> int:
     print(f"[storm] {args.requests:,} requests over {args.protocol}, {args.clients} clients, on "
           f"{', '.join(args.models)}" + (f"; expected about {args.requests / known[0] / 60:.0f} min at the "
                                         f"{known[0]:.1f} req/s of {known[1]}" if known else ""), flush=True)
-    served = Served(args.model_repository, model=args.model, out=out, exit_timeout=args.exit_timeout,
-                    openai=args.protocol == "openai", server_args=args.server_arg, name="storm")
+    served = Served.from_args(args, out=out, openai=args.protocol == "openai", name="storm")
     try:
         ready_s = served.start()
         print(f"[storm] server ready in {ready_s:.1f} s", flush=True)

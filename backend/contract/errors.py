@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -113,6 +114,15 @@ class InvalidRequest(ValueError):
     def __init__(self, param: str | None, text: str) -> None:
         super().__init__(message(self.kind, text, param))
         self.param, self.text = param, text
+
+
+def refuse_unknown(given: Iterable[str], known: Iterable[str], param: str | None, what: str) -> None:
+    """An :class:`InvalidRequest` when ``given`` holds keys beyond ``known``: ``what`` (e.g. ``unknown key(s) in
+    x``), then those keys and the known ones."""
+    known = set(known)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise InvalidRequest(param, f"{what}: {', '.join(unknown)}; known: {', '.join(sorted(known))}")
 
 
 class ContextLengthExceeded(InvalidRequest):

@@ -24,7 +24,7 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 from pydantic_core import ErrorDetails
 
-from backend.contract.errors import InvalidRequest
+from backend.contract.errors import InvalidRequest, refuse_unknown
 from backend.contract.sampling_ranges import (
     MAX_LOGIT_BIAS_TOKENS,
     MAX_SEED,
@@ -186,11 +186,7 @@ class SamplingParams:
         if "best_of" in raw:
             raise InvalidRequest("best_of", "best_of is not supported: each of the n answers is returned; send n "
                                             "alone")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise InvalidRequest(None, f"unknown sampling parameter(s): {', '.join(unknown)}; "
-                                       f"known: {', '.join(sorted(known))}")
+        refuse_unknown(raw, (f.name for f in fields(cls)), None, "unknown sampling parameter(s)")
         return cls(**raw)
 
 

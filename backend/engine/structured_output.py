@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from backend.contract.errors import InvalidRequest
+from backend.contract.errors import InvalidRequest, refuse_unknown
 
 if TYPE_CHECKING:
     import torch
@@ -98,11 +98,8 @@ class StructuredOutputsParams:
         if not isinstance(value, dict):
             raise InvalidRequest(STRUCTURED_OUTPUTS, "structured_outputs must be an object with one of json, "
                                                      "json_object, regex, choice, grammar")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidRequest(STRUCTURED_OUTPUTS, f"unknown key(s) in structured_outputs: {', '.join(unknown)}; "
-                                                     f"known: {', '.join(sorted(known))}")
+        refuse_unknown(value, (f.name for f in fields(cls)), STRUCTURED_OUTPUTS,
+                       "unknown key(s) in structured_outputs")
         return cls(**value)
 
     def grammar_text(self) -> str:

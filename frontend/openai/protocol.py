@@ -60,8 +60,14 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 # ---- requests ---------------------------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """A request body, or a part of one: a field this server does not know is refused (a 400 naming it), never
+    ignored."""
+
     model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, the counts so far in every chunk
 
@@ -102,10 +108,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """The fields completions and chat share."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = _ranged("max_tokens")
@@ -163,6 +167,8 @@ class SamplingRequest(BaseModel):
     # Parameters of NEUTRAL_VALUES that this kind of request honours at any value.
     HONOURED: ClassVar[frozenset[str]] = frozenset()
     PROMPT_PARAM: ClassVar[str] = "prompt"  # what carries the prompt here (errors about the prompt name it)
+    # What may carry the output limit here, the current name first (errors name the one the client sent).
+    MAX_TOKENS_PARAMS: ClassVar[tuple[str, ...]] = ("max_tokens",)
 
     def check_supported(self) -> None:
         """A 400 naming the first parameter the engine cannot honour."""
@@ -265,12 +271,14 @@ class SamplingRequest(BaseModel):
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return getattr(self, self.max_tokens_param)
 
     @property
     def max_tokens_param(self) -> str:
-        """The name under which the client sent its output limit (errors name it so)."""
-        return "max_tokens"
+        """The name under which the client sent its output limit (errors name it so): the first of
+        ``MAX_TOKENS_PARAMS`` it sent, else the last of them."""
+        sent = (name for name in self.MAX_TOKENS_PARAMS if getattr(self, name) is not None)
+        return next(sent, self.MAX_TOKENS_PARAMS[-1])
 
     def echoed(self, prompt: str) -> str:
         """What the answer repeats of the prompt before the generated text (completions' ``echo``)."""
@@ -324,30 +332,26 @@ class CompletionRequest(SamplingRequest):
         return prompts[0]
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class MessageFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class MessageFunction(RequestModel):
     name: str
     arguments: str  # JSON text
 
 
-class MessageToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class MessageToolCall(RequestModel):
     id: str
     type: Literal["function"] = "function"
     function: MessageFunction
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     """A system, developer, user, assistant or tool turn; content as text or text parts. An assistant turn may carry
     the tool calls it made (its content null), a tool turn the result of the call ``tool_call_id`` names."""
 
-    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -374,6 +378,7 @@ class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``."""
 
     PROMPT_PARAM: ClassVar[str] = "messages"
+    MAX_TOKENS_PARAMS: ClassVar[tuple[str, ...]] = ("max_completion_tokens", "max_tokens")  # max_tokens: deprecated
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = _ranged("max_tokens")
@@ -443,14 +448,6 @@ class ChatCompletionRequest(SamplingRequest):
                     "send max_completion_tokens or max_tokens (its deprecated name), not both with different values",
                     param="max_completion_tokens",
                 )
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def num_logprobs(self) -> int | None:

@@ -45,10 +45,10 @@ from openai.types.responses import (
 )
 from openai.types.responses.response import IncompleteDetails
 from openai.types.responses.response_usage import InputTokensDetails, OutputTokensDetails
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from frontend.openai.chat_template import ChatTemplate
-from frontend.openai.protocol import APIError, ChatMessage, SamplingRequest, _same, bad_request
+from frontend.openai.protocol import APIError, ChatMessage, RequestModel, SamplingRequest, _same, bad_request
 from frontend.openai.serving import every_piece, send
 from frontend.openai.triton_bridge import Piece, TritonBridge, TritonGeneration
 
@@ -77,27 +77,24 @@ RESPONSES_NEUTRAL_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
 # ---- the request ------------------------------------------------------------------------------------------------
 
 
-class InputText(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class InputText(RequestModel):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(BaseModel):
+class OutputText(RequestModel):
     """An earlier answer's text, sent back as an assistant turn (as the SDK dumps a response's output)."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["output_text"]
     text: str
     annotations: list[Any] | None = None
     logprobs: list[Any] | None = None
 
 
-class InputMessage(BaseModel):
+class InputMessage(RequestModel):
     """A message item: ``{"role", "content"}``, with or without ``"type": "message"``; an earlier response's output
     message (with its ``id`` and ``status``) is one too."""
 
-    model_config = ConfigDict(extra="forbid")
     type: str = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[Annotated[InputText | OutputText, Field(discriminator="type")]]
@@ -117,18 +114,15 @@ class InputMessage(BaseModel):
         return ChatMessage(role=self.role, content=text)
 
 
-class PlainText(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class PlainText(RequestModel):
     type: Literal["text"]
 
 
-class JsonObject(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class JsonObject(RequestModel):
     type: Literal["json_object"]
 
 
-class JsonSchema(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class JsonSchema(RequestModel):
     type: Literal["json_schema"]
     name: str
     schema_: dict[str, Any] = Field(alias="schema")
@@ -136,14 +130,12 @@ class JsonSchema(BaseModel):
     strict: bool | None = None
 
 
-class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextConfig(RequestModel):
     format: Annotated[PlainText | JsonObject | JsonSchema, Field(discriminator="type")] | None = None
     verbosity: str | None = None
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(RequestModel):
     include_obfuscation: bool | None = None  # a hint: OpenAI pads its deltas against side channels; none here
 
 
@@ -151,6 +143,7 @@ class ResponsesRequest(SamplingRequest):
     """``POST /v1/responses``."""
 
     PROMPT_PARAM: ClassVar[str] = "input"
+    MAX_TOKENS_PARAMS: ClassVar[tuple[str, ...]] = ("max_output_tokens",)
 
     input: str | list[InputMessage]
     instructions: str | None = None
@@ -212,14 +205,6 @@ class ResponsesRequest(SamplingRequest):
         if fmt.type == "json_object":
             return {"json_object": True}
         return {"json": fmt.schema_ or {"type": "object"}}
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_output_tokens
-
-    @property
-    def max_tokens_param(self) -> str:
-        return "max_output_tokens"
 
     @property
     def include_usage(self) -> bool:

@@ -10,23 +10,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from backend.contract.io_schema import MAX_MODEL_LEN_PARAMETER, served_max_model_len
 from frontend.openai.chat_template import ChatTemplate
-from frontend.openai.protocol import APIError, ChatMessage, bad_request
+from frontend.openai.protocol import APIError, ChatMessage, RequestModel, bad_request
 
 
-class CompletionTokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CompletionTokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
 
 
-class ChatTokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatTokenizeRequest(RequestModel):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
@@ -35,8 +33,7 @@ class ChatTokenizeRequest(BaseModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

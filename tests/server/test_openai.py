@@ -11,7 +11,9 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import openai
 import pytest
@@ -86,6 +88,24 @@ def wait_idle(triton, model: str, timeout: float = 10) -> None:
     while metric(triton, "llm_kv_blocks_used", model) != 0:
         assert time.monotonic() < idle_by, "the model still holds KV blocks from an earlier request"
         time.sleep(0.02)
+
+
+def leave_mid_stream(frontend, triton, model: str, route: str, body: dict, event: bytes,
+                     while_connected: Callable[[], Any] = lambda: None) -> tuple[Any, float, float]:
+    """One client that leaves: once ``model`` is idle, stream ``body`` to ``route``, read five events that start with
+    ``event``, call ``while_connected``, close the connection and wait until the model's KV blocks are freed (at most
+    5 s). Returns what ``while_connected`` returned, the seconds until the blocks were freed and the tokens made."""
+    wait_idle(triton, model)
+    generated_before = metric(triton, "llm_generation_tokens_total", model)
+    with requests.post(f"{frontend.url}{route}", json=body, stream=True, timeout=60) as r:
+        read_events(r, 5, event)
+        seen = while_connected()
+    disconnected = time.monotonic()  # the connection is closed here
+    while metric(triton, "llm_kv_blocks_used", model) > 0:
+        assert time.monotonic() - disconnected < 5, "the request's KV blocks were not freed"
+        time.sleep(0.02)
+    freed_after = time.monotonic() - disconnected
+    return seen, freed_after, metric(triton, "llm_generation_tokens_total", model) - generated_before
 
 
 def assert_still_serves(sdk, model: str = "llm_continuous") -> None:
@@ -546,25 +566,23 @@ def test_a_client_that_disconnects_mid_stream_has_its_triton_request_stopped_not
             "stream": True}
     # NOTE: the server makes tokens whether or not this client reads them: a client starved of the CPU for a second
     # on a loaded 2-core machine can find the whole answer made before it read its fifth event. Then there was
-    # nothing left to cancel, and the test asks again (at most twice more); any other outcome is judged at once.
+    # nothing left to cancel, and the test asks again (at most twice more). So it does when the gauge read no block
+    # while connected (twice in some 30 runs on a loaded machine, with the request stopped mid-answer all the same):
+    # the attempt proved nothing either way. The last attempt is judged whatever it read.
+    def kv_blocks_held() -> float:
+        # NOTE: read while connected; the gauge is published after the step that sent the tokens, so wait a moment
+        # for it (the request, not read from, may meanwhile run to its end: then the loop asks again).
+        held_by = time.monotonic() + 3.0
+        while (held := metric(triton, "llm_kv_blocks_used", model)) == 0 and time.monotonic() < held_by:
+            time.sleep(0.01)
+        return held
+
     for attempt in range(3):
-        wait_idle(triton, model)
-        generated_before = metric(triton, "llm_generation_tokens_total", model)
-        with requests.post(f"{frontend.url}/v1/completions", json=body, stream=True, timeout=60) as r:
-            read_events(r, 5, b"data: {")
-            # NOTE: read while connected; the gauge is published after the step that sent the tokens, so wait a moment
-            # for it (the request, not read from, may meanwhile run to its end: then the loop asks again).
-            held_by = time.monotonic() + 1.0
-            while (blocks_held := metric(triton, "llm_kv_blocks_used", model)) == 0 and time.monotonic() < held_by:
-                time.sleep(0.01)
-        disconnected = time.monotonic()  # the connection is closed here
-        while metric(triton, "llm_kv_blocks_used", model) > 0:
-            assert time.monotonic() - disconnected < 5, "the request's KV blocks were not freed"
-            time.sleep(0.02)
-        freed_after = time.monotonic() - disconnected
-        generated = metric(triton, "llm_generation_tokens_total", model) - generated_before
-        if blocks_held == 0 and generated == max_tokens and attempt < 2:
-            continue  # the answer was complete before the disconnect
+        blocks_held, freed_after, generated = leave_mid_stream(frontend, triton, model, "/v1/completions", body,
+                                                               b"data: {", kv_blocks_held)
+        if blocks_held == 0 and attempt < 2:
+            print(f"{model}: attempt {attempt + 1} read no KV block while connected ({generated:.0f} tokens made)")
+            continue  # the answer was complete before the disconnect, or the gauge was not read in time
         assert blocks_held > 0, f"the request held no KV blocks while streaming ({generated} tokens made)"
         assert generated < max_tokens, f"the request ran to its end ({generated} tokens)"
         break

@@ -8,16 +8,14 @@ never left to where EOS falls. The random model's text is noise: only the gramma
 from __future__ import annotations
 
 import json
-import time
 
 import openai
 import pytest
 import requests
 from pydantic import BaseModel, Field
 
-from tests.metrics_port import model_sample, scrape_metrics
-from tests.server.test_openai import MAX_MODEL_LEN, MESSAGES, MODELS, PERSON, wait_idle
-from tests.server_harness import read_events
+from tests.responses_refusals import NOT_NEUTRAL
+from tests.server.test_openai import MAX_MODEL_LEN, MESSAGES, MODELS, PERSON, leave_mid_stream
 
 pytestmark = pytest.mark.server
 GREEDY = {"temperature": 0.0}
@@ -32,10 +30,6 @@ class Person(BaseModel):
 @pytest.fixture(scope="module")
 def triton(openai_triton):
     return openai_triton  # test_openai.py's server, started once for both modules
-
-
-def metric(triton, name: str, model: str) -> float:
-    return model_sample(scrape_metrics(triton.metrics_url), name, model)
 
 
 @pytest.mark.timeout(600)
@@ -103,11 +97,7 @@ def test_the_stream_is_server_sent_events_as_openai_sends_them(frontend):
 BAD_REQUESTS = [
     # (fields beyond model and input, param)
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"background": True}, "background"),
-    ({"store": True}, "store"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"conversation": "conv_1"}, "conversation"),
+    *NOT_NEUTRAL,
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input.0.content.0"),
@@ -146,15 +136,8 @@ def test_a_client_that_leaves_mid_stream_has_its_triton_request_stopped(frontend
     # NOTE: as tests/server/test_openai.py's: on a loaded machine the whole answer can be made before this client
     # reads its fifth delta; then nothing was left to stop, and the test asks again (at most twice more).
     for attempt in range(3):
-        wait_idle(triton, model)
-        generated_before = metric(triton, "llm_generation_tokens_total", model)
-        with requests.post(f"{frontend.url}/v1/responses", json=body, stream=True, timeout=60) as r:
-            read_events(r, 5, b"event: response.output_text.delta")
-        disconnected = time.monotonic()
-        while metric(triton, "llm_kv_blocks_used", model) > 0:
-            assert time.monotonic() - disconnected < 5, "the request's KV blocks were not freed"
-            time.sleep(0.02)
-        generated = metric(triton, "llm_generation_tokens_total", model) - generated_before
+        _, _, generated = leave_mid_stream(frontend, triton, model, "/v1/responses", body,
+                                           b"event: response.output_text.delta")
         if generated == max_tokens and attempt < 2:
             continue  # the answer was complete before the disconnect
         assert generated < max_tokens, f"the request ran to its end ({generated} tokens)"

@@ -71,6 +71,15 @@ def again(correlation_id: int) -> SequenceRequest:
     return SequenceRequest(correlation_id, request=f"rescheduled {correlation_id}")
 
 
+def held_by_triton() -> Model:
+    """r7 handed in and handed back unfinished, its execute() returned: Triton holds it until the next execute()."""
+    model = Model()
+    model.hand_in(new(7), now=0.0)
+    model.hand_back("r7", now=0.5)
+    model.book.returned()
+    return model
+
+
 def test_a_new_request_is_admitted_and_handed_back_unfinished_and_what_it_made_waits_for_the_hand_back():
     model = Model()
     first = new(7)
@@ -211,11 +220,7 @@ def test_a_rescheduled_request_with_an_unknown_correlation_id_is_a_client_sequen
 
 
 def test_a_request_the_driver_ended_while_triton_held_it_is_let_go_and_released_unanswered_when_handed_back():
-    model = Model()
-    first = new(7)
-    model.hand_in(first, now=0.0)
-    model.hand_back("r7", now=0.5)
-    model.book.returned()
+    model = held_by_triton()
     model.open_ids.discard("r7")  # not handed back within the idle time: the driver's reaper ended it (DROPPED)
     assert model.book.hold(Output("r7", finished=True)) is False  # sent at once: no execute() is running
 
@@ -232,11 +237,7 @@ def test_a_request_the_driver_ended_while_triton_held_it_is_let_go_and_released_
 def test_a_request_the_step_reaped_as_dropped_gets_its_error_when_the_step_is_done():
     """The driver reaps inside an execute() too: a request Triton has not handed back for the idle time (Triton let go
     of it; the model still holds its sender) gets its final error at the step's end, not never."""
-    model = Model()
-    first = new(7)
-    model.hand_in(first, now=0.0)
-    model.hand_back("r7", now=0.5)
-    model.book.returned()
+    model = held_by_triton()
     other = new(8)
     model.hand_in(other, now=31.0)
     dropped = model.make("r7", finished=True)  # the step's reaper ended it with DROPPED: held, as every output is
@@ -246,11 +247,7 @@ def test_a_request_the_step_reaped_as_dropped_gets_its_error_when_the_step_is_do
 
 
 def test_a_request_ended_between_executes_and_handed_back_before_the_book_saw_it_is_released():
-    model = Model()
-    first = new(7)
-    model.hand_in(first, now=0.0)
-    model.hand_back("r7", now=0.5)
-    model.book.returned()
+    model = held_by_triton()
     model.open_ids.discard("r7")  # the reaper ended it and its final response went out
     model.closed_senders.add("r7")
     late = again(7)

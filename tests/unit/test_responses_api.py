@@ -19,6 +19,7 @@ from frontend.openai.app import Settings, create_app
 from frontend.openai.protocol import APIError, ChatMessage
 from frontend.openai.responses_api import ResponseAnswer, ResponsesRequest
 from frontend.openai.triton_bridge import Piece
+from tests.responses_refusals import NOT_NEUTRAL
 from tests.unit.test_openai_load import PresentTriton
 
 HELLO = [Piece("He", 1, None, 7, 1), Piece("llo", 2, None, 7, 3), Piece("!", 1, "stop", 7, 4)]
@@ -81,11 +82,7 @@ def test_text_format_asks_for_chats_structured_output(fmt, expected):
 
 @pytest.mark.parametrize("fields, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"background": True}, "background"),
-    ({"store": True}, "store"),
-    ({"reasoning": {"effort": "low"}}, "reasoning"),
-    ({"include": ["message.output_text.logprobs"]}, "include"),
-    ({"conversation": "conv_1"}, "conversation"),
+    *NOT_NEUTRAL,
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),

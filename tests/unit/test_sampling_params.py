@@ -71,15 +71,9 @@ def test_requirements_read_as_a_person_would_say_them():
 @pytest.mark.parametrize("model, field, setting", [
     (CompletionRequest, "max_tokens", "max_tokens"),
     (ChatCompletionRequest, "max_completion_tokens", "max_tokens"),
-    (ChatCompletionRequest, "temperature", "temperature"),
-    (ChatCompletionRequest, "top_p", "top_p"),
-    (ChatCompletionRequest, "top_k", "top_k"),
-    (ChatCompletionRequest, "min_p", "min_p"),
-    (ChatCompletionRequest, "min_tokens", "min_tokens"),
-    (ChatCompletionRequest, "presence_penalty", "presence_penalty"),
-    (ChatCompletionRequest, "frequency_penalty", "frequency_penalty"),
-    (ChatCompletionRequest, "repetition_penalty", "repetition_penalty"),
-    (ChatCompletionRequest, "n", "n"),
+    *((ChatCompletionRequest, name, name) for name in ("temperature", "top_p", "top_k", "min_p", "min_tokens",
+                                                       "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                                       "n")),
     (CompletionRequest, "logprobs", "logprobs"),
     (ChatCompletionRequest, "top_logprobs", "logprobs"),
 ])

@@ -107,29 +107,21 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         help="start tritonserver again when it dies by a signal nobody sent it, at most this many times "
         "(default: $MAX_RESTARTS or %(default)s; 0: never)",
     )
-    parser.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=float(os.environ.get(STALL_TIMEOUT_ENV_VAR) or watchdog.STALL_TIMEOUT_S),
-        help="restart tritonserver when a model has requests pending in Triton's queue and nothing it executes "
-        "moves for this many seconds; longer than the longest engine step (default: $STALL_TIMEOUT or "
-        "%(default)s; 0: never)",
-    )
-    parser.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=float(os.environ.get(HANG_TIMEOUT_ENV_VAR) or watchdog.HANG_TIMEOUT_S),
-        help="restart tritonserver when /v2/health/live or its metrics port has answered nothing for this many "
-        f"seconds ({watchdog.MIN_FAILED_PROBES} probes in a row at least, {watchdog.PROBE_TIMEOUT_S:g} s each): a "
-        "hung or stopped process (default: $HANG_TIMEOUT or %(default)s; 0: never)",
-    )
-    parser.add_argument(
-        "--drain-delay",
-        type=float,
-        default=float(os.environ.get(DRAIN_DELAY_ENV_VAR) or 0),
-        help="on SIGTERM, seconds the OpenAI frontend answers 503 on /health/ready while it still serves, before "
-        "the stop begins: a router in front stops sending here first (default: $DRAIN_DELAY or %(default)s)",
-    )
+    # Seconds, each from its environment variable when that is set and not empty.
+    for flag, env_var, default, help_text in (
+        ("--stall-timeout", STALL_TIMEOUT_ENV_VAR, watchdog.STALL_TIMEOUT_S,
+         "restart tritonserver when a model has requests pending in Triton's queue and nothing it executes "
+         "moves for this many seconds; longer than the longest engine step (default: $STALL_TIMEOUT or "
+         "%(default)s; 0: never)"),
+        ("--hang-timeout", HANG_TIMEOUT_ENV_VAR, watchdog.HANG_TIMEOUT_S,
+         "restart tritonserver when /v2/health/live or its metrics port has answered nothing for this many "
+         f"seconds ({watchdog.MIN_FAILED_PROBES} probes in a row at least, {watchdog.PROBE_TIMEOUT_S:g} s each): a "
+         "hung or stopped process (default: $HANG_TIMEOUT or %(default)s; 0: never)"),
+        ("--drain-delay", DRAIN_DELAY_ENV_VAR, 0,
+         "on SIGTERM, seconds the OpenAI frontend answers 503 on /health/ready while it still serves, before "
+         "the stop begins: a router in front stops sending here first (default: $DRAIN_DELAY or %(default)s)"),
+    ):
+        parser.add_argument(flag, type=float, default=float(os.environ.get(env_var) or default), help=help_text)
     parser.add_argument(
         "--models",
         default=os.environ.get(SERVED_MODELS_ENV_VAR, ""),
@@ -263,8 +255,7 @@ def _serve(server: TritonServer, new_server: Callable[..., TritonServer], args: 
     elif server.stop_result is not None and server.stop_result.killed is not None:
         _log(f"the stop killed tritonserver (the killed line above): exit status {status}")
     elif stalls and not signals_received:
-        cause = "it hung" if isinstance(stalls[0], watchdog.Hang) else "a model stalled"
-        _log(f"tritonserver was ended because {cause}, and no restart is left (--max-restarts "
+        _log(f"tritonserver was ended because {stalls[0].cause}, and no restart is left (--max-restarts "
              f"{args.max_restarts}): exit status {status}")
     else:
         _log(f"tritonserver exited with status {status}")
@@ -277,11 +268,11 @@ def _serve(server: TritonServer, new_server: Callable[..., TritonServer], args: 
     return status
 
 
-def _why_it_ended(server: TritonServer, code: int, ended: Sequence[watchdog.Stall | watchdog.Hang]) -> str:
+def _why_it_ended(server: TritonServer, code: int, ended: Sequence[watchdog.Ending]) -> str:
     """Why tritonserver ended (``ended``: what the watchdog killed it for, if it did), in words, with the function
     that crashed when its output holds a crash's stack."""
     if ended:
-        why = "was ended: it hung" if isinstance(ended[0], watchdog.Hang) else "was ended: a model stalled"
+        why = f"was ended: {ended[0].cause}"
     else:
         why = f"died by signal {-code}"
     site = crash.crash_site(crash.crash_lines(server.output_lines()))

@@ -434,8 +434,7 @@ def run(command: Sequence[str], log: Log | None = None, stall_timeout: float = w
     finally:
         watchdog.clear_stalled(metrics_port)
     if stalls and not received:
-        cause = "it hung" if isinstance(stalls[0], watchdog.Hang) else "a model stalled"
-        log(f"tritonserver was ended because {cause}: exit status 1")
+        log(f"tritonserver was ended because {stalls[0].cause}: exit status 1")
         return 1
     return exit_status(code, stopped[0] if stopped else None)
 

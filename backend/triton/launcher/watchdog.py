@@ -39,6 +39,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from backend.contract import names, prometheus
 from backend.triton.launcher.processes import is_alive, kill_process_group
@@ -58,28 +59,41 @@ PROGRESS = (names.EXEC_COUNT, f"{names.BATCH_SIZE}_count", names.NUM_REQUESTS_RU
 
 
 @dataclass(frozen=True)
-class Stall:
+class Ending:
+    """Why the watchdog ended tritonserver: ``cause`` in the launcher's words ("tritonserver was ended because ..."),
+    ``str()`` the line it logs and marks (``message`` filled in with the fields)."""
+
+    cause: ClassVar[str]
+    message: ClassVar[str]
+
+    def __str__(self) -> str:
+        return self.message.format_map(vars(self))
+
+
+@dataclass(frozen=True)
+class Stall(Ending):
+    """``model`` held ``num_pending`` requests in Triton's queue and executed nothing for ``seconds``."""
+
+    cause = "a model stalled"
+    message = ("{model} stalled: {num_pending} requests pending in Triton's queue and nothing executed for "
+               "{seconds:.0f} s")
+
     model: str
     num_pending: int
     seconds: float
 
-    def __str__(self) -> str:
-        return (f"{self.model} stalled: {self.num_pending} requests pending in Triton's queue and nothing executed "
-                f"for {self.seconds:.0f} s")
-
 
 @dataclass(frozen=True)
-class Hang:
+class Hang(Ending):
     """tritonserver's ``probe`` (what was asked: ``/v2/health/live``, the metrics port) answered nothing for
     ``seconds``, ``num_failed`` probes in a row."""
+
+    cause = "it hung"
+    message = "tritonserver hung: {probe} answered nothing for {seconds:.0f} s ({num_failed} probes in a row)"
 
     probe: str
     seconds: float
     num_failed: int
-
-    def __str__(self) -> str:
-        return (f"tritonserver hung: {self.probe} answered nothing for {self.seconds:.0f} s ({self.num_failed} probes "
-                f"in a row)")
 
 
 class Liveness:
