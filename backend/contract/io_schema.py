@@ -87,6 +87,7 @@ OUTPUTS: tuple[Tensor, ...] = (
     Tensor("num_input_tokens", "TYPE_INT32"),
     Tensor("num_output_tokens", "TYPE_INT32"),
     Tensor("logprobs", "TYPE_STRING"),
+    Tensor("prompt_logprobs", "TYPE_STRING"),  # vLLM's prompt_logprobs, in logprobs' JSON: once, when asked
 )
 
 INPUT_NAMES = tuple(t.name for t in INPUTS)

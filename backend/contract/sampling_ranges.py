@@ -99,4 +99,6 @@ SAMPLING_RANGES: MappingProxyType[str, Range] = MappingProxyType({
     "n": Range(lo=1, hi=MAX_N, integer=True),
     "logprobs": Range(lo=0, hi=MAX_LOGPROBS, integer=True,
                       note="the likeliest tokens to return beside the sampled one"),
+    "prompt_logprobs": Range(lo=0, hi=MAX_LOGPROBS, integer=True,
+                             note="the likeliest tokens to return beside each prompt token"),
 })

@@ -71,11 +71,13 @@ class BlockManager:
         """Prefix-cache lookup at admission: share the longest cached run of leading full blocks.
 
         Appends the hit blocks to ``request.block_ids`` (taking a reference on each) and returns the number of
-        tokens they cover; the caller sets ``num_computed_tokens`` from it. Returns 0 when caching is off.
+        tokens they cover; the caller sets ``num_computed_tokens`` from it. Returns 0 when caching is off, and for a
+        request that needs its prompt's log-probabilities: a cached block holds K/V, not logits, so its prompt runs
+        whole (vLLM's rule); its blocks are still cached for others.
         """
         if request.block_ids:
             raise ValueError(f"request {request.request_id!r} already holds blocks; look up the cache first")
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return 0
         self._update_block_hashes(request)
         # NOTE: at least the last token must be computed to produce logits, so never hit the whole sequence.

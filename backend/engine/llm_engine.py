@@ -19,11 +19,11 @@ from backend.contract.errors import PROMPT, ErrorKind, InvalidRequest
 from backend.engine.block_manager import BlockManager
 from backend.engine.config import EngineConfig
 from backend.engine.detokenizer import IncrementalDetokenizer
-from backend.engine.model_runner import ModelRunner
+from backend.engine.model_runner import ModelRunner, PromptRows
 from backend.engine.openmp import check_wait_policy
 from backend.engine.parallel_sampling import Fork, SequenceGroups
 from backend.engine.request import FinishReason, Request, RequestTimings
-from backend.engine.sampler import Sampler, TokenLogprobs
+from backend.engine.sampler import Sampler, TokenLogprobs, prompt_token_logprobs
 from backend.engine.sampling_params import SamplingParams
 from backend.engine.scheduler import Scheduler
 from backend.engine.shared_cores import SharedCores
@@ -63,6 +63,9 @@ class RequestOutput:
     error: str | None = None  # on a final output that failed: the message its client gets (backend/contract/errors.py)
     # One per new token when the request asks (``SamplingParams.logprobs``): the sampled token's, then the likeliest.
     logprobs: list[dict[int, Logprob]] | None = None
+    # vLLM's: one per prompt token when the request asks (``SamplingParams.prompt_logprobs``), in the same shape (the
+    # prompt token's, then the likeliest), the first None; in the request's first output only (sequence 0's).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ class LLMEngine:
                                             self.runner.num_threads or 1)
         self.stats = EngineStats()
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # by sequence id
+        # prompt_logprobs computed so far, one per prompt position from 0, by request id (until its first output)
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self.groups = SequenceGroups()  # requests with n > 1
         self._ids = itertools.count()
         # Test-only: called with the step's requests before the forward; raising simulates a failing step.
@@ -213,9 +218,11 @@ class LLMEngine:
             t2 = time.perf_counter()
             with self.cores.forward() as num_threads:  # its share of the cores, beside the other busy engines
                 self.runner.use_threads(num_threads)
-                logits = self.runner.run(inputs)  # (S, V): one row per request that reached the end of its tokens
+                # (S + P, V): a row per request that reached the end of its tokens, then the prompt_logprobs rows
+                logits = self.runner.run(inputs)
             t3 = time.perf_counter()
             sampled = inputs.sampled_requests
+            logits = self._keep_prompt_logprobs(inputs.prompt_rows, logits, len(sampled))  # (S, V)
             forks = self.groups.to_fork(sampled)  # parallel sampling: groups whose parent samples its first token
             if forks:  # each child's first token from its parent's row, with its own generator and grammar
                 logits = torch.cat([logits, logits[[f.row for f in forks for _ in f.children]]])  # (S + children, V)
@@ -250,6 +257,21 @@ class LLMEngine:
         )
         return outputs
 
+    def _keep_prompt_logprobs(self, prompt_rows: tuple[PromptRows, ...], logits: torch.Tensor,
+                              num_sampled: int) -> torch.Tensor:
+        """Take the prompt positions' log-probabilities out of a step's logits (rows ``num_sampled`` on) and keep them
+        until the request's first output; returns the sampled rows. A prompt recomputed from its start (preempted
+        before its first token) replaces what it had."""
+        first = num_sampled
+        for rows in prompt_rows:
+            r, start, n = rows.request, rows.start, rows.num_positions
+            found = prompt_token_logprobs(logits[first : first + n], r.token_ids[start + 1 : start + n + 1],
+                                          r.sampling_params.prompt_logprobs)
+            kept = self._prompt_logprobs.setdefault(r.request_id, [])
+            kept[start:] = found
+            first += n
+        return logits[:num_sampled]
+
     def _fork(self, forks: list[Fork], new_tokens: dict[str, int]) -> list[Request]:
         """Start the children of the groups whose parent sampled its first token in this step."""
         forked = []
@@ -269,10 +291,22 @@ class LLMEngine:
         hit_stop |= self.structured.accept(request.request_id, token_id)  # the grammar is complete
         if hit_stop and not request.is_finished:
             self.scheduler.finish(request.request_id, FinishReason.STOP)
+        prompt_logprobs = self._prompt_logprobs_of(request)  # before _output, which forgets a finished request's
         output = self._output(request, delta, [token_id])
+        output.prompt_logprobs = prompt_logprobs
         if logprobs is not None:
             output.logprobs = [self._logprobs_of(token_id, logprobs)]
         return output
+
+    def _prompt_logprobs_of(self, request: Request) -> list[dict[int, Logprob] | None] | None:
+        """The prompt's log-probabilities, for the request's first output (with n > 1, its parent's: sequence 0's
+        first output is the request's first), else None."""
+        if request.num_output_tokens != 1 or request.sampling_params.prompt_logprobs is None or \
+                self.groups.index(request) != 0:
+            return None
+        prompt = request.prompt_token_ids
+        found = self._prompt_logprobs.pop(request.request_id, [])
+        return [None] + [self._logprobs_of(prompt[p + 1], lp) for p, lp in enumerate(found)]
 
     def _logprobs_of(self, token_id: int, found: TokenLogprobs) -> dict[int, Logprob]:
         """vLLM's shape: the sampled token first, then the likeliest by rank, each with its text."""
@@ -291,6 +325,7 @@ class LLMEngine:
             delta += detok.flush() if detok is not None else ""
             self.sampler.forget(request.request_id)
             self.structured.forget(request.request_id)
+            self._prompt_logprobs.pop(request.request_id, None)
             self.stats.record_finish(request)
         request_id, index = self.groups.request_id(request), self.groups.index(request)
         finished = ended and self.groups.end(request)  # the last of the request's sequences to end

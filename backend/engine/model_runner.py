@@ -78,13 +78,25 @@ def _keep_freed_memory_in_process() -> None:
 
 
 @dataclass(frozen=True)
+class PromptRows:
+    """Rows of the logits at a prompt's positions ``start .. start + num_positions - 1``, kept for its
+    ``prompt_logprobs``: the row at position p is the distribution of prompt token p + 1."""
+
+    request: Request
+    start: int
+    num_positions: int
+
+
+@dataclass(frozen=True)
 class ModelInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S]
-    sampled_requests: list[Request]  # row i of the logits belongs to sampled_requests[i]
+    logits_indices: torch.Tensor  # [S + P]: the sampled positions, then the prompt positions of prompt_rows
+    sampled_requests: list[Request]  # row i < S of the logits belongs to sampled_requests[i]
     blocks_to_copy: tuple[tuple[int, int], ...] = ()  # (source, destination) KV blocks, copied before the forward
+    # The P rows after the sampled ones, in order; empty unless a request of the step asks for prompt_logprobs.
+    prompt_rows: tuple[PromptRows, ...] = ()
 
 
 class ModelRunner:
@@ -183,7 +195,9 @@ class ModelRunner:
     def prepare(self, scheduled: list[ScheduledRequest], blocks_to_copy: list[tuple[int, int]] = ()) -> ModelInput:
         """Flatten the scheduler's output into one token stream: single-token decodes first, then prefill chunks.
         A request's last position is sampled where the scheduler says it ``samples``. ``blocks_to_copy`` (copy on
-        write of blocks shared by forked sequences) is made before the forward."""
+        write of blocks shared by forked sequences) is made before the forward. A request that needs its prompt's
+        log-probabilities also has its chunk's prompt positions (but the last prompt token's) after the sampled
+        ones in ``logits_indices``: no other request costs the LM head a row more."""
         bs = self.block_size
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         chunks = [s for s in scheduled if s.num_new_tokens > 1]
@@ -206,9 +220,17 @@ class ModelRunner:
             if s.samples:  # the chunk reaches the end: its last position is sampled
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(r)
+        num_decodes = len(decodes)
+        prompt_indices, prompt_rows = [], []
+        firsts = [*range(num_decodes), *(p.token_start for p in prefills)]  # each one's first index in the stream
+        for s, first in zip(decodes + chunks, firsts):
+            r, start = s.request, s.request.num_computed_tokens
+            num_positions = min(start + s.num_new_tokens, r.num_prompt_tokens - 1) - start  # the last predicts none
+            if r.needs_prompt_logprobs and num_positions > 0:
+                prompt_indices += range(first, first + num_positions)
+                prompt_rows.append(PromptRows(r, start, num_positions))
 
         to = dict(device=self.device)
-        num_decodes = len(decodes)
         common = AttentionMetadata(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, **to),
             num_decode_tokens=num_decodes,
@@ -223,12 +245,13 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids, dtype=torch.long, **to),
             positions=torch.tensor(positions, dtype=torch.long, **to),
             meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, **to),
+            logits_indices=torch.tensor(logits_indices + prompt_indices, dtype=torch.long, **to),
             sampled_requests=sampled,
             blocks_to_copy=tuple(blocks_to_copy),
+            prompt_rows=tuple(prompt_rows),
         )
 
-    def run(self, inputs: ModelInput) -> torch.Tensor:  # [S, V] in the model's dtype
+    def run(self, inputs: ModelInput) -> torch.Tensor:  # [S + P, V] in the model's dtype (P: prompt_rows' rows)
         if inputs.blocks_to_copy:
             self.copy_blocks(inputs.blocks_to_copy)
         if not inputs.sampled_requests and inputs.input_ids.numel() == 0:

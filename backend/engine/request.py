@@ -97,6 +97,12 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether the steps that compute this prompt must keep its logits (``prompt_logprobs``): until its first
+        token is sampled, after which they have been returned (a prompt recomputed after preemption needs none)."""
+        return self.sampling_params.prompt_logprobs is not None and self.num_output_tokens == 0
+
+    @property
     def banned_token_ids(self) -> tuple[int, ...]:
         """Tokens the sampler must not pick now: EOS and stop tokens until ``min_tokens`` are generated."""
         params = self.sampling_params

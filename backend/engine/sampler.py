@@ -158,6 +158,34 @@ def token_logprobs(
     return found
 
 
+# Prompt rows are taken through the float32 log-softmax this many at a time: a long prompt's [P, V] in float32 would
+# be gigabytes.
+PROMPT_LOGPROB_ROWS = 256
+
+
+@torch.inference_mode()
+def prompt_token_logprobs(
+    logits: torch.Tensor,  # [P, V] in the model's dtype, a prompt's rows (position p: the distribution of token p + 1)
+    next_token_ids: list[int],  # [P], the prompt token each row predicts
+    k: int,
+) -> list[TokenLogprobs]:
+    """vLLM's ``prompt_logprobs`` of these positions: each next prompt token's log-probability and rank, and the k
+    likeliest tokens, under the log-softmax of the model's own logits in float32 (no temperature, bias or penalty:
+    the prompt was not sampled)."""
+    found = []
+    for begin in range(0, len(next_token_ids), PROMPT_LOGPROB_ROWS):
+        rows = logits[begin : begin + PROMPT_LOGPROB_ROWS]  # (r, V)
+        logprobs = rows.float().log_softmax(dim=-1)  # (r, V)
+        tokens = torch.tensor(next_token_ids[begin : begin + PROMPT_LOGPROB_ROWS], device=rows.device)  # (r,)
+        picked = logprobs.gather(1, tokens[:, None])  # (r, 1)
+        ranks = (logprobs > picked).sum(dim=-1) + 1  # (r,)
+        top_values, top_ids = logprobs.topk(k, dim=-1)  # (r, k) each
+        for logprob, rank, ids, values in zip(picked[:, 0].tolist(), ranks.tolist(), top_ids.tolist(),
+                                              top_values.tolist()):
+            found.append(TokenLogprobs(logprob, rank, tuple(ids), tuple(values)))
+    return found
+
+
 def logprob_rows(
     logits: torch.Tensor,  # [S, V]
     rows: torch.Tensor,  # [R] int64, which rows

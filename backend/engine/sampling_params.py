@@ -96,6 +96,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = Field(default_factory=dict)
     # The sampled token's log-probability and this many likeliest tokens' (None: none).
     logprobs: Integer | None = _ranged("logprobs", None)
+    # Each prompt token's log-probability and this many likeliest tokens' at its position, the first token's None
+    # (nothing precedes it); returned once, in the request's first output (None: not computed).
+    prompt_logprobs: Integer | None = _ranged("prompt_logprobs", None)
     include_stop_str_in_output: bool = False  # a stop string that ends the text stays in it
     skip_special_tokens: bool = True  # special tokens (EOS, chat markers) are left out of the text
     structured_outputs: StructuredOutputs = None  # backend/engine/structured_output.py

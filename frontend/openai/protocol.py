@@ -203,6 +203,12 @@ class SamplingRequest(RequestModel):
         """The likeliest tokens to return beside each sampled one's log-probability; None: no log-probabilities."""
         return None
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The likeliest tokens to return beside each prompt token's log-probability (the models'
+        ``prompt_logprobs``); None: the prompt's are not computed."""
+        return None
+
     def structured_output(self) -> dict[str, Any] | None:
         """The one structured-output request among the fields that can carry one (vLLM's keys), or None."""
         sent = {name: value for name, value in (
@@ -234,6 +240,8 @@ class SamplingRequest(RequestModel):
         sampling = {"max_tokens": None} if max_tokens is None else {}
         if self.num_logprobs is not None:
             sampling["logprobs"] = self.num_logprobs
+        if self.num_prompt_logprobs is not None:
+            sampling["prompt_logprobs"] = self.num_prompt_logprobs
         sampling.update(self._sampling_extras())
         structured = self.structured_output()
         if structured is not None:
@@ -304,18 +312,29 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = None
     suffix: str | None = None
     logprobs: int | None = _ranged("logprobs")
+    # vLLM's: each choice carries the prompt's log-probabilities in vLLM's shape (``prompt_logprobs``)
+    prompt_logprobs: int | None = _ranged("prompt_logprobs")
 
-    HONOURED: ClassVar[frozenset[str]] = frozenset({"echo"})
+    HONOURED: ClassVar[frozenset[str]] = frozenset({"echo", "prompt_logprobs"})
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's ``prompt_logprobs``, else, with ``echo``, ``logprobs``: the echoed prompt's tokens come with theirs
+        (OpenAI's legacy completions)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs needs the prompt's log-probabilities, which this engine does not "
-                              "compute: send echo or logprobs, not both", param="echo", code="unsupported_parameter")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad_request("prompt_logprobs is returned in whole answers only: send stream: false (echo with "
+                              "logprobs streams the prompt's log-probabilities in OpenAI's shape)",
+                              param="prompt_logprobs", code="unsupported_parameter")
 
     def echoed(self, prompt: str) -> str:
         return prompt if self.echo else ""

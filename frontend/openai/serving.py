@@ -29,7 +29,7 @@ from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
 
-from frontend.openai.logprobs import TokenLogprob, chat_logprobs, completion_logprobs
+from frontend.openai.logprobs import TokenLogprob, chat_logprobs, completion_logprobs, echo_logprobs
 from frontend.openai.protocol import APIError, SamplingRequest
 from frontend.openai.tools import Reply
 from frontend.openai.triton_bridge import Piece, TritonBridge, TritonGeneration
@@ -91,8 +91,13 @@ class Answer:
                        for (_, last, logprobs), reply in zip(answers, replies)]
             return ChatCompletion(id=self.id, object="chat.completion", created=self.created, model=self.model,
                                   choices=choices, usage=usage)
+        # NOTE: the prompt's log-probabilities come in the request's first response sent, whichever sequence's it is
+        prompt = next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None)
+        echoed = echo_logprobs(self.echo, prompt or []) if self.echo else ()
+        vllms = {} if self.request.prompt_logprobs is None else {"prompt_logprobs": prompt}
         choices = [CompletionChoice(index=last.index, text=text, finish_reason=last.finish_reason,
-                                    logprobs=None if logprobs is None else completion_logprobs(logprobs, k))
+                                    logprobs=None if logprobs is None else
+                                    completion_logprobs(logprobs, k, len(self.echo), echoed), **vllms)
                    for text, last, logprobs in answers]
         return Completion(id=self.id, object="text_completion", created=self.created, model=self.model,
                           choices=choices, usage=usage)
@@ -108,7 +113,7 @@ class Answer:
                                        so_far=self._so_far(self.first, 0))
                            for i in range(self.generation.n)) if self.kind == "chat" else ""
             if self.echo:  # the prompt first, in a chunk of its own for every choice
-                role = "".join(self._content(self.echo, i) for i in range(self.generation.n))
+                role = "".join(self._echo(i) for i in range(self.generation.n))
             piece, ended = self.first, []
             # NOTE: a tool-calling answer is parsed once whole, so its text is held and sent in one delta at its end.
             calling, held = self.request.tool_calling, {}
@@ -147,6 +152,16 @@ class Answer:
         """A chat answer as the client gets it: parsed into tool calls when the request offers tools."""
         calling = self.request.tool_calling
         return Reply(text, (), finish_reason) if calling is None else calling.reply(text, finish_reason)
+
+    def _echo(self, index: int) -> str:
+        """The chunk of an echoed prompt, with its tokens' log-probabilities when the request asks (they come in the
+        first response); the generated text's offsets start after it."""
+        if self.request.num_logprobs is None:
+            return self._content(self.echo, index)
+        line = self._event(text=self.echo, index=index,
+                           logprobs=echo_logprobs(self.echo, self.first.prompt_logprobs or []))
+        self._text_offsets[index] = len(self.echo)
+        return line
 
     def _content_chunks(self, piece: Piece) -> str:
         """One content chunk per token of ``piece``: its text in the first, each token's log-probabilities and the

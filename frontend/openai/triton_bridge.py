@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import json
 import logging
 import time
 import uuid
@@ -77,6 +78,9 @@ class Piece:
     num_output_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked
     index: int = 0  # which of the request's n sequences (OpenAI's choices[i].index)
+    # The models' prompt_logprobs JSON (vLLM's: one entry per prompt token, the first None), in the request's first
+    # response when it asked
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class TritonGeneration:
@@ -130,6 +134,7 @@ class TritonGeneration:
         text = self._decoders[index].decode(_first(result.as_numpy("text_output")) or b"", final=bool(reason))
         ids = result.as_numpy("output_ids")
         logprobs = _first(result.as_numpy("logprobs"))
+        prompt_logprobs = _first(result.as_numpy("prompt_logprobs"))
         return Piece(
             text=text,
             num_tokens=0 if ids is None else int(ids.size),
@@ -138,6 +143,7 @@ class TritonGeneration:
             num_output_tokens=int(_first(result.as_numpy("num_output_tokens")) or 0),
             logprobs=parse_logprobs(logprobs.decode()) if logprobs else (),
             index=index,
+            prompt_logprobs=json.loads(prompt_logprobs.decode()) if prompt_logprobs else None,
         )
 
     async def aclose(self) -> None:

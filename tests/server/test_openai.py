@@ -282,6 +282,28 @@ def test_echo_repeats_the_prompt_before_the_completion_streamed_and_not(sdk, mod
 
 @pytest.mark.server
 @pytest.mark.timeout(300)
+def test_echo_with_logprobs_gives_the_prompts_tokens_first_the_first_without_a_logprob(sdk):
+    prompt, max_tokens = "Once upon a time", 5
+    kwargs = dict(model="llm_continuous", prompt=prompt, max_tokens=max_tokens, temperature=1.0, seed=5,
+                  extra_body={"ignore_eos": True})
+    answer = sdk.completions.create(**kwargs, echo=True, logprobs=2)
+    choice, num_prompt_tokens = answer.choices[0], answer.usage.prompt_tokens
+    logprobs = choice.logprobs
+    assert choice.text.startswith(prompt) and answer.usage.completion_tokens == max_tokens
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == \
+        len(logprobs.text_offset) == num_prompt_tokens + max_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert all(0 < len(top) <= 3 for top in logprobs.top_logprobs[1:])  # the 2 likeliest, and the token if not
+    assert logprobs.text_offset[num_prompt_tokens] == len(prompt)  # the generated text starts after the prompt
+    streamed = [c for c in sdk.completions.create(**kwargs, echo=True, logprobs=2, stream=True) if c.choices]
+    assert streamed[0].choices[0].text == prompt
+    assert streamed[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        logprobs.token_logprobs[1:num_prompt_tokens], abs=1e-4)
+
+
+@pytest.mark.server
+@pytest.mark.timeout(300)
 def test_no_delta_holds_half_a_character(sdk):
     # The random model's tokens include single bytes of multi-byte characters; a delta that cut one would show
     # U+FFFD where the whole text has the character.
@@ -406,7 +428,6 @@ BAD_REQUESTS = [
     ("chat", {"structured_outputs": {"regex": "("}}, "structured_outputs", None, "cannot be compiled"),
     ("completion", {"structured_outputs": {"choice": []}}, "structured_outputs", None, "list of 1 to"),
     ("completion", {"best_of": 3}, "best_of", "unsupported_parameter", ""),
-    ("completion", {"echo": True, "logprobs": 1}, "echo", "unsupported_parameter", "echo with logprobs"),
     ("completion", {"suffix": "end"}, "suffix", "unsupported_parameter", ""),
     ("chat", {"temperature": -0.5}, "temperature", None, "greater than or equal to 0"),
     ("chat", {"top_p": 0}, "top_p", None, "greater than 0"),

@@ -66,13 +66,15 @@ def test_an_output_limit_the_context_cannot_hold_names_the_parameter_as_sent(bod
                                             "100 tokens")
 
 
-def test_echo_repeats_the_prompt_of_a_completion_and_is_refused_with_logprobs():
+def test_echo_repeats_the_prompt_of_a_completion_and_asks_for_its_logprobs_with_logprobs():
     assert CompletionRequest(model="m", prompt="p", echo=True).echoed("the prompt") == "the prompt"
     assert CompletionRequest(model="m", prompt="p").echoed("the prompt") == ""
     CompletionRequest(model="m", prompt="p", echo=True).check_supported()
-    with pytest.raises(APIError, match="echo with logprobs") as refused:
-        CompletionRequest(model="m", prompt="p", echo=True, logprobs=1).check_supported()
-    assert refused.value.param == "echo"
+    echo_logprobs = CompletionRequest(model="m", prompt="p", echo=True, logprobs=1)
+    echo_logprobs.check_supported()
+    assert echo_logprobs.generation_request("p").sampling_parameters == {"logprobs": 1, "prompt_logprobs": 1}
+    assert "prompt_logprobs" not in CompletionRequest(model="m", prompt="p", logprobs=1).generation_request(
+        "p").sampling_parameters
     with pytest.raises(APIError) as chat_echo:  # chat has no echo here
         ChatCompletionRequest(model="m", messages=MESSAGES, echo=True).check_supported()
     assert chat_echo.value.param == "echo"

@@ -119,3 +119,92 @@ def test_continuous_usage_stats_put_the_counts_so_far_in_every_chunk():
         expected = ([0] if kind == "chat" else []) + [1, 2, 3, 4, 5, 5, 5]  # role, tokens, finish, usage chunk
         assert counts == expected, kind
         assert all(e["usage"]["prompt_tokens"] == 3 for e in events)
+
+
+# The prompt "Hi there" as the models send its prompt_logprobs (vLLM's: the first token's entry null).
+PROMPT_JSON = [None, {"11": {"logprob": -3.0, "rank": 4, "decoded_token": " there"},
+                      "12": {"logprob": -0.7, "rank": 1, "decoded_token": "!"},
+                      "13": {"logprob": -1.2, "rank": 2, "decoded_token": ","}}]
+
+
+def echo_answer(stream: bool, pieces, n: int = 1, **fields) -> Answer:
+    request = CompletionRequest(model="m", prompt="Hi there", stream=stream, echo=True, n=n, **fields)
+    request.check_supported()
+    return Answer("completion", "m", request, FakeGeneration(pieces[0], pieces[1:], n), pieces[0], "id-1",
+                  1_700_000_000, request.echoed("Hi there"))
+
+
+def test_echo_with_logprobs_answers_the_prompts_tokens_first_in_openais_legacy_shape():
+    request = CompletionRequest(model="m", prompt="Hi there", echo=True, logprobs=2)
+    assert request.generation_request("Hi there").sampling_parameters == {"logprobs": 2, "prompt_logprobs": 2}
+    pieces = [Piece("Hi!", 2, "length", 2, 2, TOKENS, prompt_logprobs=PROMPT_JSON)]
+    whole = asyncio.run(echo_answer(False, pieces, logprobs=2).whole()).model_dump(exclude_unset=True)
+    choice = whole["choices"][0]
+    assert choice["text"] == "Hi thereHi!" and "prompt_logprobs" not in choice
+    assert choice["logprobs"] == {
+        "tokens": ["Hi", " there", "Hi", "!"],
+        "token_logprobs": [None, -3.0, -0.1, -1.5],  # the first prompt token has nothing before it
+        "top_logprobs": [None, {"!": -0.7, ",": -1.2}, {"Hi": -0.1, " yo": -2.5}, {".": -0.5, ",": -1.0}],
+        "text_offset": [0, 2, 8, 10],
+    }
+
+
+def test_echo_with_logprobs_streams_the_prompts_tokens_in_the_echo_chunk():
+    async def collect(a):
+        return [line async for line in a.events()]
+
+    pieces = [Piece("Hi!", 2, None, 2, 2, TOKENS, prompt_logprobs=PROMPT_JSON), Piece("", 0, "length", 2, 2)]
+    lines = asyncio.run(collect(echo_answer(True, pieces, logprobs=1)))
+    events = [json.loads(e.removeprefix("data: ")) for line in lines for e in line.split("\n\n")
+              if e and e != "data: [DONE]"]
+    chunks = [e["choices"][0] for e in events if e["choices"][0]["logprobs"]]
+    assert [c["text"] for c in chunks] == ["Hi there", "Hi!", ""]
+    assert chunks[0]["logprobs"] == {"tokens": ["Hi", " there"], "token_logprobs": [None, -3.0],
+                                     "top_logprobs": [None, {"!": -0.7}], "text_offset": [0, 2]}
+    assert [c["logprobs"]["text_offset"] for c in chunks[1:]] == [[8], [10]]  # after the echoed prompt
+
+
+def test_n_choices_echo_the_prompts_logprobs_whichever_response_brought_them():
+    pieces = [Piece("a", 1, "stop", 2, 1, TOKENS[:1], index=1, prompt_logprobs=PROMPT_JSON),
+              Piece("b", 1, "stop", 2, 1, TOKENS[1:], index=0)]
+    whole = asyncio.run(echo_answer(False, pieces, n=2, logprobs=0).whole()).model_dump(exclude_unset=True)
+    for choice in whole["choices"]:
+        assert choice["logprobs"]["tokens"][:2] == ["Hi", " there"]
+        assert choice["logprobs"]["token_logprobs"][:2] == [None, -3.0]
+
+
+def test_vllms_prompt_logprobs_field_comes_back_on_each_choice_in_vllms_shape():
+    request = CompletionRequest(model="m", prompt="Hi there", prompt_logprobs=1)
+    request.check_supported()
+    assert request.generation_request("x").sampling_parameters == {"prompt_logprobs": 1}
+    pieces = [Piece("Hi!", 2, "length", 2, 2, prompt_logprobs=PROMPT_JSON)]
+    a = Answer("completion", "m", request, FakeGeneration(pieces[0], []), pieces[0], "id-1", 1_700_000_000)
+    choice = asyncio.run(a.whole()).model_dump(exclude_unset=True)["choices"][0]
+    assert choice["prompt_logprobs"] == PROMPT_JSON and choice.get("logprobs") is None
+    with pytest.raises(APIError, match="whole answers only") as streamed:
+        CompletionRequest(model="m", prompt="Hi", prompt_logprobs=1, stream=True).check_supported()
+    assert streamed.value.param == "prompt_logprobs"
+    with pytest.raises(ValueError):  # the engine's range
+        CompletionRequest(model="m", prompt="Hi", prompt_logprobs=21)
+    with pytest.raises(APIError) as chat:  # chat takes no prompt_logprobs
+        ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}],
+                              prompt_logprobs=1).check_supported()
+    assert chat.value.param == "prompt_logprobs"
+
+
+def test_the_bridge_reads_the_prompt_logprobs_output_of_a_response():
+    import numpy as np
+
+    from frontend.openai.triton_bridge import TritonGeneration
+
+    class Result:
+        outputs = {"text_output": np.array([b"Hi"], dtype=object), "output_ids": np.array([5], dtype=np.int32),
+                   "prompt_logprobs": np.array([json.dumps(PROMPT_JSON).encode()], dtype=object)}
+
+        def as_numpy(self, name):
+            return self.outputs.get(name)
+
+    piece = TritonGeneration(None, "prompt", "url")._piece(Result())
+    assert piece.prompt_logprobs == PROMPT_JSON and piece.text == "Hi"
+    del Result.outputs["prompt_logprobs"]
+    assert TritonGeneration(None, "prompt", "url")._piece(Result()).prompt_logprobs is None

@@ -396,3 +396,27 @@ def test_logprobs_go_only_to_requests_that_ask_one_entry_per_token_of_the_respon
     assert [len(entries) for entries in sent] == [2, 1, 1]  # one per token of output_ids
     assert sent[0][0] == {"10": {"logprob": -0.5, "rank": 1, "decoded_token": "t10"},
                           "99": {"logprob": -2.0, "rank": 2, "decoded_token": "x"}}
+
+
+def test_prompt_logprobs_go_once_in_the_first_response_sent_null_first():
+    import json
+
+    from backend.engine.llm_engine import Logprob
+
+    prompt = [None, {5: Logprob(-1.5, 2, "a"), 7: Logprob(-0.2, 1, "b")}]
+    for stream in (True, False):
+        outputs = step_outputs()
+        outputs[0].prompt_logprobs = prompt
+        sender = RecordingSender()
+        open_request = OpenRequest(sender, stream=stream)
+        for output in outputs:
+            responses.send_output(FakeResponsePb, open_request, output, batched=False)
+        carrying = [r.tensors["prompt_logprobs"] for r, _ in sender.sent if "prompt_logprobs" in r.tensors]
+        assert len(carrying) == 1 and "prompt_logprobs" in sender.sent[0][0].tensors
+        assert json.loads(carrying[0].reshape(-1)[0]) == [None, {
+            "5": {"logprob": -1.5, "rank": 2, "decoded_token": "a"},
+            "7": {"logprob": -0.2, "rank": 1, "decoded_token": "b"}}]
+    plain = RecordingSender()
+    for output in step_outputs():
+        responses.send_output(FakeResponsePb, OpenRequest(plain, stream=True), output, batched=False)
+    assert all("prompt_logprobs" not in r.tensors for r, _ in plain.sent)

@@ -26,6 +26,7 @@ EDGES = {
     "seed": ([-(2**63), 2**64 - 1], [-(2**63) - 1, 2**64]),
     "n": ([1, 16], [0, 17]),
     "logprobs": ([0, 20], [-1, 21]),
+    "prompt_logprobs": ([0, 20], [-1, 21]),
 }
 
 
@@ -75,6 +76,7 @@ def test_requirements_read_as_a_person_would_say_them():
                                                        "presence_penalty", "frequency_penalty", "repetition_penalty",
                                                        "n")),
     (CompletionRequest, "logprobs", "logprobs"),
+    (CompletionRequest, "prompt_logprobs", "prompt_logprobs"),
     (ChatCompletionRequest, "top_logprobs", "logprobs"),
 ])
 def test_the_openai_requests_state_the_engines_ranges(model, field, setting):

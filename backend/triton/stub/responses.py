@@ -6,7 +6,9 @@ backend/triton/stub/stream_interval.py); its first token and its final response 
 response carries only the new text and token ids (``INTERMEDIATE_OUTPUTS``); the counts and the finish reason come
 in the final one, or in every response when the request asks for them (``return_*: true``). ``logprobs`` (only when
 asked) is vllm_backend's: a JSON list, one entry per token of the response, ``{token_id: {"logprob", "rank",
-"decoded_token"}}`` with the sampled token first.
+"decoded_token"}}`` with the sampled token first. ``prompt_logprobs`` (only when ``sampling_parameters`` asks) is
+vLLM's ``prompt_logprobs`` in the same JSON, one entry per prompt token, the prompt token first and the first entry
+``null``: sent once, in the request's first response.
 
 A request with ``n`` > 1 gets each of its n sequences' text in responses of its own, each carrying the sequence's
 ``index`` (OpenAI's ``choices[i].index``): streamed, the deltas of all n interleaved as they are made; not streamed,
@@ -36,7 +38,7 @@ ALL_OUTPUTS = frozenset(io_schema.OUTPUT_NAMES)
 # What every intermediate response of a stream carries; the other outputs only when asked for (``return_*: true``).
 INTERMEDIATE_OUTPUTS = frozenset({"text_output", "output_ids"})
 # Outputs in no response unless the request asked for them.
-OPT_IN_OUTPUTS = frozenset({"logprobs"})
+OPT_IN_OUTPUTS = frozenset({"logprobs", "prompt_logprobs"})
 
 
 @dataclass
@@ -55,12 +57,16 @@ class OpenRequest:
     # (non-streaming: the whole text).
     held: dict[int, tuple[list[str], list[int], list[dict]]] = field(default_factory=dict)
     pacing: StreamState | None = None  # a stream, once its first token went out
+    # The prompt's log-probabilities (the request's first output has them when asked) until a response carries them
+    prompt_logprobs: list[dict | None] | None = None
 
     def hold(self, output: RequestOutput) -> None:
         text, token_ids, logprobs = self.held.setdefault(output.index, ([], [], []))
         text.append(output.delta_text)
         token_ids += output.new_token_ids
         logprobs += output.logprobs or ()
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
 
     def take(self, index: int) -> tuple[str, list[int], list[dict]]:
         """Everything held for sequence ``index``, to be sent now."""
@@ -270,13 +276,15 @@ def send_output(pb, open_request: OpenRequest, output: RequestOutput, batched: b
         omitted |= {"index"}
     else:
         omitted -= {"index"}
-    tensors = make_output_tensors(pb, text, token_ids, output, batched, omitted, logprobs)
+    prompt_logprobs, open_request.prompt_logprobs = open_request.prompt_logprobs, None  # in one response only
+    omitted = omitted | {"prompt_logprobs"} if prompt_logprobs is None else omitted - {"prompt_logprobs"}
+    tensors = make_output_tensors(pb, text, token_ids, output, batched, omitted, logprobs, prompt_logprobs)
     open_request.sender.send(pb.InferenceResponse(output_tensors=tensors), flags=flags)
 
 
 def make_output_tensors(
     pb, text: str, token_ids: list[int], output: RequestOutput, batched: bool, omitted: frozenset[str] = frozenset(),
-    logprobs: list[dict] = (),
+    logprobs: list[dict] = (), prompt_logprobs: list[dict | None] | None = None,
 ) -> list:
     lead = (1,) if batched else ()  # a model with max_batch_size > 0 answers with a batch dimension
     reason = output.finish_reason or ""
@@ -288,13 +296,15 @@ def make_output_tensors(
         "num_input_tokens": lambda: np.array([output.num_prompt_tokens], dtype=np.int32),
         "num_output_tokens": lambda: np.array([output.num_output_tokens], dtype=np.int32),
         "logprobs": lambda: np.array([logprobs_json(logprobs).encode()], dtype=np.object_),
+        "prompt_logprobs": lambda: np.array([logprobs_json(prompt_logprobs or []).encode()], dtype=np.object_),
     }
     return [pb.Tensor(name, make().reshape(lead + (-1,))) for name, make in arrays.items() if name not in omitted]
 
 
-def logprobs_json(logprobs: list[dict]) -> str:
-    """vllm_backend's ``logprobs`` output for these tokens."""
-    return json.dumps([{str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+def logprobs_json(logprobs: list[dict | None]) -> str:
+    """vllm_backend's ``logprobs`` output for these tokens (a token without any, the prompt's first: ``null``)."""
+    return json.dumps([None if ranked is None else
+                       {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
                         for tid, lp in ranked.items()} for ranked in logprobs])
 
 
