@@ -224,9 +224,12 @@ class ModelRunner:
         prompt_indices, prompt_rows = [], []
         firsts = [*range(num_decodes), *(p.token_start for p in prefills)]  # each one's first index in the stream
         for s, first in zip(decodes + chunks, firsts):
-            r, start = s.request, s.request.num_computed_tokens
+            r = s.request
+            if not r.needs_prompt_logprobs:  # NOTE: the common case, every step: nothing more is computed for it
+                continue
+            start = r.num_computed_tokens
             num_positions = min(start + s.num_new_tokens, r.num_prompt_tokens - 1) - start  # the last predicts none
-            if r.needs_prompt_logprobs and num_positions > 0:
+            if num_positions > 0:
                 prompt_indices += range(first, first + num_positions)
                 prompt_rows.append(PromptRows(r, start, num_positions))
 
