@@ -415,8 +415,10 @@ class IterationDriver:
         expired: Callable[[], bool] = lambda: False,
     ) -> set[str]:
         """One step over exactly ``request_ids`` (those Triton handed in); returns the ones to reschedule (not
-        finished). After the shutdown deadline they end with :data:`SHUTTING_DOWN`; once the engine failed (this
-        step or before; ``fatal_error``), with :func:`engine_failed`."""
+        finished). ``cancelled`` is asked after the step which of them are still open and cancelled (or stopped)
+        by their clients: they end now, with their final outputs. After the shutdown deadline they end with
+        :data:`SHUTTING_DOWN`; once the engine failed (this step or before; ``fatal_error``), with
+        :func:`engine_failed`."""
         with self._lock:
             now = time.monotonic()
             handed = [rid for rid in request_ids if rid in self._last_seen]
@@ -428,8 +430,17 @@ class IterationDriver:
                     end_all(self.engine, handed, SHUTTING_DOWN, FinishReason.ABORT, self._emit)
                     return set()
                 self._reap(now)
-                outputs = [self.engine.abort(rid) for rid in list(cancelled(handed))]
-                for output in filter(None, outputs + self.engine.step(only=handed)):
+                for output in filter(None, self.engine.step(only=handed)):
+                    self._emit(output)
+                # NOTE: asked after the step, not before it: clients cancel in answer to what the model sent as this
+                # iteration began, so most cancels land during the step. Ended now, such a request frees its seat
+                # and KV blocks for the next batch and is handed back for Triton to answer (the iteration book).
+                # Asked before the next step instead, it was handed back alive; Triton answered it itself and never
+                # handed it in again, so it kept an engine seat until reaped (cancelled_after), and with every seat
+                # taken the requests Triton did hand in were not stepped: cancelling clients left llm_iterative
+                # at a quarter of llm_continuous's request rate (make soak).
+                still_open = [rid for rid in handed if rid in self._last_seen]
+                for output in filter(None, [self.engine.abort(rid) for rid in list(cancelled(still_open))]):
                     self._emit(output)
             except BaseException as exc:  # the engine cannot go on: nobody may wait forever
                 if self.fatal_error is None:

@@ -414,3 +414,30 @@ def test_device_auto_takes_cuda_when_torch_sees_one_else_the_cpu(monkeypatch):
     assert resolve_device("cuda:1") == torch.device("cuda:1")
     with pytest.raises(ValueError, match="only 2 CUDA device"):
         resolve_device("cuda:2")
+
+
+def test_iteration_driver_asks_about_cancels_after_its_step_and_frees_the_seat_at_once(smollm2_dir):
+    """Clients cancel in answer to what was sent as the iteration began, so mostly during its step: a request found
+    cancelled after the step ends in that same iteration, is not returned for rescheduling, and its seat is free for
+    the next batch (asked only before the next step, it held a seat while Triton answered it and never handed it
+    back)."""
+    from backend.engine.batching import IterationDriver
+
+    engine = make_engine(smollm2_dir, batching="iterative", max_num_seqs=1, num_kv_blocks=64)
+    finals = {}
+    driver = IterationDriver(engine, lambda o: finals.setdefault(o.request_id, o) if o.finished else None,
+                             gone=lambda o: None, reap_after=3600)
+    driver.add("cancelled", PROMPTS[0], GREEDY, None)
+    steps_when_asked = []
+
+    def cancelled(request_ids):
+        steps_when_asked.append(engine.stats.num_steps)
+        return [rid for rid in request_ids if rid == "cancelled"]
+
+    before = engine.stats.num_steps
+    assert driver.iterate(["cancelled"], cancelled=cancelled) == set()
+    assert steps_when_asked == [before + 1]  # asked once, after the step
+    assert finals["cancelled"].finish_reason == "abort" and not driver.is_open("cancelled")
+    # Its one seat is free: the next request is stepped in the very next iteration.
+    driver.add("next", PROMPTS[1], GREEDY, None)
+    assert driver.iterate(["next"]) == {"next"} and engine.stats.num_steps == before + 2

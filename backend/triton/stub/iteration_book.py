@@ -15,14 +15,18 @@ releasing its first request closes it in Triton 2.51, which then refuses the thi
 otherwise wait for ever, is answered at once with an error that says what to send instead
 (``MULTI_REQUEST_SEQUENCE``).
 
-Cancellations. When a client's cancel reaches Triton decides what happens to the sequence's slot (Triton 2.51's
-sequence batcher):
-- while the model holds the request: handed back (RELEASE_RESCHEDULE), Triton finds it cancelled in its queue,
-  answers it itself (CANCELLED) and frees the slot at once;
-- between a release and the next batch (in the queue that forms it), or after a release for good (RELEASE_ALL) that
-  has not yet reached Triton: the slot stays taken until Triton's idle reaper (max_sequence_idle_microseconds, 30 s)
-  frees it. With every slot taken, new requests wait in Triton's backlog, and one that waited longer than the idle
-  time is ended by the reaper as soon as it gets a slot ("must specify the START flag" on the hand-back).
+Cancellations. Where a client's cancel finds its request decides what happens to the sequence's slot (Triton 2.51's
+sequence batcher: ``IterativeSequencer::RescheduleRequest`` in triton-inference-server/core's
+src/sequence_batch_scheduler/sequence_utils.cc):
+- while the model holds the request: the driver ends it after the step (``IterationDriver.iterate``) and the model
+  hands it back (RELEASE_RESCHEDULE); Triton, queueing it again, finds it cancelled, answers it itself (CANCELLED)
+  and frees the slot at once;
+- released for good (RELEASE_ALL): Triton frees the slot by queueing an END of its own, but only for a request not
+  cancelled by then. A cancelled request released for good keeps its slot until Triton's idle reaper
+  (max_sequence_idle_microseconds, 30 s) frees it, so the book never releases one for good: it is handed back;
+- in the queue that forms the next batch: Triton answers it, and the slot stays taken until the idle reaper.
+  With every slot taken, new requests wait in Triton's backlog, and one that waited longer than the idle time is
+  ended by the reaper as soon as it gets a slot ("must specify the START flag" on the hand-back).
 
 What is sent when. Clients cancel in answer to what they receive, so what an execute() makes for a request is sent
 when the model holds it again (at the start of the next execute(), after the rebinds) or once it is released for

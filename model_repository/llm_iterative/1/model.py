@@ -74,6 +74,7 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         if plan.gap is not None:
             self.gap.observe(plan.gap)
         self._send_all(plan.send)
+        self.count_joined()  # before the step (under self.sending: the reaper thread does not touch the engine now)
         unfinished = self.driver.iterate(plan.handed, cancelled=self._cancelled, expired=self.shutdown.expired)
         if self.driver.fatal_error is not None and self.failure is None:  # every open request got its final error
             self.fail(self.driver.fatal_error)
@@ -107,9 +108,8 @@ class TritonPythonModel(ServedModel, batching="iterative"):
                 self.returned.clear()
                 self._send_all(self.book.take_released())
 
-    def _cancelled(self, request_ids):  # before the step, under the driver's lock
-        self.count_joined()
-        # A stopped request (the stop board) is not cancelled in Triton: it ends in this step and is released with
+    def _cancelled(self, request_ids):  # after the step, under the driver's lock (IterationDriver.iterate says why)
+        # A stopped request (the stop board) is not cancelled in Triton: it ends with this step and is released with
         # its final response, as a finished one is.
         stopped = self.open.stopped(request_ids)
         return stopped + [rid for rid in self.open.cancelled(request_ids) if rid not in stopped]
