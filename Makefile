@@ -6,7 +6,9 @@
 #   make compare   serve the models, compare llm_dynamic and llm_continuous under the same Locust load (reports/);
 #                  ARGS="--quantization q4_1" (or int8) serves every model on those weights;
 #                  ARGS="--workload mixed --priorities both" interactive users (--interactive-users, 2 per model) beside
-#                  --users batch users, each load without and with request priorities, a table per class and model
+#                  --users batch users, each load without and with request priorities, a table per class and model;
+#                  ARGS="--peer vllm" adds vLLM's own server (make vllm-venv, built first) as rows under the same
+#                  load, every row over the OpenAI API: vLLM at its default seats and at 8 (--peer-seats default,8)
 #   make slo       highest load each model sustains within TTFT/TPOT p99 SLOs;
 #                  ARGS="--workload mixed --priorities both" the highest batch load (--users batch users beside
 #                  --interactive-users) at which the interactive class meets its targets, per batcher (about an hour)
@@ -200,8 +202,9 @@ test-unit: model
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: treating as failure" >&2; exit 1; fi; exit $$rc
 
-compare: model
-	$(PY) -m loadtest.compare --model "$(MODEL)" $(ARGS)
+# ARGS="--peer vllm": vLLM's own server as rows beside the models (loadtest/peer_rows.py); its environment first.
+compare: model $(if $(findstring --peer,$(ARGS)),vllm-venv)
+	$(PY) -m loadtest.compare --model "$(MODEL)" --vllm-venv $(VLLM_VENV) $(ARGS)
 
 # The highest load each model sustains within TTFT/TPOT p99 limits (the tuning procedure of docs/batching.md).
 slo: model

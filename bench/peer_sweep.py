@@ -37,6 +37,7 @@ from pathlib import Path
 from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE
 from backend.contract.settings import DEFAULT_MODEL
 from backend.triton.launcher.processes import kill_process_group
+from loadtest.peer_rows import seat_counts
 from loadtest.runner import batcher_settings, http_json, served_parameter, served_repository
 from loadtest.served import Served
 from loadtest.soak import client_counts, names_list
@@ -280,17 +281,6 @@ def summarize(runs: list[dict], sweep: list[Peer], load: Load, settings: dict[st
 
 
 # ---- the command line -----------------------------------------------------------------------------------------
-
-
-def seat_counts(text: str) -> list[int | None]:
-    """``default,8`` -> [None, 8] (None: vLLM's own default)."""
-    try:
-        seats = [None if part.strip() == "default" else int(part) for part in text.split(",")]
-    except ValueError:
-        seats = []
-    if not seats or any(s is not None and s < 1 for s in seats):
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated seat counts (whole numbers, or default)")
-    return seats
 
 
 def stream_intervals(text: str) -> list[str]:

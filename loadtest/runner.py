@@ -24,10 +24,13 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from backend.contract.names import DYNAMIC
+from backend.contract.settings import DEFAULT_MODEL
 from backend.kernels.weight_format import WeightFormat
 from backend.triton.launcher import config_text
+from backend.triton.launcher.launch_options import free_ports
+from frontend.openai.process import FrontendProcess
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS
-from loadtest.metrics import MetricsSampler
+from loadtest.metrics import IDLE, MetricsSampler
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOCUSTFILE = REPO_ROOT / "loadtest" / "locustfile.py"
@@ -212,10 +215,6 @@ def open_target(args: argparse.Namespace, log_path: Path, say=print):
         if getattr(args, "protocol", "grpc") != "openai":
             yield target
             return
-        from backend.contract.settings import DEFAULT_MODEL
-        from backend.triton.launcher.serve import free_ports
-        from frontend.openai.process import FrontendProcess
-
         model_dir = args.model or target.model_folder or DEFAULT_MODEL
         with FrontendProcess(target.grpc_url, free_ports(1)[0], model_dir,
                              log_path=log_path.with_name("openai-frontend.log")) as frontend:
@@ -408,9 +407,11 @@ def locust_command(
     ]  # fmt: skip
 
 
-def run_load_point(target: Target, model: str, point: LoadPoint, plan: Plan, out_dir: Path) -> dict:
+def run_load_point(target: Target, model: str, point: LoadPoint, plan: Plan, out_dir: Path,
+                   idle_pids: Mapping[str, int] | None = None) -> dict:
     """Drive ``model`` at ``point`` with headless Locust; return the raw run (records, metrics, window). In the mixed
-    workload the point's users are batch users, beside ``plan.interactive_users`` interactive ones."""
+    workload the point's users are batch users, beside ``plan.interactive_users`` interactive ones. ``idle_pids``:
+    other servers meant to sit idle meanwhile, by name; their CPU is sampled too (as ``idle <name>``)."""
     name = f"{model}_{point.slug}{'_priorities' if plan.priorities else ''}"
     (out_dir / "locust").mkdir(parents=True, exist_ok=True)
     records_path = out_dir / "locust" / f"{name}_requests.jsonl"
@@ -420,7 +421,8 @@ def run_load_point(target: Target, model: str, point: LoadPoint, plan: Plan, out
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
 
     load_before = os.getloadavg()
-    sampler = MetricsSampler(target.metrics_url, model, interval=0.5, pids={"server": target.server_pid}).start()
+    pids = {"server": target.server_pid, **{f"{IDLE}{name}": pid for name, pid in (idle_pids or {}).items()}}
+    sampler = MetricsSampler(target.metrics_url, model, interval=0.5, pids=pids).start()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env)
         sampler.watch("loadgen", process.pid)

@@ -306,6 +306,16 @@ def cpu_view(samples: list[dict], start: float, end: float) -> dict:
     return view
 
 
+def idle_cpu(run: dict) -> dict[str, float]:
+    """Mean CPU (percent of one core) over the run's window of each server meant to sit idle meanwhile (the
+    ``idle <name>`` readings of ``runner.run_load_point``), by name."""
+    start, end = run["window"]
+    within = [s.get("cpu", {}) for s in run["metrics"] if start <= s["t"] <= end]
+    names_seen = {name for cpu in within for name in cpu if name.startswith(metrics.IDLE)}
+    return {name.removeprefix(metrics.IDLE): float(np.mean([cpu[name] for cpu in within if name in cpu]))
+            for name in sorted(names_seen)}
+
+
 def batch_size_distribution(run: dict) -> dict[str, float]:
     """Fraction of forward steps by batch-size bucket over the whole run (from the histogram's buckets)."""
     samples = [s for s in run["metrics"] if any(k.startswith(f"{names.BATCH_SIZE}_bucket") for k in s["values"])]
