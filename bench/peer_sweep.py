@@ -6,7 +6,7 @@ machine (``make peer-sweep``; ``make vllm-venv`` builds vLLM's environment first
         [--vllm-seats default,8] [--stream-intervals auto,1] [--repeats 1] [--smoke] [--out reports/peer-sweep-<time>]
 
 The servers: vLLM (``loadtest/vllm_peer/server.py``, its settings recorded) at each of ``--vllm-seats`` (its own
-default, and 8 as the Triton models ship), and each Triton model at each of ``--stream-intervals`` (the engine's
+default, and 8 as Triton's batchers ship), and each Triton model at each of ``--stream-intervals`` (the engine's
 ``stream_interval``: ``auto`` as shipped, and 1, every token sent as vLLM sends it), served as ``make serve`` serves
 it (``loadtest.served.Served``: tritonserver on a copy of the repository holding that model alone, the frontend
 beside it). One server is started, swept at every concurrency and stopped before the next starts; every other repeat
@@ -16,8 +16,9 @@ The load is the same for every server: vLLM's random dataset, 128-token prompts,
 (``--ignore-eos``), greedy, the same prompts, 8 prompts per stream of ``--max-concurrency``, after one round of warm-up
 requests at that concurrency; each run's result is saved in the report folder (``results/``). Per server and
 concurrency the record (``record.json``, table ``peer_sweep``) holds output tok/s, requests/s, TTFT, TPOT and ITL
-p50 and p99 and the failures (medians over the repeats), and the ratios to the baseline, the first vLLM server, at
-the same concurrency. A full sweep's record is kept as ``records/runs/peer-sweep-<cpu>.json`` for ``make tables``.
+p50 and p99, the failures, the CPU the server's processes used per output token (in all and by process: where a
+server's time goes) (medians over the repeats), and the ratios to the baseline, the first vLLM server, at the same
+concurrency. A full sweep's record is kept as ``records/runs/peer-sweep-<cpu>.json`` for ``make tables``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from backend.triton.launcher.processes import kill_process_group
 from loadtest.peer_rows import seat_counts
 from loadtest.runner import batcher_settings, http_json, served_parameter, served_repository
 from loadtest.served import Served
+from loadtest.signals import exit_on_sigterm
 from loadtest.soak import client_counts, names_list
 from loadtest.vllm_peer.server import VENV, VllmServer, VllmSettings, all_cores
 from records.record import Column, Record, format_value
@@ -59,6 +61,13 @@ RESULT_KEYS = {
     "tpot_p50_ms": "p50_tpot_ms", "tpot_p99_ms": "p99_tpot_ms",
     "itl_p50_ms": "p50_itl_ms", "itl_p99_ms": "p99_itl_ms",
 }  # fmt: skip
+# What each of a server's processes does, by a marker in its name or command line (the first that matches): the
+# Triton models' engine runs in the Python backend's stub, which also sends every response; vLLM's forward runs in
+# its worker, its scheduler and the outputs of every step in its engine core, the OpenAI API in its API server.
+PROCESS_ROLES = (
+    ("triton_python_backend_stub", "stub"), ("tritonserver", "tritonserver"), ("frontend.openai", "frontend"),
+    ("VLLM::EngineCore", "engine core"), ("VLLM::Worker", "worker"), ("vllm", "API server"),
+)  # fmt: skip
 # Each figure set beside the baseline's: (our key, the ratio's key). A ratio above 1 is more tokens/s, or a longer wait.
 RATIOS = (("output_tok_s", "tok_s_vs_vllm"), ("ttft_p50_ms", "ttft_p50_vs_vllm"), ("ttft_p99_ms", "ttft_p99_vs_vllm"),
           ("tpot_p99_ms", "tpot_p99_vs_vllm"))
@@ -69,6 +78,8 @@ COLUMNS = [
     Column("tpot_p50_ms", "TPOT p50", "{:.1f} ms"), Column("tpot_p99_ms", "TPOT p99", "{:.1f} ms"),
     Column("itl_p50_ms", "ITL p50", "{:.1f} ms"), Column("itl_p99_ms", "ITL p99", "{:.1f} ms"),
     Column("failed"),
+    Column("server_cpu_ms_per_token", "server CPU per token", "{:.2f} ms"),
+    Column("server_cpu_by_process", "by process (ms per token)"),
     Column("tok_s_vs_vllm", "tok/s vs vLLM", "{:.2f}x"), Column("ttft_p50_vs_vllm", "TTFT p50 vs vLLM", "{:.2f}x"),
     Column("ttft_p99_vs_vllm", "TTFT p99 vs vLLM", "{:.2f}x"),
     Column("tpot_p99_vs_vllm", "TPOT p99 vs vLLM", "{:.2f}x"),
@@ -185,6 +196,43 @@ def run_bench(command: list[str], log_path: Path, result_path: Path, num_prompts
     return {"completed": 0, "failed": num_prompts, "error": f"vllm bench serve exited {status} ({log_path}):\n{tail}"}
 
 
+def process_role(name: str, command_line: list[str]) -> str:
+    """What one of a server's processes does (:data:`PROCESS_ROLES`), else its name."""
+    text = " ".join([name, *command_line])
+    return next((role for marker, role in PROCESS_ROLES if marker in text), name)
+
+
+def server_cpu(roots: list[int | None]) -> dict[str, float]:
+    """CPU seconds used so far (user and system, every thread) by the processes of the trees rooted at ``roots``,
+    summed by :func:`process_role`. A process that has ended is not counted."""
+    import psutil
+
+    used: dict[str, float] = {}
+    for root in filter(None, roots):
+        try:
+            tree = [psutil.Process(root)]
+            tree += tree[0].children(recursive=True)
+        except psutil.Error:
+            continue
+        for process in tree:
+            try:
+                times, role = process.cpu_times(), process_role(process.name(), process.cmdline())
+            except psutil.Error:
+                continue
+            used[role] = used.get(role, 0.0) + times.user + times.system
+    return used
+
+
+def cpu_per_token(before: dict[str, float], after: dict[str, float], output_tokens: int | None) -> dict:
+    """What a server's processes spent on one run, in CPU milliseconds per output token the client counted: in all,
+    and by role. NOTE: the run's warm-up round (a request per stream) is served within it and not counted by the
+    client, so the figures are 1/``prompts_per_concurrency`` high, alike for every server."""
+    if not output_tokens:
+        return {}
+    by_role = {role: 1000 * (after[role] - before.get(role, 0.0)) / output_tokens for role in sorted(after)}
+    return {"server_cpu_ms_per_token": sum(by_role.values()), "cpu_ms_per_token_by_process": by_role}
+
+
 def outcome(run: dict, output_len: int) -> str:
     """One run in a line of the sweep's log; a server that answered other than ``output_len`` tokens a request (it
     ignored ``ignore_eos``) is named."""
@@ -192,14 +240,16 @@ def outcome(run: dict, output_len: int) -> str:
         return run["error"].splitlines()[0]
     expected = run["completed"] * output_len
     return (f"{format_value(run['output_tok_s'], '{:.1f}')} tok/s, TTFT p50 {format_value(run['ttft_p50_ms'], 'ms')}, "
-            f"TPOT p99 {format_value(run['tpot_p99_ms'], '{:.1f} ms')}, {run['failed']} failed"
+            f"TPOT p99 {format_value(run['tpot_p99_ms'], '{:.1f} ms')}, "
+            f"server CPU {format_value(run.get('server_cpu_ms_per_token'), '{:.2f} ms')} a token, "
+            f"{run['failed']} failed"
             + (f"; {run['output_tokens']} tokens out, not {expected}" if run.get("output_tokens") != expected else ""))
 
 
 @contextlib.contextmanager
-def serving(peer: Peer, args: argparse.Namespace, out: Path, repeat: int) -> Iterator[tuple[str, str, dict]]:
-    """``peer`` started alone: its OpenAI base URL, the model name its requests carry, and its settings (a dict,
-    completed with how it stopped once it has); stopped on exit."""
+def serving(peer: Peer, args: argparse.Namespace, out: Path, repeat: int) -> Iterator[tuple[str, str, dict, list]]:
+    """``peer`` started alone: its OpenAI base URL, the model name its requests carry, its settings (a dict,
+    completed with how it stopped once it has) and the pids of its processes' roots; stopped on exit."""
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     if peer.is_vllm:
@@ -209,7 +259,7 @@ def serving(peer: Peer, args: argparse.Namespace, out: Path, repeat: int) -> Ite
         server = VllmServer(settings, log_path=logs / f"{peer.slug}-r{repeat}.log")
         with server:
             recorded = server.record()
-            yield server.url, settings.served_model_name, recorded
+            yield server.url, settings.served_model_name, recorded, [server.pid]
         recorded["exit_status"] = server.process.returncode
         return
     repository = out / "repositories" / peer.slug
@@ -223,7 +273,7 @@ def serving(peer: Peer, args: argparse.Namespace, out: Path, repeat: int) -> Ite
         config = http_json(f"{served.http_url}/v2/models/{peer.server}/config")
         recorded.update(batcher_settings(config), stream_interval=served_parameter(config, STREAM_INTERVAL),
                         ready_s=round(ready_s, 1))
-        yield served.openai_url, peer.server, recorded
+        yield served.openai_url, peer.server, recorded, [served.pid, served.frontend and served.frontend.pid]
     finally:
         recorded["stop"] = asdict(served.stop())
 
@@ -235,15 +285,17 @@ def sweep_peer(peer: Peer, repeat: int, args: argparse.Namespace, load: Load, ou
     python = Path(args.vllm_venv) / "bin" / "python"
     runs, settings = [], {}
     try:
-        with serving(peer, args, out, repeat) as (base_url, model, settings):
+        with serving(peer, args, out, repeat) as (base_url, model, settings, pids):
             log(f"  {peer.label} ready at {base_url} in {settings.get('ready_s')} s")
             for concurrency in load.concurrencies:
                 started, result_dir = time.monotonic(), out / "results" / peer.slug
                 name = f"r{repeat}-c{concurrency}"
                 command = bench_command(python, base_url, model, args.model, concurrency, load, result_dir,
                                         f"{name}.json")
+                before = server_cpu(pids)
                 run = run_bench(command, out / "logs" / f"{peer.slug}-{name}-bench.log", result_dir / f"{name}.json",
                                 load.prompts_at(concurrency), args.bench_timeout)
+                run.update(cpu_per_token(before, server_cpu(pids), run.get("output_tokens")))
                 runs.append({"peer": peer.slug, "repeat": repeat, "concurrency": concurrency, **run})
                 log(f"    {concurrency} streams: {outcome(run, load.output_len)} ({time.monotonic() - started:.0f} s)")
     except Exception as exc:  # NOTE: reported, not raised: one server that cannot start does not end the sweep
@@ -266,9 +318,10 @@ def summarize(runs: list[dict], sweep: list[Peer], load: Load, settings: dict[st
             measured = [r for r in cell if "error" not in r]
             row = {"server": peer.server, "seats": seats, "stream_interval": peer.stream_interval,
                    "concurrency": concurrency, "failed": sum(r["failed"] for r in cell)}
-            for key in RESULT_KEYS:
+            for key in [*RESULT_KEYS, "server_cpu_ms_per_token"]:
                 values = [r[key] for r in measured if r.get(key) is not None]
                 row[key] = statistics.median(values) if values else None
+            row["server_cpu_by_process"] = cpu_by_process(measured)
             rows.append((peer, row))
     baseline = next((peer for peer in sweep if peer.is_vllm), None)
     base_rows = {row["concurrency"]: row for peer, row in rows if peer == baseline}
@@ -278,6 +331,18 @@ def summarize(runs: list[dict], sweep: list[Peer], load: Load, settings: dict[st
             if row.get(key) is not None and base.get(key):
                 row[ratio] = row[key] / base[key]
     return [row for _, row in rows]
+
+
+def cpu_by_process(runs: list[dict]) -> str | None:
+    """``stub 3.88, frontend 0.09, ...``: each role's median CPU milliseconds per output token over ``runs``, the
+    largest first; None when no run measured it."""
+    by_role: dict[str, list[float]] = {}
+    for run in runs:
+        for role, ms in (run.get("cpu_ms_per_token_by_process") or {}).items():
+            by_role.setdefault(role, []).append(ms)
+    medians = {role: statistics.median(values) for role, values in by_role.items()}
+    shown = [f"{role} {ms:.2f}" for role, ms in sorted(medians.items(), key=lambda item: -item[1]) if ms >= 0.005]
+    return ", ".join(shown) or None
 
 
 # ---- the command line -----------------------------------------------------------------------------------------
@@ -386,4 +451,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # the servers it started are stopped, not left running
     sys.exit(main())

@@ -34,7 +34,7 @@ TPOT p50/p99, and the share of interactive requests within their targets (docs/c
 
 ``--peer vllm`` (off by default) adds vLLM itself as rows: its CPU build's OpenAI server (``loadtest/peer_rows.py``;
 ``make vllm-venv`` builds its environment, ``.venv-vllm``), one server per seat count of ``--peer-seats`` (default
-``default,8``: vLLM's own max_num_seqs as the row ``vllm``, and 8, the Triton models' seats, as ``vllm_8seats``), each
+``default,8``: vLLM's own max_num_seqs as the row ``vllm``, and 8, Triton's batchers' seats, as ``vllm_8seats``), each
 driven by the same Locust workload at the same load points. In that mode the Triton models are loaded through their
 OpenAI frontend too (``--protocol openai``, which it implies), so every row pays the same protocol. Every server is
 started before the first load point and stays up to the last, and the rows take turns at each load point: one server
@@ -60,6 +60,7 @@ from pathlib import Path
 from backend.contract.names import DYNAMIC, MODELS
 from backend.contract.settings import DEFAULT_MODEL
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, live, peer_rows, report, runner
+from loadtest.signals import exit_on_sigterm
 from loadtest.stats import LoadPointRow
 from loadtest.workloads import WORKLOAD_NAMES, MixedWorkload, get_workload
 from records.record import Record
@@ -388,4 +389,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # the servers it started are stopped, not left running
     sys.exit(main())

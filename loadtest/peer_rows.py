@@ -1,7 +1,7 @@
 """vLLM as rows of ``make compare`` (``--peer vllm``): its OpenAI server, loaded by the same Locust workload at the
 same load points as the Triton models, which run over their OpenAI frontend in that mode.
 
-A row per seat count of ``--peer-seats`` (``default,8``: vLLM's own ``max_num_seqs``, and 8, the Triton models'
+A row per seat count of ``--peer-seats`` (``default,8``: vLLM's own ``max_num_seqs``, and 8, Triton's batchers'
 seats), each its own vLLM server (``loadtest/vllm_peer/server.py``) serving the model folder under the row's name, so
 the Locust users send ``model`` = the row, as they send a Triton model's name. Every server is started before the
 first load point and stopped after the last; the rows take turns with the Triton models at each load point, so only

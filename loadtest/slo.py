@@ -11,8 +11,9 @@ settings and tuning), automated: for each model, step the load up (closed-loop u
 stop at the first load point whose p99 TTFT or p99 TPOT breaks its limit or that has failures. The answer is the
 last load point that held. Every point is bounded like ``loadtest.compare``'s.
 
-``--capacity`` is the comparison at capacity: every model at its best seats for this machine rather than the 8 they
-share by default. The models that run over the paged cache step by step (``llm_continuous``, ``llm_iterative``) get
+``--capacity`` is the comparison at capacity: every model at its best seats for this machine rather than the seats
+they ship with (8 for Triton's batchers, 64 for ``llm_continuous``). The models that run over the paged cache step
+by step (``llm_continuous``, ``llm_iterative``) get
 as many sequences as the KV pool holds for the workload's mean request (``capacity_seats``: concurrency limited by
 KV capacity, not by a fixed number of seats), the pool as a server reports it (``llm_kv_blocks_total``, read from a
 first server of ``llm_continuous`` alone); ``llm_dynamic`` is served at each of ``--dynamic-variants`` (default
@@ -46,6 +47,7 @@ from backend.contract.names import CONTINUOUS, DYNAMIC, ITERATIVE, KV_BLOCKS_TOT
 from backend.triton.launcher import config_text
 from loadtest import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, runner, slo_mixed
 from loadtest.report import fmt
+from loadtest.signals import exit_on_sigterm
 from loadtest.stats import summarize
 from loadtest.workloads import MIXED, WORKLOAD_NAMES, get_workload, make_request
 from records.record import Column, Record
@@ -450,4 +452,5 @@ def capacity_table(results: list[dict], slo_ttft_ms: float, slo_tpot_ms: float) 
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # the servers it started are stopped, not left running
     sys.exit(main())

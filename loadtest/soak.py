@@ -60,6 +60,7 @@ from backend.triton.launcher.processes import process_names, tree_rss
 from backend.triton.launcher.server import ServerError
 from loadtest import soak_plan, soak_report
 from loadtest.served import Served, add_served_args, read_gauges, settle
+from loadtest.signals import exit_on_sigterm
 from loadtest.soak_patterns import PATTERNS, Accounts, Budget, Client, Target, full_batch, play
 from records.provenance import cpu, cpu_slug
 from records.record import Record
@@ -405,4 +406,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    exit_on_sigterm()  # the servers it started are stopped, not left running
     sys.exit(main())

@@ -9,8 +9,10 @@ import contextlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bench import peer_sweep
@@ -188,3 +190,61 @@ def test_the_sweep_module_starts_without_vllm_installed():
     shown = subprocess.run([sys.executable, "-m", "bench.peer_sweep", "--help"], cwd=ROOT, capture_output=True,
                            text=True, timeout=60)
     assert shown.returncode == 0 and "vllm bench serve" in shown.stdout
+
+
+# ---- where a server's CPU goes ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, command_line, role", [
+    ("triton_python_b", ["/x/triton_python_backend_stub", "/repo/llm_continuous/1/model.py", "..."], "stub"),
+    ("tritonserver", ["/x/bin/tritonserver", "--model-repository", "/r"], "tritonserver"),
+    ("python", ["/repo/.venv/bin/python", "-m", "frontend.openai", "--port", "9000"], "frontend"),
+    ("VLLM::EngineCor", ["VLLM::EngineCore"], "engine core"),
+    ("VLLM::Worker", ["VLLM::Worker"], "worker"),
+    ("python", ["/repo/.venv-vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"], "API server"),
+    ("resource_tracker", ["python", "-c", "from multiprocessing.resource_tracker import main"], "resource_tracker"),
+])
+def test_each_process_of_a_server_is_named_by_what_it_does(name, command_line, role):
+    assert peer_sweep.process_role(name, command_line) == role
+
+
+def test_cpu_per_token_is_what_each_role_used_over_the_tokens_counted():
+    before = {"stub": 10.0, "tritonserver": 1.0}
+    after = {"stub": 14.0, "tritonserver": 1.5, "frontend": 0.5}  # the frontend seen for the first time: all of it
+    found = peer_sweep.cpu_per_token(before, after, 1000)
+    assert found["cpu_ms_per_token_by_process"] == {"frontend": 0.5, "stub": 4.0, "tritonserver": 0.5}
+    assert found["server_cpu_ms_per_token"] == 5.0
+    assert peer_sweep.cpu_per_token(before, after, 0) == {} and peer_sweep.cpu_per_token(before, after, None) == {}
+
+
+def test_the_rows_carry_the_median_cpu_per_token_largest_process_first():
+    sweep, load = peers(["llm_continuous"], [None], ["1"]), Load(concurrencies=(8,))
+    runs = [run("llm_continuous-interval-1", 8, repeat, server_cpu_ms_per_token=total,
+                cpu_ms_per_token_by_process={"stub": stub, "frontend": 0.3, "tritonserver": 0.001})
+            for repeat, (total, stub) in enumerate([(4.0, 3.7), (5.0, 4.7)])]
+    row = summarize(runs, sweep, load, {})[0]
+    assert row["server_cpu_ms_per_token"] == 4.5 and row["server_cpu_by_process"] == "stub 4.20, frontend 0.30"
+    old = summarize([run("llm_continuous-interval-1", 8)], sweep, load, {})[0]  # a run without them: none
+    assert old["server_cpu_ms_per_token"] is None and old["server_cpu_by_process"] is None
+
+
+def test_server_cpu_reads_every_process_of_the_tree(tmp_path):
+    # A parent that starts a child; the child burns 0.2 s of CPU (time it used, not time that passed), then both wait.
+    child = "import time\nwhile time.process_time() < 0.2: pass\nprint('done', flush=True)\ntime.sleep(60)"
+    parent = (f"import subprocess, sys, time\np = subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+              "time.sleep(60)")
+    process = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        used = {}
+        for _ in range(600):  # up to 60 s on a loaded machine for the child to start and burn its share
+            used = peer_sweep.server_cpu([process.pid, None])
+            if sum(used.values()) >= 0.2:
+                break
+            time.sleep(0.1)
+        assert sum(used.values()) >= 0.2, used
+        assert peer_sweep.server_cpu([2**22 + 12345]) == {}  # a pid that is not there: nothing
+    finally:
+        for proc in psutil.Process(process.pid).children(recursive=True):
+            proc.kill()
+        process.kill()
+        process.wait()
