@@ -31,6 +31,7 @@ from tests.server_harness import make_repository, read_events
 MODELS = ("llm_static", "llm_dynamic", "llm_iterative", "llm_continuous")
 MAX_MODEL_LEN = 512
 QUEUE = 4  # llm_continuous's and llm_dynamic's queue bound on the test server
+SEATS = 8  # every model's on the test server
 GREEDY = {"temperature": 0.0}
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -50,9 +51,10 @@ ALTERNATING_TEMPLATE = (
 
 
 def openai_repository(path):
-    """The model repository of the OpenAI tests' server (``openai_triton``, tests/server/conftest.py)."""
-    return make_repository(path, {"max_model_len": str(MAX_MODEL_LEN), "max_queue_size": str(QUEUE)},
-                           models=MODELS, dynamic_queue_size=QUEUE)
+    """The model repository of the OpenAI tests' server (``openai_triton``, tests/server/conftest.py). Every model
+    has 8 seats (llm_continuous ships with 64), so that 40 requests at once overflow the queue of ``QUEUE``."""
+    return make_repository(path, {"max_model_len": str(MAX_MODEL_LEN), "max_queue_size": str(QUEUE),
+                                  "max_num_seqs": str(SEATS)}, models=MODELS, dynamic_queue_size=QUEUE)
 
 
 @pytest.fixture(scope="module")
