@@ -141,6 +141,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, i64, i64, c_int, c_int,  # out, dtype, num_threads
     ]
     lib.rope_paged_attention.restype = None
+    lib.prefill_attention.argtypes = [
+        ptr, i64, ptr, ptr, i64, i64, i64, i64,  # qkv, caches, their strides, block_size
+        ptr, i64, ptr, i64, i64, i64, c_float,  # chunks, slots, H, KVH, D, scale
+        ptr, i64, i64, c_int, c_int,  # out, dtype, num_threads
+    ]
+    lib.prefill_attention.restype = c_int
+    lib.prefill_attention_available.restype = c_int
     lib.rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, c_float, c_int, c_int]
     lib.rms_norm.restype = None
     lib.sample_rows.argtypes = [ptr, i64, c_int, i64, ptr, i64, ptr, ptr, c_int]
@@ -283,6 +290,67 @@ def cpu_rope_paged_attention(
         out.stride(1), _DTYPE_CODES[qkv.dtype], torch.get_num_threads(),
     )
     return out
+
+
+def prefill_attention_available() -> bool:
+    """Whether the library has the prefill kernel: it is built for vdpbf16ps (AVX512-BF16) only."""
+    lib = load()
+    return lib is not None and bool(lib.prefill_attention_available())
+
+
+def supports_prefill_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> bool:
+    """Whether :func:`cpu_prefill_attention` takes these tensors: bf16, heads of a multiple of 64 dimensions, and a
+    build with vdpbf16ps (AVX512-BF16); else the caller runs the torch twin."""
+    if not prefill_attention_available():
+        return False
+    lib = load()
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    return (
+        qkv.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16 and qkv.device.type == "cpu"
+        and qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim
+        and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+        and num_heads % num_kv_heads == 0 and head_dim % 64 == 0 and head_dim <= lib.limits.max_head_dim
+    )
+
+
+def prefill_plan(prefills, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`cpu_prefill_attention` reads about a step's prefill chunks, built once per step: ``chunks``
+    [num_chunks, 4] int64 (first token in the step, query tokens, cached tokens, offset into ``slots``) and ``slots``,
+    each chunk's whole context's pool slots in order (a fresh chunk's are its own tokens' slots)."""
+    rows, context, offset = [], [], 0
+    for chunk in prefills:
+        own = slot_mapping[chunk.token_start: chunk.token_start + chunk.num_query_tokens]
+        slots = own if chunk.context_slots is None else chunk.context_slots
+        rows.append((chunk.token_start, chunk.num_query_tokens, chunk.num_cached_tokens, offset))
+        context.append(slots.to(torch.int64))
+        offset += len(slots)
+    return torch.tensor(rows, dtype=torch.int64).view(-1, 4), torch.cat(context).contiguous()
+
+
+def cpu_prefill_attention(
+    out: torch.Tensor,  # [T, num_heads, head_dim]: each chunk's rows written
+    qkv: torch.Tensor,  # [T, (num_heads + 2 num_kv_heads) head_dim], q already rotated (cpu_rope_paged_attention)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], every token's K/V already written
+    v_cache: torch.Tensor,
+    plan: tuple[torch.Tensor, torch.Tensor],  # prefill_plan's chunks and slots
+    scale: float,
+    num_heads: int,
+) -> None:
+    """The C twin of the torch reference's ``attend_prefills``: every prefill chunk of the step attends to its
+    cached prefix and itself, causally, reading K and V from the pool, for the tensors
+    :func:`supports_prefill_attention` accepts."""
+    if not supports_prefill_attention(qkv, k_cache, v_cache, num_heads) or out.stride(2) != 1:
+        raise _refuse("cpu_prefill_attention")
+    chunks, slots = plan
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    done = _lib.prefill_attention(
+        qkv.data_ptr(), qkv.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), block_size, chunks.data_ptr(), chunks.shape[0], slots.data_ptr(), num_heads,
+        num_kv_heads, head_dim, scale, out.data_ptr(), out.stride(0), out.stride(1), _DTYPE_CODES[qkv.dtype],
+        torch.get_num_threads(),
+    )
+    if done != 0:
+        raise _refuse("cpu_prefill_attention")
 
 
 # ---- norms and projections ----------------------------------------------------------------------------------------

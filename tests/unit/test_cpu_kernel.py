@@ -12,6 +12,7 @@ import platform
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,13 @@ import torch
 import torch.nn.functional as F
 
 from backend.engine.attention import CpuAttention, TorchAttention
-from backend.engine.attention.torch_backend import decode_gather_indices, paged_decode_attention, rope_qkv, write_kv
+from backend.engine.attention.torch_backend import (
+    attend_prefills,
+    decode_gather_indices,
+    paged_decode_attention,
+    rope_qkv,
+    write_kv,
+)
 from backend.kernels import cpu_kernels
 from tests.attention_cases import rope_step_case
 
@@ -138,6 +145,50 @@ def test_cpu_backend_step_matches_torch_backend(decode_lens, chunks, dtype):
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
     torch.testing.assert_close(k_cache.float(), k_ref, **TOLERANCE[dtype])
     assert torch.equal(v_cache.float(), v_ref)
+
+
+PREFILL_CASES = dict(
+    argnames="decode_lens, chunks",
+    argvalues=[([], [(0, 1)]), ([], [(0, 128)] * 4), ([], [(0, 250)]), ([2, 71], [(0, 37), (0, 37), (100, 60)]),
+               ([], [(150, 100), (0, 16), (3, 1)])],
+    ids=["one-token", "four-prompts", "a-long-prompt", "decodes-prompts-and-a-cached-prefix", "cached-prefixes"],
+)
+
+
+@pytest.mark.skipif(not cpu_kernels.prefill_attention_available(), reason="the prefill kernel needs AVX512-BF16")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(**PREFILL_CASES)
+def test_prefill_kernel_matches_torch_reference(decode_lens, chunks, head_dim):
+    """Every chunk attends, in one C call, to its cached prefix and itself, causally (keys read from the pool
+    through its slots), as the torch reference does in float32: the chunks' rows only, the decodes' left alone."""
+    qkv, positions, cos, sin, k_cache, v_cache, common = rope_step_case(decode_lens, chunks, torch.bfloat16,
+                                                                        head_dim=head_dim)
+    out = cpu_kernels.cpu_rope_paged_attention(qkv, positions, cos, sin, common.slot_mapping, k_cache, v_cache,
+                                               common.block_tables, common.context_lens, len(decode_lens),
+                                               common.scale, 9)  # rotates q and k in qkv, fills the pool
+    before = out[: len(decode_lens)].clone()
+    plan = cpu_kernels.prefill_plan(common.prefills, common.slot_mapping)
+    cpu_kernels.cpu_prefill_attention(out, qkv, k_cache, v_cache, plan, common.scale, 9)
+    num_tokens = qkv.shape[0]
+    query, key, value = qkv.float().view(num_tokens, 15, head_dim).split([9, 3, 3], dim=1)  # q and k rotated
+    ref = torch.full_like(query, float("nan"))
+    attend_prefills(ref, query, key, value, k_cache.float(), v_cache.float(),
+                    [replace(c, context_slots=plan[1][o: o + c.num_cached_tokens + c.num_query_tokens])
+                     for c, o in zip(common.prefills, plan[0][:, 3].tolist())], common.scale)
+    rows = slice(len(decode_lens), num_tokens)
+    torch.testing.assert_close(out[rows].float(), ref[rows], **TOLERANCE[torch.bfloat16])
+    assert torch.equal(out[: len(decode_lens)], before)
+
+
+def test_prefill_kernel_refuses_what_it_does_not_take_and_the_backend_runs_torch():
+    """float32 (or a build without AVX512-BF16) is refused by name; the CPU backend then attends the chunks with
+    torch's SDPA, and its output is the reference's."""
+    qkv, positions, cos, sin, k_cache, v_cache, common = rope_step_case([4], [(0, 20)], torch.float32)
+    assert not cpu_kernels.supports_prefill_attention(qkv, k_cache, v_cache, 9)
+    with pytest.raises(ValueError, match="cannot take"):
+        cpu_kernels.cpu_prefill_attention(torch.empty(21, 9, 64), qkv, k_cache, v_cache,
+                                          cpu_kernels.prefill_plan(common.prefills, common.slot_mapping),
+                                          common.scale, 9)
 
 
 def hf_rms_norm(x, weight, eps):
@@ -263,3 +314,20 @@ def test_kernels_forward_and_greedy_engine_hold_without_avx512_or_amx(tmp_path):
                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=550)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert list(tmp_path.rglob("cpu_kernels-*.so")), "the kernels were not rebuilt for the baseline ISA"
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(not cpu_kernels.prefill_attention_available(), reason="the prefill kernel needs AVX512-BF16")
+def test_the_prefill_bench_records_the_kernel_beside_sdpa(smollm2_dir):
+    """``bench.prefill_attention`` times real prefill steps with each backend and records them side by side."""
+    from bench import prefill_attention
+
+    rows = prefill_attention.prefill_step_ms(str(smollm2_dir), [(2, 16), (1, 40)], rounds=1)
+    assert [(r["prompts"], r["tokens"]) for r in rows] == [(2, 16), (1, 40)]
+    record = prefill_attention.record_table(prefill_attention.Record("python -m bench.prefill_attention", {}, {}),
+                                            rows)
+    table = record.tables["prefill"]
+    assert [c.key for c in table.columns] == ["prompts", "tokens", "sdpa", "kernel", "ratio"]
+    assert all(r["sdpa"] > 0 and r["ratio"] == pytest.approx(r["kernel"] / r["sdpa"]) for r in table.rows)
+    with pytest.raises(Exception, match="PROMPTSxTOKENS"):
+        prefill_attention.parse_shape("four")

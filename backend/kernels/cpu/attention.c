@@ -290,5 +290,203 @@ void rope_paged_attention(void* qkv, int64_t qkv_st, int64_t T, const int64_t* p
     }
 }
 
+/*
+ * prefill_attention (twin of attend_prefills in backend/engine/attention/torch_backend.py): each prefill chunk's
+ * queries attend to the chunk's cached prefix and to the chunk itself, causally, after rope_paged_attention has
+ * rotated them in qkv and written every token's K/V to the pool. Chunk c is chunks[c] = (first token in the step's
+ * stream, query tokens n, cached tokens, offset into `slots`), and slots[offset .. offset + cached + n) are the pool
+ * slots of its whole context in order. bf16 only, D a multiple of 64, where vdpbf16ps exists: it returns 0, else -1
+ * and writes nothing (the caller runs the torch twin).
+ *
+ * Why not torch's SDPA: at a prefill's sizes (a chunk of 128-512 tokens, 64-dim heads) its flash kernel ran at a
+ * few tens of GFLOP/s, a sixth of one forward step's time for a 128-token prompt. Here each chunk's K and V are laid
+ * out once per (chunk, KV head) as vdpbf16ps reads them (K: [ctx/16][D/2][16 keys][2], so one 64-byte line is one
+ * pair of dimensions of 16 keys, met by a query's pair broadcast; V: [ctx/2][D/16][16 dims][2], one line a pair of
+ * keys of 16 dimensions, met by a pair of probabilities broadcast), and every line loaded meets PREFILL_ROWS query
+ * vectors. Scores and sums are float32; the probabilities are rounded to bf16 for the P.V products, as torch's
+ * bf16 SDPA does.
+ */
+#if defined(__AVX512BF16__)
+#define PREFILL_ROWS 4          /* query vectors met by each K or V line loaded: their sums stay in registers */
+#define PREFILL_QUERY_BLOCK 16  /* query tokens of one work item (times the group's heads) */
+
+static inline int64_t round_up16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+/* One (chunk, KV head)'s K and V, from the pool through the chunk's context slots, into the layouts above; zero past
+ * the context (a zero probability times a zero V, never times whatever the buffer held). */
+static void pack_prefill_kv(const uint16_t* k_cache, const uint16_t* v_cache, int64_t c_sb, int64_t c_ss,
+                            int64_t c_sh, int64_t block_size, const int64_t* slots, int64_t len, int64_t kh,
+                            int64_t D, uint32_t* kp, uint16_t* vp) {
+    const int64_t padded = round_up16(len), pairs = D / 2, lines = D / 16;
+    memset(kp, 0, padded * D * sizeof(uint16_t));
+    memset(vp, 0, padded * D * sizeof(uint16_t));
+    for (int64_t j = 0; j < len; ++j) {
+        const int64_t at = (slots[j] / block_size) * c_sb + (slots[j] % block_size) * c_ss + kh * c_sh;
+        const uint16_t* k = k_cache + at;
+        const uint16_t* v = v_cache + at;
+        for (int64_t d2 = 0; d2 < pairs; ++d2) memcpy(kp + ((j / 16) * pairs + d2) * 16 + j % 16, k + 2 * d2, 4);
+        for (int64_t d = 0; d < D; ++d) vp[(((j / 2) * lines + d / 16) * 16 + d % 16) * 2 + j % 2] = v[d];
+    }
+}
+
+/* PREFILL_ROWS query vectors (rows[r]: the query's bf16 row; limit[r]: the keys it sees, 1 + its position) against
+ * the packed K and V of their KV head; out_rows[r] gets each one's output (NULL: a padding vector, not written).
+ * scores: PREFILL_ROWS x padded floats; probs: PREFILL_ROWS x padded bf16. */
+static inline __attribute__((always_inline)) void prefill_vectors(
+    const uint16_t* const rows[PREFILL_ROWS], const int64_t limit[PREFILL_ROWS], uint16_t* const out_rows[PREFILL_ROWS],
+    const uint32_t* kp, const uint16_t* vp, const int64_t D, float scale, float* scores, uint16_t* probs,
+    int64_t padded) {
+    int64_t keys = 0;
+    for (int r = 0; r < PREFILL_ROWS; ++r) keys = limit[r] > keys ? limit[r] : keys;
+    const int64_t blocks = (keys + 15) / 16, pairs = D / 2, lines = D / 16;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __m512 vmax[PREFILL_ROWS];
+    for (int r = 0; r < PREFILL_ROWS; ++r) vmax[r] = _mm512_set1_ps(-FLT_MAX);
+    for (int64_t kb = 0; kb < blocks; ++kb) {  /* scores of 16 keys at a time, each row's running maximum */
+        __m512 acc[PREFILL_ROWS];
+        for (int r = 0; r < PREFILL_ROWS; ++r) acc[r] = _mm512_setzero_ps();
+        const uint32_t* line = kp + kb * pairs * 16;
+        for (int64_t d2 = 0; d2 < pairs; ++d2) {
+            const __m512bh k = (__m512bh)_mm512_loadu_si512(line + d2 * 16);
+            for (int r = 0; r < PREFILL_ROWS; ++r) {
+                uint32_t q;
+                memcpy(&q, rows[r] + 2 * d2, 4);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)q), k);
+            }
+        }
+        const __m512i key = _mm512_add_epi32(_mm512_set1_epi32((int)(kb * 16)),
+                                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+        for (int r = 0; r < PREFILL_ROWS; ++r) {
+            const __mmask16 seen = _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32((int)limit[r]));
+            const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-FLT_MAX), seen, _mm512_mul_ps(acc[r], vscale));
+            vmax[r] = _mm512_max_ps(vmax[r], s);
+            _mm512_storeu_ps(scores + r * padded + kb * 16, s);
+        }
+    }
+    float inv_sum[PREFILL_ROWS];
+    for (int r = 0; r < PREFILL_ROWS; ++r) {  /* the softmax's numerators, rounded to bf16 for P.V; their sum */
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[r]));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t kb = 0; kb < blocks; ++kb) {
+            const __m512 s = _mm512_loadu_ps(scores + r * padded + kb * 16);
+            const __mmask16 seen = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-FLT_MAX), _CMP_GT_OQ);
+            const __m512 p = _mm512_maskz_mov_ps(seen, exp16(_mm512_max_ps(_mm512_sub_ps(s, m),
+                                                                          _mm512_set1_ps(-127.f))));
+            total = _mm512_add_ps(total, p);
+            _mm256_storeu_si256((__m256i*)(probs + r * padded + kb * 16), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        inv_sum[r] = 1.f / _mm512_reduce_add_ps(total);
+    }
+    for (int64_t l0 = 0; l0 < lines; l0 += 4) {  /* out = P.V, 64 dimensions at a time: 16 sums in registers */
+        __m512 acc[PREFILL_ROWS][4];
+        for (int r = 0; r < PREFILL_ROWS; ++r)
+            for (int l = 0; l < 4; ++l) acc[r][l] = _mm512_setzero_ps();
+        for (int64_t j2 = 0; j2 < blocks * 8; ++j2) {
+            const uint16_t* line = vp + (j2 * lines + l0) * 32;
+            __m512bh v[4];
+            for (int l = 0; l < 4; ++l) v[l] = (__m512bh)_mm512_loadu_si512(line + l * 32);
+            for (int r = 0; r < PREFILL_ROWS; ++r) {
+                uint32_t p;
+                memcpy(&p, probs + r * padded + 2 * j2, 4);
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p);
+                for (int l = 0; l < 4; ++l) acc[r][l] = _mm512_dpbf16_ps(acc[r][l], pb, v[l]);
+            }
+        }
+        for (int r = 0; r < PREFILL_ROWS; ++r) {
+            if (!out_rows[r]) continue;
+            for (int l = 0; l < 4; ++l)
+                _mm256_storeu_si256((__m256i*)(out_rows[r] + (l0 + l) * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][l], _mm512_set1_ps(inv_sum[r]))));
+        }
+    }
+}
+#endif
+
+int prefill_attention(const void* qkv, int64_t qkv_st, const void* k_cache, const void* v_cache, int64_t c_sb,
+                      int64_t c_ss, int64_t c_sh, int64_t block_size, const int64_t* chunks, int64_t num_chunks,
+                      const int64_t* slots, int64_t H, int64_t KVH, int64_t D, float scale, void* out, int64_t o_st,
+                      int64_t o_sh, int dtype, int num_threads) {
+#if defined(__AVX512BF16__)
+    if (dtype != DTYPE_BF16 || D % 64 != 0 || D > MAX_HEAD_DIM || H % KVH != 0) return -1;
+    const int64_t G = H / KVH;
+    /* Where each (chunk, KV head)'s packed K and V start, and the work items: (chunk, KV head, block of query
+     * tokens), a chunk's last blocks (the most keys) first so that the threads end together. */
+    int64_t* packed_at = (int64_t*)malloc(sizeof(int64_t) * (num_chunks + 1));
+    int64_t* first_item = (int64_t*)malloc(sizeof(int64_t) * (num_chunks + 1));
+    int64_t widest = 0;
+    packed_at[0] = first_item[0] = 0;
+    for (int64_t c = 0; c < num_chunks; ++c) {
+        const int64_t len = chunks[4 * c + 2] + chunks[4 * c + 1], padded = round_up16(len);
+        widest = padded > widest ? padded : widest;
+        packed_at[c + 1] = packed_at[c] + KVH * padded * D;
+        first_item[c + 1] = first_item[c] + KVH * ((chunks[4 * c + 1] + PREFILL_QUERY_BLOCK - 1) / PREFILL_QUERY_BLOCK);
+    }
+    uint16_t* kpack = (uint16_t*)malloc(sizeof(uint16_t) * packed_at[num_chunks]);
+    uint16_t* vpack = (uint16_t*)malloc(sizeof(uint16_t) * packed_at[num_chunks]);
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_chunks * KVH; ++item) {
+            const int64_t c = item / KVH, kh = item % KVH, len = chunks[4 * c + 2] + chunks[4 * c + 1];
+            const int64_t at = packed_at[c] + kh * round_up16(len) * D;
+            pack_prefill_kv((const uint16_t*)k_cache, (const uint16_t*)v_cache, c_sb, c_ss, c_sh, block_size,
+                            slots + chunks[4 * c + 3], len, kh, D, (uint32_t*)(kpack + at), vpack + at);
+        }
+        float* scores = (float*)malloc(sizeof(float) * PREFILL_ROWS * widest);
+        uint16_t* probs = (uint16_t*)malloc(sizeof(uint16_t) * PREFILL_ROWS * widest);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < first_item[num_chunks]; ++item) {
+            int64_t c = 0;
+            while (first_item[c + 1] <= item) ++c;
+            const int64_t start = chunks[4 * c], n = chunks[4 * c + 1], cached = chunks[4 * c + 2];
+            const int64_t blocks = (n + PREFILL_QUERY_BLOCK - 1) / PREFILL_QUERY_BLOCK;
+            const int64_t kh = (item - first_item[c]) / blocks, qb = blocks - 1 - (item - first_item[c]) % blocks;
+            const int64_t padded = round_up16(cached + n), at = packed_at[c] + kh * padded * D;
+            const int64_t i0 = qb * PREFILL_QUERY_BLOCK;
+            const int64_t i1 = i0 + PREFILL_QUERY_BLOCK < n ? i0 + PREFILL_QUERY_BLOCK : n;
+            const int64_t vectors = (i1 - i0) * G;  /* (token, head of the group), token-major */
+            for (int64_t v0 = 0; v0 < vectors; v0 += PREFILL_ROWS) {
+                const uint16_t* rows[PREFILL_ROWS];
+                int64_t limit[PREFILL_ROWS];
+                uint16_t* out_rows[PREFILL_ROWS];
+                for (int r = 0; r < PREFILL_ROWS; ++r) {
+                    const int64_t v = v0 + r < vectors ? v0 + r : v0;  /* padding repeats the first, unwritten */
+                    const int64_t t = start + i0 + v / G, h = kh * G + v % G;
+                    rows[r] = (const uint16_t*)qkv + t * qkv_st + h * D;
+                    limit[r] = cached + i0 + v / G + 1;
+                    out_rows[r] = v0 + r < vectors ? (uint16_t*)out + t * o_st + h * o_sh : NULL;
+                }
+                if (D == 64)
+                    prefill_vectors(rows, limit, out_rows, (const uint32_t*)(kpack + at), vpack + at, 64, scale,
+                                    scores, probs, padded);
+                else
+                    prefill_vectors(rows, limit, out_rows, (const uint32_t*)(kpack + at), vpack + at, D, scale,
+                                    scores, probs, padded);
+            }
+        }
+        free(scores);
+        free(probs);
+    }
+    free(kpack);
+    free(vpack);
+    free(packed_at);
+    free(first_item);
+    return 0;
+#else
+    (void)qkv; (void)qkv_st; (void)k_cache; (void)v_cache; (void)c_sb; (void)c_ss; (void)c_sh; (void)block_size;
+    (void)chunks; (void)num_chunks; (void)slots; (void)H; (void)KVH; (void)D; (void)scale; (void)out; (void)o_st;
+    (void)o_sh; (void)dtype; (void)num_threads;
+    return -1;
+#endif
+}
+
+int prefill_attention_available(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int max_group(void) { return MAX_GROUP; }
 int max_head_dim(void) { return MAX_HEAD_DIM; }
