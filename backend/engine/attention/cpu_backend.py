@@ -15,7 +15,7 @@ from backend.kernels import cpu_kernels
 class CpuAttentionMetadata(AttentionMetadata):
     """The common metadata plus what the prefill kernel reads about the step's chunks (built once per step)."""
 
-    prefill_plan: tuple[torch.Tensor, torch.Tensor] | None  # cpu_kernels.prefill_plan; None without prefills
+    prefill_plan: tuple[torch.Tensor, torch.Tensor] | None  # cpu_kernels.prefill_plan; None: no prefills or no kernel
 
 
 class CpuAttention(AttentionBackend):
@@ -30,7 +30,8 @@ class CpuAttention(AttentionBackend):
         self.prefill_kernel = prefill_kernel  # False: the chunks attend in torch (bench.prefill_attention's baseline)
 
     def build_metadata(self, common: AttentionMetadata) -> CpuAttentionMetadata:
-        plan = cpu_kernels.prefill_plan(common.prefills, common.slot_mapping) if common.prefills else None
+        wanted = common.prefills and self.prefill_kernel and cpu_kernels.prefill_attention_available()
+        plan = cpu_kernels.prefill_plan(common.prefills, common.slot_mapping) if wanted else None
         return common.extend(CpuAttentionMetadata, prefill_plan=plan)
 
     def forward(self, qkv, positions, cos, sin_signed, k_cache, v_cache, meta, num_heads):
@@ -44,8 +45,8 @@ class CpuAttention(AttentionBackend):
         if not meta.prefills:
             return out
         if self.prefill_kernel and cpu_kernels.supports_prefill_attention(qkv, k_cache, v_cache, num_heads):
-            plan = (meta.prefill_plan if isinstance(meta, CpuAttentionMetadata)
-                    else cpu_kernels.prefill_plan(meta.prefills, meta.slot_mapping))
+            plan = meta.prefill_plan if isinstance(meta, CpuAttentionMetadata) else None
+            plan = plan or cpu_kernels.prefill_plan(meta.prefills, meta.slot_mapping)
             cpu_kernels.cpu_prefill_attention(out, qkv, k_cache, v_cache, plan, meta.scale, num_heads)
             return out
         num_tokens, (num_kv_heads, head_dim) = qkv.shape[0], k_cache.shape[2:]
