@@ -331,3 +331,45 @@ def test_the_prefill_bench_records_the_kernel_beside_sdpa(smollm2_dir):
     assert all(r["sdpa"] > 0 and r["ratio"] == pytest.approx(r["kernel"] / r["sdpa"]) for r in table.rows)
     with pytest.raises(Exception, match="PROMPTSxTOKENS"):
         prefill_attention.parse_shape("four")
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the C kernels are not built here")
+def test_a_projection_is_the_same_whichever_thread_takes_its_panels():
+    """The projections' loop goes out by OpenMP's run schedule (``dynamic,1`` as shipped): each panel's sums are the
+    same whichever thread computes them, so the output equals the static split's bit for bit."""
+    from backend.engine.openmp import run_schedule, set_run_schedule
+
+    before = run_schedule()
+    torch.manual_seed(0)
+    weight = cpu_kernels.prepare_linear_weight(torch.randn(1536, 576, dtype=torch.bfloat16) * 0.05)
+    other = torch.randn(300, 1536, dtype=torch.bfloat16)
+    try:
+        most = 300 if cpu_kernels.weight_packed() else cpu_kernels.limits().linear_max_rows  # row-major: its limit
+        for rows in (1, 7, most):
+            x = torch.randn(rows, 576, dtype=torch.bfloat16)
+            outputs = []
+            for kind, chunk in (("static", 0), ("dynamic", 1), ("guided", 0)):
+                set_run_schedule(kind, chunk)
+                assert run_schedule()[0] == kind
+                outputs.append(cpu_kernels.cpu_linear_small(x, weight, op="mul", other=other[:rows]))
+            assert all(torch.equal(outputs[0], out) for out in outputs[1:]), rows
+    finally:
+        set_run_schedule(*before)
+
+
+@pytest.mark.smollm2
+def test_the_omp_schedule_bench_records_both_arms(smollm2_dir):
+    """``bench.omp_schedule`` times real prefill and decode steps under each schedule and records them side by side."""
+    from backend.engine.openmp import run_schedule
+    from bench import omp_schedule
+
+    before = run_schedule()
+    figures = omp_schedule.step_ms(str(smollm2_dir), rounds=1, decode_batches=(3,), prompts=2, prompt_len=16)
+    assert run_schedule() == before  # the process's schedule is left as it was
+    assert set(figures) == {"prefill", "decode 3"}
+    assert all(set(arms) == {"static", "dynamic"} and min(arms.values()) > 0 for arms in figures.values())
+    rows = [{"machine": "quiet", "workload": workload, **arms} for workload, arms in figures.items()]
+    record = omp_schedule.record_table(omp_schedule.Record("python -m bench.omp_schedule", {}, {}), rows)
+    table = record.tables["schedule"]
+    assert [c.key for c in table.columns] == ["machine", "workload", "static", "dynamic", "ratio"]
+    assert all(r["ratio"] == pytest.approx(r["dynamic"] / r["static"]) for r in table.rows)

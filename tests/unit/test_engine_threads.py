@@ -1,6 +1,7 @@
-"""The engine gives the same tokens whichever thread loads and steps it, under the OpenMP wait settings that
-``backend.engine.openmp`` sets (a bounded spin) and under sleeping waits: threading changes speed (``make bench``
-measures it), never tokens. Each setting runs in its own process, since OpenMP reads it once, when torch loads.
+"""The engine gives the same tokens whichever thread loads and steps it, under the OpenMP settings that
+``backend.engine.openmp`` sets (a bounded spin, loops shared out dynamically), under sleeping waits and under a
+static split of the loops: threading changes speed (``make bench`` and ``bench.omp_schedule`` measure it), never
+tokens. Each setting runs in its own process, since OpenMP reads it once, when torch loads.
 Importing ``backend`` itself sets nothing (the launcher and Locust keep libgomp's defaults)."""
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from backend.engine import openmp
 SCRIPT = r"""
 import json, os, sys, threading
 
-from backend.engine.openmp import set_wait_policy
+VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_SCHEDULE")
+
+from backend.engine.openmp import run_schedule, set_wait_policy
 
 set_wait_policy()  # before torch loads, as every process that builds an engine does
 from backend.engine.config import EngineConfig
@@ -53,13 +56,16 @@ streams = [loop.submit(f"r{i}", prompt, params) for i, (prompt, params) in enume
 tokens["loaded and stepped on the engine loop's thread"] = [
     [t for out in s for t in out.new_token_ids] for s in streams]
 loop.shutdown()
-settings = {name: os.environ.get(name) for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-print(json.dumps({"settings": settings, "tokens": tokens}))
+settings = {name: os.environ.get(name) for name in VARIABLES}
+print(json.dumps({"settings": settings, "schedule": run_schedule(), "tokens": tokens}))
 """
 
 
+VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_SCHEDULE")
+
+
 def run_engines(model_dir, **settings) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
     done = subprocess.run([sys.executable, "-c", SCRIPT, str(model_dir)], env={**env, **settings},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -67,14 +73,19 @@ def run_engines(model_dir, **settings) -> dict:
 
 
 @pytest.mark.smollm2
-def test_same_tokens_on_every_thread_spinning_or_sleeping(smollm2_dir):
+def test_same_tokens_on_every_thread_spinning_or_sleeping_static_or_dynamic(smollm2_dir):
     spinning = run_engines(smollm2_dir)
-    assert spinning["settings"] == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(openmp.OPENMP_SPIN_COUNT)}
+    assert spinning["settings"] == {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": str(openmp.OPENMP_SPIN_COUNT),
+                                    "OMP_SCHEDULE": openmp.OPENMP_SCHEDULE}
+    assert spinning["schedule"] == ["dynamic", 1]  # what the runtime read, not only what was set
     sleeping = run_engines(smollm2_dir, OMP_WAIT_POLICY="PASSIVE")
-    assert sleeping["settings"] == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None}
+    assert sleeping["settings"] == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": None,
+                                    "OMP_SCHEDULE": openmp.OPENMP_SCHEDULE}
+    static = run_engines(smollm2_dir, OMP_SCHEDULE="static")  # the environment's schedule wins
+    assert static["settings"]["OMP_SCHEDULE"] == "static" and static["schedule"][0] == "static"
     reference = spinning["tokens"]["loaded and run on the main thread"]
     assert len(set(map(tuple, reference))) == 3 and all(len(t) == 16 for t in reference)
-    for result in (spinning, sleeping):
+    for result in (spinning, sleeping, static):
         for where, tokens in result["tokens"].items():
             assert tokens == reference, (result["settings"], where)
 
@@ -84,8 +95,8 @@ def test_importing_backend_sets_no_openmp_variable():
     among them) leaves the environment as it was."""
     script = ("import json, os, backend, backend.engine.llm_engine, backend.triton.launcher.serve, "
               "backend.triton.stub.responses; "
-              "print(json.dumps([os.environ.get(name) for name in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT')]))")
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+              f"print(json.dumps([os.environ.get(name) for name in {VARIABLES!r}]))")
+    env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [None, None]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [None, None, None]

@@ -210,7 +210,9 @@ static void decode_attention_items(const void* query, int64_t q_sb, int64_t q_sh
     float* q = (float*)malloc(sizeof(float) * NK * G * D);
     float* acc = (float*)malloc(sizeof(float) * NK * G * D);
     float* tile = (float*)malloc(sizeof(float) * TILE * NK * D);
-#pragma omp for schedule(static)
+    /* By the run schedule, dynamic,1 (backend/engine/openmp.py): the items' contexts differ in length, and a thread
+     * kept off its core holds up one item, not its share. */
+#pragma omp for schedule(runtime)
     for (int64_t item = 0; item < B * items_per_seq; ++item) {
         const int64_t b = item / items_per_seq, kv_begin = (item % items_per_seq) * NK;
         const char* q_rows = (const char*)query + (b * q_sb + kv_begin * G * q_sh) * esize;

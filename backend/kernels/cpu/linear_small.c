@@ -110,8 +110,10 @@ void pack_linear_weight(const void* weight, int64_t N, int64_t K, void* packed) 
 static void linear_small_packed(const uint16_t* xb, const uint16_t* w, const uint16_t* b, int64_t T, int64_t K,
                                 int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out,
                                 int num_threads) {
-    /* Small projections are not worth waking the other threads for. */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 65536)
+    /* Small projections are not worth waking the other threads for. The pairs go out by OpenMP's run schedule,
+     * dynamic,1 (backend/engine/openmp.py): a thread takes the next pair when it finishes one, so a thread that
+     * another process keeps off its core for a while holds up one pair, not its fixed half of them. */
+#pragma omp parallel for schedule(runtime) num_threads(num_threads) if (N * K >= 65536)
     for (int64_t pair = 0; pair < N / 32; ++pair) {
         const uint16_t* wp = w + pair * 32 * K;
         for (int64_t t0 = 0; t0 < T; t0 += LINEAR_TILE_T) {
