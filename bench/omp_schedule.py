@@ -1,5 +1,5 @@
-"""What the projections' dynamic schedule is worth: engine steps with the loops of ``linear_small``, ``linear_amx`` and
-the decode attention shared out statically (each thread a fixed half of the panels: the baseline, as before) beside
+"""What the projections' dynamic schedule is worth: engine steps with the loops of ``linear_small`` and the decode
+attention shared out statically (each thread a fixed half of the panels: the baseline, as before) beside
 the same steps with each thread taking the next panel when it finishes one (``dynamic,1``, as shipped:
 ``backend/engine/openmp.py``), on a quiet machine and beside a neighbour process that takes a share of one core in
 short bursts, as the server's frontend and tritonserver do while tokens stream.
@@ -57,6 +57,16 @@ def step_ms(model: str, rounds: int = 12, decode_batches: tuple[int, ...] = (64,
     vocab = engine.runner.shape.vocab_size
     prompt = lambda n: [rng.randrange(100, vocab - 100) for _ in range(n)]  # noqa: E731
     times: dict[str, dict[str, list[float]]] = {}
+    try:
+        _run_steps(engine, times, rounds, decode_batches, prompts, prompt_len, prompt)
+    finally:
+        set_run_schedule(*before)  # the process's own schedule again, whatever happened
+    return {workload: {arm: statistics.median(t) * 1e3 for arm, t in arms.items()} for workload, arms in times.items()}
+
+
+def _run_steps(engine, times: dict, rounds: int, decode_batches: tuple[int, ...], prompts: int, prompt_len: int,
+               prompt) -> None:
+    """The timed steps of :func:`step_ms`, each arm's seconds appended to ``times[workload][arm]``."""
 
     def timed(workload: str, arm: str) -> None:
         set_run_schedule(*ARMS[arm])
@@ -88,8 +98,6 @@ def step_ms(model: str, rounds: int = 12, decode_batches: tuple[int, ...] = (64,
                 raise RuntimeError(f"a decode step ran {ran} sequences, not {batch}")
         for request_id in ids:
             engine.abort(request_id)
-    set_run_schedule(*before)
-    return {workload: {arm: statistics.median(t) * 1e3 for arm, t in arms.items()} for workload, arms in times.items()}
 
 
 def measure(model: str, rounds: int, busy_ms: float, idle_ms: float) -> list[dict]:
