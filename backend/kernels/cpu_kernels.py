@@ -135,6 +135,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ptr, i64, i64, c_int, c_int,  # out, dtype, num_threads
     ]
     lib.paged_decode_attention.restype = None
+    lib.set_decode_attention_widened.argtypes, lib.set_decode_attention_widened.restype = [c_int], c_int
     lib.rope_paged_attention.argtypes = [
         ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64,  # qkv, positions, tables, slots, caches
         i64, ptr, i64, ptr, i64, i64, i64, i64, c_float, i64,  # decodes, block tables, H, KVH, D, scale
@@ -241,6 +242,17 @@ def cpu_decode_attention(
         out.data_ptr(), out.stride(0), out.stride(1), _DTYPE_CODES[query.dtype], torch.get_num_threads(),
     )
     return out
+
+
+def set_decode_attention_widened(widened: bool) -> bool:
+    """Whether the decode attention (``cpu_decode_attention``, ``cpu_rope_paged_attention``) widens each tile of a bf16
+    pool's K and V rows to float32 before using them, as it did before it read them in place
+    (``python -m bench.decode_attention``'s baseline); off by default. The whole library, from the next call.
+    Returns the setting it replaced."""
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU kernel library is not loaded here (cpu_kernels.load() returned None)")
+    return bool(lib.set_decode_attention_widened(int(widened)))
 
 
 def supports_rope_attention(

@@ -71,6 +71,38 @@ def test_kernel_matches_torch_reference(num_heads, num_kv_heads, head_dim, block
     torch.testing.assert_close(out.float(), ref, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size",
+    [(9, 3, 64, 16), (4, 4, 64, 16), (8, 1, 128, 32), (12, 2, 64, 16)],
+    ids=["smollm2-gqa3", "mha", "gqa8-hd128", "gqa6-two-passes"],
+)
+def test_bf16_decode_attention_reads_the_pool_in_place_or_widened_alike(num_heads, num_kv_heads, head_dim,
+                                                                          block_size):
+    """bf16 items read K and V rows straight from the pool (as shipped), or widen each tile to float32 first (the
+    bench's baseline): both give the torch reference's result, at every context length around a tile's edges, with
+    query heads per KV head from 1 to more than one pass of accumulators holds; the default path is the direct one."""
+    context_lens = [1, 15, 16, 17, 31, 33, 77, 130, 200]
+    query, k_cache, v_cache, tables, lens = scattered_case(
+        num_heads, num_kv_heads, head_dim, block_size, context_lens, torch.bfloat16
+    )
+    scale = head_dim**-0.5
+    ref = paged_decode_attention(query.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    default = cpu_kernels.cpu_decode_attention(query, k_cache, v_cache, tables, lens, scale)
+    outputs = {}
+    try:
+        for widened in (True, False):
+            cpu_kernels.set_decode_attention_widened(widened)
+            outputs[widened] = cpu_kernels.cpu_decode_attention(query, k_cache, v_cache, tables, lens, scale)
+    finally:
+        cpu_kernels.set_decode_attention_widened(False)
+    for out in outputs.values():
+        torch.testing.assert_close(out.float(), ref, **TOLERANCE[torch.bfloat16])
+    assert torch.equal(default, outputs[False])
+    # The two differ only in the order of float32 sums: at most one bf16 step apart, in a few elements.
+    apart = (outputs[True].float() - outputs[False].float()).abs()
+    assert apart.max() <= 2 ** -7 * outputs[False].float().abs().max() and (apart > 0).float().mean() < 0.05
+
+
 def test_kernel_equals_reference_with_precomputed_metadata_and_threads():
     query, k_cache, v_cache, tables, lens = scattered_case(9, 3, 64, 16, [5, 40, 200, 17] * 8, torch.float32)
     slots, mask = decode_gather_indices(tables, lens, 16)
@@ -373,3 +405,20 @@ def test_the_omp_schedule_bench_records_both_arms(smollm2_dir):
     table = record.tables["schedule"]
     assert [c.key for c in table.columns] == ["machine", "workload", "static", "dynamic", "ratio"]
     assert all(r["ratio"] == pytest.approx(r["dynamic"] / r["static"]) for r in table.rows)
+
+
+@pytest.mark.smollm2
+def test_the_decode_attention_bench_records_both_paths(smollm2_dir):
+    """``bench.decode_attention`` times real decode steps and the kernel alone on each path, side by side, and leaves
+    the process on the path it found."""
+    from bench import decode_attention
+
+    rows = decode_attention.step_ms(str(smollm2_dir), [(3, 16), (2, 40)], rounds=1)
+    assert cpu_kernels.set_decode_attention_widened(False) is False  # put back as found
+    assert [(r["batch"], r["prompt"]) for r in rows] == [(3, 16), (2, 40)]
+    record = decode_attention.record_table(decode_attention.Record("python -m bench.decode_attention", {}, {}), rows)
+    table = record.tables["decode"]
+    assert [c.key for c in table.columns] == ["batch", "prompt", "widened", "direct", "step_ratio",
+                                              "widened_attention", "direct_attention", "attention_ratio"]
+    assert all(min(r["widened"], r["direct"], r["widened_attention"], r["direct_attention"]) > 0 and
+               r["step_ratio"] == pytest.approx(r["direct"] / r["widened"]) for r in table.rows)

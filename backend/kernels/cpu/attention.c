@@ -98,10 +98,13 @@ static inline __attribute__((always_inline)) void attend_one(
 }
 
 /*
- * The same work item for head dims that are a multiple of 16, TILE tokens at a time: their K (then V) rows are
- * widened to float32 once into `tile` (L1-resident), then every query head of the item reads them from there. A
- * head's TILE scores come out of one reduction of TILE partial-sum vectors (a transpose-add tree: about 3
- * instructions a score instead of a horizontal sum each), and its output accumulates in registers across the tile.
+ * The same work item for head dims that are a multiple of 16, TILE tokens at a time. A head's TILE scores come out
+ * of one reduction of TILE partial-sum vectors (a transpose-add tree: about 3 instructions a score instead of a
+ * horizontal sum each). float32 items (and bf16 ones on the widened path) widen the tile's K (then V) rows to float32
+ * once into `tile` (L1-resident), which every query head of the item then reads. bf16 items (`direct`) read the
+ * pool's rows in place: the scores by vdpbf16ps on the bf16 pairs (score_bf16), and each V row widened in registers
+ * once for the query heads of its KV head (weigh_values_bf16), with no float32 copy of the tile to write and read
+ * back for every head. python -m bench.decode_attention times the two paths (docs/cpu-kernels.md).
  */
 #define TILE 16
 typedef int32_t v16i __attribute__((vector_size(64)));
@@ -140,14 +143,138 @@ static inline __attribute__((always_inline)) void load_tile(
     for (int64_t tt = n; tt < TILE; ++tt) memset(tile + tt * NK * D, 0, sizeof(float) * NK * D);
 }
 
+/* The next tile's rows, prefetched a few lines at a time between the current tile's loads rather than all at once
+ * (a burst of a whole tile's lines from scattered blocks left the loads waiting on memory). */
+typedef struct {
+    const char* rows[TILE];
+    int64_t count, lines, row, line;
+} TilePrefetch;
+
+static inline void prefetch_tile(TilePrefetch* p, const uint16_t* pool, const int32_t* table, int64_t c_sb,
+                                 int64_t c_ss, int64_t block_size, int64_t t0, int64_t len, int64_t row_bytes) {
+    p->count = p->row = p->line = 0;
+    p->lines = (row_bytes + 63) / 64;
+    for (int64_t t = t0; t < len && t < t0 + TILE; ++t)
+        p->rows[p->count++] = (const char*)(pool + table[t / block_size] * c_sb + (t % block_size) * c_ss);
+}
+
+static inline void prefetch_some(TilePrefetch* p, int64_t k) {
+    for (; k > 0 && p->row < p->count; --k) {
+        __builtin_prefetch(p->rows[p->row] + 64 * p->line);
+        if (++p->line == p->lines) {
+            p->line = 0;
+            ++p->row;
+        }
+    }
+}
+
+/* acc[j] += sum_t p[j][t] v_t for attend_tiled's bf16 item: each V row widened once from the pool for every query
+ * head of its KV head (no float32 copy of the tile), up to PV_REGS accumulator vectors in registers at a time. */
+#define PV_REGS 16
+static inline __attribute__((always_inline)) void weigh_values_bf16(
+    const uint16_t* v_pool, int64_t c_sb, int64_t c_ss, int64_t c_sh, const int32_t* table, int64_t len,
+    int64_t block_size, int64_t NK, int64_t G, const int64_t D, const float* scores, int64_t max_context,
+    float* acc) {
+    const int64_t DV = D / 16, CH = PV_REGS / DV > 0 ? PV_REGS / DV : 1;  /* query heads a pass holds */
+    const int64_t row_bytes = NK * c_sh * 2;
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        const uint16_t* rows[TILE];
+        for (int64_t tt = 0; tt < n; ++tt) {
+            const int64_t t = t0 + tt;
+            rows[tt] = v_pool + table[t / block_size] * c_sb + (t % block_size) * c_ss;
+        }
+        TilePrefetch next;
+        prefetch_tile(&next, v_pool, table, c_sb, c_ss, block_size, t0 + TILE, len, row_bytes);
+        const int64_t steps = NK * ((G + CH - 1) / CH) * n, per_step = (next.count * next.lines + steps - 1) / steps;
+        for (int64_t h = 0; h < NK; ++h) {
+            for (int64_t g0 = 0; g0 < G; g0 += CH) {
+                const int64_t m = G - g0 < CH ? G - g0 : CH, j0 = h * G + g0;
+                v16f a[PV_REGS];
+                for (int64_t g = 0; g < CH; ++g)
+                    if (g < m)
+                        for (int64_t c = 0; c < DV; ++c) a[g * DV + c] = load16(acc + (j0 + g) * D + 16 * c);
+                for (int64_t tt = 0; tt < n; ++tt) {
+                    prefetch_some(&next, per_step);
+                    v16f v[MAX_HEAD_DIM / 16];
+                    for (int64_t c = 0; c < DV; ++c) v[c] = widen_bf16(rows[tt] + h * c_sh + 16 * c);
+                    for (int64_t g = 0; g < CH; ++g) {
+                        if (g >= m) continue;
+                        const v16f w = (v16f){0.f} + scores[(j0 + g) * max_context + t0 + tt];
+                        for (int64_t c = 0; c < DV; ++c) a[g * DV + c] += w * v[c];
+                    }
+                }
+                for (int64_t g = 0; g < CH; ++g)
+                    if (g < m)
+                        for (int64_t c = 0; c < DV; ++c) store16(acc + (j0 + g) * D + 16 * c, a[g * DV + c]);
+            }
+        }
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* The scores of attend_tiled's item for bf16 heads of a multiple of 32 dimensions, straight from the pool's rows with
+ * vdpbf16ps: each 64-byte line of a K row is 16 pairs of dimensions, met by the same pairs of the bf16 query, so
+ * nothing is widened. A product of two bf16 is exact in float32: this differs from the widened path (and from torch)
+ * only in the order of the float32 sums, and the scale is applied to the sum (exact for a power of two). */
+static inline __attribute__((always_inline)) void score_bf16(
+    const uint16_t* q_rows, int64_t q_sh, const uint16_t* k_pool, int64_t c_sb, int64_t c_ss, int64_t c_sh,
+    const int32_t* table, int64_t len, int64_t block_size, int64_t NK, int64_t G, const int64_t D, float scale,
+    float* scores, int64_t max_context, float* max_score) {
+    const int64_t NQ = NK * G, DZ = D / 32;
+    __m512bh qv[MAX_HEADS * (MAX_HEAD_DIM / 32)];
+    __m512 vmax[MAX_HEADS];
+    for (int64_t j = 0; j < NQ; ++j) {
+        for (int64_t z = 0; z < DZ; ++z) qv[j * DZ + z] = (__m512bh)_mm512_loadu_si512(q_rows + j * q_sh + 32 * z);
+        vmax[j] = _mm512_set1_ps(-FLT_MAX);
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const int64_t row_bytes = NK * c_sh * 2;
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
+        const uint16_t* rows[TILE];
+        for (int64_t tt = 0; tt < TILE; ++tt) {  /* past the context: the first row again, its scores not kept */
+            const int64_t t = tt < n ? t0 + tt : t0;
+            rows[tt] = k_pool + table[t / block_size] * c_sb + (t % block_size) * c_ss;
+        }
+        TilePrefetch next;
+        prefetch_tile(&next, k_pool, table, c_sb, c_ss, block_size, t0 + TILE, len, row_bytes);
+        const int64_t per_step = (next.count * next.lines + NQ * TILE - 1) / (NQ * TILE);
+        for (int64_t j = 0; j < NQ; ++j) {
+            const int64_t h = j / G;
+            v16f part[TILE];
+            for (int64_t tt = 0; tt < TILE; ++tt) {
+                prefetch_some(&next, per_step);
+                const uint16_t* k = rows[tt] + h * c_sh;
+                __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[j * DZ], (__m512bh)_mm512_loadu_si512(k));
+                for (int64_t z = 1; z < DZ; ++z)
+                    a = _mm512_dpbf16_ps(a, qv[j * DZ + z], (__m512bh)_mm512_loadu_si512(k + 32 * z));
+                part[tt] = (v16f)a;
+            }
+            const __m512 sc = _mm512_mul_ps((__m512)reduce16(part), vscale);
+            _mm512_mask_storeu_ps(scores + j * max_context + t0, valid, sc);
+            vmax[j] = _mm512_mask_max_ps(vmax[j], valid, vmax[j], sc);
+        }
+    }
+    for (int64_t j = 0; j < NQ; ++j) max_score[j] = _mm512_reduce_max_ps(vmax[j]);
+}
+#endif
+
 static inline __attribute__((always_inline)) void attend_tiled(
     const char* q_rows, int64_t q_sh, const char* k_bytes, const char* v_bytes, int64_t c_sb, int64_t c_ss,
     int64_t c_sh, const int32_t* table, int64_t len, int64_t block_size, int64_t NK, int64_t G, const int64_t D,
     const int dtype, float scale, float* scores, int64_t max_context, float* q, float* acc, float* tile,
-    char* out_rows, int64_t o_sh) {
+    char* out_rows, int64_t o_sh, const int direct) {
     const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4, NQ = NK * G, DV = D / 16;
     float max_score[MAX_HEADS], sum[MAX_HEADS];
     start_queries(q_rows, q_sh, dtype, D, NQ, scale, q, acc, max_score);
+#if defined(__AVX512BF16__)
+    if (direct && D % 32 == 0)
+        score_bf16((const uint16_t*)q_rows, q_sh, (const uint16_t*)k_bytes, c_sb, c_ss, c_sh, table, len, block_size,
+                   NK, G, D, scale, scores, max_context, max_score);
+    else
+#endif
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {  /* scores[j][t] = q_j . k_t */
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         load_tile(k_bytes, table, c_sb, c_ss, c_sh, block_size, t0, n, len, NK, D, dtype, tile);
@@ -170,6 +297,10 @@ static inline __attribute__((always_inline)) void attend_tiled(
         }
     }
     exp_scores(scores, max_context, max_score, NQ, len, sum);
+    if (direct)
+        weigh_values_bf16((const uint16_t*)v_bytes, c_sb, c_ss, c_sh, table, len, block_size, NK, G, D, scores,
+                          max_context, acc);
+    else
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {  /* acc[j] = sum_t p[j][t] v_t */
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         load_tile(v_bytes, table, c_sb, c_ss, c_sh, block_size, t0, n, len, NK, D, dtype, tile);
@@ -188,6 +319,16 @@ static inline __attribute__((always_inline)) void attend_tiled(
     for (int64_t j = 0; j < NQ; ++j) store_row(out_rows + j * o_sh * esize, dtype, D, acc + j * D, 1.f / sum[j]);
 }
 
+/* Whether bf16 items widen each tile of K and V to float32 before using it, as the kernel did before score_bf16 and
+ * weigh_values_bf16: the baseline that python -m bench.decode_attention times beside the direct path. float32 items
+ * always take the widened path. */
+static int decode_widened = 0;
+int set_decode_attention_widened(int widened) {  /* returns the setting it replaces */
+    const int before = decode_widened;
+    decode_widened = widened;
+    return before;
+}
+
 /*
  * Strides are in elements.
  * query:  [B, H, D] strides (q_sb, q_sh, 1)
@@ -204,6 +345,7 @@ static void decode_attention_items(const void* query, int64_t q_sb, int64_t q_sh
                                    int num_threads) {
     const int64_t G = H / KVH;
     const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
+    const int direct = dtype == DTYPE_BF16 && !decode_widened;
     /* A sequence per item when there are enough of them to share out; else one (sequence, KV head) per item. */
     const int64_t NK = B >= 4 * num_threads && H <= MAX_HEADS ? KVH : 1, items_per_seq = KVH / NK;
     float* scores = (float*)malloc(sizeof(float) * NK * G * max_context);  /* (NK * G, context) of the item */
@@ -222,10 +364,12 @@ static void decode_attention_items(const void* query, int64_t q_sb, int64_t q_sh
 #define ARGS(HEAD_DIM, DTYPE)                                                                                       \
     q_rows, q_sh, k_bytes, v_bytes, c_sb, c_ss, c_sh, block_tables + b * bt_sb, context_lens[b], block_size, NK, G, \
         HEAD_DIM, DTYPE, scale, scores, max_context, q, acc
-        if (D == 64 && dtype == DTYPE_BF16) attend_tiled(ARGS(64, DTYPE_BF16), tile, out_rows, o_sh);
-        else if (D == 128 && dtype == DTYPE_BF16) attend_tiled(ARGS(128, DTYPE_BF16), tile, out_rows, o_sh);
-        else if (D == 64) attend_tiled(ARGS(64, DTYPE_F32), tile, out_rows, o_sh);
-        else if (D == 128) attend_tiled(ARGS(128, DTYPE_F32), tile, out_rows, o_sh);
+        if (D == 64 && direct) attend_tiled(ARGS(64, DTYPE_BF16), tile, out_rows, o_sh, 1);
+        else if (D == 128 && direct) attend_tiled(ARGS(128, DTYPE_BF16), tile, out_rows, o_sh, 1);
+        else if (D == 64 && dtype == DTYPE_BF16) attend_tiled(ARGS(64, DTYPE_BF16), tile, out_rows, o_sh, 0);
+        else if (D == 128 && dtype == DTYPE_BF16) attend_tiled(ARGS(128, DTYPE_BF16), tile, out_rows, o_sh, 0);
+        else if (D == 64) attend_tiled(ARGS(64, DTYPE_F32), tile, out_rows, o_sh, 0);
+        else if (D == 128) attend_tiled(ARGS(128, DTYPE_F32), tile, out_rows, o_sh, 0);
         else attend_one(ARGS(D, dtype), out_rows, o_sh);
 #undef ARGS
     }
