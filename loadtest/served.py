@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,10 +28,6 @@ READY_TIMEOUT_S = 600.0
 PORTS_FREE_TIMEOUT_S = 30.0  # how long a restart waits for the dead server's ports
 # The models named in the stop's "forced: tritonserver could not unload llm_dynamic, llm_static (most likely ..." line.
 FORCED_MODELS = re.compile(r"could not unload (.+?) \(")
-# NOTE: a start lays tritonserver's files out when they are missing or stale (server_home.py), in a folder named
-# after the process: two threads of one process laying them out at once remove each other's copy (seen: the soak's
-# two servers of a pattern, "No such file or directory: '__pycache__'"). The processes start one at a time.
-_STARTING = threading.Lock()
 # What a model must be back to once its clients are done: Triton's queue, the engine's requests, the KV cache.
 GAUGES = (PENDING_REQUESTS, NUM_REQUESTS_RUNNING, NUM_REQUESTS_WAITING, KV_BLOCKS_USED)
 
@@ -154,11 +149,9 @@ class Served:
         """Start tritonserver on free ports and the frontend (if asked), both ready; the seconds it took."""
         started = time.monotonic()
         self.num_starts += 1
-        with _STARTING:
-            self.server = start_on_free_ports(self.model_repository, model=self.model,
-                                              log_path=self._log_path("triton"), extra_args=self.server_args,
-                                              ready_timeout=READY_TIMEOUT_S)
-        self.server.__enter__()  # waits until ready; stops it and raises ServerError if it is not
+        # ready; a server that is not is stopped and ServerError raised
+        self.server = start_on_free_ports(self.model_repository, model=self.model, log_path=self._log_path("triton"),
+                                          extra_args=self.server_args, ready_timeout=READY_TIMEOUT_S)
         if self.openai:
             self.frontend = FrontendProcess(self.server.grpc_url, free_ports(1)[0],
                                             self.model or REPO_ROOT / DEFAULT_MODEL,
@@ -179,16 +172,14 @@ class Served:
                                   metrics_port=old.metrics_port, address=LOOPBACK, model=self.model,
                                   extra_args=self.server_args, env={ADMIN_KEY_ENV_VAR: old.admin_key},
                                   log_path=self._log_path("triton"), ready_timeout=READY_TIMEOUT_S)
+            self.server = server
             try:
-                with _STARTING:
-                    server.start()
+                server.__enter__()  # ready; a server that is not is stopped and ServerError raised
                 break
-            except PortInUse:  # the dead server's sockets are not released yet
+            except PortInUse:  # the dead server's sockets are not released yet, or another process took one
                 if time.monotonic() - started > PORTS_FREE_TIMEOUT_S:
                     raise
                 time.sleep(0.5)
-        self.server = server
-        server.__enter__()
         if self.frontend is not None:
             self.frontend.wait_ready(READY_TIMEOUT_S, ready=True)
         return time.monotonic() - started

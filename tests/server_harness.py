@@ -81,23 +81,25 @@ class ServerFactory:
         A start that tritonserver aborts in the Python backend's stub handshake (``STARTUP_ABORT``) is tried once
         more."""
         for attempt in (1, 2):
-            server = start_on_free_ports(
-                model_repository,
-                model=model,
-                extra_args=[*DEFAULT_SERVER_ARGS, *extra_args],
-                env=env,
-                log_path=self.log_dir / f"{Path(model_repository).name}-{next(_log_numbers)}.log",
-                ready_timeout=ready_timeout,
-            )
-            self.servers.append(server)
-            _servers.append(server)  # before it is ready: a server that fails to start has a log to show
             try:
-                return server.__enter__()  # waits until ready; a server that is not is stopped, ServerError raised
+                return start_on_free_ports(
+                    model_repository,
+                    model=model,
+                    extra_args=[*DEFAULT_SERVER_ARGS, *extra_args],
+                    env=env,
+                    log_path=self.log_dir / f"{Path(model_repository).name}-{next(_log_numbers)}.log",
+                    ready_timeout=ready_timeout,
+                    on_start=self._keep,  # before it is ready: a server that fails to start has a log to show
+                )  # ready; a server that is not is stopped and ServerError raised
             except ServerError as exc:
                 if attempt == 2 or STARTUP_ABORT not in str(exc):
                     raise
                 print(f"tritonserver aborted its start ({STARTUP_ABORT}); starting it again", file=sys.stderr)
         raise AssertionError("unreachable")
+
+    def _keep(self, server: TritonServer) -> None:
+        self.servers.append(server)
+        _servers.append(server)
 
     def stop_all(self) -> None:
         for server in self.servers:

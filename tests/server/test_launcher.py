@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ import pytest
 import requests
 
 from backend.triton.launcher.launch_options import free_ports
-from backend.triton.launcher.server import ServerError, TritonServer
+from backend.triton.launcher.server import PortTaken, ServerError, TritonServer, start_on_free_ports
 from tests.server_harness import LOCALHOST, REPO_ROOT
 from tests.unit.test_deploy import expected_server_version, gpu_base_release
 from tests.unit.test_launcher import fake_model_folder, launcher_args, run_launcher
@@ -388,6 +389,61 @@ def test_api_raises_server_error_with_log(tmp_path):
             pass
     assert not server.is_running
     assert "deliberately broken model" in (tmp_path / "s.log").read_text()
+
+
+@pytest.mark.server
+@pytest.mark.timeout(180)
+def test_a_port_taken_between_choosing_and_binding_starts_the_server_again_on_new_ones(tmp_path):
+    starts: list[TritonServer] = []
+    holders: list[socket.socket] = []
+
+    def take_the_metrics_port(server: TritonServer) -> None:
+        # What a load test's outgoing connection once did: hold the port before tritonserver binds it (seconds
+        # after the process starts). tritonserver was up on HTTP and gRPC, logged the failed bind, then exited.
+        starts.append(server)
+        if len(starts) == 1:
+            holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            holder.bind((LOCALHOST, server.metrics_port))
+            holders.append(holder)
+
+    log = tmp_path / "server.log"
+    try:
+        with start_on_free_ports(write_echo_repository(tmp_path / "repository"),
+                                 model=fake_model_folder(tmp_path / "model"), log_path=log,
+                                 on_start=take_the_metrics_port) as server:
+            assert [s is server for s in starts] == [False, True]
+            assert starts[0].returncode is not None and group_members(starts[0].pid) == {}
+            assert server.metrics_port != starts[0].metrics_port
+            reply = requests.post(f"{server.http_url}/v2/models/upper/generate", json={"text_input": "moved"},
+                                  timeout=30)
+            assert reply.json()["text_output"] == "MOVED"
+            assert "nv_inference_request_success" in requests.get(server.metrics_url, timeout=10).text
+    finally:
+        for holder in holders:
+            holder.close()
+    taken = f"Socket '{LOCALHOST}:{starts[0].metrics_port}' already in use"
+    assert f"failed to start Metrics service: Unavailable - {taken}" in log.read_text()
+
+
+@pytest.mark.server
+@pytest.mark.timeout(120)
+def test_a_port_taken_on_every_attempt_is_reported_as_taken(tmp_path):
+    holders: list[socket.socket] = []
+
+    def take_the_http_port(server: TritonServer) -> None:
+        holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        holder.bind((LOCALHOST, server.http_port))
+        holders.append(holder)
+
+    try:
+        with pytest.raises(PortTaken, match="another process took a port"):
+            start_on_free_ports(write_echo_repository(tmp_path / "repository"), attempts=2,
+                                model=fake_model_folder(tmp_path / "model"), log_path=tmp_path / "server.log",
+                                on_start=take_the_http_port)
+    finally:
+        for holder in holders:
+            holder.close()
+    assert len(holders) == 2
 
 
 # ---------------------------------------------------------------------------------------------- launcher errors

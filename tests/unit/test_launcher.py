@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from backend.contract.settings import DEFAULT_MODEL
+from backend.triton.launcher import launch_options
 from backend.triton.launcher.launch_options import LauncherError, free_ports
 from backend.triton.launcher.processes import ChildProcess
 from backend.triton.launcher.server_home import find_stub, prepare_server_home, server_distribution, stub_versions
@@ -81,6 +82,17 @@ def test_missing_model_repository(tmp_path):
     result = run_launcher(*launcher_args(tmp_path / "no-such-repository", fake_model_folder(tmp_path / "model")))
     assert result.returncode != 0
     assert "no-such-repository does not exist" in result.stderr
+
+
+def test_free_ports_are_outside_the_range_outgoing_connections_take_theirs(monkeypatch):
+    low, high = launch_options.ephemeral_port_range()
+    ports = free_ports(40)
+    assert len(set(ports)) == 40
+    assert not any(low <= port <= high for port in ports), (low, high, ports)
+    # A kernel that lends every port to outgoing connections leaves no room: the kernel chooses, as bind(0) does.
+    monkeypatch.setattr(launch_options, "ephemeral_port_range", lambda: (1024, 65535))
+    kernels = free_ports(5)
+    assert len(set(kernels)) == 5 and all(low <= port <= high for port in kernels), (low, high, kernels)
 
 
 @pytest.mark.timeout(60)

@@ -10,6 +10,7 @@ value of ``$TRITON_ADMIN_KEY``, or of a random key made for each launch when tha
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import sys
@@ -98,18 +99,54 @@ def port_is_free(port: int, address: str = LOOPBACK) -> bool:
     return True
 
 
+# NOTE: below the kernel's ephemeral range when there is room. A port from bind(0) is one the kernel may also hand
+# to any outgoing connection (a load test's clients make thousands) in the moment between choosing it and the
+# server binding it; seen once: tritonserver's metrics port taken so, and the server exiting after it was up.
+_LOWEST_CHOSEN_PORT = 10000
+_MIN_SPARE_PORTS = 2000
+_chooser = random.Random()  # its own: a test that seeds the random module must not make two processes agree
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections (``ip_local_port_range``; Linux's default if unreadable)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(count: int, address: str = LOOPBACK) -> list[int]:
-    """``count`` distinct ports free on ``address`` right now (all held open together, so never duplicates)."""
-    sockets = []
+    """``count`` distinct ports free on ``address`` right now (all held open together, so never duplicates), chosen
+    outside the kernel's ephemeral range when it leaves room, so no outgoing connection takes one before the
+    server binds it."""
+    low, high = ephemeral_port_range()
+    spans = [(first, last) for first, last in ((_LOWEST_CHOSEN_PORT, low - 1), (high + 1, 65535))
+             if last - first + 1 >= _MIN_SPARE_PORTS]
+    sockets: list[socket.socket] = []
     try:
         for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((address, 0))
-            sockets.append(sock)
+            sockets.append(_bound_socket(address, spans))
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
             sock.close()
+
+
+def _bound_socket(address: str, spans: list[tuple[int, int]], tries: int = 50) -> socket.socket:
+    """A socket bound to a random free port of ``spans`` (to one the kernel picks when there are none, or no free
+    one was found in ``tries``)."""
+    for _ in range(tries if spans else 0):
+        first, last = _chooser.choice(spans)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((address, _chooser.randint(first, last)))
+            return sock
+        except OSError:
+            sock.close()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((address, 0))
+    return sock
 
 
 def check_ports(ports: Mapping[str, int], address: str) -> None:

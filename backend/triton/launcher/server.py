@@ -28,7 +28,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from backend.contract.server_args import option_value
@@ -63,10 +63,18 @@ STOP_RESULT_WAIT_S = 10.0
 # Lines a CPU-only machine always prints; they are not the reason a start failed.
 _NOISE = re.compile(r"CudaDriverHelper|NVML|DCGM|CUDA driver version is insufficient|pinned memory", re.I)
 _ERROR = re.compile(r"^E\d{4} |error|failed|unavailable|unrecognized option|address already in use", re.I)
+# tritonserver's words when a port it was given is bound by someone else: it logs this and exits (crashing on the way
+# out), after the services before it in its start order are already up.
+_PORT_TAKEN = re.compile(r"failed to start (\w+) service: .*already in use", re.I)
 
 
 class ServerError(RuntimeError):
     """The server exited or did not become ready; the message carries the server's own error lines."""
+
+
+class PortTaken(ServerError, PortInUse):
+    """tritonserver could not bind a port that was free when the launcher checked it: another process took it in
+    between. A caller that chose the ports may start again on new ones (:func:`start_on_free_ports` does)."""
 
 
 def die_with_parent() -> None:
@@ -126,6 +134,7 @@ class TritonServer(ChildProcess):
         self._stopper: threading.Thread | None = None
         self.stop_result: shutdown.StopResult | None = None  # what the graceful stop did, once it is over
         self._shared_cores: Path | None = None  # the registry its engines share the cores through
+        self._log_start = 0
         self.stop_board: StopBoard | None = None  # where a client on this host posts requests to stop early
 
     # -- addresses
@@ -230,6 +239,7 @@ class TritonServer(ChildProcess):
                 self.log_path = Path(name)
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             stdout = open(self.log_path, "ab")
+            self._log_start = stdout.tell()  # a log shared with earlier starts: what this one wrote begins here
         try:
             self._process = subprocess.Popen(
                 self.command(home),
@@ -300,12 +310,28 @@ class TritonServer(ChildProcess):
         while True:
             if self._process.poll() is not None:
                 self._drain_output()
+                self._raise_if_a_port_was_taken()
                 raise ServerError(self._failure(f"tritonserver exited with status {self._process.returncode}"))
             if self.is_ready() and self.metrics_ready():
+                # NOTE: a port another process holds may answer for it (that process's metrics page); the log says.
+                self._raise_if_a_port_was_taken()
                 return time.monotonic() - self.started_at
             if time.monotonic() > deadline:
                 raise ServerError(self._failure(f"tritonserver was not ready after {timeout:.0f} s"))
             time.sleep(0.1)
+
+    def _raise_if_a_port_was_taken(self) -> None:
+        if self.log_path is not None and not self.echo:
+            try:
+                with open(self.log_path, "rb") as log:
+                    log.seek(self._log_start)
+                    lines = log.read().decode(errors="replace").splitlines()
+            except OSError:
+                lines = []
+        else:
+            lines = list(self._recent_lines)
+        if any(_PORT_TAKEN.search(line) for line in lines):
+            raise PortTaken(self._failure("another process took a port tritonserver was given"))
 
     def _failure(self, headline: str) -> str:
         lines = self.error_lines()
@@ -431,12 +457,14 @@ class TritonServer(ChildProcess):
         return f"TritonServer({self.model_repository}, http={self.http_port}, grpc={self.grpc_port}, {state})"
 
 
-def start_on_free_ports(model_repository: str | os.PathLike, *, attempts: int = 3, **options) -> TritonServer:
+def start_on_free_ports(model_repository: str | os.PathLike, *, attempts: int = 3,
+                        on_start: Callable[[TritonServer], object] | None = None, **options) -> TritonServer:
     """A :class:`TritonServer` (``options`` as its keywords) started on three :func:`free_ports` of the loopback
-    address, and on new ones if another process takes one between choosing and binding (``attempts`` in all).
+    address and ready, started again on new ones if another process takes one between choosing and binding
+    (``attempts`` in all). ``on_start`` sees each process as it starts, before it is ready.
 
-    Returns once the process is started; ``with start_on_free_ports(...) as server:`` waits until it is ready (or
-    stops it and raises :class:`ServerError`) and always stops it.
+    A server that does not become ready is stopped and :class:`ServerError` raised. Use it as
+    ``with start_on_free_ports(...) as server:`` to stop it at the end.
     """
     address = options.pop("address", LOOPBACK)
     for attempt in range(attempts):
@@ -444,8 +472,11 @@ def start_on_free_ports(model_repository: str | os.PathLike, *, attempts: int = 
         server = TritonServer(model_repository, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
                               address=address, **options)
         try:
-            return server.start()
-        except PortInUse:
+            server.start()
+            if on_start is not None:
+                on_start(server)
+            return server.__enter__()  # waits until ready; stops it if it is not
+        except PortInUse:  # from start()'s check of the ports, or PortTaken from the wait
             if attempt == attempts - 1:
                 raise
     raise ValueError(f"attempts must be at least 1, not {attempts}")

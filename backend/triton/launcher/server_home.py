@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from backend.triton.launcher.processes import STUB_NAME, is_alive
 
 DEFAULT_LAYOUT_ROOT = REPO_ROOT / ".triton"
 LAYOUT_MARKER = ".complete"
+# NOTE: the temporary copy is named after the process: two threads of one process laying the tree out at once would
+# remove each other's copy (seen: the soak's two servers of a pattern, "No such file or directory: '__pycache__'").
+_LAYING_OUT = threading.Lock()
 
 
 def _pytriton_dir() -> Path:
@@ -78,7 +82,13 @@ def prepare_server_home(version: str | None = None, layout_root: Path = DEFAULT_
     wanted = {"source": str(tree), "nvidia_pytriton": wheel_version, "python": version}
     if _read_json(home / LAYOUT_MARKER) == wanted:
         return home
+    with _LAYING_OUT:
+        if _read_json(home / LAYOUT_MARKER) != wanted:  # not laid out by another thread meanwhile
+            _lay_out(tree, stub, home, wanted, layout_root)
+    return home
 
+
+def _lay_out(tree: Path, stub: Path, home: Path, wanted: dict, layout_root: Path) -> None:
     t0 = time.perf_counter()
     if home.exists():
         shutil.rmtree(home)
@@ -98,7 +108,6 @@ def prepare_server_home(version: str | None = None, layout_root: Path = DEFAULT_
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"[serve] laid out tritonserver in {home} ({time.perf_counter() - t0:.2f} s)", flush=True)
-    return home
 
 
 def server_home(version: str | None = None, layout_root: Path = DEFAULT_LAYOUT_ROOT) -> Path:
