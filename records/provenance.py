@@ -23,6 +23,7 @@ ISA_FLAGS = ("amx_tile", "amx_bf16", "amx_int8", "avx512f", "avx512_bf16", "avx5
 
 # AMD's family/model numbers to the core's name (the model name of a virtual machine often says only "AMD EPYC").
 _AMD_CORES = (
+    (23, range(0x00, 0x30), "Zen"), (23, range(0x30, 0x100), "Zen 2"),
     (25, range(0x00, 0x10), "Zen 3"), (25, range(0x20, 0x60), "Zen 3"),
     (25, range(0x10, 0x20), "Zen 4"), (25, range(0x60, 0x80), "Zen 4"), (25, range(0xA0, 0xB0), "Zen 4"),
     (26, range(0x00, 0x100), "Zen 5"),
@@ -148,10 +149,13 @@ def provenance(measure_bandwidth: bool = True) -> dict:
 
 def cpu_slug(cpu_fields: dict) -> str:
     """How a kept record's file name names the CPU: its vendor's word and the line after it ('amd-epyc',
-    'intel-xeon'), or the model name's first two words."""
+    'intel-xeon'), or the model name's first two words; '-avx2' after them for a CPU with AVX2 and no AVX-512, whose
+    kernels are others (a virtual machine's 'AMD EPYC' is a Zen 2 as well as a Zen 4)."""
     words = re.sub(r"\((?:r|tm)\)", " ", cpu_fields.get("model") or "unknown cpu", flags=re.I).lower().split()
     start = next((i for i, word in enumerate(words) if word in ("amd", "intel")), 0)
-    return "-".join(re.sub(r"[^a-z0-9]+", "", word) for word in words[start:start + 2]) or "unknown"
+    slug = "-".join(re.sub(r"[^a-z0-9]+", "", word) for word in words[start:start + 2]) or "unknown"
+    isa = cpu_fields.get("isa", {})
+    return f"{slug}-avx2" if isa.get("avx2") and not isa.get("avx512f") else slug
 
 
 def cpu_label(cpu_fields: dict) -> str:

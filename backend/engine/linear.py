@@ -24,7 +24,9 @@ from backend.kernels import cpu_kernels, quantized_linear
 from backend.kernels.weight_format import WeightFormat
 
 # Up to this many rows a bf16 projection streams its row-major weight through linear_small once, faster than
-# oneDNN's matmul (builds without AVX512-BF16; above it the reference F.linear runs).
+# oneDNN's matmul (builds without AVX512-BF16; above it the reference F.linear runs). Builds with AVX2 and FMA take
+# every row count in linear_small (its panels from 9 rows): torch's bf16 matmul is 10x slower than its float32 one
+# on a CPU without AVX512-BF16.
 SMALL_BATCH_ROWS = 8
 # Where the CPU has AMX, linear_small reading the packed weight is faster than linear_amx up to this many rows, and
 # linear_amx above, at every row count (as fast as oneDNN's AMX matmuls at 128 and 512 rows). Without AMX,
@@ -40,7 +42,7 @@ class Layout(enum.Enum):
     """How a :class:`Linear` holds its one copy of the weight, chosen at load for this device and build."""
 
     PACKED = "packed"  # bf16, AMX tiles' layout (cpu_kernels.prepare_linear_weight): linear_small and linear_amx
-    ROW_MAJOR = "row_major"  # bf16, builds without AVX512-BF16: linear_small for few rows, F.linear for more
+    ROW_MAJOR = "row_major"  # bf16, builds without AVX512-BF16: linear_small (every row count with AVX2), else F.linear
     ONEDNN = "onednn"  # oneDNN's blocked layout (float32, or a shape the packed layout does not fit)
     PLAIN = "plain"  # as loaded: F.linear (CUDA, or no oneDNN)
     # quantized (uint8 [N, row bytes], as quantized_linear holds the format): the quantized C kernels, or widened
@@ -73,7 +75,7 @@ def small_rows_limit(layout: Layout) -> int:
         return QUANTIZED_ROWS
     if layout is Layout.PACKED:
         return SMALL_BATCH_ROWS_WITH_AMX if _has_amx() else sys.maxsize
-    return SMALL_BATCH_ROWS
+    return sys.maxsize if _row_major_any_rows() else SMALL_BATCH_ROWS
 
 
 def c_rows_limit(layout: Layout) -> int:
@@ -85,6 +87,11 @@ def c_rows_limit(layout: Layout) -> int:
 @functools.cache
 def _has_amx() -> bool:
     return cpu_kernels.has_amx()
+
+
+@functools.cache
+def _row_major_any_rows() -> bool:
+    return cpu_kernels.row_major_any_rows()
 
 
 @functools.cache

@@ -160,6 +160,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.linear_small.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, c_int, ptr, i64, ptr, c_int]
     lib.linear_small.restype = c_int
     lib.linear_weight_packed.restype = c_int
+    lib.linear_row_major_any_rows.restype = c_int
+    lib.set_linear_panel_rows.argtypes, lib.set_linear_panel_rows.restype = [c_int], c_int
     lib.decode_stack.argtypes = [
         ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr,  # h, weights per layer
         c_int, i64, i64, c_float,  # weight format, small_rows, I, eps
@@ -422,6 +424,20 @@ def weight_packed() -> bool:
     return lib is not None and bool(lib.linear_weight_packed())
 
 
+def row_major_any_rows() -> bool:
+    """Whether :func:`cpu_linear_small` takes a row-major weight at any row count (builds with AVX2 and FMA but no
+    AVX512-BF16: ``linear_rows_avx2`` runs the many rows), not only up to ``limits().linear_max_rows``."""
+    lib = load()
+    return lib is not None and bool(lib.linear_row_major_any_rows())
+
+
+def set_linear_panel_rows(rows: int) -> int:
+    """From how many rows a row-major weight runs ``linear_rows_avx2``'s panels instead of one pass in registers
+    (``rows`` <= 1: always); returns the count it replaced, -1 in a build without them. The benches' and tests'
+    switch."""
+    return _lib.set_linear_panel_rows(rows)
+
+
 def linear_weight_dense(prepared: torch.Tensor) -> torch.Tensor:  # [N, K] row-major
     """W back from :func:`prepare_linear_weight`'s copy (a new tensor where it is packed): the torch twins' input."""
     if not weight_packed():
@@ -441,7 +457,8 @@ def linear_weight_rows(prepared: torch.Tensor, rows: torch.Tensor) -> torch.Tens
 
 
 def cpu_linear_small(
-    x: torch.Tensor,  # [T, K] bf16, rows may be strided; T <= limits().linear_max_rows where W is row-major
+    x: torch.Tensor,  # [T, K] bf16, rows may be strided; where W is row-major, T <= limits().linear_max_rows
+    # unless row_major_any_rows()
     weight: torch.Tensor,  # [N, K] bf16, from prepare_linear_weight
     bias: torch.Tensor | None = None,  # [N] bf16
     op: str = "none",  # then silu, or times / plus ``other``

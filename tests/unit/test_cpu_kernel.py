@@ -270,17 +270,34 @@ def test_small_batch_linear_matches_float32_sum_rounded_once(op, num_rows, shape
     if prepared is None:  # the packed layout (AVX512-BF16 builds) takes whole panels of 32 rows and 32 columns
         assert cpu_kernels.weight_packed() and (n % 32 or k % 32)
         return
-    if num_rows > cpu_kernels.limits().linear_max_rows and not cpu_kernels.weight_packed():
+    row_major_limit = cpu_kernels.limits().linear_max_rows
+    if num_rows > row_major_limit and not (cpu_kernels.weight_packed() or cpu_kernels.row_major_any_rows()):
         return  # row-major, the kernel refuses them (below)
-    out = cpu_kernels.cpu_linear_small(x, prepared, bias, op, other)
-    assert out.shape == (num_rows, n) and out.dtype == torch.bfloat16
-    # The sum order differs from torch's: a result may land on the neighbouring bf16 value, never further.
-    torch.testing.assert_close(out, fused_reference(x, weight, bias, op, other), atol=1e-3, rtol=2**-7)
+    expected = fused_reference(x, weight, bias, op, other)
+    # AVX2 builds: the panels from their row count as shipped, from the first row, and (up to the row-major limit)
+    # never; other builds have one path (-1)
+    shipped = cpu_kernels.set_linear_panel_rows(0)
+    if shipped != -1:
+        cpu_kernels.set_linear_panel_rows(shipped)
+    arms = [None] if shipped == -1 else [None, 1, row_major_limit + 1]
+    for panel_rows in arms:
+        before = None if panel_rows is None else cpu_kernels.set_linear_panel_rows(panel_rows)
+        try:
+            if panel_rows is not None and num_rows >= panel_rows > row_major_limit:
+                continue
+            out = cpu_kernels.cpu_linear_small(x, prepared, bias, op, other)
+        finally:
+            if before is not None:
+                cpu_kernels.set_linear_panel_rows(before)
+        assert out.shape == (num_rows, n) and out.dtype == torch.bfloat16
+        # The sum order differs from torch's: a result may land on the neighbouring bf16 value, never further.
+        torch.testing.assert_close(out, expected, atol=1e-3, rtol=2**-7,
+                                   msg=lambda m, rows=panel_rows: f"panels from {rows}: {m}")
 
 
 def test_small_batch_linear_refuses_more_rows_than_it_holds_row_major():
-    if cpu_kernels.weight_packed():
-        pytest.skip("packed weights: every row count is taken (test_small_batch_linear_matches_...)")
+    if cpu_kernels.weight_packed() or cpu_kernels.row_major_any_rows():
+        pytest.skip("packed weights, or AVX2's panels: every row count is taken (test_small_batch_linear_matches_...)")
     weight = cpu_kernels.prepare_linear_weight(torch.zeros(8, 64).bfloat16())
     too_many = cpu_kernels.limits().linear_max_rows + 1
     with pytest.raises(ValueError, match=f"cannot take {too_many} rows"):
@@ -320,7 +337,9 @@ def test_model_linear_holds_one_copy_and_routes_every_row_count_to_a_kernel_of_i
         torch.testing.assert_close(linear(x), fused_reference(x, weight, None, "none", None), atol=1e-3, rtol=2**-7)
         torch.testing.assert_close(linear.mul(x, up), fused_reference(x, weight, None, "mul", up), atol=1e-3,
                                    rtol=2**-7)
-    if linear.layout is Layout.ROW_MAJOR:  # builds without AVX512-BF16: the reference above the small kernel
+    if linear.layout is Layout.ROW_MAJOR and cpu_kernels.row_major_any_rows():  # AVX2 without AVX512-BF16
+        assert route(4096, linear) is Kernel.C_SMALL
+    elif linear.layout is Layout.ROW_MAJOR:  # no AVX2: the reference above the small kernel
         assert [route(n, linear) for n in (SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 1)] == [Kernel.C_SMALL, Kernel.TORCH]
     elif cpu_kernels.has_amx():
         assert [route(n, linear) for n in (WITH_AMX, WITH_AMX + 1, 4096)] == [Kernel.C_SMALL, Kernel.C_AMX,
@@ -346,6 +365,54 @@ def test_kernels_forward_and_greedy_engine_hold_without_avx512_or_amx(tmp_path):
                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=550)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert list(tmp_path.rglob("cpu_kernels-*.so")), "the kernels were not rebuilt for the baseline ISA"
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the ISA below is x86-64's")
+def test_kernels_forward_and_greedy_engine_hold_on_avx2_without_avx512(tmp_path):
+    """A CPU with AVX2 and FMA but no AVX-512 (Zen 2 and 3, most client CPUs) runs the projections' panels
+    (``linear_rows_avx2``) at every row count above a decode's: built for x86-64-v3 in a process of their own, with
+    torch and oneDNN held to AVX2, the projection and kernel tests, the forward tests and the engine's greedy text
+    against HF pass, whatever this machine's own CPU."""
+    env = {**os.environ, "LLM_CPU_MARCH": "x86-64-v3", "XDG_CACHE_HOME": str(tmp_path),
+           "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    check = ("from backend.kernels import cpu_kernels as k; from backend.engine.linear import Layout, c_layout; "
+             "assert k.row_major_any_rows() and c_layout() is Layout.ROW_MAJOR and k.set_linear_panel_rows(5) == 5")
+    built = subprocess.run([sys.executable, "-c", check], env=env, cwd=Path(__file__).resolve().parents[2],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
+    tests = ["tests/unit/test_cpu_kernel.py", "tests/unit/test_model_forward.py", "tests/unit/test_engine.py",
+             "-k", "(linear or projection or forward or greedy_matches_hf) and not without_avx512 and not on_avx2"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=550)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and list(tmp_path.rglob("cpu_kernels-*.so"))
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(not cpu_kernels.row_major_any_rows(), reason="no AVX2 panels in this build (AVX512-BF16, no AVX2)")
+def test_the_avx2_linear_bench_records_the_panels_beside_the_route_before(smollm2_dir):
+    """``bench.avx2_linear`` times projections and real engine steps with the route before the panels (to 8 rows in
+    registers, torch's bf16 matmul above) and as shipped, records them side by side, and leaves the route as shipped."""
+    from backend.engine import linear
+    from backend.engine.config import ModelShape
+    from bench import avx2_linear
+
+    model_shape = ModelShape.from_model_dir(smollm2_dir)
+    shapes = avx2_linear.shapes(model_shape)
+    assert shapes["qkv"] == (960, 576) and shapes["lm_head"] == (model_shape.vocab_size, 576)
+    projections = avx2_linear.projection_ms({"o": shapes["o"], "odd": (100, 70)}, [1, 9], rounds=1)
+    steps = avx2_linear.step_ms(str(smollm2_dir), rounds=1, prefill=(2, 8), batches=(9,))
+    assert [(r["projection"], r["rows"]) for r in projections] == [("o", 1), ("o", 9), ("odd", 1), ("odd", 9)]
+    assert [r["step"] for r in steps] == ["prefill 2 x 8", "decode 9"]
+    record = avx2_linear.record_tables(avx2_linear.Record("python -m bench.avx2_linear", {}, {}), projections, steps)
+    assert all(r["before"] > 0 and r["ratio"] == pytest.approx(r["panels"] / r["before"])
+               for name in ("projections", "steps") for r in record.tables[name].rows)
+    assert linear.small_rows_limit(linear.Layout.ROW_MAJOR) > 4096 and cpu_kernels.set_linear_panel_rows(5) == 5
+    with avx2_linear.route_before():
+        assert linear.small_rows_limit(linear.Layout.ROW_MAJOR) == linear.SMALL_BATCH_ROWS
 
 
 @pytest.mark.smollm2

@@ -148,9 +148,9 @@ def test_prefill_over_cached_prefix_matches_hf(runner, hf_model):
 @pytest.mark.parametrize("batch", [1, 3, 8, 9, 40])
 def test_decode_stack_equals_the_layer_by_layer_forward_to_the_bit(tiny_llama_dir, batch, monkeypatch):
     """A decode-only step in bf16 whose projections all route to C (``linear.route``: up to the library's row
-    limit with packed weights, SMALL_BATCH_ROWS row-major) runs every layer in one C call (``DecodeStack``); the same
-    step run layer by layer (the same C kernels called from Python) gives the same logits exactly, and the reference
-    ``F.linear`` on the weights read back gives them within bf16 rounding."""
+    limit with packed weights or AVX2's panels, SMALL_BATCH_ROWS row-major without AVX2) runs every layer in one C
+    call (``DecodeStack``); the same step run layer by layer (the same C kernels called from Python) gives the same
+    logits exactly, and the reference ``F.linear`` on the weights read back gives them within bf16 rounding."""
     from backend.engine import linear
     from backend.kernels import cpu_kernels
 

@@ -28,6 +28,14 @@ model name\t: AMD EPYC
 flags\t\t: fpu avx2 avx512f avx512_bf16 avx512_vnni
 """
 
+ZEN2 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 23
+model\t\t: 49
+model name\t: AMD EPYC
+flags\t\t: fpu fma avx2
+"""
+
 
 def test_the_cpu_is_named_with_the_instruction_sets_that_choose_a_kernel():
     intel, amd = provenance.cpu(INTEL), provenance.cpu(AMD)
@@ -35,6 +43,7 @@ def test_the_cpu_is_named_with_the_instruction_sets_that_choose_a_kernel():
     assert amd["core"] == "Zen 4" and intel["core"] is None
     assert provenance.cpu_label(intel).startswith("Intel(R) Xeon(R) Platinum 8480+ (AVX-512 BF16, VNNI, AMX)")
     assert provenance.cpu_label(amd).startswith("AMD EPYC (Zen 4; AVX-512 BF16, VNNI, no AMX)")
+    assert provenance.cpu_label(provenance.cpu(ZEN2)).startswith("AMD EPYC (Zen 2; AVX2, no AMX)")
 
 
 def test_provenance_names_the_commit_and_the_software():
@@ -178,6 +187,7 @@ def test_no_table_in_the_readme_and_docs_prints_a_figure_without_its_record():
 
 def test_a_kept_record_is_named_after_its_command_and_cpu(tmp_path):
     assert provenance.cpu_slug(provenance.cpu(AMD)) == "amd-epyc"
+    assert provenance.cpu_slug(provenance.cpu(ZEN2)) == "amd-epyc-avx2"  # the same name, other kernels
     assert provenance.cpu_slug(provenance.cpu(INTEL)) == "intel-xeon"
     assert provenance.cpu_slug({"model": "13th Gen Intel(R) Core(TM) i9-13900K"}) == "intel-core"
     assert provenance.cpu_slug({}) == "unknown-cpu"

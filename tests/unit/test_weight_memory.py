@@ -41,9 +41,9 @@ def test_the_shared_layout_reads_back_rows_and_the_whole_weight_exactly(shape):
 @pytest.mark.parametrize("op", ["none", "silu", "mul", "add"])
 def test_every_kernel_reading_the_one_copy_equals_the_reference(num_rows, op):
     """Whatever :func:`route` sends these rows to (linear_small, linear_amx), from the one copy, equals the float32
-    sum rounded once, as does the reference ``F.linear`` over the weight read back. Where the build has no
-    AVX512-BF16 (row-major weights), rows above linear_small's limit take the reference path, which rounds the matmul
-    before the op: it equals that."""
+    sum rounded once, as does the reference ``F.linear`` over the weight read back. Where the build has neither
+    AVX512-BF16 nor AVX2 (row-major weights, no panels), rows above linear_small's limit take the reference path,
+    which rounds the matmul before the op: it equals that."""
     from backend.engine.linear import Kernel, route
     from tests.unit.test_cpu_kernel import fused_reference
 

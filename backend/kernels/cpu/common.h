@@ -12,7 +12,7 @@
 #define CPU_KERNELS_COMMON_H
 
 #include <float.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <math.h>

@@ -141,10 +141,144 @@ static void linear_small_packed(const uint16_t* xb, const uint16_t* w, const uin
 }
 #endif
 
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+/* The row-major weight on a CPU with AVX2 and FMA but no bf16 dot product (Zen 2 and 3, most client Xeons and
+ * Cores): the way a float32 GEMM runs, with the weight widened a panel at a time. torch's bf16 matmul has no fast
+ * path there (10x slower than its float32 one, measured on Zen 2), so this takes every row count above a decode's.
+ * x is widened once into blocks of ROWS_PER_BLOCK rows laid out [K][rows]; each panel of PANEL_OUT outputs is
+ * widened into a float32 buffer [PANEL_OUT][K] and met with one block at a time: per k, the block's rows in two
+ * vectors, each output's weight broadcast, 12 FMAs into 12 accumulators (with the 2 rows and a broadcast, 15 of the
+ * 16 ymm registers). The blocks are taken a chunk at a time, about X_CHUNK_BYTES of x, so that the chunk stays in
+ * L2 while every panel meets it; a panel is widened again for each chunk (one conversion per 100 or so FMAs). */
+#define PANEL_OUT 6
+#define ROWS_PER_BLOCK 16
+#define X_CHUNK_BYTES (192 * 1024)
+/* From this many rows the panels run; below, dot_rows' one pass over the weight (a decode step's few rows would
+ * leave most of a block's 16 lanes empty). set_linear_panel_rows() changes it: the bench's and the tests' arms. */
+static int panel_from_rows = 5;
+
+static inline __attribute__((always_inline)) void panel_block(const float* wf, const float* xb, int64_t K,
+                                                               __m256 acc[PANEL_OUT][2]) {
+    for (int j = 0; j < PANEL_OUT; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; ++k) {
+        const __m256 x0 = _mm256_loadu_ps(xb + k * ROWS_PER_BLOCK), x1 = _mm256_loadu_ps(xb + k * ROWS_PER_BLOCK + 8);
+        for (int j = 0; j < PANEL_OUT; ++j) {
+            const __m256 wv = _mm256_broadcast_ss(wf + j * K + k);
+            acc[j][0] = _mm256_fmadd_ps(wv, x0, acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(wv, x1, acc[j][1]);
+        }
+    }
+}
+
+/* Rows [j0, j0 + n) of W widened into wf [PANEL_OUT][K]; the rows past n zeros. */
+static void widen_panel(const uint16_t* w, int64_t K, int64_t j0, int n, float* wf) {
+    for (int j = 0; j < PANEL_OUT; ++j) {
+        float* dst = wf + j * K;
+        if (j >= n) { memset(dst, 0, sizeof(float) * K); continue; }
+        const uint16_t* row = w + (j0 + j) * K;
+        int64_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(row + k)));
+            _mm256_storeu_ps(dst + k, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+        }
+        for (; k < K; ++k) dst[k] = bf16_value(row[k]);
+    }
+}
+
+static int linear_rows_avx2(const uint16_t* x, int64_t x_st, const uint16_t* w, const uint16_t* b, int64_t T,
+                            int64_t K, int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out,
+                            int num_threads) {
+    const int64_t num_blocks = (T + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
+    const int64_t num_panels = (N + PANEL_OUT - 1) / PANEL_OUT;
+    int64_t chunk = X_CHUNK_BYTES / (int64_t)(sizeof(float) * ROWS_PER_BLOCK * K);
+    if (chunk < 1) chunk = 1;
+    float* xp = aligned_alloc(64, sizeof(float) * num_blocks * ROWS_PER_BLOCK * K);
+    if (xp == NULL) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (N * K * T >= 65536 * 8)
+    {
+        /* x widened into its blocks, [K][16 rows] each, the rows past T zeros */
+#pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < num_blocks; ++blk) {
+            float* xb = xp + blk * ROWS_PER_BLOCK * K;
+            for (int r = 0; r < ROWS_PER_BLOCK; ++r) {
+                const int64_t t = blk * ROWS_PER_BLOCK + r;
+                for (int64_t k = 0; k < K; ++k)
+                    xb[k * ROWS_PER_BLOCK + r] = t < T ? bf16_value(x[t * x_st + k]) : 0.f;
+            }
+        }
+        float* wf = malloc(sizeof(float) * PANEL_OUT * K);
+        if (wf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t c0 = 0; c0 < num_blocks; c0 += chunk) {
+            const int64_t c1 = c0 + chunk < num_blocks ? c0 + chunk : num_blocks;
+            /* NOTE: a thread without its buffer still takes part in every loop's barrier, doing nothing */
+#pragma omp for schedule(runtime)
+            for (int64_t panel = 0; panel < num_panels; ++panel) {
+                if (wf == NULL) continue;
+                const int64_t j0 = panel * PANEL_OUT;
+                const int n = N - j0 < PANEL_OUT ? (int)(N - j0) : PANEL_OUT;
+                widen_panel(w, K, j0, n, wf);
+                for (int64_t blk = c0; blk < c1; ++blk) {
+                    __m256 acc[PANEL_OUT][2];
+                    panel_block(wf, xp + blk * ROWS_PER_BLOCK * K, K, acc);
+                    float sums[PANEL_OUT][ROWS_PER_BLOCK];
+                    for (int j = 0; j < PANEL_OUT; ++j) {
+                        _mm256_storeu_ps(sums[j], acc[j][0]);
+                        _mm256_storeu_ps(sums[j] + 8, acc[j][1]);
+                    }
+                    const int64_t t0 = blk * ROWS_PER_BLOCK;
+                    const int rows = T - t0 < ROWS_PER_BLOCK ? (int)(T - t0) : ROWS_PER_BLOCK;
+                    for (int j = 0; j < n; ++j) {
+                        const float bj = b ? bf16_value(b[j0 + j]) : 0.f;
+                        for (int r = 0; r < rows; ++r)
+                            out[(t0 + r) * N + j0 + j] =
+                                to_bf16(apply_op(sums[j][r] + bj, op, o, other_st, (int)(t0 + r), j0 + j));
+                    }
+                }
+            }
+        }
+        free(wf);
+    }
+    free(xp);
+    return failed ? -1 : 0;
+}
+#endif
+
+/* The row count from which linear_rows_avx2 runs (<= 0: from the first row); returns the one it replaced, or -1 in
+ * a build without it. */
+int set_linear_panel_rows(int rows) {
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+    const int before = panel_from_rows;
+    panel_from_rows = rows < 1 ? 1 : rows;
+    return before;
+#else
+    (void)rows;
+    return -1;
+#endif
+}
+
+/* Whether a row-major W is taken at any row count (linear_rows_avx2), not only up to LINEAR_MAX_T. */
+int linear_row_major_any_rows(void) {
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 int linear_small(const void* x, int64_t x_st, const void* weight, const void* bias, int64_t T, int64_t K, int64_t N,
                  int op, const void* other, int64_t other_st, void* y, int num_threads) {
     const int packed = linear_weight_packed();
-    if (T < 1 || (!packed && T > LINEAR_MAX_T) || K > LINEAR_MAX_K) return -1;
+    if (T < 1 || K > LINEAR_MAX_K) return -1;
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+    if (T >= panel_from_rows)
+        return linear_rows_avx2((const uint16_t*)x, x_st, (const uint16_t*)weight, (const uint16_t*)bias, T, K, N, op,
+                                (const uint16_t*)other, other_st, (uint16_t*)y, num_threads);
+#endif
+    if (!packed && T > LINEAR_MAX_T) return -1;
     if (packed && (N % 32 != 0 || K % 32 != 0)) return -1;
     /* the rows contiguous, as bf16 (the packed path's), then widened to float32 (the row-major loop's) */
     uint16_t* xb = malloc(sizeof(uint16_t) * T * K + (packed ? 0 : sizeof(float) * (T * K + 1)));
