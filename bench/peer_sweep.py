@@ -43,7 +43,7 @@ from loadtest.runner import batcher_settings, http_json, served_parameter, serve
 from loadtest.served import Served
 from loadtest.signals import exit_on_sigterm
 from loadtest.soak import client_counts, names_list
-from loadtest.vllm_peer.server import VENV, VllmServer, VllmSettings, all_cores
+from loadtest.vllm_peer.server import VENV, VllmServer, VllmSettings, all_cores, best_dtype
 from records.record import Column, Record, format_value
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -254,7 +254,7 @@ def serving(peer: Peer, args: argparse.Namespace, out: Path, repeat: int) -> Ite
     logs.mkdir(parents=True, exist_ok=True)
     if peer.is_vllm:
         settings = VllmSettings(model=args.model, max_num_seqs=peer.seats, venv=args.vllm_venv,
-                                kv_cache_space_gib=args.vllm_kv_cache_space,
+                                kv_cache_space_gib=args.vllm_kv_cache_space, dtype=args.vllm_dtype or best_dtype(),
                                 omp_threads_bind=args.vllm_omp_threads_bind or all_cores())
         server = VllmServer(settings, log_path=logs / f"{peer.slug}-r{repeat}.log")
         with server:
@@ -382,6 +382,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vllm-venv", type=Path, default=VENV, help="vLLM's environment (make vllm-venv)")
     parser.add_argument("--vllm-omp-threads-bind", default=None,
                         help="VLLM_CPU_OMP_THREADS_BIND (default: every core; auto: vLLM's own choice)")
+    parser.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default=None,
+                        help="vLLM's --dtype (default: bfloat16 where the CPU has AVX512-BF16, else float32, its best)")
     parser.add_argument("--vllm-kv-cache-space", type=int, default=VllmSettings.kv_cache_space_gib,
                         help="VLLM_CPU_KVCACHE_SPACE, GiB (default: %(default)s)")
     parser.add_argument("--bench-timeout", type=float, default=BENCH_TIMEOUT_S,

@@ -16,7 +16,7 @@ import pytest
 from backend.triton.launcher.processes import is_alive, process_group_members
 from loadtest.vllm_peer import server as vllm_server
 from loadtest.vllm_peer import vllm_cli
-from loadtest.vllm_peer.server import VllmServer, VllmSettings, cpu_list, find_tcmalloc
+from loadtest.vllm_peer.server import VllmServer, VllmSettings, best_dtype, cpu_list, find_tcmalloc
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER = ROOT / "loadtest" / "vllm_peer"
@@ -74,17 +74,23 @@ def test_the_install_script_installs_without_dependencies_and_checks_the_cli():
 # ---- the server's command line and environment ------------------------------------------------------------------
 
 
-def test_the_server_is_vllms_openai_module_on_loopback_in_bfloat16(tmp_path):
+def test_the_server_is_vllms_openai_module_on_loopback_in_its_best_dtype(tmp_path):
     settings = VllmSettings(model=tmp_path / "model", venv=tmp_path / "venv", omp_threads_bind="0-1")
     command = settings.command(8123)
     assert command[:3] == [str(tmp_path / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
     options = dict(zip(command[3::2], command[4::2]))
     assert options == {"--host": "127.0.0.1", "--port": "8123", "--model": str(tmp_path / "model"),
-                       "--served-model-name": "vllm", "--dtype": "bfloat16"}
+                       "--served-model-name": "vllm", "--dtype": best_dtype()}
     assert "--max-num-seqs" not in command  # vLLM's own default
     seats = VllmSettings(venv=tmp_path, max_num_seqs=8, served_model_name="peer", omp_threads_bind="0")
     assert seats.command(1)[-2:] == ["--max-num-seqs", "8"] and "peer" in seats.command(1)
     assert (settings.seats, seats.seats) == ("default", "8")
+
+
+def test_vllm_runs_in_bfloat16_only_where_the_cpu_has_a_bf16_dot_product():
+    zen4, zen2 = "flags\t\t: fpu avx2 avx512f avx512_bf16\n", "processor\t: 0\nflags\t\t: fpu fma avx2\n"
+    assert (best_dtype(zen4), best_dtype(zen2), best_dtype("")) == ("bfloat16", "float32", "bfloat16")
+    assert VllmSettings(dtype="bfloat16", omp_threads_bind="0").command(1)[-1] == "bfloat16"
 
 
 def test_the_environment_preloads_tcmalloc_and_intels_openmp_and_binds_the_threads(tmp_path):
