@@ -373,9 +373,10 @@ def test_kernels_forward_and_greedy_engine_hold_without_avx512_or_amx(tmp_path):
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the ISA below is x86-64's")
 def test_kernels_forward_and_greedy_engine_hold_on_avx2_without_avx512(tmp_path):
     """A CPU with AVX2 and FMA but no AVX-512 (Zen 2 and 3, most client CPUs) runs the projections' panels
-    (``linear_rows_avx2``) at every row count above a decode's: built for x86-64-v3 in a process of their own, with
-    torch and oneDNN held to AVX2, the projection and kernel tests, the forward tests and the engine's greedy text
-    against HF pass, whatever this machine's own CPU."""
+    (``linear_rows_avx2``) at every row count above a decode's, and the decode attention's 8-float path
+    (``score_avx2``, ``weigh_values_avx2``): built for x86-64-v3 in a process of their own, with torch and oneDNN held
+    to AVX2, the projection, attention and kernel tests, the forward tests and the engine's greedy text against HF
+    pass, whatever this machine's own CPU."""
     env = {**os.environ, "LLM_CPU_MARCH": "x86-64-v3", "XDG_CACHE_HOME": str(tmp_path),
            "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     check = ("from backend.kernels import cpu_kernels as k; from backend.engine.linear import Layout, c_layout; "
@@ -384,7 +385,8 @@ def test_kernels_forward_and_greedy_engine_hold_on_avx2_without_avx512(tmp_path)
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stdout[-2000:] + built.stderr[-2000:]
     tests = ["tests/unit/test_cpu_kernel.py", "tests/unit/test_model_forward.py", "tests/unit/test_engine.py",
-             "-k", "(linear or projection or forward or greedy_matches_hf) and not without_avx512 and not on_avx2"]
+             "-k", "(linear or projection or attention or kernel_matches or forward or greedy_matches_hf) "
+             "and not without_avx512 and not on_avx2"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], env=env,
                           cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=550)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

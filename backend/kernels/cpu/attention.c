@@ -261,6 +261,122 @@ static inline __attribute__((always_inline)) void score_bf16(
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/*
+ * The direct bf16 item on a CPU with AVX2 and FMA but no AVX-512 (Zen 2 and 3): sixteen 8-float registers, where the
+ * 16-float vectors above are register pairs (TILE tokens' partial sums alone fill all sixteen, and the reduction's
+ * shuffles cross lanes). Work comes in pieces that fit: the scores of ATTEND_QUERIES query heads against
+ * SCORE_TOKENS keys (12 accumulators, each K row widened in registers once for the three), and the values' sums of
+ * ATTEND_QUERIES heads over 32 dimensions (12 accumulators, each V line widened once for the three). Tokens go in
+ * the outer loop and KV heads inside it, so that every line of a token's row is used while it is in cache. A query
+ * group that is not a multiple of ATTEND_QUERIES repeats its last head, the repeats' results not kept.
+ */
+#define ATTEND_QUERIES 3
+#define SCORE_TOKENS 4
+
+static inline __m256 widen8_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+static inline __m128 sums4(__m256 a, __m256 b, __m256 c, __m256 d) {  /* the sums of a, b, c and d's lanes */
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* scores[j][t] = q_j . k_t (q pre-scaled float32, [NQ][D]) and each query's maximum, K rows read from the pool. */
+static inline __attribute__((always_inline)) void score_avx2(
+    const float* q, const uint16_t* k_pool, int64_t c_sb, int64_t c_ss, int64_t c_sh, const int32_t* table,
+    int64_t len, int64_t block_size, int64_t NK, int64_t G, const int64_t D, float* scores, int64_t max_context,
+    float* max_score) {
+    const int64_t row_bytes = NK * c_sh * 2;
+    for (int64_t t0 = 0; t0 < len; t0 += SCORE_TOKENS) {
+        const int64_t n = len - t0 < SCORE_TOKENS ? len - t0 : SCORE_TOKENS;
+        const uint16_t* rows[SCORE_TOKENS];
+        for (int64_t tt = 0; tt < SCORE_TOKENS; ++tt) {  /* past the context: the first row again, not kept */
+            const int64_t t = tt < n ? t0 + tt : t0;
+            rows[tt] = k_pool + table[t / block_size] * c_sb + (t % block_size) * c_ss;
+        }
+        for (int64_t t = t0 + TILE; t < len && t < t0 + TILE + SCORE_TOKENS; ++t) {  /* a tile ahead */
+            const char* ahead = (const char*)(k_pool + table[t / block_size] * c_sb + (t % block_size) * c_ss);
+            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
+        }
+        for (int64_t h = 0; h < NK; ++h) {
+            for (int64_t g0 = 0; g0 < G; g0 += ATTEND_QUERIES) {
+                const float* qs[ATTEND_QUERIES];
+                for (int64_t g = 0; g < ATTEND_QUERIES; ++g) qs[g] = q + (h * G + (g0 + g < G ? g0 + g : G - 1)) * D;
+                __m256 a[ATTEND_QUERIES][SCORE_TOKENS];
+                for (int64_t g = 0; g < ATTEND_QUERIES; ++g)
+                    for (int64_t tt = 0; tt < SCORE_TOKENS; ++tt) a[g][tt] = _mm256_setzero_ps();
+                for (int64_t c = 0; c < D; c += 8) {
+                    for (int64_t tt = 0; tt < SCORE_TOKENS; ++tt) {
+                        const __m256 k = widen8_bf16(rows[tt] + h * c_sh + c);
+                        for (int64_t g = 0; g < ATTEND_QUERIES; ++g)
+                            a[g][tt] = _mm256_fmadd_ps(_mm256_loadu_ps(qs[g] + c), k, a[g][tt]);
+                    }
+                }
+                for (int64_t g = 0; g < ATTEND_QUERIES && g0 + g < G; ++g) {
+                    const int64_t j = h * G + g0 + g;
+                    float s[SCORE_TOKENS];
+                    _mm_storeu_ps(s, sums4(a[g][0], a[g][1], a[g][2], a[g][3]));
+                    for (int64_t tt = 0; tt < n; ++tt) {
+                        scores[j * max_context + t0 + tt] = s[tt];
+                        max_score[j] = s[tt] > max_score[j] ? s[tt] : max_score[j];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* acc[j] += sum_t p[j][t] v_t, V rows read from the pool: per TILE tokens, per KV head, per 32 dimensions. */
+static inline __attribute__((always_inline)) void weigh_values_avx2(
+    const uint16_t* v_pool, int64_t c_sb, int64_t c_ss, int64_t c_sh, const int32_t* table, int64_t len,
+    int64_t block_size, int64_t NK, int64_t G, const int64_t D, const float* scores, int64_t max_context,
+    float* acc) {
+    const int64_t row_bytes = NK * c_sh * 2;
+    float spare[4 * 8] = {0.f};  /* where a repeated head's sums go */
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        const uint16_t* rows[TILE];
+        for (int64_t tt = 0; tt < n; ++tt) {
+            const int64_t t = t0 + tt;
+            rows[tt] = v_pool + table[t / block_size] * c_sb + (t % block_size) * c_ss;
+        }
+        TilePrefetch next;
+        prefetch_tile(&next, v_pool, table, c_sb, c_ss, block_size, t0 + TILE, len, row_bytes);
+        const int64_t groups = (G + ATTEND_QUERIES - 1) / ATTEND_QUERIES;
+        const int64_t per_step = (next.count * next.lines + NK * groups * n - 1) / (NK * groups * n);
+        for (int64_t h = 0; h < NK; ++h) {
+            for (int64_t g0 = 0; g0 < G; g0 += ATTEND_QUERIES) {
+                const float* p[ATTEND_QUERIES];
+                for (int64_t g = 0; g < ATTEND_QUERIES; ++g)
+                    p[g] = scores + (h * G + (g0 + g < G ? g0 + g : G - 1)) * max_context + t0;
+                for (int64_t d0 = 0; d0 < D; d0 += 32) {
+                    float* out[ATTEND_QUERIES];
+                    __m256 a[ATTEND_QUERIES][4];
+                    for (int64_t g = 0; g < ATTEND_QUERIES; ++g) {
+                        out[g] = g0 + g < G ? acc + (h * G + g0 + g) * D + d0 : spare;
+                        for (int64_t c = 0; c < 4; ++c) a[g][c] = _mm256_loadu_ps(out[g] + 8 * c);
+                    }
+                    for (int64_t tt = 0; tt < n; ++tt) {
+                        if (d0 == 0) prefetch_some(&next, per_step);
+                        __m256 w[ATTEND_QUERIES];
+                        for (int64_t g = 0; g < ATTEND_QUERIES; ++g) w[g] = _mm256_broadcast_ss(p[g] + tt);
+                        const uint16_t* v = rows[tt] + h * c_sh + d0;
+                        for (int64_t c = 0; c < 4; ++c) {
+                            const __m256 x = widen8_bf16(v + 8 * c);
+                            for (int64_t g = 0; g < ATTEND_QUERIES; ++g) a[g][c] = _mm256_fmadd_ps(w[g], x, a[g][c]);
+                        }
+                    }
+                    for (int64_t g = 0; g < ATTEND_QUERIES; ++g)
+                        for (int64_t c = 0; c < 4; ++c) _mm256_storeu_ps(out[g] + 8 * c, a[g][c]);
+                }
+            }
+        }
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void attend_tiled(
     const char* q_rows, int64_t q_sh, const char* k_bytes, const char* v_bytes, int64_t c_sb, int64_t c_ss,
     int64_t c_sh, const int32_t* table, int64_t len, int64_t block_size, int64_t NK, int64_t G, const int64_t D,
@@ -273,6 +389,11 @@ static inline __attribute__((always_inline)) void attend_tiled(
     if (direct && D % 32 == 0)
         score_bf16((const uint16_t*)q_rows, q_sh, (const uint16_t*)k_bytes, c_sb, c_ss, c_sh, table, len, block_size,
                    NK, G, D, scale, scores, max_context, max_score);
+    else
+#elif !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    if (direct && D % 32 == 0)
+        score_avx2(q, (const uint16_t*)k_bytes, c_sb, c_ss, c_sh, table, len, block_size, NK, G, D, scores,
+                   max_context, max_score);
     else
 #endif
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {  /* scores[j][t] = q_j . k_t */
@@ -297,6 +418,12 @@ static inline __attribute__((always_inline)) void attend_tiled(
         }
     }
     exp_scores(scores, max_context, max_score, NQ, len, sum);
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+    if (direct && D % 32 == 0)
+        weigh_values_avx2((const uint16_t*)v_bytes, c_sb, c_ss, c_sh, table, len, block_size, NK, G, D, scores,
+                          max_context, acc);
+    else
+#endif
     if (direct)
         weigh_values_bf16((const uint16_t*)v_bytes, c_sb, c_ss, c_sh, table, len, block_size, NK, G, D, scores,
                           max_context, acc);
