@@ -153,6 +153,12 @@ static void linear_small_packed(const uint16_t* xb, const uint16_t* w, const uin
 #define PANEL_OUT 6
 #define ROWS_PER_BLOCK 16
 #define X_CHUNK_BYTES (192 * 1024)
+#ifndef GROUP_PANELS
+#define GROUP_PANELS 16
+#endif
+#ifndef PF_NEXT
+#define PF_NEXT 0
+#endif
 /* From this many rows the panels run; below, dot_rows' one pass over the weight (a decode step's few rows would
  * leave most of a block's 16 lanes empty). set_linear_panel_rows() changes it: the bench's and the tests' arms. */
 static int panel_from_rows = 5;
@@ -190,6 +196,9 @@ static int linear_rows_avx2(const uint16_t* x, int64_t x_st, const uint16_t* w, 
                             int num_threads) {
     const int64_t num_blocks = (T + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK;
     const int64_t num_panels = (N + PANEL_OUT - 1) / PANEL_OUT;
+    /* groups of one where there would be too few to share out among the threads */
+    const int64_t group_panels = num_panels >= 2 * GROUP_PANELS * num_threads ? GROUP_PANELS : 1;
+    const int64_t num_groups = (num_panels + group_panels - 1) / group_panels;
     int64_t chunk = X_CHUNK_BYTES / (int64_t)(sizeof(float) * ROWS_PER_BLOCK * K);
     if (chunk < 1) chunk = 1;
     float* xp = aligned_alloc(64, sizeof(float) * num_blocks * ROWS_PER_BLOCK * K);
@@ -216,26 +225,29 @@ static int linear_rows_avx2(const uint16_t* x, int64_t x_st, const uint16_t* w, 
             const int64_t c1 = c0 + chunk < num_blocks ? c0 + chunk : num_blocks;
             /* NOTE: a thread without its buffer still takes part in every loop's barrier, doing nothing */
 #pragma omp for schedule(runtime)
-            for (int64_t panel = 0; panel < num_panels; ++panel) {
+            for (int64_t group = 0; group < num_groups; ++group) {
                 if (wf == NULL) continue;
-                const int64_t j0 = panel * PANEL_OUT;
-                const int n = N - j0 < PANEL_OUT ? (int)(N - j0) : PANEL_OUT;
-                widen_panel(w, K, j0, n, wf);
-                for (int64_t blk = c0; blk < c1; ++blk) {
-                    __m256 acc[PANEL_OUT][2];
-                    panel_block(wf, xp + blk * ROWS_PER_BLOCK * K, K, acc);
-                    float sums[PANEL_OUT][ROWS_PER_BLOCK];
-                    for (int j = 0; j < PANEL_OUT; ++j) {
-                        _mm256_storeu_ps(sums[j], acc[j][0]);
-                        _mm256_storeu_ps(sums[j] + 8, acc[j][1]);
-                    }
-                    const int64_t t0 = blk * ROWS_PER_BLOCK;
-                    const int rows = T - t0 < ROWS_PER_BLOCK ? (int)(T - t0) : ROWS_PER_BLOCK;
-                    for (int j = 0; j < n; ++j) {
-                        const float bj = b ? bf16_value(b[j0 + j]) : 0.f;
-                        for (int r = 0; r < rows; ++r)
-                            out[(t0 + r) * N + j0 + j] =
-                                to_bf16(apply_op(sums[j][r] + bj, op, o, other_st, (int)(t0 + r), j0 + j));
+                const int64_t last = (group + 1) * group_panels < num_panels ? (group + 1) * group_panels : num_panels;
+                for (int64_t panel = group * group_panels; panel < last; ++panel) {
+                    const int64_t j0 = panel * PANEL_OUT;
+                    const int n = N - j0 < PANEL_OUT ? (int)(N - j0) : PANEL_OUT;
+                    widen_panel(w, K, j0, n, wf);
+                    for (int64_t blk = c0; blk < c1; ++blk) {
+                        __m256 acc[PANEL_OUT][2];
+                        panel_block(wf, xp + blk * ROWS_PER_BLOCK * K, K, acc);
+                        float sums[PANEL_OUT][ROWS_PER_BLOCK];
+                        for (int j = 0; j < PANEL_OUT; ++j) {
+                            _mm256_storeu_ps(sums[j], acc[j][0]);
+                            _mm256_storeu_ps(sums[j] + 8, acc[j][1]);
+                        }
+                        const int64_t t0 = blk * ROWS_PER_BLOCK;
+                        const int rows = T - t0 < ROWS_PER_BLOCK ? (int)(T - t0) : ROWS_PER_BLOCK;
+                        for (int j = 0; j < n; ++j) {
+                            const float bj = b ? bf16_value(b[j0 + j]) : 0.f;
+                            for (int r = 0; r < rows; ++r)
+                                out[(t0 + r) * N + j0 + j] =
+                                    to_bf16(apply_op(sums[j][r] + bj, op, o, other_st, (int)(t0 + r), j0 + j));
+                        }
                     }
                 }
             }
