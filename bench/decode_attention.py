@@ -1,7 +1,9 @@
 """What reading the pool's bf16 rows in place is worth to the decode attention (``decode_attention_items`` in
 ``backend/kernels/cpu/attention.c``): engine decode steps with each tile of K and V rows widened to float32 first
-(the baseline, as before) beside the same steps with the scores taken by ``vdpbf16ps`` straight from the bf16 rows and
-each V row widened once for all the query heads of its KV head (as shipped).
+(the baseline, as before) beside the same steps with the rows read in place (as shipped): on a CPU with AVX512-BF16,
+the scores taken by ``vdpbf16ps`` straight from the bf16 rows and each V row widened once for all the query heads of
+its KV head; on one with AVX2 and no AVX-512, each K and V row widened in registers once for three query heads
+(``score_avx2``, ``weigh_values_avx2``).
 
     .venv/bin/python -m bench.decode_attention [--shapes 16x128 64x128 64x960] [--rounds 12]
         [--out reports/bench_decode_attention.json]

@@ -153,12 +153,10 @@ static void linear_small_packed(const uint16_t* xb, const uint16_t* w, const uin
 #define PANEL_OUT 6
 #define ROWS_PER_BLOCK 16
 #define X_CHUNK_BYTES (192 * 1024)
-#ifndef GROUP_PANELS
+/* Panels go to the threads GROUP_PANELS at a time (96 outputs), so that two threads never write the same cache line
+ * of y (a line of a row holds 32 outputs) and each thread reads W in runs the prefetcher follows: the LM head at 64
+ * rows took 26 ms in six runs of six, and 26-35 ms with the panels shared out one by one. */
 #define GROUP_PANELS 16
-#endif
-#ifndef PF_NEXT
-#define PF_NEXT 0
-#endif
 /* From this many rows the panels run; below, dot_rows' one pass over the weight (a decode step's few rows would
  * leave most of a block's 16 lanes empty). set_linear_panel_rows() changes it: the bench's and the tests' arms. */
 static int panel_from_rows = 5;
@@ -191,6 +189,58 @@ static void widen_panel(const uint16_t* w, int64_t K, int64_t j0, int n, float* 
     }
 }
 
+/* e^e for 8 e in [-87, 88], as exp16 (common.h) does it for 16: e = n ln2 + r, e^r by its Taylor series to r^7, 2^n
+ * put into the exponent. */
+static inline __m256 exp8(__m256 e) {
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(e, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), e);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+static inline __m256 widen8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+/* One row's way out: y[t][j0, j0 + width) from its float32 sums s: the bias, the op (see linear_small) and one
+ * rounding to bf16 (nearest even, as torch), 8 at a time. */
+static inline void epilogue_row(const float* s, int64_t width, int64_t t, int64_t j0, int64_t N, const uint16_t* b,
+                                int op, const uint16_t* o, int64_t other_st, uint16_t* out) {
+    int64_t c = 0;
+    for (; c + 8 <= width; c += 8) {
+        __m256 v = _mm256_loadu_ps(s + c);
+        if (b) v = _mm256_add_ps(v, widen8(b + j0 + c));
+        if (op == 1) {  /* silu: v / (1 + e^-v), the exponent kept where exp8 holds */
+            const __m256 e = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), v),
+                                                         _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+            v = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(e)));
+        } else if (op == 2) {
+            v = _mm256_mul_ps(v, widen8(o + t * other_st + j0 + c));
+        } else if (op == 3) {
+            v = _mm256_add_ps(v, widen8(o + t * other_st + j0 + c));
+        }
+        const __m256i u = _mm256_castps_si256(v);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+        _mm_storeu_si128((__m128i*)(out + t * N + j0 + c),
+                         _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+    }
+    for (; c < width; ++c) {
+        const float bj = b ? bf16_value(b[j0 + c]) : 0.f;
+        out[t * N + j0 + c] = to_bf16(apply_op(s[c] + bj, op, o, other_st, (int)t, j0 + c));
+    }
+}
+
 static int linear_rows_avx2(const uint16_t* x, int64_t x_st, const uint16_t* w, const uint16_t* b, int64_t T,
                             int64_t K, int64_t N, int op, const uint16_t* o, int64_t other_st, uint16_t* out,
                             int num_threads) {
@@ -216,22 +266,27 @@ static int linear_rows_avx2(const uint16_t* x, int64_t x_st, const uint16_t* w, 
                     xb[k * ROWS_PER_BLOCK + r] = t < T ? bf16_value(x[t * x_st + k]) : 0.f;
             }
         }
+        /* wf: the panel widened; stage: a group's sums for the chunk's rows, [rows][group's outputs], so that each
+         * row of y is written once per group, 96 outputs in a run (stored one by one, the outputs took a tenth of
+         * a prefill's projections) */
+        const int64_t group_out = group_panels * PANEL_OUT;
         float* wf = malloc(sizeof(float) * PANEL_OUT * K);
-        if (wf == NULL) {
+        float* stage = malloc(sizeof(float) * (chunk < num_blocks ? chunk : num_blocks) * ROWS_PER_BLOCK * group_out);
+        if (wf == NULL || stage == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
         for (int64_t c0 = 0; c0 < num_blocks; c0 += chunk) {
             const int64_t c1 = c0 + chunk < num_blocks ? c0 + chunk : num_blocks;
-            /* NOTE: a thread without its buffer still takes part in every loop's barrier, doing nothing */
+            /* NOTE: a thread without its buffers still takes part in every loop's barrier, doing nothing */
 #pragma omp for schedule(runtime)
             for (int64_t group = 0; group < num_groups; ++group) {
-                if (wf == NULL) continue;
-                const int64_t last = (group + 1) * group_panels < num_panels ? (group + 1) * group_panels : num_panels;
-                for (int64_t panel = group * group_panels; panel < last; ++panel) {
+                if (wf == NULL || stage == NULL) continue;
+                const int64_t first = group * group_panels;
+                const int64_t last = first + group_panels < num_panels ? first + group_panels : num_panels;
+                for (int64_t panel = first; panel < last; ++panel) {
                     const int64_t j0 = panel * PANEL_OUT;
-                    const int n = N - j0 < PANEL_OUT ? (int)(N - j0) : PANEL_OUT;
-                    widen_panel(w, K, j0, n, wf);
+                    widen_panel(w, K, j0, N - j0 < PANEL_OUT ? (int)(N - j0) : PANEL_OUT, wf);
                     for (int64_t blk = c0; blk < c1; ++blk) {
                         __m256 acc[PANEL_OUT][2];
                         panel_block(wf, xp + blk * ROWS_PER_BLOCK * K, K, acc);
@@ -240,18 +295,18 @@ static int linear_rows_avx2(const uint16_t* x, int64_t x_st, const uint16_t* w, 
                             _mm256_storeu_ps(sums[j], acc[j][0]);
                             _mm256_storeu_ps(sums[j] + 8, acc[j][1]);
                         }
-                        const int64_t t0 = blk * ROWS_PER_BLOCK;
-                        const int rows = T - t0 < ROWS_PER_BLOCK ? (int)(T - t0) : ROWS_PER_BLOCK;
-                        for (int j = 0; j < n; ++j) {
-                            const float bj = b ? bf16_value(b[j0 + j]) : 0.f;
-                            for (int r = 0; r < rows; ++r)
-                                out[(t0 + r) * N + j0 + j] =
-                                    to_bf16(apply_op(sums[j][r] + bj, op, o, other_st, (int)(t0 + r), j0 + j));
-                        }
+                        float* rows = stage + (blk - c0) * ROWS_PER_BLOCK * group_out + (panel - first) * PANEL_OUT;
+                        for (int r = 0; r < ROWS_PER_BLOCK; ++r)
+                            for (int j = 0; j < PANEL_OUT; ++j) rows[r * group_out + j] = sums[j][r];
                     }
                 }
+                const int64_t j0 = first * PANEL_OUT, width = N - j0 < group_out ? N - j0 : group_out;
+                for (int64_t t = c0 * ROWS_PER_BLOCK; t < T && t < c1 * ROWS_PER_BLOCK; ++t)
+                    epilogue_row(stage + (t - c0 * ROWS_PER_BLOCK) * group_out, width, t, j0, N, b, op, o, other_st,
+                                 out);
             }
         }
+        free(stage);
         free(wf);
     }
     free(xp);
