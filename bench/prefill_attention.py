@@ -49,7 +49,7 @@ def prefill_step_ms(model: str, shapes: list[tuple[int, int]], rounds: int = 8, 
                     seed: int = 0) -> list[dict]:
     """One entry per ``(prompts, tokens)``: ``prompts``, ``tokens``, and each arm's median milliseconds per step."""
     if not cpu_kernels.prefill_attention_available():
-        raise SystemExit("the prefill kernel is not in this build (it needs AVX512-BF16): nothing to compare")
+        raise SystemExit("the prefill kernel is not in this build (it needs AVX512-BF16, or AVX2 and FMA)")
     widest = max(k * n for k, n in shapes)
     engine = build_engine(model, None, dtype="bfloat16", num_threads=threads, max_num_seqs=max(k for k, _ in shapes),
                           max_num_batched_tokens=widest, max_model_len=max(n for _, n in shapes) + 16, seed=seed)

@@ -307,14 +307,15 @@ def cpu_rope_paged_attention(
 
 
 def prefill_attention_available() -> bool:
-    """Whether the library has the prefill kernel: it is built for vdpbf16ps (AVX512-BF16) only."""
+    """Whether the library has the prefill kernel: it is built for vdpbf16ps (AVX512-BF16), or for AVX2 and FMA in
+    float32."""
     lib = load()
     return lib is not None and bool(lib.prefill_attention_available())
 
 
 def supports_prefill_attention(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> bool:
     """Whether :func:`cpu_prefill_attention` takes these tensors: bf16, heads of a multiple of 64 dimensions, and a
-    build with vdpbf16ps (AVX512-BF16); else the caller runs the torch twin."""
+    build with the kernel (AVX512-BF16, or AVX2 and FMA); else the caller runs the torch twin."""
     if not prefill_attention_available():
         return False
     lib = load()

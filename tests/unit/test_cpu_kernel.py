@@ -187,7 +187,8 @@ PREFILL_CASES = dict(
 )
 
 
-@pytest.mark.skipif(not cpu_kernels.prefill_attention_available(), reason="the prefill kernel needs AVX512-BF16")
+@pytest.mark.skipif(not cpu_kernels.prefill_attention_available(),
+                    reason="the prefill kernel needs AVX512-BF16, or AVX2 and FMA")
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(**PREFILL_CASES)
 def test_prefill_kernel_matches_torch_reference(decode_lens, chunks, head_dim):
@@ -213,7 +214,7 @@ def test_prefill_kernel_matches_torch_reference(decode_lens, chunks, head_dim):
 
 
 def test_prefill_kernel_refuses_what_it_does_not_take_and_the_backend_runs_torch():
-    """float32 (or a build without AVX512-BF16) is refused by name; the CPU backend then attends the chunks with
+    """float32 (or a build without the kernel) is refused by name; the CPU backend then attends the chunks with
     torch's SDPA, and its output is the reference's."""
     qkv, positions, cos, sin, k_cache, v_cache, common = rope_step_case([4], [(0, 20)], torch.float32)
     assert not cpu_kernels.supports_prefill_attention(qkv, k_cache, v_cache, 9)
@@ -418,7 +419,8 @@ def test_the_avx2_linear_bench_records_the_panels_beside_the_route_before(smollm
 
 
 @pytest.mark.smollm2
-@pytest.mark.skipif(not cpu_kernels.prefill_attention_available(), reason="the prefill kernel needs AVX512-BF16")
+@pytest.mark.skipif(not cpu_kernels.prefill_attention_available(),
+                    reason="the prefill kernel needs AVX512-BF16, or AVX2 and FMA")
 def test_the_prefill_bench_records_the_kernel_beside_sdpa(smollm2_dir):
     """``bench.prefill_attention`` times real prefill steps with each backend and records them side by side."""
     from bench import prefill_attention

@@ -20,7 +20,7 @@ class CpuAttentionMetadata(AttentionMetadata):
 
 class CpuAttention(AttentionBackend):
     """One C call per layer rotates q and k, writes every token's K/V and attends the decodes, reading the pool in
-    place through the block tables; a second attends the prefill chunks (where the build has AVX512-BF16, in bf16;
+    place through the block tables; a second attends the prefill chunks (where the build has AVX512-BF16 or AVX2;
     else they attend in torch). Tensors the kernels do not take run the torch reference."""
 
     name = "cpu"

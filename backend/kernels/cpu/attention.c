@@ -274,10 +274,6 @@ static inline __attribute__((always_inline)) void score_bf16(
 #define ATTEND_QUERIES 3
 #define SCORE_TOKENS 4
 
-static inline __m256 widen8_bf16(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
 static inline __m128 sums4(__m256 a, __m256 b, __m256 c, __m256 d) {  /* the sums of a, b, c and d's lanes */
     const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
@@ -582,6 +578,8 @@ void rope_paged_attention(void* qkv, int64_t qkv_st, int64_t T, const int64_t* p
 #if defined(__AVX512BF16__)
 #define PREFILL_ROWS 4          /* query vectors met by each K or V line loaded: their sums stay in registers */
 #define PREFILL_QUERY_BLOCK 16  /* query tokens of one work item (times the group's heads) */
+#define PREFILL_KERNEL 1
+typedef uint16_t prefill_pack_t;
 
 static inline int64_t round_up16(int64_t n) { return (n + 15) & ~(int64_t)15; }
 
@@ -675,11 +673,114 @@ static inline __attribute__((always_inline)) void prefill_vectors(
 }
 #endif
 
+#if !defined(__AVX512BF16__) && defined(__AVX2__) && defined(__FMA__)
+/* The same kernel on a CPU with AVX2 and no bf16 dot product (Zen 2 and 3), in float32: each (chunk, KV head)'s K is
+ * widened once into [ctx/16][D][16 keys] (one d of 16 keys in two vectors, met by a query's d broadcast) and its V
+ * into rows [ctx][D] (16 dimensions of a key in two vectors, met by a probability broadcast); every pair of vectors
+ * loaded meets PREFILL_ROWS queries, 12 sums in registers, as the AVX2 projections' panels do. The probabilities stay
+ * float32. */
+#define PREFILL_ROWS 6
+#define PREFILL_QUERY_BLOCK 16
+typedef float prefill_pack_t;
+
+static inline int64_t round_up16(int64_t n) { return (n + 15) & ~(int64_t)15; }
+
+static void pack_prefill_kv(const uint16_t* k_cache, const uint16_t* v_cache, int64_t c_sb, int64_t c_ss,
+                            int64_t c_sh, int64_t block_size, const int64_t* slots, int64_t len, int64_t kh,
+                            int64_t D, float* kp, float* vp) {
+    const int64_t padded = round_up16(len);
+    memset(kp, 0, padded * D * sizeof(float));
+    memset(vp, 0, padded * D * sizeof(float));
+    for (int64_t j = 0; j < len; ++j) {
+        const int64_t at = (slots[j] / block_size) * c_sb + (slots[j] % block_size) * c_ss + kh * c_sh;
+        const uint16_t* k = k_cache + at;
+        const uint16_t* v = v_cache + at;
+        float* kt = kp + (j / 16) * D * 16 + j % 16;
+        for (int64_t d = 0; d < D; ++d) kt[d * 16] = bf16_value(k[d]);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(vp + j * D + d, widen8_bf16(v + d));
+    }
+}
+
+static inline __attribute__((always_inline)) void prefill_vectors(
+    const uint16_t* const rows[PREFILL_ROWS], const int64_t limit[PREFILL_ROWS], uint16_t* const out_rows[PREFILL_ROWS],
+    const float* kp, const float* vp, const int64_t D, float scale, float* scores, float* probs, int64_t padded) {
+    int64_t keys = 0;
+    for (int r = 0; r < PREFILL_ROWS; ++r) keys = limit[r] > keys ? limit[r] : keys;
+    const int64_t blocks = (keys + 15) / 16;
+    float q[PREFILL_ROWS][MAX_HEAD_DIM];
+    for (int r = 0; r < PREFILL_ROWS; ++r) load_row(rows[r], DTYPE_BF16, D, q[r]);
+    const __m256 vscale = _mm256_set1_ps(scale), lowest = _mm256_set1_ps(-FLT_MAX);
+    __m256 vmax[PREFILL_ROWS];
+    for (int r = 0; r < PREFILL_ROWS; ++r) vmax[r] = lowest;
+    for (int64_t kb = 0; kb < blocks; ++kb) {  /* scores of 16 keys at a time, each row's running maximum */
+        __m256 acc[PREFILL_ROWS][2];
+        for (int r = 0; r < PREFILL_ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        const float* line = kp + kb * D * 16;
+        for (int64_t d = 0; d < D; ++d) {
+            const __m256 k0 = _mm256_loadu_ps(line + d * 16), k1 = _mm256_loadu_ps(line + d * 16 + 8);
+            for (int r = 0; r < PREFILL_ROWS; ++r) {
+                const __m256 qd = _mm256_broadcast_ss(q[r] + d);
+                acc[r][0] = _mm256_fmadd_ps(qd, k0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(qd, k1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < PREFILL_ROWS; ++r) {
+            for (int h = 0; h < 2; ++h) {
+                const __m256i key = _mm256_add_epi32(_mm256_set1_epi32((int)(kb * 16 + 8 * h)),
+                                                     _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                const __m256 seen = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)limit[r]), key));
+                const __m256 sc = _mm256_blendv_ps(lowest, _mm256_mul_ps(acc[r][h], vscale), seen);
+                vmax[r] = _mm256_max_ps(vmax[r], sc);
+                _mm256_storeu_ps(scores + r * padded + kb * 16 + 8 * h, sc);
+            }
+        }
+    }
+    float inv_sum[PREFILL_ROWS];
+    for (int r = 0; r < PREFILL_ROWS; ++r) {  /* the softmax's numerators (zero where a key is not seen); their sum */
+        float m8[8];
+        _mm256_storeu_ps(m8, vmax[r]);
+        float m = m8[0];
+        for (int i = 1; i < 8; ++i) m = m8[i] > m ? m8[i] : m;
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t j = 0; j < blocks * 16; j += 8) {
+            const __m256 sc = _mm256_loadu_ps(scores + r * padded + j);
+            const __m256 seen = _mm256_cmp_ps(sc, lowest, _CMP_GT_OQ);
+            const __m256 p = _mm256_and_ps(seen, exp8(_mm256_max_ps(_mm256_sub_ps(sc, _mm256_set1_ps(m)),
+                                                                    _mm256_set1_ps(-87.f))));
+            total = _mm256_add_ps(total, p);
+            _mm256_storeu_ps(probs + r * padded + j, p);
+        }
+        float t8[8];
+        _mm256_storeu_ps(t8, total);
+        inv_sum[r] = 1.f / (((t8[0] + t8[1]) + (t8[2] + t8[3])) + ((t8[4] + t8[5]) + (t8[6] + t8[7])));
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {  /* out = P.V, 16 dimensions at a time */
+        __m256 acc[PREFILL_ROWS][2];
+        for (int r = 0; r < PREFILL_ROWS; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < blocks * 16; ++j) {
+            const __m256 v0 = _mm256_loadu_ps(vp + j * D + d0), v1 = _mm256_loadu_ps(vp + j * D + d0 + 8);
+            for (int r = 0; r < PREFILL_ROWS; ++r) {
+                const __m256 p = _mm256_broadcast_ss(probs + r * padded + j);
+                acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);
+            }
+        }
+        for (int r = 0; r < PREFILL_ROWS; ++r) {
+            if (!out_rows[r]) continue;
+            const __m256 inv = _mm256_set1_ps(inv_sum[r]);
+            store8_bf16(out_rows[r] + d0, _mm256_mul_ps(acc[r][0], inv));
+            store8_bf16(out_rows[r] + d0 + 8, _mm256_mul_ps(acc[r][1], inv));
+        }
+    }
+}
+#define PREFILL_KERNEL 1
+#endif
+
 int prefill_attention(const void* qkv, int64_t qkv_st, const void* k_cache, const void* v_cache, int64_t c_sb,
                       int64_t c_ss, int64_t c_sh, int64_t block_size, const int64_t* chunks, int64_t num_chunks,
                       const int64_t* slots, int64_t H, int64_t KVH, int64_t D, float scale, void* out, int64_t o_st,
                       int64_t o_sh, int dtype, int num_threads) {
-#if defined(__AVX512BF16__)
+#if defined(PREFILL_KERNEL)
     if (dtype != DTYPE_BF16 || D % 64 != 0 || D > MAX_HEAD_DIM || H % KVH != 0) return -1;
     const int64_t G = H / KVH;
     /* Where each (chunk, KV head)'s packed K and V start, and the work items: (chunk, KV head, block of query
@@ -694,8 +795,8 @@ int prefill_attention(const void* qkv, int64_t qkv_st, const void* k_cache, cons
         packed_at[c + 1] = packed_at[c] + KVH * padded * D;
         first_item[c + 1] = first_item[c] + KVH * ((chunks[4 * c + 1] + PREFILL_QUERY_BLOCK - 1) / PREFILL_QUERY_BLOCK);
     }
-    uint16_t* kpack = (uint16_t*)malloc(sizeof(uint16_t) * packed_at[num_chunks]);
-    uint16_t* vpack = (uint16_t*)malloc(sizeof(uint16_t) * packed_at[num_chunks]);
+    prefill_pack_t* kpack = (prefill_pack_t*)malloc(sizeof(prefill_pack_t) * packed_at[num_chunks]);
+    prefill_pack_t* vpack = (prefill_pack_t*)malloc(sizeof(prefill_pack_t) * packed_at[num_chunks]);
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(dynamic, 1)
@@ -703,10 +804,10 @@ int prefill_attention(const void* qkv, int64_t qkv_st, const void* k_cache, cons
             const int64_t c = item / KVH, kh = item % KVH, len = chunks[4 * c + 2] + chunks[4 * c + 1];
             const int64_t at = packed_at[c] + kh * round_up16(len) * D;
             pack_prefill_kv((const uint16_t*)k_cache, (const uint16_t*)v_cache, c_sb, c_ss, c_sh, block_size,
-                            slots + chunks[4 * c + 3], len, kh, D, (uint32_t*)(kpack + at), vpack + at);
+                            slots + chunks[4 * c + 3], len, kh, D, (void*)(kpack + at), vpack + at);
         }
         float* scores = (float*)malloc(sizeof(float) * PREFILL_ROWS * widest);
-        uint16_t* probs = (uint16_t*)malloc(sizeof(uint16_t) * PREFILL_ROWS * widest);
+        prefill_pack_t* probs = (prefill_pack_t*)malloc(sizeof(prefill_pack_t) * PREFILL_ROWS * widest);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < first_item[num_chunks]; ++item) {
             int64_t c = 0;
@@ -730,10 +831,10 @@ int prefill_attention(const void* qkv, int64_t qkv_st, const void* k_cache, cons
                     out_rows[r] = v0 + r < vectors ? (uint16_t*)out + t * o_st + h * o_sh : NULL;
                 }
                 if (D == 64)
-                    prefill_vectors(rows, limit, out_rows, (const uint32_t*)(kpack + at), vpack + at, 64, scale,
+                    prefill_vectors(rows, limit, out_rows, (const void*)(kpack + at), vpack + at, 64, scale,
                                     scores, probs, padded);
                 else
-                    prefill_vectors(rows, limit, out_rows, (const uint32_t*)(kpack + at), vpack + at, D, scale,
+                    prefill_vectors(rows, limit, out_rows, (const void*)(kpack + at), vpack + at, D, scale,
                                     scores, probs, padded);
             }
         }
@@ -754,7 +855,7 @@ int prefill_attention(const void* qkv, int64_t qkv_st, const void* k_cache, cons
 }
 
 int prefill_attention_available(void) {
-#if defined(__AVX512BF16__)
+#if defined(PREFILL_KERNEL)
     return 1;
 #else
     return 0;

@@ -189,29 +189,6 @@ static void widen_panel(const uint16_t* w, int64_t K, int64_t j0, int n, float* 
     }
 }
 
-/* e^e for 8 e in [-87, 88], as exp16 (common.h) does it for 16: e = n ln2 + r, e^r by its Taylor series to r^7, 2^n
- * put into the exponent. */
-static inline __m256 exp8(__m256 e) {
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(e, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), e);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.f / 5040.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 720.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-
-static inline __m256 widen8(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
 /* One row's way out: y[t][j0, j0 + width) from its float32 sums s: the bias, the op (see linear_small) and one
  * rounding to bf16 (nearest even, as torch), 8 at a time. */
 static inline void epilogue_row(const float* s, int64_t width, int64_t t, int64_t j0, int64_t N, const uint16_t* b,
@@ -219,21 +196,17 @@ static inline void epilogue_row(const float* s, int64_t width, int64_t t, int64_
     int64_t c = 0;
     for (; c + 8 <= width; c += 8) {
         __m256 v = _mm256_loadu_ps(s + c);
-        if (b) v = _mm256_add_ps(v, widen8(b + j0 + c));
+        if (b) v = _mm256_add_ps(v, widen8_bf16(b + j0 + c));
         if (op == 1) {  /* silu: v / (1 + e^-v), the exponent kept where exp8 holds */
             const __m256 e = _mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), v),
                                                          _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
             v = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(e)));
         } else if (op == 2) {
-            v = _mm256_mul_ps(v, widen8(o + t * other_st + j0 + c));
+            v = _mm256_mul_ps(v, widen8_bf16(o + t * other_st + j0 + c));
         } else if (op == 3) {
-            v = _mm256_add_ps(v, widen8(o + t * other_st + j0 + c));
+            v = _mm256_add_ps(v, widen8_bf16(o + t * other_st + j0 + c));
         }
-        const __m256i u = _mm256_castps_si256(v);
-        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-        const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
-        _mm_storeu_si128((__m128i*)(out + t * N + j0 + c),
-                         _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+        store8_bf16(out + t * N + j0 + c, v);
     }
     for (; c < width; ++c) {
         const float bj = b ? bf16_value(b[j0 + c]) : 0.f;
