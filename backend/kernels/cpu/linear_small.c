@@ -252,8 +252,8 @@ static int linear_rows_avx2(const uint16_t* x, int64_t x_st, const uint16_t* w, 
         for (int64_t c0 = 0; c0 < num_blocks; c0 += chunk) {
             const int64_t c1 = c0 + chunk < num_blocks ? c0 + chunk : num_blocks;
             /* nowait: a chunk's rows are not the next one's, so a thread done with its groups of this chunk goes on to
-             * the next (a barrier per chunk cost 2-4 % of a 512-row projection); a thread without its buffers takes
-             * no group */
+             * the next (a barrier per chunk cost 2-4 % of a 512-row projection). A thread without its buffers skips
+             * the groups it takes, and the whole call fails (-1) rather than return part of y. */
 #pragma omp for schedule(runtime) nowait
             for (int64_t group = 0; group < num_groups; ++group) {
                 if (wf == NULL || stage == NULL) continue;
