@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 
 _SOURCE_DIR = Path(__file__).with_name("cpu")
 # -ffast-math lets the compiler vectorise the float dot products (reassociation); inputs are finite by construction.
-_FLAGS = ("-O3", f"-march={os.environ.get(CPU_MARCH_ENV_VAR, 'native')}", "-mprefer-vector-width=512", "-Wno-psabi",
-          "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+_MARCH = os.environ.get(CPU_MARCH_ENV_VAR, "native")
+_FLAGS = ("-O3", "-mprefer-vector-width=512", "-Wno-psabi", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _lock = threading.Lock()
@@ -103,20 +103,27 @@ def _sources() -> list[Path]:
     return sorted(p for p in _SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
 
 
+def compile_library(dest: Path, march: str = _MARCH) -> None:
+    """Compile every C file in ``cpu/`` into the shared library ``dest`` for ``-march=march`` (raises
+    ``subprocess.CalledProcessError`` with the compiler's output when it fails). The tests also build for targets
+    this machine is not, so that code behind ``#if defined(__AVX512BF16__)`` and the like still compiles here."""
+    c_files = [str(p) for p in _sources() if p.suffix == ".c"]
+    subprocess.run([os.environ.get("CC", "cc"), f"-march={march}", *_FLAGS, *c_files, "-o", str(dest), "-lm"],
+                   check=True, capture_output=True, timeout=300)
+
+
 def _build_and_load() -> ctypes.CDLL:
     compiler = os.environ.get("CC", "cc")
-    sources = _sources()
-    parts = [part for path in sources for part in (path.name.encode(), path.read_bytes())]
-    key = hashlib.sha256(b"\0".join([*parts, " ".join(_FLAGS).encode(), compiler.encode(), _cpu_id()])).hexdigest()
+    parts = [part for path in _sources() for part in (path.name.encode(), path.read_bytes())]
+    flags = " ".join((f"-march={_MARCH}", *_FLAGS)).encode()
+    key = hashlib.sha256(b"\0".join([*parts, flags, compiler.encode(), _cpu_id()])).hexdigest()
     cache = cache_dir()
     path = cache / f"cpu_kernels-{key[:16]}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, then rename: safe with parallel builders
             built = Path(tmp) / path.name
-            c_files = [str(p) for p in sources if p.suffix == ".c"]
-            subprocess.run([compiler, *_FLAGS, *c_files, "-o", str(built), "-lm"], check=True, capture_output=True,
-                           timeout=300)
+            compile_library(built)
             os.replace(built, path)
     lib = ctypes.CDLL(str(path))  # torch is imported first, so libgomp.so.1 resolves to torch's own OpenMP runtime
     lib.key = key[:16]

@@ -394,6 +394,38 @@ def test_kernels_forward_and_greedy_engine_hold_on_avx2_without_avx512(tmp_path)
     assert " passed" in done.stdout and list(tmp_path.rglob("cpu_kernels-*.so"))
 
 
+# Each is a set of the kernels' #if branches: AMX and AVX512-BF16 (Xeon 4th gen on), AVX512-BF16 and VNNI without AMX
+# (the path Zen 4 takes), VNNI without BF16, and AVX-512 with neither.
+OTHER_X86_TARGETS = ("sapphirerapids", "cooperlake", "cascadelake", "x86-64-v4")
+
+
+def _compiler_knows(march: str) -> bool:
+    probe = subprocess.run([os.environ.get("CC", "cc"), f"-march={march}", "-x", "c", "-c", "-o", os.devnull,
+                            os.devnull], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the targets below are x86-64's")
+@pytest.mark.parametrize("march", OTHER_X86_TARGETS)
+def test_the_kernels_compile_and_export_every_function_for_x86_cpus_this_one_is_not(tmp_path, march):
+    """The library is built for the CPU it runs on, so code behind ``__AMX_TILE__`` or ``__AVX512BF16__`` is never
+    compiled on a CPU without them, and the tests that run it cannot run there. Built for each other target, it
+    compiles and every function the engine declares is there (loaded in a process of its own, where none of it runs):
+    a change made on one CPU cannot break the build on another."""
+    if not _compiler_knows(march):
+        pytest.skip(f"{os.environ.get('CC', 'cc')} does not know -march={march}")
+    built = tmp_path / f"cpu_kernels-{march}.so"
+    try:
+        cpu_kernels.compile_library(built, march)
+    except subprocess.CalledProcessError as exc:
+        pytest.fail(f"the kernels do not compile for -march={march}:\n{exc.stderr.decode()[-4000:]}")
+    declare = "import ctypes, sys; from backend.kernels import cpu_kernels as k; k._declare(ctypes.CDLL(sys.argv[1]))"
+    done = subprocess.run([sys.executable, "-c", declare, str(built)], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 @pytest.mark.smollm2
 @pytest.mark.skipif(not cpu_kernels.row_major_any_rows(), reason="no AVX2 panels in this build (AVX512-BF16, no AVX2)")
 def test_the_avx2_linear_bench_records_the_panels_beside_the_route_before(smollm2_dir):
