@@ -9,6 +9,16 @@
  */
 #include "common.h"
 
+/* The pool is [blocks][block_size][KV heads][D], strides c_sb, c_ss and c_sh in elements. Where a slot (block *
+ * block_size + offset) starts, and where a sequence's token t does, through its block table. */
+static inline int64_t slot_at(int64_t slot, int64_t block_size, int64_t c_sb, int64_t c_ss) {
+    return (slot / block_size) * c_sb + (slot % block_size) * c_ss;
+}
+
+static inline int64_t token_at(const int32_t* table, int64_t t, int64_t block_size, int64_t c_sb, int64_t c_ss) {
+    return table[t / block_size] * c_sb + (t % block_size) * c_ss;
+}
+
 /*
  * One work item: the NK KV heads from kv_begin of sequence b (NK * G query heads), against its `len` cached tokens.
  * A whole sequence per item (NK = KVH) reads each cached token's K (then V) row for all heads as one contiguous run,
@@ -133,9 +143,9 @@ static inline __attribute__((always_inline)) void load_tile(
     const int64_t esize = dtype == DTYPE_BF16 ? 2 : 4;
     for (int64_t tt = 0; tt < n; ++tt) {
         const int64_t t = t0 + tt, ahead = t + TILE;
-        const char* src = base + (table[t / block_size] * c_sb + (t % block_size) * c_ss) * esize;
+        const char* src = base + token_at(table, t, block_size, c_sb, c_ss) * esize;
         if (ahead < len) {
-            const char* next = base + (table[ahead / block_size] * c_sb + (ahead % block_size) * c_ss) * esize;
+            const char* next = base + token_at(table, ahead, block_size, c_sb, c_ss) * esize;
             for (int64_t b = 0; b < NK * c_sh * esize; b += 64) __builtin_prefetch(next + b);
         }
         for (int64_t h = 0; h < NK; ++h) load_row(src + h * c_sh * esize, dtype, D, tile + (tt * NK + h) * D);
@@ -155,7 +165,7 @@ static inline void prefetch_tile(TilePrefetch* p, const uint16_t* pool, const in
     p->count = p->row = p->line = 0;
     p->lines = (row_bytes + 63) / 64;
     for (int64_t t = t0; t < len && t < t0 + TILE; ++t)
-        p->rows[p->count++] = (const char*)(pool + table[t / block_size] * c_sb + (t % block_size) * c_ss);
+        p->rows[p->count++] = (const char*)(pool + token_at(table, t, block_size, c_sb, c_ss));
 }
 
 static inline void prefetch_some(TilePrefetch* p, int64_t k) {
@@ -182,7 +192,7 @@ static inline __attribute__((always_inline)) void weigh_values_bf16(
         const uint16_t* rows[TILE];
         for (int64_t tt = 0; tt < n; ++tt) {
             const int64_t t = t0 + tt;
-            rows[tt] = v_pool + table[t / block_size] * c_sb + (t % block_size) * c_ss;
+            rows[tt] = v_pool + token_at(table, t, block_size, c_sb, c_ss);
         }
         TilePrefetch next;
         prefetch_tile(&next, v_pool, table, c_sb, c_ss, block_size, t0 + TILE, len, row_bytes);
@@ -236,7 +246,7 @@ static inline __attribute__((always_inline)) void score_bf16(
         const uint16_t* rows[TILE];
         for (int64_t tt = 0; tt < TILE; ++tt) {  /* past the context: the first row again, its scores not kept */
             const int64_t t = tt < n ? t0 + tt : t0;
-            rows[tt] = k_pool + table[t / block_size] * c_sb + (t % block_size) * c_ss;
+            rows[tt] = k_pool + token_at(table, t, block_size, c_sb, c_ss);
         }
         TilePrefetch next;
         prefetch_tile(&next, k_pool, table, c_sb, c_ss, block_size, t0 + TILE, len, row_bytes);
@@ -290,10 +300,10 @@ static inline __attribute__((always_inline)) void score_avx2(
         const uint16_t* rows[SCORE_TOKENS];
         for (int64_t tt = 0; tt < SCORE_TOKENS; ++tt) {  /* past the context: the first row again, not kept */
             const int64_t t = tt < n ? t0 + tt : t0;
-            rows[tt] = k_pool + table[t / block_size] * c_sb + (t % block_size) * c_ss;
+            rows[tt] = k_pool + token_at(table, t, block_size, c_sb, c_ss);
         }
         for (int64_t t = t0 + TILE; t < len && t < t0 + TILE + SCORE_TOKENS; ++t) {  /* a tile ahead */
-            const char* ahead = (const char*)(k_pool + table[t / block_size] * c_sb + (t % block_size) * c_ss);
+            const char* ahead = (const char*)(k_pool + token_at(table, t, block_size, c_sb, c_ss));
             for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ahead + b);
         }
         for (int64_t h = 0; h < NK; ++h) {
@@ -336,7 +346,7 @@ static inline __attribute__((always_inline)) void weigh_values_avx2(
         const uint16_t* rows[TILE];
         for (int64_t tt = 0; tt < n; ++tt) {
             const int64_t t = t0 + tt;
-            rows[tt] = v_pool + table[t / block_size] * c_sb + (t % block_size) * c_ss;
+            rows[tt] = v_pool + token_at(table, t, block_size, c_sb, c_ss);
         }
         TilePrefetch next;
         prefetch_tile(&next, v_pool, table, c_sb, c_ss, block_size, t0 + TILE, len, row_bytes);
@@ -546,7 +556,7 @@ void rope_paged_attention(void* qkv, int64_t qkv_st, int64_t T, const int64_t* p
                 store_row(head, dtype, D, y, 1.f);
             }
             if (slots[t] < 0) continue;
-            const int64_t at = (slots[t] / block_size) * c_sb + (slots[t] % block_size) * c_ss;
+            const int64_t at = slot_at(slots[t], block_size, c_sb, c_ss);
             for (int64_t h = 0; h < KVH; ++h) {
                 memcpy((char*)k_cache + (at + h * c_sh) * esize, row + (H + h) * D * esize, D * esize);
                 memcpy((char*)v_cache + (at + h * c_sh) * esize, row + (H + KVH + h) * D * esize, D * esize);
@@ -592,7 +602,7 @@ static void pack_prefill_kv(const uint16_t* k_cache, const uint16_t* v_cache, in
     memset(kp, 0, padded * D * sizeof(uint16_t));
     memset(vp, 0, padded * D * sizeof(uint16_t));
     for (int64_t j = 0; j < len; ++j) {
-        const int64_t at = (slots[j] / block_size) * c_sb + (slots[j] % block_size) * c_ss + kh * c_sh;
+        const int64_t at = slot_at(slots[j], block_size, c_sb, c_ss) + kh * c_sh;
         const uint16_t* k = k_cache + at;
         const uint16_t* v = v_cache + at;
         for (int64_t d2 = 0; d2 < pairs; ++d2) memcpy(kp + ((j / 16) * pairs + d2) * 16 + j % 16, k + 2 * d2, 4);
@@ -692,7 +702,7 @@ static void pack_prefill_kv(const uint16_t* k_cache, const uint16_t* v_cache, in
     memset(kp, 0, padded * D * sizeof(float));
     memset(vp, 0, padded * D * sizeof(float));
     for (int64_t j = 0; j < len; ++j) {
-        const int64_t at = (slots[j] / block_size) * c_sb + (slots[j] % block_size) * c_ss + kh * c_sh;
+        const int64_t at = slot_at(slots[j], block_size, c_sb, c_ss) + kh * c_sh;
         const uint16_t* k = k_cache + at;
         const uint16_t* v = v_cache + at;
         float* kt = kp + (j / 16) * D * 16 + j % 16;
