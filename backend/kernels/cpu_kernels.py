@@ -103,20 +103,24 @@ def _sources() -> list[Path]:
     return sorted(p for p in _SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
 
 
+def compiler() -> str:
+    """The C compiler that builds the library: ``$CC``, else ``cc``."""
+    return os.environ.get("CC", "cc")
+
+
 def compile_library(dest: Path, march: str = _MARCH) -> None:
     """Compile every C file in ``cpu/`` into the shared library ``dest`` for ``-march=march`` (raises
     ``subprocess.CalledProcessError`` with the compiler's output when it fails). The tests also build for targets
     this machine is not, so that code behind ``#if defined(__AVX512BF16__)`` and the like still compiles here."""
     c_files = [str(p) for p in _sources() if p.suffix == ".c"]
-    subprocess.run([os.environ.get("CC", "cc"), f"-march={march}", *_FLAGS, *c_files, "-o", str(dest), "-lm"],
+    subprocess.run([compiler(), f"-march={march}", *_FLAGS, *c_files, "-o", str(dest), "-lm"],
                    check=True, capture_output=True, timeout=300)
 
 
 def _build_and_load() -> ctypes.CDLL:
-    compiler = os.environ.get("CC", "cc")
     parts = [part for path in _sources() for part in (path.name.encode(), path.read_bytes())]
     flags = " ".join((f"-march={_MARCH}", *_FLAGS)).encode()
-    key = hashlib.sha256(b"\0".join([*parts, flags, compiler.encode(), _cpu_id()])).hexdigest()
+    key = hashlib.sha256(b"\0".join([*parts, flags, compiler().encode(), _cpu_id()])).hexdigest()
     cache = cache_dir()
     path = cache / f"cpu_kernels-{key[:16]}.so"
     if not path.exists():

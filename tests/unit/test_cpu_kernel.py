@@ -400,7 +400,7 @@ OTHER_X86_TARGETS = ("sapphirerapids", "cooperlake", "cascadelake", "x86-64-v4")
 
 
 def _compiler_knows(march: str) -> bool:
-    probe = subprocess.run([os.environ.get("CC", "cc"), f"-march={march}", "-x", "c", "-c", "-o", os.devnull,
+    probe = subprocess.run([cpu_kernels.compiler(), f"-march={march}", "-x", "c", "-c", "-o", os.devnull,
                             os.devnull], capture_output=True)
     return probe.returncode == 0
 
@@ -414,7 +414,7 @@ def test_the_kernels_compile_and_export_every_function_for_x86_cpus_this_one_is_
     compiles and every function the engine declares is there (loaded in a process of its own, where none of it runs):
     a change made on one CPU cannot break the build on another."""
     if not _compiler_knows(march):
-        pytest.skip(f"{os.environ.get('CC', 'cc')} does not know -march={march}")
+        pytest.skip(f"{cpu_kernels.compiler()} does not know -march={march}")
     built = tmp_path / f"cpu_kernels-{march}.so"
     try:
         cpu_kernels.compile_library(built, march)
