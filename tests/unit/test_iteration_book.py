@@ -336,3 +336,30 @@ def test_a_request_that_ends_its_clients_sequence_is_relayed_and_released_and_it
 
     copy = SequenceRequest(FIRST_RELAY_ID, start=True, request="the relay's copy")  # Triton batches it like any other
     assert model.hand_in(copy, now=0.2) == HandIn(handed={f"r{FIRST_RELAY_ID}": copy})
+
+
+def test_a_request_ended_as_cancelled_while_triton_held_it_gives_its_sequence_to_close():
+    """Triton answered it, and may keep its slot: the model closes the sequence with a request of its own, which the
+    book answers (a bare final) and releases for good; the request is let go of, not asked about again."""
+    model = held_by_triton()
+    model.hand_in(new(8), now=1.0)
+    model.hand_back("r8", now=1.5)
+    model.book.returned()
+    model.open_ids.discard("r7")  # the driver's reaper ended it: its client cancelled it while Triton held it
+    assert model.book.close_sequences(["r7"], now=6.0) == [7]
+    assert model.book.request_ids == {8: "r8"} and model.book.let_go == {7: 6.0}
+    assert model.book.close_sequences(["r7"], now=7.0) == []  # once
+
+    closing = SequenceRequest(7, start=True, closes=True, request="the model's own")
+    waited = again(8)
+    assert model.hand_in(closing, waited, now=7.5) == HandIn(closed=[closing], released=[closing],
+                                                             handed={"r8": waited}, gap=6.0)
+    assert model.admitted == ["r7", "r8"]  # not admitted to the engine
+    assert model.hand_back("r8", now=8.0) == HandBack(rescheduled=[waited])
+
+
+def test_a_closing_request_for_a_sequence_triton_had_ended_is_answered_the_same_way():
+    model = Model()
+    closing = SequenceRequest(12, start=True, closes=True, request="the model's own")
+    assert model.hand_in(closing, now=0.0) == HandIn(closed=[closing], released=[closing])
+    assert model.admitted == [] and model.book.request_ids == {}

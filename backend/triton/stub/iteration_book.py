@@ -23,8 +23,14 @@ src/sequence_batch_scheduler/sequence_utils.cc):
   and frees the slot at once;
 - released for good (RELEASE_ALL): Triton frees the slot by queueing an END of its own, but only for a request not
   cancelled by then. A cancelled request released for good keeps its slot until Triton's idle reaper
-  (max_sequence_idle_microseconds, 30 s) frees it, so the book never releases one for good: it is handed back;
-- in the queue that forms the next batch: Triton answers it, and the slot stays taken until the idle reaper.
+  (max_sequence_idle_microseconds) frees it, so the book never releases one for good: it is handed back;
+- in the queue that forms the next batch: Triton answers it, and the slot stays taken until the idle reaper, unless
+  the model closes the sequence. Once the driver has ended such a request (not handed back within CANCELLED_AFTER_S,
+  its client having cancelled it), :meth:`IterationBook.close_sequences` gives its correlation id, and the model sends
+  a request of its own that starts a sequence under that id (``SequenceRelay.close_sequence``): Triton ends the old
+  sequence, gives the slot to the new request, and frees it when execute() has answered and released it
+  (``HandIn.closed``). A burst of clients that cancel within a few hundred milliseconds of sending left most of the
+  8 slots taken this way; only the idle reaper freed them.
   With every slot taken, new requests wait in Triton's backlog, and one that waited longer than the idle time is
   ended by the reaper as soon as it gets a slot ("must specify the START flag" on the hand-back).
 
@@ -34,7 +40,8 @@ good (then, or SEND_AFTER_RELEASE_S after the return when no execute() comes soo
 Triton may have answered it, and a send then crashes tritonserver 2.51 (triton_workarounds.NO_SEND_WHILE_TRITON_HOLDS).
 A request that ends in an execute() and whose
 client has cancelled it is handed back instead of released, what it made dropped, for Triton to answer. What remains,
-a cancel in the few milliseconds between a release and the next batch, costs that slot the idle time.
+a cancel in the few milliseconds between a release and the next batch, costs that slot until the model closes the
+sequence (CANCELLED_AFTER_S to twice that).
 
 Requests not handed back. Triton hands every request it holds back at its next iteration. One not handed back is
 ended and its KV blocks freed (``IterationDriver``): if its client cancelled it while Triton held it, after
@@ -46,9 +53,10 @@ twice the idle time, so that Triton handing it back after all is told apart from
 
 The idle time. Triton 2.51 counts a sequence's idle time from its last request's arrival, and time in the backlog
 counts: a request that waited there longer than max_sequence_idle_microseconds is force-ended as soon as it gets a
-slot (so is one whose iteration took that long). The idle time (config.pbtxt) is therefore long, 30 s: it bounds the
-backlog's wait. Its cost, a slot kept that long after a cancel that fell between a release and the next batch, is
-rare. (At 5 s, 16 streams on 8 slots of a slow 2-core machine lost requests that waited in the backlog.)
+slot (so is one whose iteration took that long). The idle time (config.pbtxt) is therefore 10 minutes, as long as
+OpenAI's Python client waits for an answer by default: it bounds the backlog's wait, and the slots that cancels leave
+taken are freed by the model's closing requests, not by the reaper. (At 30 s, 64 streams on the 8 slots of a 2-core
+AMD EPYC failed 98 of 256 requests that waited in the backlog; at 5 s, 16 streams on a slow 2-core machine lost some.)
 """
 
 from __future__ import annotations
@@ -78,9 +86,10 @@ class SequenceRequest:
     """One request Triton handed to execute(): its sequence controls, and Triton's request object, which the book
     never touches and only returns in its decisions."""
 
-    correlation_id: int | None  # CORRID; not read from a request that ends its client's sequence
+    correlation_id: int | None  # CORRID (a request that ends its client's sequence carries its client's)
     start: bool = False  # START: the first request of its sequence
     ends_client_sequence: bool = False  # its client's END flag: served through the relay (the module's docstring)
+    closes: bool = False  # the model's own request that closes a sequence (SequenceRelay.close_sequence)
     request: Any = None
 
 
@@ -89,6 +98,8 @@ class HandIn:
     """What to do with an execute()'s requests before the engine step."""
 
     relayed: list[SequenceRequest] = field(default_factory=list)  # forward through ``SequenceRelay``
+    # The model's own requests that close a sequence: answered with a bare final response once released for good
+    closed: list[SequenceRequest] = field(default_factory=list)
     answered: list[tuple[SequenceRequest, str]] = field(default_factory=list)  # answer with this final error
     # RELEASE_ALL now: the relayed, the answered, and those that got their final response (or never needed one)
     released: list[SequenceRequest] = field(default_factory=list)
@@ -158,6 +169,10 @@ class IterationBook:
         plan = HandIn()
         self._handed = {}
         for item in requests:
+            if item.closes:  # the model's own (close_sequences): released for good, Triton then frees its slot
+                plan.closed.append(item)
+                plan.released.append(item)
+                continue
             if item.ends_client_sequence:
                 plan.relayed.append(item)
                 plan.released.append(item)
@@ -245,6 +260,18 @@ class IterationBook:
         self.cancelled_by_client = {c: t for c, t in self.cancelled_by_client.items() if now - t < 2 * self.reap_after}
         self.released_at = now if unfinished else None
         return plan
+
+    def close_sequences(self, request_ids: Collection[str], now: float) -> list[int]:
+        """The driver ended ``request_ids`` because their clients cancelled them while Triton held them: Triton
+        answered each itself and, if the cancel found it in the queue that forms the next batch, keeps its sequence
+        slot until the idle reaper. Returns their correlation ids, for the model to close each sequence with a request
+        of its own (``SequenceRelay.close_sequence``), which :meth:`hand_in` answers and releases for good."""
+        ended = set(request_ids)
+        correlation_ids = [c for c, rid in self.request_ids.items() if rid in ended]
+        for correlation_id in correlation_ids:
+            del self.request_ids[correlation_id]
+            self.let_go[correlation_id] = now
+        return correlation_ids
 
     def returned(self) -> bool:
         """execute() returns: outputs go out at once again. True when requests were released for good: what they

@@ -19,19 +19,27 @@ blocks): its second request is answered at once with :data:`MULTI_REQUEST_SEQUEN
 
 NOTE: releasing the client's request makes Triton 2.51 log "sequence_utils.cc ... must specify the START flag" once
 (it closes the sequence again with a request of its own, which it has already closed); nothing is lost.
+
+The relay also sends the model's own request that closes a sequence whose slot Triton would otherwise keep
+(:meth:`SequenceRelay.close_sequence`): the same way in, BLS to the same model with a correlation id.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import threading
+
+import numpy as np
 
 from backend.contract import errors
 from backend.contract.errors import ErrorKind
 
 # The sequence controls of config.pbtxt (control_input): what the relayed copy must not carry.
 CONTROL_INPUTS = ("CORRID", "START", "END")
+# The request parameter that marks the model's own request that closes a sequence (SequenceRelay.close_sequence).
+CLOSES_SEQUENCE = "llm_closes_sequence"
 # The copies' correlation ids: far from the ids clients and Triton's own numbering use (both count from 1).
 FIRST_RELAY_ID = 1 << 63
 # The error of a request whose client cancelled it, where llm_iterative answers it rather than Triton: a relayed
@@ -77,7 +85,41 @@ class SequenceRelay:
         copy = pb.InferenceRequest(model_name=self.model_name, inputs=inputs,
                                    requested_output_names=sorted(request.requested_output_names()),
                                    correlation_id=next(self._ids), flags=pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)
-        thread = threading.Thread(target=self._pass_on, args=(copy, sender), name="sequence-relay", daemon=True)
+        self._start(self._pass_on, copy, sender)
+
+    def close_sequence(self, correlation_id: int) -> None:
+        """Send a request of the model's own on the sequence ``correlation_id``, on a thread of its own, so that
+        Triton frees the slot it may still keep for it: the model calls this for a request whose client cancelled it
+        while Triton held it (the iteration book's docstring says why the slot can stay taken). It carries START:
+        Triton ends the sequence that holds the slot ("has a conflict ... terminated early", a warning in its log),
+        gives the slot to this request, and frees it once execute() has answered and released it
+        (``IterationBook.hand_in``); for a sequence Triton had already ended, it is a new one, answered the same way.
+        NOTE: START, not END nor a plain request: released, those left the slot taken in Triton 2.51, an END's for
+        good (its next sequence never ran)."""
+        pb = self.pb_utils
+        text = pb.Tensor("text_input", np.array([[b"close"]], dtype=np.object_))  # never read
+        request = pb.InferenceRequest(model_name=self.model_name, inputs=[text], requested_output_names=[],
+                                      correlation_id=correlation_id, flags=pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START,
+                                      parameters={CLOSES_SEQUENCE: True})
+        self._start(self._close, request, correlation_id)
+
+    def closes_sequence(self, request) -> bool:
+        """True for a request :meth:`close_sequence` sent (read only from one that starts a sequence)."""
+        return CLOSES_SEQUENCE in json.loads(request.parameters() or "{}")
+
+    def _close(self, request, correlation_id: int) -> None:
+        try:
+            for response in request.exec(decoupled=True):
+                if response.has_error():
+                    log.warning("closing sequence %d: %s", correlation_id, response.error().message())
+        except Exception:  # noqa: BLE001 (nobody waits for it; the server may be stopping)
+            log.exception("closing sequence %d failed", correlation_id)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def _start(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, name="sequence-relay", daemon=True)
         with self._lock:
             self._threads.add(thread)
         thread.start()

@@ -7,8 +7,9 @@ in the paged cache. What Triton 2.51 lets the model do with its requests (what i
 released, and why: triton_workarounds.NO_SEND_WHILE_TRITON_HOLDS) is decided by ``IterationBook``
 (backend/triton/stub/iteration_book.py); this adapter reads the requests for it, carries out its decisions, and owns the
 lock and the threads: the sender (what released requests made, SEND_AFTER_RELEASE_S after execute() returns) and the
-driver's reaper. What every model shares (parsing, the one place that sends, metrics, refusals, the shutdown notice) is
-``ServedModel``.
+driver's reaper. A request whose client cancelled it while Triton held it may leave its sequence slot taken in Triton;
+once the driver has ended it, the model closes that sequence with a request of its own (``SequenceRelay``). What
+every model shares (parsing, the one place that sends, metrics, refusals, the shutdown notice) is ``ServedModel``.
 """
 
 import threading
@@ -37,7 +38,9 @@ from backend.triton.stub.served_model import ServedModel  # noqa: E402
 class TritonPythonModel(ServedModel, batching="iterative"):
     def start_engine(self, config):
         engine = LLMEngine(config)  # loaded on the thread that steps it: one OpenMP thread team
-        self.driver = IterationDriver(engine, self._send, self.open.forget, sequence_idle_seconds(self.model_config),
+        self.closed = []  # senders of the model's own closing requests, answered once released (_answer_closed)
+        self.cancelled_while_held: list[str] = []  # reaped by the driver as cancelled (IterationBook.close_sequences)
+        self.driver = IterationDriver(engine, self._send, self._forget, sequence_idle_seconds(self.model_config),
                                       after_step=self.observe_steps, client_cancelled=self.open.cancelled,
                                       cancelled_after=CANCELLED_AFTER_S)
         self.book = IterationBook(self.driver.reap_after, self.driver.is_open)
@@ -55,16 +58,19 @@ class TritonPythonModel(ServedModel, batching="iterative"):
             try:
                 self._execute(requests)
             finally:
-                if self.book.returned():
+                if self.book.returned() or self.closed:
                     self.returned.set()
 
     def _execute(self, requests):
         started = time.perf_counter()
+        self._answer_closed()
         plan = self.book.hand_in([self._read(request) for request in requests], started,
                                  admit=lambda item: self.admit(item.request, started, self.driver.add),
                                  resume=lambda rid, item: self.open.rebind(rid, item.request.get_response_sender()))
         for item in plan.relayed:
             self.relay.forward(item.request)
+        # Answered once released for good, as every request the book releases (its docstring: what is sent when).
+        self.closed += [item.request.get_response_sender() for item in plan.closed]
         for item, error in plan.answered:
             if error == CANCELLED:
                 pb_utils.Logger.log_warn(f"{self.name}: Triton handed back a cancelled request ({item.correlation_id})")
@@ -76,6 +82,7 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         self._send_all(plan.send)
         self.count_joined()  # before the step (under self.sending: the reaper thread does not touch the engine now)
         unfinished = self.driver.iterate(plan.handed, cancelled=self._cancelled, expired=self.shutdown.expired)
+        self._close_sequences()
         if self.driver.fatal_error is not None and self.failure is None:  # every open request got its final error
             self.fail(self.driver.fatal_error)
         done = self.book.hand_back(unfinished, self.open.cancelled, time.perf_counter())
@@ -88,10 +95,11 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         self._send_all(done.send)
 
     def _read(self, request):
-        if self.relay.ends_client_sequence(request):  # its correlation id is its client's: the book never reads it
-            return SequenceRequest(None, ends_client_sequence=True, request=request)
         correlation_id = int(pb_utils.get_input_tensor_by_name(request, "CORRID").as_numpy().item())
-        return SequenceRequest(correlation_id, start=flag(pb_utils, request, "START"), request=request)
+        start = flag(pb_utils, request, "START")
+        return SequenceRequest(correlation_id, start=start, request=request,
+                               ends_client_sequence=self.relay.ends_client_sequence(request),
+                               closes=start and self.relay.closes_sequence(request))
 
     def _send(self, output):  # the driver's sink: held during an execute() (the book's docstring)
         if not self.book.hold(output):
@@ -107,6 +115,7 @@ class TritonPythonModel(ServedModel, batching="iterative"):
             with self.sending:
                 self.returned.clear()
                 self._send_all(self.book.take_released())
+                self._answer_closed()
 
     def _cancelled(self, request_ids):  # after the step, under the driver's lock (IterationDriver.iterate says why)
         # A stopped request (the stop board) is not cancelled in Triton: it ends with this step and is released with
@@ -114,15 +123,31 @@ class TritonPythonModel(ServedModel, batching="iterative"):
         stopped = self.open.stopped(request_ids)
         return stopped + [rid for rid in self.open.cancelled(request_ids) if rid not in stopped]
 
+    def _answer_closed(self):  # under self.sending: the closing requests released for good get their answer
+        closed, self.closed = self.closed, []
+        for sender in closed:
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _forget(self, output):  # the driver's gone sink: Triton answered the request, its client having cancelled it
+        self.open.forget(output)
+        self.cancelled_while_held.append(output.request_id)
+
+    def _close_sequences(self):  # under self.sending, after the driver reaped
+        reaped, self.cancelled_while_held = self.cancelled_while_held, []
+        for correlation_id in self.book.close_sequences(reaped, time.perf_counter()) if reaped else ():
+            self.relay.close_sequence(correlation_id)
+
     def _reaper(self, period):
         while not self.stopping.wait(period):
             with self.sending:
                 self.driver.reap()
+                self._close_sequences()
 
     def finalize(self):
         self.stopping.set()
         self.returned.set()
         with self.sending:
             self._send_all(self.book.take_released())
+            self._answer_closed()
         self.relay.join(timeout=5.0)
         super().finalize()
