@@ -114,12 +114,17 @@ class SequenceRelay:
                     log.warning("closing sequence %d: %s", correlation_id, response.error().message())
         except Exception:  # noqa: BLE001 (nobody waits for it; the server may be stopping)
             log.exception("closing sequence %d failed", correlation_id)
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
 
     def _start(self, target, *args) -> None:
-        thread = threading.Thread(target=target, args=args, name="sequence-relay", daemon=True)
+        """Run ``target(*args)`` on a thread of its own, one that :meth:`join` waits for until it ends."""
+        def run() -> None:
+            try:
+                target(*args)
+            finally:
+                with self._lock:
+                    self._threads.discard(threading.current_thread())
+
+        thread = threading.Thread(target=run, name="sequence-relay", daemon=True)
         with self._lock:
             self._threads.add(thread)
         thread.start()
@@ -153,9 +158,6 @@ class SequenceRelay:
                 sender.send(pb.InferenceResponse(error=pb.TritonError(failed)), flags=final)
             except Exception:  # noqa: BLE001 (the sender is gone: final already sent, or the server stopping)
                 pass
-        finally:
-            with self._lock:
-                self._threads.discard(threading.current_thread())
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for the relays in flight (finalize)."""
