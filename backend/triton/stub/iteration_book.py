@@ -23,7 +23,15 @@ src/sequence_batch_scheduler/sequence_utils.cc):
   and frees the slot at once;
 - released for good (RELEASE_ALL): Triton frees the slot by queueing an END of its own, but only for a request not
   cancelled by then. A cancelled request released for good keeps its slot until Triton's idle reaper
-  (max_sequence_idle_microseconds) frees it, so the book never releases one for good: it is handed back;
+  (max_sequence_idle_microseconds) frees it, so the book never releases one for good: it is handed back. A cancel
+  can still come after the book's last look and before Triton has carried out the release: execute() returning and
+  Triton releasing are two steps, and under load the second came more than SEND_AFTER_RELEASE_S after the first.
+  A client that cancels once it has its final response (tritonclient's ``stop_stream(cancel_requests=True)``) lands
+  there whenever its final response went out before Triton released the request: 8 such clients left 5 of the 8
+  slots taken in 1,000 requests. So the final responses of released requests wait for the next execute(), which
+  Triton calls only once it has released them, when one is coming (requests were handed back); otherwise they go out
+  SEND_AFTER_RELEASE_S after the return, and the model closes those sequences CLOSE_AFTER_S later, as below
+  (:meth:`IterationBook.closings_due`); for a sequence Triton had freed, that costs one bare request;
 - in the queue that forms the next batch: Triton answers it, and the slot stays taken until the idle reaper, unless
   the model closes the sequence. Once the driver has ended such a request (not handed back within CANCELLED_AFTER_S,
   its client having cancelled it), :meth:`IterationBook.close_sequences` gives its correlation id, and the model sends
@@ -35,8 +43,10 @@ src/sequence_batch_scheduler/sequence_utils.cc):
   ended by the reaper as soon as it gets a slot ("must specify the START flag" on the hand-back).
 
 What is sent when. Clients cancel in answer to what they receive, so what an execute() makes for a request is sent
-when the model holds it again (at the start of the next execute(), after the rebinds) or once it is released for
-good (then, or SEND_AFTER_RELEASE_S after the return when no execute() comes sooner). Never while Triton holds it:
+when the model holds it again (at the start of the next execute(), after the rebinds) or once Triton has released it
+for good: at the start of the next execute(), or, when none comes sooner, SEND_AFTER_RELEASE_S after the return
+(AWAIT_EXECUTE_S when requests were handed back, so one is coming: :meth:`IterationBook.send_wait`). Never while
+Triton holds it:
 Triton may have answered it, and a send then crashes tritonserver 2.51 (triton_workarounds.NO_SEND_WHILE_TRITON_HOLDS).
 A request that ends in an execute() and whose
 client has cancelled it is handed back instead of released, what it made dropped, for Triton to answer. What remains,
@@ -67,8 +77,13 @@ from typing import Any, Protocol
 
 from backend.triton.stub.sequence_relay import CANCELLED, MULTI_REQUEST_SEQUENCE
 
-# Time from execute()'s return to sending what it made, when no execute() comes sooner (the module's docstring).
+# Time from execute()'s return to sending what the requests it released for good made, when no execute() comes
+# sooner (the module's docstring): when it handed none back (no execute() is coming), and when it handed some back.
 SEND_AFTER_RELEASE_S = 0.005
+AWAIT_EXECUTE_S = 0.05
+# How long after sending those the model closes their sequences (IterationBook.closings_due): by then Triton has
+# surely carried out the releases, so the closing request never lands before the release it backs up.
+CLOSE_AFTER_S = 1.0
 # How long a request its client cancelled may go without being handed back before its KV blocks are freed: Triton
 # answered it itself. Shorter than Triton's idle time (config.pbtxt), which bounds the backlog's wait instead.
 CANCELLED_AFTER_S = 5.0
@@ -142,9 +157,13 @@ class IterationBook:
         # docstring): in the next execute(), or SEND_AFTER_RELEASE_S after this one returned if none comes sooner.
         self.in_execute = False
         self.unsent: dict[str, list[Output]] = {}  # request id -> outputs an execute() made for it, not sent yet
-        # Requests released for good: what they made may be sent at any time. NOTE: a dict, for the order of sends.
-        self.released: dict[str, None] = {}
+        # Requests released for good -> their correlation ids: what they made may be sent once Triton has carried out
+        # the release (the module's docstring). NOTE: a dict, for the order of sends.
+        self.released: dict[str, int | None] = {}
         self.released_at: float | None = None  # when the last execute() that handed requests back returned
+        self.returned_at = 0.0  # when the last execute() ended its step
+        # Correlation ids of requests whose outputs went out before Triton surely released them -> when
+        self.unconfirmed: dict[int, float] = {}
         self._handed: dict[str, SequenceRequest] = {}  # this execute()'s requests for the step
 
     def hold(self, output: Output) -> bool:
@@ -184,6 +203,7 @@ class IterationBook:
                 del self.cancelled_by_client[correlation_id]
                 plan.answered.append((item, CANCELLED))
                 plan.released.append(item)
+                self.unconfirmed[correlation_id] = now  # released cancelled: Triton keeps the slot (closings_due)
                 continue
             if item.start:
                 self.let_go.pop(correlation_id, None)
@@ -205,7 +225,7 @@ class IterationBook:
             if request_id is None or not self._is_open(request_id):  # it got its final response
                 self.request_ids.pop(correlation_id, None)
                 if request_id is not None:
-                    self.released[request_id] = None
+                    self.released[request_id] = correlation_id
                 plan.released.append(item)
             else:
                 self.request_ids[correlation_id] = request_id
@@ -245,7 +265,7 @@ class IterationBook:
                 plan.rescheduled.append(item)
             else:
                 self.request_ids.pop(item.correlation_id, None)
-                self.released[request_id] = None
+                self.released[request_id] = item.correlation_id
                 plan.released.append(item)
         dropped = [rid for rid in self.unsent if rid not in self._handed and not self._is_open(rid)]
         plan.send = [output for request_id in dropped for output in self.unsent.pop(request_id)]
@@ -259,6 +279,7 @@ class IterationBook:
         self.let_go = {c: t for c, t in self.let_go.items() if now - t < 2 * self.reap_after}
         self.cancelled_by_client = {c: t for c, t in self.cancelled_by_client.items() if now - t < 2 * self.reap_after}
         self.released_at = now if unfinished else None
+        self.returned_at = now
         return plan
 
     def close_sequences(self, request_ids: Collection[str], now: float) -> list[int]:
@@ -275,15 +296,35 @@ class IterationBook:
 
     def returned(self) -> bool:
         """execute() returns: outputs go out at once again. True when requests were released for good: what they
-        made goes out with :meth:`take_released`, SEND_AFTER_RELEASE_S later unless an execute() comes sooner."""
+        made goes out with :meth:`take_released` once :meth:`send_wait` says so, unless an execute() comes sooner."""
         self.in_execute = False
         return bool(self.released)
 
+    def send_wait(self, now: float) -> float:
+        """Seconds from ``now`` until the sender may take what the released requests made (0: now): from the last
+        step's end, SEND_AFTER_RELEASE_S, or AWAIT_EXECUTE_S when it handed requests back, for the next execute()
+        comes then and sends it once Triton has released them (the module's docstring)."""
+        wait = AWAIT_EXECUTE_S if self.released_at is not None else SEND_AFTER_RELEASE_S
+        return max(0.0, self.returned_at + wait - now)
+
     def take_released(self) -> list[Output]:
-        """What was made for the requests released for good, to send now (the sender thread, finalize)."""
+        """What was made for the requests released for good, to send now (the sender thread, finalize), before an
+        execute() showed Triton had released them: their sequences are closed later (:meth:`closings_due`)."""
         outputs = self._take(self.released)
+        for correlation_id in self.released.values():
+            if correlation_id is not None:
+                self.unconfirmed[correlation_id] = self.returned_at
         self.released.clear()
         return outputs
+
+    def closings_due(self, now: float) -> list[int]:
+        """The sequences to close now (``SequenceRelay.close_sequence``): those of requests :meth:`take_released`
+        sent for, CLOSE_AFTER_S after their release. Their clients may have cancelled them before Triton carried out
+        the release, which then kept the slot (the module's docstring)."""
+        due = [c for c, released in self.unconfirmed.items() if now - released >= CLOSE_AFTER_S]
+        for correlation_id in due:
+            del self.unconfirmed[correlation_id]
+        return due
 
     def _take(self, request_ids: Iterable[str]) -> list[Output]:
         """NOTE: only for requests the model holds or Triton released: to one Triton holds, a send may reach a

@@ -6,9 +6,10 @@ engine step over exactly those, and the unfinished ones are handed back with REL
 in the paged cache. What Triton 2.51 lets the model do with its requests (what is sent when, what is handed back or
 released, and why: triton_workarounds.NO_SEND_WHILE_TRITON_HOLDS) is decided by ``IterationBook``
 (backend/triton/stub/iteration_book.py); this adapter reads the requests for it, carries out its decisions, and owns the
-lock and the threads: the sender (what released requests made, SEND_AFTER_RELEASE_S after execute() returns) and the
-driver's reaper. A request whose client cancelled it while Triton held it may leave its sequence slot taken in Triton;
-once the driver has ended it, the model closes that sequence with a request of its own (``SequenceRelay``). What
+lock and the threads: the sender (what released requests made, when the book says, if no execute() comes sooner) and
+the driver's reaper. A request whose client cancelled it while Triton held it may leave its sequence slot taken in
+Triton; once the driver has ended it, or once a release it may have raced is surely done (the book's closings), the
+model closes that sequence with a request of its own (``SequenceRelay``). What
 every model shares (parsing, the one place that sends, metrics, refusals, the shutdown notice) is ``ServedModel``.
 """
 
@@ -23,12 +24,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backend.engine.batching import IterationDriver  # noqa: E402
 from backend.engine.llm_engine import LLMEngine  # noqa: E402
-from backend.triton.stub.iteration_book import (  # noqa: E402
-    CANCELLED_AFTER_S,
-    SEND_AFTER_RELEASE_S,
-    IterationBook,
-    SequenceRequest,
-)
+from backend.triton.stub.iteration_book import CANCELLED_AFTER_S, IterationBook, SequenceRequest  # noqa: E402
 from backend.triton.stub.model_config import sequence_idle_seconds  # noqa: E402
 from backend.triton.stub.responses import send_error  # noqa: E402
 from backend.triton.stub.sequence_relay import CANCELLED, SequenceRelay, flag  # noqa: E402
@@ -111,11 +107,13 @@ class TritonPythonModel(ServedModel, batching="iterative"):
 
     def _send_when_idle(self):
         while self.returned.wait() and not self.stopping.is_set():
-            time.sleep(SEND_AFTER_RELEASE_S)
             with self.sending:
-                self.returned.clear()
-                self._send_all(self.book.take_released())
-                self._answer_closed()
+                wait = self.book.send_wait(time.perf_counter())  # an execute() coming meanwhile sends them itself
+                if not wait:
+                    self.returned.clear()
+                    self._send_all(self.book.take_released())
+                    self._answer_closed()
+            time.sleep(wait)
 
     def _cancelled(self, request_ids):  # after the step, under the driver's lock (IterationDriver.iterate says why)
         # A stopped request (the stop board) is not cancelled in Triton: it ends with this step and is released with
@@ -134,7 +132,9 @@ class TritonPythonModel(ServedModel, batching="iterative"):
 
     def _close_sequences(self):  # under self.sending, after the driver reaped
         reaped, self.cancelled_while_held = self.cancelled_while_held, []
-        for correlation_id in self.book.close_sequences(reaped, time.perf_counter()) if reaped else ():
+        now = time.perf_counter()
+        ended = self.book.close_sequences(reaped, now) if reaped else []
+        for correlation_id in ended + self.book.closings_due(now):
             self.relay.close_sequence(correlation_id)
 
     def _reaper(self, period):
