@@ -11,7 +11,6 @@ import pytest
 
 from backend.triton.stub.iteration_book import (
     AWAIT_EXECUTE_S,
-    CLOSE_AFTER_S,
     SEND_AFTER_RELEASE_S,
     HandBack,
     HandIn,
@@ -208,8 +207,6 @@ def test_a_cancel_during_an_iteration_hands_the_request_back_for_triton_to_answe
     late = again(7)
     assert model.hand_in(late, now=1.5) == HandIn(answered=[(late, CANCELLED)], released=[late])
     assert model.resumed == [] and model.book.cancelled_by_client == {}
-    # Released cancelled, it keeps its slot in Triton: its sequence is closed.
-    assert model.book.closings_due(1.5 + CLOSE_AFTER_S) == [7]
 
 
 def test_a_cancel_after_the_release_changes_nothing_what_it_made_goes_out():
@@ -224,10 +221,8 @@ def test_a_cancel_after_the_release_changes_nothing_what_it_made_goes_out():
     assert model.asked == [["r7"]]  # asked once, when it ended
 
 
-def test_what_a_released_request_made_waits_for_the_release_and_its_sequence_is_closed_if_sent_first():
-    """With no request handed back, no execute() is coming: what the released request made goes out
-    SEND_AFTER_RELEASE_S after the step, maybe before Triton carried out the release, so a client that cancels on
-    its final response may have kept the slot: the sequence is closed CLOSE_AFTER_S after the release, once."""
+def test_with_no_request_handed_back_what_a_released_request_made_goes_out_soon_after_the_step():
+    """No execute() is coming: what the released request made goes out SEND_AFTER_RELEASE_S after the step."""
     model = Model()
     model.hand_in(new(7), now=0.0)
     final = model.make("r7", finished=True)
@@ -236,14 +231,12 @@ def test_what_a_released_request_made_waits_for_the_release_and_its_sequence_is_
     assert model.book.send_wait(1.0) == pytest.approx(SEND_AFTER_RELEASE_S)
     assert model.book.send_wait(1.0 + 2 * SEND_AFTER_RELEASE_S) == 0.0
     assert model.book.take_released() == [final]
-    assert model.book.closings_due(1.0 + CLOSE_AFTER_S / 2) == []  # Triton may not have released it yet
-    assert model.book.closings_due(1.0 + CLOSE_AFTER_S) == [7]
-    assert model.book.closings_due(100.0) == []  # once
 
 
 def test_what_a_released_request_made_waits_for_the_next_execute_when_requests_were_handed_back():
     """Requests handed back make an execute() come, and Triton calls it only once it has carried out the releases:
-    what the released request made goes out then, and its sequence needs no closing."""
+    what the released request made waits for it (AWAIT_EXECUTE_S at most), so that a client that cancels on its
+    final response cannot cancel a request Triton has not released yet."""
     model = Model()
     model.hand_in(new(7), new(8), now=0.0)
     final, token = model.make("r7", finished=True), model.make("r8")
@@ -253,7 +246,8 @@ def test_what_a_released_request_made_waits_for_the_next_execute_when_requests_w
     assert model.book.send_wait(1.0 + AWAIT_EXECUTE_S / 2) > 0.0  # the sender waits
     third = again(8)
     assert model.hand_in(third, now=1.001).send == [final, token]
-    assert model.book.take_released() == [] and model.book.closings_due(100.0) == []
+    assert model.book.take_released() == []
+    assert model.book.send_wait(1.0 + AWAIT_EXECUTE_S) == 0.0
 
 
 def test_a_rescheduled_request_with_an_unknown_correlation_id_is_a_client_sequences_next_request():

@@ -27,11 +27,12 @@ src/sequence_batch_scheduler/sequence_utils.cc):
   can still come after the book's last look and before Triton has carried out the release: execute() returning and
   Triton releasing are two steps, and under load the second came more than SEND_AFTER_RELEASE_S after the first.
   A client that cancels once it has its final response (tritonclient's ``stop_stream(cancel_requests=True)``) lands
-  there whenever its final response went out before Triton released the request: 8 such clients left 5 of the 8
-  slots taken in 1,000 requests. So the final responses of released requests wait for the next execute(), which
-  Triton calls only once it has released them, when one is coming (requests were handed back); otherwise they go out
-  SEND_AFTER_RELEASE_S after the return, and the model closes those sequences CLOSE_AFTER_S later, as below
-  (:meth:`IterationBook.closings_due`); for a sequence Triton had freed, that costs one bare request;
+  there whenever its final response went out before Triton released the request (``make soak``'s
+  fresh_stream_cancel_after_final left slots taken). So the final responses of released requests wait for the next
+  execute(), which Triton calls only once it has released them, when one is coming (requests were handed back);
+  only when none is do they go out SEND_AFTER_RELEASE_S after the return, a window left open: closing those
+  sequences on a guess is not safe, as a client's own sequence ids come back (perf_analyzer reuses them), and a
+  request that starts a sequence under a live id ends that sequence;
 - in the queue that forms the next batch: Triton answers it, and the slot stays taken until the idle reaper, unless
   the model closes the sequence. Once the driver has ended such a request (not handed back within CANCELLED_AFTER_S,
   its client having cancelled it), :meth:`IterationBook.close_sequences` gives its correlation id, and the model sends
@@ -81,9 +82,6 @@ from backend.triton.stub.sequence_relay import CANCELLED, MULTI_REQUEST_SEQUENCE
 # sooner (the module's docstring): when it handed none back (no execute() is coming), and when it handed some back.
 SEND_AFTER_RELEASE_S = 0.005
 AWAIT_EXECUTE_S = 0.05
-# How long after sending those the model closes their sequences (IterationBook.closings_due): by then Triton has
-# surely carried out the releases, so the closing request never lands before the release it backs up.
-CLOSE_AFTER_S = 1.0
 # How long a request its client cancelled may go without being handed back before its KV blocks are freed: Triton
 # answered it itself. Shorter than Triton's idle time (config.pbtxt), which bounds the backlog's wait instead.
 CANCELLED_AFTER_S = 5.0
@@ -157,13 +155,11 @@ class IterationBook:
         # docstring): in the next execute(), or SEND_AFTER_RELEASE_S after this one returned if none comes sooner.
         self.in_execute = False
         self.unsent: dict[str, list[Output]] = {}  # request id -> outputs an execute() made for it, not sent yet
-        # Requests released for good -> their correlation ids: what they made may be sent once Triton has carried out
-        # the release (the module's docstring). NOTE: a dict, for the order of sends.
-        self.released: dict[str, int | None] = {}
+        # Requests released for good: what they made may be sent once Triton has carried out the release (the
+        # module's docstring). NOTE: a dict, for the order of sends.
+        self.released: dict[str, None] = {}
         self.released_at: float | None = None  # when the last execute() that handed requests back returned
         self.returned_at = 0.0  # when the last execute() ended its step
-        # Correlation ids of requests whose outputs went out before Triton surely released them -> when
-        self.unconfirmed: dict[int, float] = {}
         self._handed: dict[str, SequenceRequest] = {}  # this execute()'s requests for the step
 
     def hold(self, output: Output) -> bool:
@@ -203,7 +199,6 @@ class IterationBook:
                 del self.cancelled_by_client[correlation_id]
                 plan.answered.append((item, CANCELLED))
                 plan.released.append(item)
-                self.unconfirmed[correlation_id] = now  # released cancelled: Triton keeps the slot (closings_due)
                 continue
             if item.start:
                 self.let_go.pop(correlation_id, None)
@@ -225,7 +220,7 @@ class IterationBook:
             if request_id is None or not self._is_open(request_id):  # it got its final response
                 self.request_ids.pop(correlation_id, None)
                 if request_id is not None:
-                    self.released[request_id] = correlation_id
+                    self.released[request_id] = None
                 plan.released.append(item)
             else:
                 self.request_ids[correlation_id] = request_id
@@ -265,7 +260,7 @@ class IterationBook:
                 plan.rescheduled.append(item)
             else:
                 self.request_ids.pop(item.correlation_id, None)
-                self.released[request_id] = item.correlation_id
+                self.released[request_id] = None
                 plan.released.append(item)
         dropped = [rid for rid in self.unsent if rid not in self._handed and not self._is_open(rid)]
         plan.send = [output for request_id in dropped for output in self.unsent.pop(request_id)]
@@ -308,23 +303,10 @@ class IterationBook:
         return max(0.0, self.returned_at + wait - now)
 
     def take_released(self) -> list[Output]:
-        """What was made for the requests released for good, to send now (the sender thread, finalize), before an
-        execute() showed Triton had released them: their sequences are closed later (:meth:`closings_due`)."""
+        """What was made for the requests released for good, to send now (the sender thread, finalize)."""
         outputs = self._take(self.released)
-        for correlation_id in self.released.values():
-            if correlation_id is not None:
-                self.unconfirmed[correlation_id] = self.returned_at
         self.released.clear()
         return outputs
-
-    def closings_due(self, now: float) -> list[int]:
-        """The sequences to close now (``SequenceRelay.close_sequence``): those of requests :meth:`take_released`
-        sent for, CLOSE_AFTER_S after their release. Their clients may have cancelled them before Triton carried out
-        the release, which then kept the slot (the module's docstring)."""
-        due = [c for c, released in self.unconfirmed.items() if now - released >= CLOSE_AFTER_S]
-        for correlation_id in due:
-            del self.unconfirmed[correlation_id]
-        return due
 
     def _take(self, request_ids: Iterable[str]) -> list[Output]:
         """NOTE: only for requests the model holds or Triton released: to one Triton holds, a send may reach a

@@ -8,9 +8,9 @@ released, and why: triton_workarounds.NO_SEND_WHILE_TRITON_HOLDS) is decided by 
 (backend/triton/stub/iteration_book.py); this adapter reads the requests for it, carries out its decisions, and owns the
 lock and the threads: the sender (what released requests made, when the book says, if no execute() comes sooner) and
 the driver's reaper. A request whose client cancelled it while Triton held it may leave its sequence slot taken in
-Triton; once the driver has ended it, or once a release it may have raced is surely done (the book's closings), the
-model closes that sequence with a request of its own (``SequenceRelay``). What
-every model shares (parsing, the one place that sends, metrics, refusals, the shutdown notice) is ``ServedModel``.
+Triton; once the driver has ended it, the model closes that sequence with a request of its own (``SequenceRelay``).
+What every model shares (parsing, the one place that sends, metrics, refusals, the shutdown notice) is
+``ServedModel``.
 """
 
 import threading
@@ -132,9 +132,7 @@ class TritonPythonModel(ServedModel, batching="iterative"):
 
     def _close_sequences(self):  # under self.sending, after the driver reaped
         reaped, self.cancelled_while_held = self.cancelled_while_held, []
-        now = time.perf_counter()
-        ended = self.book.close_sequences(reaped, now) if reaped else []
-        for correlation_id in ended + self.book.closings_due(now):
+        for correlation_id in self.book.close_sequences(reaped, time.perf_counter()) if reaped else ():
             self.relay.close_sequence(correlation_id)
 
     def _reaper(self, period):
