@@ -47,10 +47,9 @@ What is sent when. Clients cancel in answer to what they receive, so what an exe
 when the model holds it again (at the start of the next execute(), after the rebinds) or once Triton has released it
 for good: at the start of the next execute(), or, when none comes sooner, SEND_AFTER_RELEASE_S after the return
 (AWAIT_EXECUTE_S when requests were handed back, so one is coming: :meth:`IterationBook.send_wait`). Never while
-Triton holds it:
-Triton may have answered it, and a send then crashes tritonserver 2.51 (triton_workarounds.NO_SEND_WHILE_TRITON_HOLDS).
-A request that ends in an execute() and whose
-client has cancelled it is handed back instead of released, what it made dropped, for Triton to answer. What remains,
+Triton holds it: Triton may have answered it, and a send then crashes tritonserver 2.51
+(triton_workarounds.NO_SEND_WHILE_TRITON_HOLDS). A request that ends in an execute() and whose client has cancelled
+it is handed back instead of released, what it made dropped, for Triton to answer. What remains,
 a cancel in the few milliseconds between a release and the next batch, costs that slot until the model closes the
 sequence (CANCELLED_AFTER_S to twice that).
 
@@ -152,7 +151,7 @@ class IterationBook:
         # Correlation ids of requests handed back because their client cancelled them (Triton answers them) -> when
         self.cancelled_by_client: dict[int, float] = {}
         # What an execute() made, sent once Triton holds those requests again or has released them (the module's
-        # docstring): in the next execute(), or SEND_AFTER_RELEASE_S after this one returned if none comes sooner.
+        # docstring): in the next execute(), or when none comes sooner once IterationBook.send_wait says so.
         self.in_execute = False
         self.unsent: dict[str, list[Output]] = {}  # request id -> outputs an execute() made for it, not sent yet
         # Requests released for good: what they made may be sent once Triton has carried out the release (the
